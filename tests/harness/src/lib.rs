@@ -1,1 +1,22 @@
-//! harness
+//! Runs a kvroute fleet as real processes on this machine: emulated vLLM engines, node agents in
+//! mock-NVML mode, the picker and a real Envoy 1.40 with the config from `deploy/envoy/`.
+//!
+//! Used by the demo (`kvroute-demo`) and by the end-to-end tests in `tests/harness/tests/`.
+//! Every process binds ephemeral ports on 127.0.0.1 and writes its logs under the run's work
+//! directory (`target/kvroute-runs/<label>/`), which is kept after the run for post-mortems.
+//! Dropping a [`Fleet`] kills every process it started.
+//!
+//! Binaries are looked up in `$KVROUTE_BIN_DIR`, else in `target/<profile>/` of this workspace
+//! (the profile this crate was built with); build them first (`cargo build --bins`).
+
+pub mod client;
+pub mod fleet;
+pub mod paths;
+pub mod process;
+pub mod run;
+pub mod workload;
+
+pub use client::{ChatOutcome, GatewayClient};
+pub use fleet::{Fleet, FleetSpec};
+pub use run::{RunSummary, TurnRecord, run_chat_workload};
+pub use workload::{Conversation, Workload};

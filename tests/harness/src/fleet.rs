@@ -1,0 +1,442 @@
+//! A whole kvroute fleet on one machine: N emulated engines, agents (each watching a share of the
+//! engines, GPUs from a mock-NVML scenario), the picker and Envoy with `deploy/envoy/envoy.yaml`.
+//! Optionally a second Envoy doing plain round robin (`deploy/envoy/envoy-round-robin.yaml`) over
+//! the same engines, as the baseline the demo compares against.
+
+use crate::paths::{self, free_port};
+use crate::process::ManagedProcess;
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What to start. `Default` is the demo's fleet: 4 engines, 2 agents, healthy GPUs.
+#[derive(Clone, Debug)]
+pub struct FleetSpec {
+    /// Names the work directory `target/kvroute-runs/<label>`.
+    pub label: String,
+    /// Served base model id (the block-hash root's model).
+    pub model: String,
+    pub engines: usize,
+    pub engines_per_agent: usize,
+    /// Mock-NVML scenario per agent, file names under `agent/scenarios/`; missing → `healthy.yaml`.
+    pub agent_scenarios: Vec<String>,
+    /// Emulator timing: multiplies every simulated duration (0.1 = ten times faster than real).
+    pub time_scale: f64,
+    pub prefill_us_per_token: u32,
+    pub decode_ms_per_token: u32,
+    /// KV capacity of each engine, in 16-token blocks.
+    pub num_gpu_blocks: u32,
+    pub max_num_seqs: u32,
+    /// Agent stats report interval (ms).
+    pub report_interval_ms: u64,
+    /// Also start the round-robin baseline gateway.
+    pub round_robin_baseline: bool,
+    /// Picker log level.
+    pub picker_log_level: String,
+}
+
+impl Default for FleetSpec {
+    fn default() -> Self {
+        Self {
+            label: "fleet".into(),
+            model: "Qwen/Qwen2.5-7B-Instruct".into(),
+            engines: 4,
+            engines_per_agent: 2,
+            agent_scenarios: Vec::new(),
+            time_scale: 1.0,
+            prefill_us_per_token: 220,
+            decode_ms_per_token: 20,
+            num_gpu_blocks: 4096,
+            max_num_seqs: 8,
+            report_interval_ms: 500,
+            round_robin_baseline: false,
+            picker_log_level: "info".into(),
+        }
+    }
+}
+
+/// One emulated engine (a vLLM pod stand-in).
+pub struct Engine {
+    pub pod: String,
+    pub port: u16,
+    pub kv_events_port: u16,
+    pub kv_replay_port: u16,
+    process: Option<ManagedProcess>,
+}
+
+impl Engine {
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+    /// `127.0.0.1:<port>`, the endpoint the picker hands to Envoy.
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+    /// Whether the engine process is still owned (not killed by the test).
+    pub fn is_running(&self) -> bool {
+        self.process.is_some()
+    }
+}
+
+/// A running fleet; dropping it kills every process.
+pub struct Fleet {
+    pub spec: FleetSpec,
+    pub work: PathBuf,
+    pub engines: Vec<Engine>,
+    /// `http://127.0.0.1:<port>` of the kvroute gateway (Envoy + picker).
+    pub gateway: String,
+    /// `http://127.0.0.1:<port>` of the round-robin baseline gateway, if started.
+    pub round_robin_gateway: Option<String>,
+    /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
+    pub picker_admin: String,
+    agents: Vec<ManagedProcess>,
+    picker: ManagedProcess,
+    envoys: Vec<ManagedProcess>,
+    http: reqwest::Client,
+}
+
+impl Fleet {
+    /// Starts engines, picker, agents and Envoy, and waits until the picker knows every pod.
+    pub async fn start(spec: FleetSpec) -> Result<Fleet> {
+        let work = paths::work_dir(&spec.label)?;
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+
+        let mut engines = Vec::new();
+        let mut starting = Vec::new();
+        for i in 0..spec.engines {
+            let (port, kv_events_port, kv_replay_port) = (free_port()?, free_port()?, free_port()?);
+            let pod = format!("engine-{i}");
+            let args = emulator_args(&spec, &pod, port, kv_events_port, kv_replay_port);
+            let bin = paths::binary("kvroute-emulator")?;
+            let work = work.clone();
+            starting.push(tokio::spawn(async move {
+                ManagedProcess::spawn(&pod, &bin, &args, &work, "READY", READY_TIMEOUT).await
+            }));
+            engines.push(Engine { pod: format!("engine-{i}"), port, kv_events_port, kv_replay_port, process: None });
+        }
+        for (engine, task) in engines.iter_mut().zip(starting) {
+            engine.process = Some(task.await.context("engine start task")??);
+        }
+
+        let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+        let picker_cfg = work.join("picker.yaml");
+        write_yaml(&picker_cfg, &picker_config(&spec, ext_proc_port, ingest_port, admin_port))?;
+        let picker = ManagedProcess::spawn(
+            "picker",
+            &paths::binary("kvroute-picker")?,
+            &["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()],
+            &work,
+            "READY",
+            READY_TIMEOUT,
+        )
+        .await?;
+
+        let mut agents = Vec::new();
+        for (a, chunk) in engines.chunks(spec.engines_per_agent.max(1)).enumerate() {
+            let cfg_path = work.join(format!("agent-{a}.yaml"));
+            write_yaml(&cfg_path, &agent_config(&spec, a, chunk, ingest_port)?)?;
+            let scenario = spec.agent_scenarios.get(a).cloned().unwrap_or_else(|| "healthy.yaml".into());
+            let scenario_path = paths::repo_root().join("agent/scenarios").join(scenario);
+            let args = vec![
+                "--config".into(),
+                path_arg(&cfg_path),
+                "--gpu-source".into(),
+                format!("mock:{}", scenario_path.display()),
+            ];
+            let name = format!("agent-{a}");
+            agents.push(
+                ManagedProcess::spawn(&name, &paths::binary("kvroute-agent")?, &args, &work, "READY", READY_TIMEOUT)
+                    .await?,
+            );
+        }
+
+        let envoy_bin = paths::envoy()?;
+        let gateway_port = free_port()?;
+        let envoy_cfg = work.join("envoy.yaml");
+        write_yaml(&envoy_cfg, &kvroute_envoy_config(gateway_port, free_port()?, ext_proc_port)?)?;
+        let mut envoys = vec![start_envoy("envoy", &envoy_bin, &envoy_cfg, &work)?];
+        let mut admin_urls = vec![admin_url_of(&envoy_cfg)?];
+        let mut round_robin_gateway = None;
+        if spec.round_robin_baseline {
+            let rr_port = free_port()?;
+            let rr_cfg = work.join("envoy-round-robin.yaml");
+            write_yaml(&rr_cfg, &round_robin_envoy_config(rr_port, free_port()?, &engines)?)?;
+            envoys.push(start_envoy("envoy-round-robin", &envoy_bin, &rr_cfg, &work)?);
+            admin_urls.push(admin_url_of(&rr_cfg)?);
+            round_robin_gateway = Some(format!("http://127.0.0.1:{rr_port}"));
+        }
+        for (admin, proc) in admin_urls.iter().zip(&envoys) {
+            wait_envoy_ready(&http, admin, proc).await?;
+        }
+
+        let fleet = Fleet {
+            spec,
+            work,
+            engines,
+            gateway: format!("http://127.0.0.1:{gateway_port}"),
+            round_robin_gateway,
+            picker_admin: format!("http://127.0.0.1:{admin_port}"),
+            agents,
+            picker,
+            envoys,
+            http,
+        };
+        let pods: Vec<String> = fleet.engines.iter().map(|e| e.pod.clone()).collect();
+        fleet.wait_for_pods(&pods, Duration::from_secs(30)).await?;
+        Ok(fleet)
+    }
+
+    /// The picker's Prometheus text.
+    pub async fn picker_metrics(&self) -> Result<String> {
+        let r = self.http.get(format!("{}/metrics", self.picker_admin)).send().await?;
+        Ok(r.error_for_status()?.text().await?)
+    }
+
+    /// A gauge of the picker's metrics for one pod (`name{pod="<pod>"}`), if exported.
+    pub async fn pod_gauge(&self, name: &str, pod: &str) -> Result<Option<f64>> {
+        let text = self.picker_metrics().await?;
+        Ok(metric_value(&text, name, &format!("pod=\"{pod}\"")))
+    }
+
+    /// Waits until the picker reports a health score for every named pod.
+    pub async fn wait_for_pods(&self, pods: &[String], timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = self.picker_metrics().await.unwrap_or_default();
+            let missing: Vec<&String> = pods
+                .iter()
+                .filter(|p| metric_value(&text, "epp_pod_health_score", &format!("pod=\"{p}\"")).is_none())
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "picker did not learn pods {missing:?} within {timeout:?}; picker log:\n{}\nagent log:\n{}",
+                    self.picker.log_tail(20),
+                    self.agents.first().map(|a| a.log_tail(20)).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Polls until `pred(value)` holds for the picker gauge `name{pod}`; returns the last value.
+    pub async fn wait_pod_gauge(
+        &self,
+        name: &str,
+        pod: &str,
+        timeout: Duration,
+        pred: impl Fn(f64) -> bool,
+    ) -> Result<f64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(v) = self.pod_gauge(name, pod).await? {
+                if pred(v) {
+                    return Ok(v);
+                }
+                if Instant::now() > deadline {
+                    bail!("{name}{{pod={pod}}} = {v} did not reach the expected value within {timeout:?}");
+                }
+            } else if Instant::now() > deadline {
+                bail!("{name}{{pod={pod}}} not exported within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills engine `i` (the process, as a crash would).
+    pub async fn kill_engine(&mut self, i: usize) {
+        if let Some(mut p) = self.engines.get_mut(i).and_then(|e| e.process.take()) {
+            p.kill().await;
+        }
+    }
+
+    /// Empties every engine's prefix cache (vLLM's `POST /reset_prefix_cache`).
+    pub async fn reset_prefix_caches(&self) -> Result<()> {
+        for e in self.engines.iter().filter(|e| e.is_running()) {
+            self.http.post(format!("{}/reset_prefix_cache", e.url())).send().await?.error_for_status()?;
+        }
+        Ok(())
+    }
+
+    /// Sets an engine's injected faults (`POST /emulator/faults`).
+    pub async fn inject_fault(&self, i: usize, faults: Value) -> Result<()> {
+        let e = self.engines.get(i).context("no such engine")?;
+        self.http.post(format!("{}/emulator/faults", e.url())).json(&faults).send().await?.error_for_status()?;
+        Ok(())
+    }
+
+    /// The tail of the picker's log, for failure messages.
+    pub fn picker_log_tail(&self, n: usize) -> String {
+        self.picker.log_tail(n)
+    }
+
+    /// Kills everything (also done on drop).
+    pub async fn shutdown(mut self) {
+        for p in self.envoys.iter_mut().chain(self.agents.iter_mut()) {
+            p.kill().await;
+        }
+        self.picker.kill().await;
+        for e in &mut self.engines {
+            if let Some(mut p) = e.process.take() {
+                p.kill().await;
+            }
+        }
+    }
+}
+
+/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0"`).
+pub fn metric_value(text: &str, name: &str, label: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        let (labels, value) = rest.rsplit_once(' ')?;
+        (labels.starts_with('{') && labels.contains(label)).then(|| value.trim().parse().ok())?
+    })
+}
+
+fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut kv_pair = |k: &str, v: String| {
+        a.push(k.into());
+        a.push(v);
+    };
+    kv_pair("--host", "127.0.0.1".into());
+    kv_pair("--port", port.to_string());
+    kv_pair("--model", spec.model.clone());
+    kv_pair("--tokenizer", path_arg(&paths::tokenizer_dir()));
+    kv_pair("--block-size", "16".into());
+    kv_pair("--num-gpu-blocks", spec.num_gpu_blocks.to_string());
+    kv_pair("--max-num-seqs", spec.max_num_seqs.to_string());
+    kv_pair("--prefill-us-per-token", spec.prefill_us_per_token.to_string());
+    kv_pair("--decode-ms-per-token", spec.decode_ms_per_token.to_string());
+    kv_pair("--time-scale", spec.time_scale.to_string());
+    kv_pair("--kv-events-endpoint", format!("tcp://127.0.0.1:{kv}"));
+    kv_pair("--kv-replay-endpoint", format!("tcp://127.0.0.1:{replay}"));
+    kv_pair("--kv-topic", format!("kv@127.0.0.1@{}", spec.model));
+    kv_pair("--pod-name", pod.into());
+    a
+}
+
+fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Value {
+    json!({
+        "ext_proc_addr": format!("127.0.0.1:{ext_proc}"),
+        "ingest_addr": format!("127.0.0.1:{ingest}"),
+        "admin_addr": format!("127.0.0.1:{admin}"),
+        "block_size": 16,
+        "models": [{
+            "name": spec.model,
+            "target_model": spec.model,
+            "adapter": null,
+            "tokenizer": path_arg(&paths::tokenizer_dir()),
+        }],
+    })
+}
+
+fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16) -> Result<Value> {
+    let engines: Vec<Value> = engines
+        .iter()
+        .enumerate()
+        .map(|(gpu, e)| {
+            json!({
+                "pod": e.pod,
+                "endpoint": e.endpoint(),
+                "model": spec.model,
+                "kv_events": format!("tcp://127.0.0.1:{}", e.kv_events_port),
+                "kv_replay": format!("tcp://127.0.0.1:{}", e.kv_replay_port),
+                "gpus": [gpu],
+                "max_num_seqs": spec.max_num_seqs,
+            })
+        })
+        .collect();
+    Ok(json!({
+        "node_name": format!("node-{index}"),
+        "pickers": [format!("http://127.0.0.1:{ingest}")],
+        "metrics_addr": format!("127.0.0.1:{}", free_port()?),
+        "report_interval_ms": spec.report_interval_ms,
+        "engines": engines,
+    }))
+}
+
+/// `deploy/envoy/envoy.yaml` with the fleet's ports: listener, admin, picker cluster.
+fn kvroute_envoy_config(listener: u16, admin: u16, picker: u16) -> Result<Value> {
+    let mut cfg = read_yaml(&paths::repo_root().join("deploy/envoy/envoy.yaml"))?;
+    set_listener_and_admin(&mut cfg, listener, admin)?;
+    let cluster = cluster_mut(&mut cfg, "kvroute_picker")?;
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] =
+        json!({"address": "127.0.0.1", "port_value": picker});
+    Ok(cfg)
+}
+
+/// `deploy/envoy/envoy-round-robin.yaml` with the fleet's ports and engines.
+fn round_robin_envoy_config(listener: u16, admin: u16, engines: &[Engine]) -> Result<Value> {
+    let mut cfg = read_yaml(&paths::repo_root().join("deploy/envoy/envoy-round-robin.yaml"))?;
+    set_listener_and_admin(&mut cfg, listener, admin)?;
+    let endpoints: Vec<Value> = engines
+        .iter()
+        .map(|e| json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.port}}}}))
+        .collect();
+    cluster_mut(&mut cfg, "pods_round_robin")?["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
+    Ok(cfg)
+}
+
+fn set_listener_and_admin(cfg: &mut Value, listener: u16, admin: u16) -> Result<()> {
+    cfg["admin"]["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": admin});
+    let l = cfg["static_resources"]["listeners"].get_mut(0).context("envoy config has no listener")?;
+    l["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": listener});
+    Ok(())
+}
+
+fn cluster_mut<'a>(cfg: &'a mut Value, name: &str) -> Result<&'a mut Value> {
+    cfg["static_resources"]["clusters"]
+        .as_array_mut()
+        .and_then(|cs| cs.iter_mut().find(|c| c["name"] == name))
+        .with_context(|| format!("envoy config has no cluster {name}"))
+}
+
+fn admin_url_of(cfg_path: &Path) -> Result<String> {
+    let cfg = read_yaml(cfg_path)?;
+    let port = cfg["admin"]["address"]["socket_address"]["port_value"].as_u64().context("admin port")?;
+    Ok(format!("http://127.0.0.1:{port}"))
+}
+
+fn start_envoy(name: &str, bin: &Path, cfg: &Path, work: &Path) -> Result<ManagedProcess> {
+    let args: Vec<String> =
+        ["-c", &path_arg(cfg), "--disable-hot-restart", "--concurrency", "2", "--log-level", "warn"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    ManagedProcess::start(name, bin, &args, work)
+}
+
+async fn wait_envoy_ready(http: &reqwest::Client, admin: &str, proc: &ManagedProcess) -> Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Ok(r) = http.get(format!("{admin}/ready")).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("{} not ready; log:\n{}", proc.name, proc.log_tail(20));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn read_yaml(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_norway::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn write_yaml(path: &Path, value: &Value) -> Result<()> {
+    std::fs::write(path, serde_norway::to_string(value)?).with_context(|| format!("writing {}", path.display()))
+}
+
+fn path_arg(p: &Path) -> String {
+    p.display().to_string()
+}

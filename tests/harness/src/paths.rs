@@ -1,0 +1,68 @@
+//! Where the harness finds the workspace, the binaries and Envoy.
+
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+
+/// The workspace root (two levels above this crate).
+pub fn repo_root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_else(|| here.to_path_buf())
+}
+
+/// The directory holding the workspace's binaries: `$KVROUTE_BIN_DIR`, else the directory of the
+/// running executable when it holds `kvroute-picker` (the demo binary), else
+/// `$CARGO_TARGET_DIR|target` / (`debug`|`release`).
+pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KVROUTE_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)) {
+        if dir.join("kvroute-picker").exists() {
+            return dir;
+        }
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
+    target.join(if cfg!(debug_assertions) { "debug" } else { "release" })
+}
+
+/// Path of one of the workspace's binaries; an error says how to build it.
+pub fn binary(name: &str) -> Result<PathBuf> {
+    let path = bin_dir().join(name);
+    if !path.exists() {
+        bail!("{} not found: build the workspace binaries first (`cargo build --bins`)", path.display());
+    }
+    Ok(path)
+}
+
+/// Envoy installed by `scripts/install-envoy` (or `$KVROUTE_ENVOY`).
+pub fn envoy() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KVROUTE_ENVOY") {
+        return Ok(PathBuf::from(p));
+    }
+    let path = repo_root().join(".tools/envoy/envoy/_bin/envoy");
+    if !path.exists() {
+        bail!("Envoy not found at {}: run scripts/install-envoy", path.display());
+    }
+    Ok(path)
+}
+
+/// The Qwen2.5 tokenizer directory the emulated engines and the picker share.
+pub fn tokenizer_dir() -> PathBuf {
+    repo_root().join("tests/fixtures/tokenizer-qwen2.5")
+}
+
+/// A fresh, empty work directory `target/kvroute-runs/<label>` for one run's configs and logs.
+pub fn work_dir(label: &str) -> Result<PathBuf> {
+    let dir = repo_root().join("target/kvroute-runs").join(label);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
+    Ok(l.local_addr()?.port())
+}

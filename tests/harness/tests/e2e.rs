@@ -1,0 +1,142 @@
+//! End-to-end: real processes (emulated vLLM engines, agents in mock-NVML mode, the picker and a
+//! real Envoy 1.40 running `deploy/envoy/envoy.yaml`), real requests through Envoy.
+//!
+//! Needs the workspace binaries (`cargo build --bins`) and Envoy (`scripts/install-envoy`);
+//! `scripts/test` does both. Each test starts its own fleet; a lock runs them one at a time so
+//! the 2-core machine is not oversubscribed.
+
+use kvroute_harness::{ChatOutcome, Fleet, FleetSpec, GatewayClient, Workload};
+use serde_json::{Value, json};
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+static ONE_FLEET_AT_A_TIME: LazyLock<tokio::sync::Mutex<()>> = LazyLock::new(|| tokio::sync::Mutex::new(()));
+
+const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+/// Time for a KV event to travel engine → agent → picker (SPEC §10 target p99 ≤ 50 ms).
+const PROPAGATION: Duration = Duration::from_millis(400);
+
+fn spec(label: &str) -> FleetSpec {
+    FleetSpec { label: label.into(), time_scale: 0.2, ..Default::default() }
+}
+
+async fn chat(client: &GatewayClient, messages: &[Value]) -> ChatOutcome {
+    let out = client.chat(MODEL, messages, 8).await.expect("request through Envoy");
+    assert_eq!(out.status, 200, "request failed: {:?}", out.error);
+    assert!(out.served_by.is_some(), "no x-served-by header: the request did not reach an engine");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_stick_to_their_pod_and_shared_system_prompts_find_it() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let fleet = Fleet::start(spec("e2e-affinity")).await.expect("fleet starts");
+    let client = GatewayClient::new(&fleet.gateway).expect("client");
+    // Four system prompts of ~600 words (~700 tokens), two conversations each.
+    let w = Workload::multi_turn_chat(11, 4, 2, 3, 600, 30);
+
+    // Turn 1 of the first conversation of every system prompt: four cold prefixes.
+    let mut first_pod = Vec::new();
+    let mut replies = Vec::new();
+    for c in w.conversations.iter().take(4) {
+        let out = chat(&client, &w.messages(c, 0, &[])).await;
+        first_pod.push(out.served_by.clone().expect("served_by"));
+        replies.push(vec![out.text]);
+        tokio::time::sleep(PROPAGATION).await;
+    }
+
+    // Turn 2 of each: lands where turn 1 went, and the engine reports the history as cached.
+    for (i, c) in w.conversations.iter().take(4).enumerate() {
+        let out = chat(&client, &w.messages(c, 1, &replies[i])).await;
+        assert_eq!(out.served_by.as_deref(), Some(first_pod[i].as_str()), "conversation {i} turn 2 moved pods");
+        assert!(
+            out.cached_tokens * 2 > out.prompt_tokens,
+            "conversation {i} turn 2: only {} of {} prompt tokens cached",
+            out.cached_tokens,
+            out.prompt_tokens
+        );
+    }
+
+    // A new conversation that shares only the system prompt lands on the pod holding it, even
+    // when the client tries to force a destination (the header is stripped and overwritten).
+    tokio::time::sleep(PROPAGATION).await;
+    for (i, c) in w.conversations.iter().skip(4).enumerate() {
+        let messages = w.messages(c, 0, &[]);
+        let body = serde_json::to_vec(&json!({"model": MODEL, "messages": messages, "max_tokens": 4})).expect("json");
+        let out = client
+            .post_raw("/v1/chat/completions", body, &[("x-gateway-destination-endpoint", "127.0.0.1:1")])
+            .await
+            .expect("request");
+        assert_eq!(out.status, 200, "{:?}", out.error);
+        let sys = c.system_prompt;
+        assert_eq!(
+            out.served_by.as_deref(),
+            Some(first_pod[sys].as_str()),
+            "new conversation {i} on system prompt {sys}"
+        );
+        assert!(out.cached_tokens > 0, "new conversation {i}: the shared system prompt was not a cache hit");
+    }
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_with_uncorrected_ecc_errors_gets_no_requests() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    // Agent 1 watches engine-2 (GPU 0) and engine-3 (GPU 1); its scenario breaks GPU 1.
+    let spec =
+        FleetSpec { agent_scenarios: vec!["healthy.yaml".into(), "ecc-uncorrected.yaml".into()], ..spec("e2e-ecc") };
+    let fleet = Fleet::start(spec).await.expect("fleet starts");
+    let health = fleet
+        .wait_pod_gauge("epp_pod_health_score", "engine-3", Duration::from_secs(15), |h| h < 0.3)
+        .await
+        .expect("engine-3's health falls below the exclusion threshold");
+    let healthy = fleet.pod_gauge("epp_pod_health_score", "engine-0").await.expect("metrics").unwrap_or(0.0);
+    assert!(healthy >= 0.9, "engine-0 should be healthy, got {healthy}");
+
+    let client = GatewayClient::new(&fleet.gateway).expect("client");
+    let w = Workload::multi_turn_chat(23, 16, 1, 1, 80, 10);
+    let mut served = std::collections::BTreeMap::<String, usize>::new();
+    for c in &w.conversations {
+        let out = chat(&client, &w.messages(c, 0, &[])).await;
+        *served.entry(out.served_by.unwrap_or_default()).or_default() += 1;
+    }
+    assert!(!served.contains_key("engine-3"), "engine-3 (health {health}) was sent requests: {served:?}");
+    assert!(served.len() >= 2, "cold requests should spread over the healthy pods by load: {served:?}");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_engine_down_gives_503_with_a_json_error() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let mut fleet = Fleet::start(spec("e2e-down")).await.expect("fleet starts");
+    let client = GatewayClient::new(&fleet.gateway).expect("client");
+    let messages = [json!({"role": "user", "content": "hello there"})];
+    chat(&client, &messages).await;
+    for i in 0..fleet.engines.len() {
+        fleet.kill_engine(i).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let out = loop {
+        let out = client.chat(MODEL, &messages, 4).await.expect("Envoy answers");
+        if out.status == 503 || Instant::now() > deadline {
+            break out;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(out.status, 503, "expected 503 with every engine down, got {} {:?}", out.status, out.error);
+    let err = out.error.expect("a JSON body");
+    assert!(err["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "OpenAI-style error body: {err}");
+    // Once the agents have reported the engines gone, the picker itself answers (no candidate).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = client.chat(MODEL, &messages, 4).await.expect("Envoy answers");
+        let err = out.error.clone().unwrap_or_default();
+        if out.status == 503 && err["error"]["type"] != "upstream_unavailable" {
+            assert!(err["error"]["message"].as_str().is_some(), "picker's 503 body: {err}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "picker never answered 503 itself; last: {} {err}", out.status);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    fleet.shutdown().await;
+}
