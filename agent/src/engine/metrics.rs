@@ -1,0 +1,293 @@
+//! Parser for vLLM's Prometheus text exposition (`/metrics`, format 0.0.4 as written by Python's
+//! `prometheus_client`), reduced to the few series the agent needs.
+//!
+//! The parser is small and strict: every non-comment line must be `name{labels} value [timestamp]`
+//! with well-formed quoting, or the whole page is rejected with [`MetricsError`] (a half-parsed page
+//! could silently report an idle engine). It is pure and allocation-light; no shared state.
+//!
+//! Aggregation over vLLM's `engine` label (data-parallel ranks): request counts are summed,
+//! `kv_cache_usage_perc` takes the maximum (the fullest rank limits admission).
+//! `vllm:lora_requests_info` is a gauge whose value is a Unix timestamp; vLLM leaves older label
+//! sets behind, so the current one is the series with the LARGEST value.
+
+/// Errors while parsing a `/metrics` page.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[non_exhaustive]
+pub enum MetricsError {
+    /// A sample line did not follow the text format.
+    #[error("line {line}: {reason}: {text:?}")]
+    Malformed {
+        /// 1-based line number in the page.
+        line: usize,
+        /// What was wrong.
+        reason: &'static str,
+        /// The offending line (truncated to 120 chars).
+        text: String,
+    },
+    /// The page parsed but lacks a series the agent cannot work without.
+    #[error("missing series {0} (is this a vLLM /metrics page?)")]
+    Missing(&'static str),
+}
+
+/// One sample: metric name, label pairs, value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Metric name, e.g. `vllm:num_requests_running`.
+    pub name: String,
+    /// Label pairs in page order (values unescaped).
+    pub labels: Vec<(String, String)>,
+    /// Sample value.
+    pub value: f64,
+}
+
+impl Sample {
+    /// The value of label `key`, if present.
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+}
+
+/// LoRA state from `vllm:lora_requests_info`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraInfo {
+    /// Adapters loaded and serving requests.
+    pub running: Vec<String>,
+    /// Adapters requested but waiting to be loaded.
+    pub waiting: Vec<String>,
+    /// `--max-loras`: adapters the engine can hold at once.
+    pub max_lora: u32,
+}
+
+/// What the agent reads from one `/metrics` page.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineMetrics {
+    /// `vllm:num_requests_running`, summed over engines (requests).
+    pub num_requests_running: u32,
+    /// `vllm:num_requests_waiting`, summed over engines (requests).
+    pub num_requests_waiting: u32,
+    /// `vllm:kv_cache_usage_perc`, max over engines, in [0,1].
+    pub kv_cache_usage: f64,
+    /// `block_size` label of `vllm:cache_config_info` (tokens per block), if present.
+    pub block_size: Option<u32>,
+    /// `num_gpu_blocks` label of `vllm:cache_config_info` (blocks), if present.
+    pub num_gpu_blocks: Option<u64>,
+    /// `vllm:lora_requests_info`'s current series; `None` when LoRA is not enabled.
+    pub lora: Option<LoraInfo>,
+}
+
+/// Parses every sample line of a text-format page. Comments and blank lines are skipped.
+pub fn parse_samples(text: &str) -> Result<Vec<Sample>, MetricsError> {
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        out.push(parse_line(line).map_err(|reason| MetricsError::Malformed {
+            line: i + 1,
+            reason,
+            text: line.chars().take(120).collect(),
+        })?);
+    }
+    Ok(out)
+}
+
+fn parse_line(line: &str) -> Result<Sample, &'static str> {
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).ok_or("no value")?;
+    let name = &line[..name_end];
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') {
+        return Err("bad metric name");
+    }
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if let Some(after) = rest.strip_prefix('{') {
+        let (parsed, tail) = parse_labels(after)?;
+        labels = parsed;
+        rest = tail;
+    }
+    let mut fields = rest.split_whitespace();
+    let value = fields.next().ok_or("no value")?;
+    let value = parse_value(value).ok_or("bad value")?;
+    if let Some(ts) = fields.next() {
+        ts.parse::<i64>().map_err(|_| "bad timestamp")?;
+    }
+    if fields.next().is_some() {
+        return Err("trailing fields");
+    }
+    Ok(Sample { name: name.to_string(), labels, value })
+}
+
+fn parse_value(s: &str) -> Option<f64> {
+    match s {
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        "NaN" => Some(f64::NAN),
+        _ => s.parse().ok(),
+    }
+}
+
+/// Parses `k="v",k2="v2"}` and returns the pairs and what follows the `}`.
+fn parse_labels(mut s: &str) -> Result<(Vec<(String, String)>, &str), &'static str> {
+    let mut labels = Vec::new();
+    loop {
+        s = s.trim_start();
+        if let Some(tail) = s.strip_prefix('}') {
+            return Ok((labels, tail));
+        }
+        let eq = s.find('=').ok_or("label without '='")?;
+        let key = s[..eq].trim();
+        if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err("bad label name");
+        }
+        s = s[eq + 1..].trim_start().strip_prefix('"').ok_or("label value not quoted")?;
+        let mut value = String::new();
+        let mut chars = s.char_indices();
+        let end = loop {
+            match chars.next() {
+                None => return Err("unterminated label value"),
+                Some((i, '"')) => break i,
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, c @ ('\\' | '"'))) => value.push(c),
+                    _ => return Err("bad escape in label value"),
+                },
+                Some((_, c)) => value.push(c),
+            }
+        };
+        labels.push((key.to_string(), value));
+        s = s[end + 1..].trim_start();
+        if let Some(tail) = s.strip_prefix(',') {
+            s = tail;
+        } else if !s.starts_with('}') {
+            return Err("expected ',' or '}' after label");
+        }
+    }
+}
+
+fn split_list(s: &str) -> Vec<String> {
+    s.split(',').map(str::trim).filter(|x| !x.is_empty()).map(str::to_string).collect()
+}
+
+/// Parses a vLLM `/metrics` page into [`EngineMetrics`]. `vllm:num_requests_running`,
+/// `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` are required.
+pub fn parse_engine_metrics(text: &str) -> Result<EngineMetrics, MetricsError> {
+    let samples = parse_samples(text)?;
+    let mut m = EngineMetrics::default();
+    let (mut seen_run, mut seen_wait, mut seen_kv) = (false, false, false);
+    let mut lora_best: Option<(f64, &Sample)> = None;
+    for s in &samples {
+        match s.name.as_str() {
+            "vllm:num_requests_running" => {
+                seen_run = true;
+                m.num_requests_running = m.num_requests_running.saturating_add(to_count(s.value));
+            }
+            "vllm:num_requests_waiting" => {
+                seen_wait = true;
+                m.num_requests_waiting = m.num_requests_waiting.saturating_add(to_count(s.value));
+            }
+            "vllm:kv_cache_usage_perc" => {
+                seen_kv = true;
+                if s.value.is_finite() {
+                    m.kv_cache_usage = m.kv_cache_usage.max(s.value.clamp(0.0, 1.0));
+                }
+            }
+            "vllm:cache_config_info" => {
+                m.block_size = s.label("block_size").and_then(|v| v.parse().ok()).or(m.block_size);
+                m.num_gpu_blocks = s.label("num_gpu_blocks").and_then(|v| v.parse().ok()).or(m.num_gpu_blocks);
+            }
+            "vllm:lora_requests_info" => {
+                if lora_best.is_none_or(|(v, _)| s.value > v) {
+                    lora_best = Some((s.value, s));
+                }
+            }
+            _ => {}
+        }
+    }
+    if !seen_run {
+        return Err(MetricsError::Missing("vllm:num_requests_running"));
+    }
+    if !seen_wait {
+        return Err(MetricsError::Missing("vllm:num_requests_waiting"));
+    }
+    if !seen_kv {
+        return Err(MetricsError::Missing("vllm:kv_cache_usage_perc"));
+    }
+    m.lora = lora_best.map(|(_, s)| LoraInfo {
+        running: split_list(s.label("running_lora_adapters").unwrap_or("")),
+        waiting: split_list(s.label("waiting_lora_adapters").unwrap_or("")),
+        max_lora: s.label("max_lora").and_then(|v| v.parse().ok()).unwrap_or(0),
+    });
+    Ok(m)
+}
+
+fn to_count(v: f64) -> u32 {
+    if v.is_finite() && v > 0.0 { v.round().min(u32::MAX as f64) as u32 } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> String {
+        let p = format!("{}/../tests/fixtures/vllm-metrics/{name}", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read_to_string(p).expect("fixture readable")
+    }
+
+    #[test]
+    fn busy_lora_page() {
+        let m = parse_engine_metrics(&fixture("vllm-metrics-busy-lora.txt")).expect("parses");
+        assert_eq!(m.num_requests_running, 7);
+        assert_eq!(m.num_requests_waiting, 3);
+        assert!((m.kv_cache_usage - 0.4213).abs() < 1e-9);
+        assert_eq!(m.block_size, Some(16));
+        assert_eq!(m.num_gpu_blocks, Some(27910));
+        let lora = m.lora.expect("lora info");
+        assert_eq!(lora.running, vec!["sql-lora", "chat-lora"]);
+        assert_eq!(lora.waiting, vec!["billing-lora"]);
+        assert_eq!(lora.max_lora, 4);
+    }
+
+    #[test]
+    fn idle_page_has_no_lora() {
+        let m = parse_engine_metrics(&fixture("vllm-metrics-idle-nolora.txt")).expect("parses");
+        assert_eq!(m.num_requests_running, 0);
+        assert_eq!(m.num_requests_waiting, 0);
+        assert_eq!(m.lora, None);
+        assert_eq!(m.block_size, Some(16));
+    }
+
+    #[test]
+    fn data_parallel_ranks_aggregate() {
+        let page = "vllm:num_requests_running{engine=\"0\"} 2\nvllm:num_requests_running{engine=\"1\"} 3\n\
+                    vllm:num_requests_waiting{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"1\"} 4\n\
+                    vllm:kv_cache_usage_perc{engine=\"0\"} 0.2\nvllm:kv_cache_usage_perc{engine=\"1\"} 0.7\n";
+        let m = parse_engine_metrics(page).expect("parses");
+        assert_eq!((m.num_requests_running, m.num_requests_waiting), (5, 5));
+        assert!((m.kv_cache_usage - 0.7).abs() < 1e-12);
+    }
+
+    #[test]
+    fn broken_pages_are_errors() {
+        for page in [
+            "vllm:num_requests_running{engine=\"0\" 7\n",
+            "vllm:num_requests_running{engine=\"0\"} seven\n",
+            "vllm:num_requests_running{engine=0} 7\n",
+            "<html>502 Bad Gateway</html>\n",
+            "vllm:num_requests_running 1 2 3 4\n",
+        ] {
+            assert!(matches!(parse_engine_metrics(page), Err(MetricsError::Malformed { .. })), "{page}");
+        }
+        assert_eq!(parse_engine_metrics("up 1\n"), Err(MetricsError::Missing("vllm:num_requests_running")));
+        let full = fixture("vllm-metrics-busy-lora.txt");
+        let truncated = &full[..full.len() / 2];
+        // A page cut mid-line either fails to parse or lacks series; it never panics.
+        let _ = parse_engine_metrics(truncated);
+    }
+
+    #[test]
+    fn escaped_label_values() {
+        let s = parse_samples("m{a=\"x\\\"y\\\\z\\n\",b=\"\"} 1 1700000000000\n").expect("parses");
+        assert_eq!(s[0].label("a"), Some("x\"y\\z\n"));
+        assert_eq!(s[0].label("b"), Some(""));
+    }
+}
