@@ -1,0 +1,291 @@
+//! The agent's record of one engine's prefix cache, in kvroute block hashes (SPEC §2, §7).
+//!
+//! vLLM's block hashes are opaque, so every `BlockStored` is re-hashed: the run's first block
+//! chains from the kvroute hash recorded for its engine parent (or from the (model, adapter) root
+//! when it has none), and each further block from the one before. The record keeps
+//! (medium, engine hash) → kvroute hash for every medium (a CPU-offloaded block can be the parent
+//! of a GPU block), and the set of kvroute hashes on GPU with their parents (to build snapshots
+//! as `BlockRun`s). Only GPU blocks are reported.
+//!
+//! Under-claim rule: a block whose parent the agent never saw is dropped and counted; so is a
+//! block whose `extra_keys` carry multimodal identifiers or a cache salt, and every block after it
+//! in the same run (their prefix is not plain text).
+//!
+//! Changes since the last flush are accumulated and netted against the current state when taken
+//! (a block stored then removed inside one flush window is not announced as stored), so the
+//! `stored` and `removed` of one `BlockChanges` are disjoint and their order does not matter.
+//!
+//! Concurrency: plain data, owned by one pod's state behind its mutex; no locking here.
+
+use super::kv_events::{BlockStored, KvEvent, KvEventBatch, Medium};
+use kvroute_common::{BlockHash, BlockHasher, EngineBlockHash};
+use kvroute_proto::agent::v1::{BlockChanges, BlockRun};
+use std::collections::{HashMap, HashSet};
+
+/// Counters of what [`BlockRecord::apply`] could not place.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// Blocks stored on GPU and announced.
+    pub stored_gpu: u64,
+    /// Blocks dropped because their parent is unknown.
+    pub dropped_unknown_parent: u64,
+    /// Blocks skipped because of multimodal / salted extra keys.
+    pub skipped_extra_keys: u64,
+    /// Blocks dropped because `token_ids` did not cover them.
+    pub dropped_short_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GpuBlock {
+    /// kvroute parent; `None` = chain root.
+    parent: Option<BlockHash>,
+    /// Engine entries mapping to this hash on GPU (normally 1).
+    refs: u32,
+}
+
+/// One engine's blocks. `model` is the base model id used as the hash root.
+#[derive(Debug)]
+pub struct BlockRecord {
+    model: String,
+    engine_to_kv: HashMap<(Medium, EngineBlockHash), BlockHash>,
+    gpu: HashMap<BlockHash, GpuBlock>,
+    hashers: HashMap<(Option<String>, u32), BlockHasher>,
+    pending_cleared: bool,
+    pending_stored: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
+    pending_removed: Vec<BlockHash>,
+    scratch: Vec<BlockHash>,
+}
+
+impl BlockRecord {
+    /// An empty record for an engine serving base model `model`.
+    pub fn new(model: &str) -> Self {
+        Self {
+            model: model.to_string(),
+            engine_to_kv: HashMap::new(),
+            gpu: HashMap::new(),
+            hashers: HashMap::new(),
+            pending_cleared: false,
+            pending_stored: Vec::new(),
+            pending_removed: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Changes the hash root's model (learned from `/v1/models`); forgets every block, since
+    /// hashes under the old root are meaningless, and queues a `cleared`.
+    pub fn set_model(&mut self, model: &str) {
+        if self.model != model {
+            self.model = model.to_string();
+            self.hashers.clear();
+            self.clear();
+        }
+    }
+
+    /// Base model id of the hash root.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Number of distinct kvroute hashes on GPU.
+    pub fn gpu_len(&self) -> usize {
+        self.gpu.len()
+    }
+
+    /// Whether `hash` is currently recorded on GPU.
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.gpu.contains_key(&hash)
+    }
+
+    /// Forgets everything and queues a `cleared` (engine cleared its cache, restarted, or events
+    /// were lost beyond replay).
+    pub fn clear(&mut self) {
+        self.engine_to_kv.clear();
+        self.gpu.clear();
+        self.pending_cleared = true;
+        self.pending_stored.clear();
+        self.pending_removed.clear();
+    }
+
+    /// Applies one batch in order.
+    pub fn apply(&mut self, batch: &KvEventBatch) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored(s) => self.stored(s, &mut out),
+                KvEvent::Removed { block_hashes, medium } => {
+                    for h in block_hashes {
+                        if let Some(kv) = self.engine_to_kv.remove(&(medium.clone(), *h))
+                            && *medium == Medium::Gpu
+                        {
+                            self.unref_gpu(kv);
+                        }
+                    }
+                }
+                KvEvent::AllCleared => self.clear(),
+            }
+        }
+        out
+    }
+
+    fn lookup_parent(&self, parent: EngineBlockHash) -> Option<BlockHash> {
+        self.engine_to_kv
+            .get(&(Medium::Gpu, parent))
+            .or_else(|| self.engine_to_kv.get(&(Medium::Cpu, parent)))
+            .or_else(|| self.engine_to_kv.iter().find(|((_, h), _)| *h == parent).map(|(_, kv)| kv))
+            .copied()
+    }
+
+    fn stored(&mut self, s: &BlockStored, out: &mut ApplyOutcome) {
+        let n = s.block_hashes.len() as u64;
+        let parent = match s.parent {
+            None => None,
+            Some(p) => match self.lookup_parent(p) {
+                Some(kv) => Some(kv),
+                None => {
+                    out.dropped_unknown_parent += n;
+                    return;
+                }
+            },
+        };
+        let key = (s.lora_name.clone(), s.block_size);
+        let hasher = self
+            .hashers
+            .entry(key)
+            .or_insert_with(|| BlockHasher::new(&self.model, s.lora_name.as_deref(), s.block_size as usize));
+        let start = parent.unwrap_or_else(|| hasher.root());
+        // Only the blocks before the first opaque one are plain text.
+        let plain = s.opaque_extra_keys.iter().position(|o| *o).unwrap_or(s.block_hashes.len());
+        let take_tokens = (plain * s.block_size as usize).min(s.token_ids.len());
+        self.scratch.clear();
+        hasher.extend_chain(start, &s.token_ids[..take_tokens], &mut self.scratch);
+        let placed = self.scratch.len().min(plain);
+        out.skipped_extra_keys += (s.block_hashes.len() - plain) as u64;
+        out.dropped_short_tokens += (plain - placed) as u64;
+        let mut run: Vec<BlockHash> = Vec::with_capacity(placed);
+        let mut prev = parent;
+        let mut run_parent = parent;
+        let hashes = std::mem::take(&mut self.scratch);
+        for (engine_hash, kv) in s.block_hashes.iter().zip(hashes.iter().copied()).take(placed) {
+            let old = self.engine_to_kv.insert((s.medium.clone(), *engine_hash), kv);
+            if s.medium == Medium::Gpu {
+                match old {
+                    // Re-store of a known engine block: nothing new on GPU.
+                    Some(old) if old == kv => {}
+                    other => {
+                        if let Some(old) = other {
+                            self.unref_gpu(old);
+                        }
+                        let entry = self.gpu.entry(kv).or_insert(GpuBlock { parent: prev, refs: 0 });
+                        entry.refs += 1;
+                        if entry.refs == 1 {
+                            if run.is_empty() {
+                                run_parent = prev;
+                            }
+                            run.push(kv);
+                            out.stored_gpu += 1;
+                        } else if !run.is_empty() {
+                            self.pending_stored.push((run_parent, std::mem::take(&mut run)));
+                        }
+                    }
+                }
+            }
+            prev = Some(kv);
+        }
+        self.scratch = hashes;
+        if !run.is_empty() {
+            self.pending_stored.push((run_parent, run));
+        }
+    }
+
+    fn unref_gpu(&mut self, kv: BlockHash) {
+        if let Some(b) = self.gpu.get_mut(&kv) {
+            b.refs = b.refs.saturating_sub(1);
+            if b.refs == 0 {
+                self.gpu.remove(&kv);
+                self.pending_removed.push(kv);
+            }
+        }
+    }
+
+    /// Whether changes wait to be taken.
+    pub fn has_changes(&self) -> bool {
+        self.pending_cleared || !self.pending_stored.is_empty() || !self.pending_removed.is_empty()
+    }
+
+    /// Takes the changes since the previous call, netted against the current state.
+    pub fn take_changes(&mut self) -> BlockChanges {
+        let mut changes = BlockChanges { cleared: std::mem::take(&mut self.pending_cleared), ..Default::default() };
+        let mut announced = HashSet::new();
+        for (parent, hashes) in std::mem::take(&mut self.pending_stored) {
+            let mut prev = parent;
+            let mut cur: Option<BlockRun> = None;
+            for h in hashes {
+                if self.gpu.contains_key(&h) && announced.insert(h) {
+                    cur.get_or_insert_with(|| BlockRun { parent: prev.map_or(0, |p| p.0), hashes: Vec::new() })
+                        .hashes
+                        .push(h.0);
+                } else if let Some(run) = cur.take() {
+                    changes.stored.push(run);
+                }
+                prev = Some(h);
+            }
+            changes.stored.extend(cur);
+        }
+        let mut removed_seen = HashSet::new();
+        for h in std::mem::take(&mut self.pending_removed) {
+            if !self.gpu.contains_key(&h) && removed_seen.insert(h) {
+                changes.removed.push(h.0);
+            }
+        }
+        changes
+    }
+
+    /// The whole GPU set as runs (each block exactly once), for a `PodSnapshot`.
+    pub fn snapshot_runs(&self) -> Vec<BlockRun> {
+        let mut children: HashMap<BlockHash, Vec<BlockHash>> = HashMap::new();
+        let mut starts = Vec::new();
+        for (h, b) in &self.gpu {
+            match b.parent {
+                Some(p) if self.gpu.contains_key(&p) => children.entry(p).or_default().push(*h),
+                _ => starts.push(*h),
+            }
+        }
+        starts.sort_unstable();
+        let mut runs = Vec::new();
+        let mut visited = HashSet::with_capacity(self.gpu.len());
+        let mut stack: Vec<BlockHash> = starts;
+        while let Some(first) = stack.pop() {
+            if !visited.insert(first) {
+                continue;
+            }
+            let parent = self.gpu.get(&first).and_then(|b| b.parent).map_or(0, |p| p.0);
+            let mut run = BlockRun { parent, hashes: vec![first.0] };
+            let mut cur = first;
+            loop {
+                match children.get(&cur).map(Vec::as_slice) {
+                    Some([only]) if !visited.contains(only) => {
+                        visited.insert(*only);
+                        run.hashes.push(only.0);
+                        cur = *only;
+                    }
+                    Some(many) => {
+                        stack.extend(many.iter().filter(|c| !visited.contains(c)));
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            runs.push(run);
+        }
+        // Defensive: a parent cycle (impossible with chained hashes) still reports every block.
+        for (h, b) in &self.gpu {
+            if !visited.contains(h) {
+                runs.push(BlockRun { parent: b.parent.map_or(0, |p| p.0), hashes: vec![h.0] });
+            }
+        }
+        runs
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,171 @@
+//! The fixture's five batches, applied in order, against hashes computed independently from
+//! `prompts.json` with `BlockHasher`.
+
+use super::*;
+use crate::engine::kv_events::decode_message;
+
+const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+fn batch(folder: &str, n: usize) -> KvEventBatch {
+    let dir = format!("{}/../tests/fixtures/vllm-kv-events/{folder}", env!("CARGO_MANIFEST_DIR"));
+    let frames: Vec<Vec<u8>> = ["topic", "seq", "msgpack"]
+        .iter()
+        .map(|e| std::fs::read(format!("{dir}/batch-{n}.{e}")).expect("fixture"))
+        .collect();
+    decode_message(&frames).expect("decodes").batch
+}
+
+fn prompts() -> (Vec<u32>, Vec<u32>) {
+    let path = format!("{}/../tests/fixtures/vllm-kv-events/v0.33/prompts.json", env!("CARGO_MANIFEST_DIR"));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("prompts")).expect("json");
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array().expect("array").iter().map(|x| x.as_u64().expect("u64") as u32).collect()
+    };
+    (ids("prompt_a_token_ids"), ids("prompt_b_token_ids"))
+}
+
+fn chain(lora: Option<&str>, tokens: &[u32]) -> Vec<BlockHash> {
+    let mut out = Vec::new();
+    BlockHasher::new(MODEL, lora, 16).hash_prompt(tokens, &mut out);
+    out
+}
+
+fn stored_hashes(c: &BlockChanges) -> Vec<u64> {
+    c.stored.iter().flat_map(|r| r.hashes.iter().copied()).collect()
+}
+
+#[test]
+fn fixture_batches_in_order() {
+    for folder in ["v0.33", "legacy-array"] {
+        let (a, b) = prompts();
+        let (ca, cb) = (chain(None, &a), chain(None, &b));
+        let mut rec = BlockRecord::new(MODEL);
+
+        let out = rec.apply(&batch(folder, 0));
+        assert_eq!(out.stored_gpu, 3);
+        let c = rec.take_changes();
+        assert!(!c.cleared);
+        assert_eq!(c.stored, vec![BlockRun { parent: 0, hashes: ca.iter().map(|h| h.0).collect() }]);
+
+        rec.apply(&batch(folder, 1));
+        let c = rec.take_changes();
+        // B's blocks 3-4 chain from A's block 2 (the shared prefix).
+        assert_eq!(c.stored, vec![BlockRun { parent: ca[1].0, hashes: vec![cb[2].0, cb[3].0] }]);
+        assert_eq!(&cb[..2], &ca[..2]);
+        assert_eq!(rec.gpu_len(), 5);
+
+        rec.apply(&batch(folder, 2));
+        let c = rec.take_changes();
+        assert_eq!(c.removed, vec![ca[2].0]);
+        assert!(c.stored.is_empty());
+        assert!(!rec.contains(ca[2]) && rec.contains(ca[1]));
+
+        rec.apply(&batch(folder, 3));
+        let c = rec.take_changes();
+        // sql-lora: a separate chain; the CPU copy of A's first block is not reported.
+        let lora = chain(Some("sql-lora"), &a[..16]);
+        assert_eq!(c.stored, vec![BlockRun { parent: 0, hashes: vec![lora[0].0] }]);
+        assert_ne!(lora[0], ca[0]);
+        assert_eq!(rec.gpu_len(), 5);
+
+        let mut snap: Vec<u64> = rec.snapshot_runs().iter().flat_map(|r| r.hashes.clone()).collect();
+        snap.sort_unstable();
+        let mut want = vec![ca[0].0, ca[1].0, cb[2].0, cb[3].0, lora[0].0];
+        want.sort_unstable();
+        assert_eq!(snap, want);
+
+        rec.apply(&batch(folder, 4));
+        let c = rec.take_changes();
+        assert!(c.cleared && c.stored.is_empty() && c.removed.is_empty());
+        assert_eq!(rec.gpu_len(), 0);
+        assert!(!rec.has_changes());
+    }
+}
+
+#[test]
+fn unknown_parent_is_dropped_and_counted() {
+    let mut rec = BlockRecord::new(MODEL);
+    let out = rec.apply(&batch("v0.33", 1));
+    assert_eq!(out.dropped_unknown_parent, 2);
+    assert_eq!(out.stored_gpu, 0);
+    assert!(stored_hashes(&rec.take_changes()).is_empty());
+}
+
+#[test]
+fn cpu_block_can_parent_a_gpu_block() {
+    let (a, _) = prompts();
+    let ca = chain(None, &a);
+    let mut rec = BlockRecord::new(MODEL);
+    rec.apply(&KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineBlockHash(1)],
+            parent: None,
+            token_ids: a[..16].to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium: Medium::Cpu,
+            lora_name: None,
+            opaque_extra_keys: vec![false],
+        })],
+        dp_rank: None,
+    });
+    assert!(!rec.has_changes());
+    rec.apply(&KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineBlockHash(2)],
+            parent: Some(EngineBlockHash(1)),
+            token_ids: a[16..32].to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            opaque_extra_keys: vec![true],
+        })],
+        dp_rank: None,
+    });
+    // Opaque extra keys: skipped.
+    assert!(stored_hashes(&rec.take_changes()).is_empty());
+    rec.apply(&KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineBlockHash(3)],
+            parent: Some(EngineBlockHash(1)),
+            token_ids: a[16..32].to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            opaque_extra_keys: vec![false],
+        })],
+        dp_rank: None,
+    });
+    let c = rec.take_changes();
+    assert_eq!(c.stored, vec![BlockRun { parent: ca[0].0, hashes: vec![ca[1].0] }]);
+}
+
+#[test]
+fn store_then_remove_within_a_window_nets_out() {
+    let mut rec = BlockRecord::new(MODEL);
+    rec.apply(&batch("v0.33", 0));
+    rec.apply(&batch("v0.33", 1));
+    rec.apply(&batch("v0.33", 2));
+    let c = rec.take_changes();
+    let (a, _) = prompts();
+    let ca = chain(None, &a);
+    let stored = stored_hashes(&c);
+    assert_eq!(stored.len(), 4);
+    assert!(!stored.contains(&ca[2].0));
+    assert!(c.removed.iter().all(|r| !stored.contains(r)));
+}
+
+#[test]
+fn set_model_clears() {
+    let mut rec = BlockRecord::new("other-model");
+    rec.apply(&batch("v0.33", 0));
+    rec.take_changes();
+    rec.set_model(MODEL);
+    assert_eq!(rec.gpu_len(), 0);
+    assert!(rec.take_changes().cleared);
+}
