@@ -1,0 +1,257 @@
+//! Agent ingest (SPEC §7): the `AgentIngest` gRPC service. Each agent opens one bidi `Report`
+//! stream; this module checks it (Hello, per-pod snapshot then sequence-numbered deltas) and
+//! forwards the changes to the pool's writer as [`PoolUpdate`]s.
+//!
+//! Concurrency: one tokio task per stream reads it, keeps that stream's per-pod sequence state,
+//! and awaits the pool's bounded update queue (backpressure on the agent). Responses go through a
+//! bounded channel; Acks are best effort (dropped when the agent does not read), resyncs are
+//! re-asked on the next delta of a pod still waiting for its snapshot (at most once per
+//! [`RESYNC_RETRY`]).
+//!
+//! Rules: a delta must carry seq = last + 1 for its pod, after a snapshot on this stream; on a gap
+//! (or a delta before any snapshot) the picker sends `ResyncRequest{pod}` and ignores that pod's
+//! deltas until a snapshot arrives. Bad messages are logged and answered with a resync; the stream
+//! is never closed by the picker. Stream end (or error) → the stream's pods enter the grace period.
+//! Acks ("applied up to seq") are sent every [`ACK_EVERY`] messages or [`ACK_INTERVAL`], after a
+//! pool barrier, for the pods whose seq advanced.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use kvroute_common::BlockHash;
+use kvroute_proto::agent::v1::agent_ingest_server::{AgentIngest, AgentIngestServer};
+use kvroute_proto::agent::v1::{
+    Ack, AgentMessage, BlockRun, Hello, PickerMessage, PodDelta, PodSnapshot, ResyncRequest, agent_message,
+    picker_message,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, warn};
+
+use crate::pool::{Pool, PoolUpdate, StreamId};
+
+/// Messages between Acks.
+pub const ACK_EVERY: u64 = 100;
+/// Longest time between Acks while messages arrive.
+pub const ACK_INTERVAL: Duration = Duration::from_secs(1);
+/// Minimum time between two resync requests for the same pod.
+pub const RESYNC_RETRY: Duration = Duration::from_secs(1);
+/// Largest agent message accepted (a 2M-block snapshot is ~20 MB), in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+/// Capacity of each stream's response channel (messages).
+const RESPONSE_QUEUE: usize = 256;
+
+static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
+
+/// The `AgentIngest` service. Wire it with [`IngestService::into_server`] (or
+/// `AgentIngestServer::new(..)`, then raise its decoding limit for large snapshots).
+#[derive(Debug, Clone)]
+pub struct IngestService {
+    pool: Arc<Pool>,
+}
+
+impl IngestService {
+    /// A service feeding `pool`.
+    pub fn new(pool: Arc<Pool>) -> IngestService {
+        IngestService { pool }
+    }
+
+    /// The tonic server for this service, accepting messages up to [`MAX_MESSAGE_BYTES`].
+    pub fn into_server(self) -> AgentIngestServer<IngestService> {
+        AgentIngestServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES)
+    }
+}
+
+type ReportStream = Pin<Box<dyn Stream<Item = Result<PickerMessage, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl AgentIngest for IngestService {
+    type ReportStream = ReportStream;
+
+    async fn report(&self, request: Request<Streaming<AgentMessage>>) -> Result<Response<ReportStream>, Status> {
+        let peer = request.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
+        let stream = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
+        let session = Session::new(self.pool.clone(), stream, tx);
+        tokio::spawn(session.run(inbound, peer));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+}
+
+#[derive(Debug, Default)]
+struct PodSeq {
+    /// Last applied seq; `None` until a snapshot arrived on this stream.
+    last: Option<u64>,
+    /// Last seq acknowledged.
+    acked: Option<u64>,
+    /// When a resync was last requested (while waiting for the snapshot).
+    resync_at: Option<Instant>,
+}
+
+/// One agent stream.
+struct Session {
+    pool: Arc<Pool>,
+    stream: StreamId,
+    tx: mpsc::Sender<PickerMessage>,
+    pods: HashMap<String, PodSeq>,
+    since_ack: u64,
+    last_ack: Instant,
+}
+
+impl Session {
+    fn new(pool: Arc<Pool>, stream: StreamId, tx: mpsc::Sender<PickerMessage>) -> Session {
+        Session { pool, stream, tx, pods: HashMap::new(), since_ack: 0, last_ack: Instant::now() }
+    }
+
+    async fn run(mut self, mut inbound: Streaming<AgentMessage>, peer: String) {
+        info!(stream = self.stream, %peer, "agent stream opened");
+        loop {
+            let msg = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(status) => {
+                    // Undecodable message or broken transport. tonic ends the stream after a
+                    // decode error, so this is the end either way.
+                    warn!(stream = self.stream, code = ?status.code(), error = %status.message(), "agent stream error");
+                    break;
+                }
+            };
+            if self.handle(msg).await.is_err() {
+                warn!(stream = self.stream, "pool writer gone; dropping agent stream");
+                break;
+            }
+            self.since_ack += 1;
+            if self.since_ack >= ACK_EVERY || self.last_ack.elapsed() >= ACK_INTERVAL {
+                self.ack().await;
+            }
+        }
+        let _ = self.pool.update(PoolUpdate::StreamEnded { stream: self.stream }).await;
+        info!(stream = self.stream, pods = self.pods.len(), "agent stream ended");
+    }
+
+    async fn handle(&mut self, msg: AgentMessage) -> Result<(), crate::pool::PoolError> {
+        match msg.msg {
+            Some(agent_message::Msg::Hello(h)) => self.hello(h).await,
+            Some(agent_message::Msg::Snapshot(s)) => self.snapshot(s).await,
+            Some(agent_message::Msg::Delta(d)) => self.delta(d).await,
+            None => {
+                warn!(stream = self.stream, "agent message without a body: asking for a full resync");
+                self.resync("", "empty AgentMessage");
+                Ok(())
+            }
+        }
+    }
+
+    async fn hello(&mut self, h: Hello) -> Result<(), crate::pool::PoolError> {
+        if h.protocol_version != 1 {
+            warn!(stream = self.stream, version = h.protocol_version, agent = %h.agent_id, "unexpected protocol version; continuing as v1");
+        }
+        info!(stream = self.stream, agent = %h.agent_id, node = %h.node_name, pods = h.pods.len(), "agent hello");
+        let mut pods = Vec::with_capacity(h.pods.len());
+        for info in h.pods {
+            if info.pod.is_empty() || info.endpoint.is_empty() || info.model.is_empty() {
+                warn!(stream = self.stream, pod = %info.pod, "hello names a pod without name/endpoint/model; ignored");
+                continue;
+            }
+            self.pods.entry(info.pod.clone()).or_default();
+            pods.push(info);
+        }
+        self.pool.update(PoolUpdate::Hello { stream: self.stream, pods }).await
+    }
+
+    async fn snapshot(&mut self, s: PodSnapshot) -> Result<(), crate::pool::PoolError> {
+        let Some(info) = s.info.filter(|i| !i.pod.is_empty() && !i.endpoint.is_empty() && !i.model.is_empty()) else {
+            warn!(stream = self.stream, "snapshot without pod info (name, endpoint, model): asking for a full resync");
+            self.resync("", "snapshot without pod info");
+            return Ok(());
+        };
+        let blocks = flatten_runs(&s.blocks);
+        debug!(stream = self.stream, pod = %info.pod, seq = s.seq, blocks = blocks.len(), "snapshot");
+        let st = self.pods.entry(info.pod.clone()).or_default();
+        st.last = Some(s.seq);
+        st.resync_at = None;
+        self.pool.update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats: s.stats, blocks }).await
+    }
+
+    async fn delta(&mut self, d: PodDelta) -> Result<(), crate::pool::PoolError> {
+        let st = self.pods.entry(d.pod.clone()).or_default();
+        let expected = st.last.map(|l| l.wrapping_add(1));
+        if expected != Some(d.seq) {
+            let retry = st.resync_at.is_none_or(|t| t.elapsed() >= RESYNC_RETRY);
+            let first = st.last.is_some();
+            st.last = None;
+            if retry {
+                st.resync_at = Some(Instant::now());
+                let reason = match expected {
+                    Some(e) => format!("sequence gap: expected {e}, got {}", d.seq),
+                    None => "delta before snapshot".to_string(),
+                };
+                if first {
+                    warn!(stream = self.stream, pod = %d.pod, %reason, "asking for a resync");
+                } else {
+                    debug!(stream = self.stream, pod = %d.pod, %reason, "asking for a resync");
+                }
+                self.resync(&d.pod, &reason);
+            }
+            return Ok(());
+        }
+        st.last = Some(d.seq);
+        let (cleared, stored, removed) = match d.blocks {
+            Some(b) => (b.cleared, flatten_runs(&b.stored), b.removed.into_iter().map(BlockHash).collect()),
+            None => (false, Vec::new(), Vec::new()),
+        };
+        self.pool
+            .update(PoolUpdate::Delta {
+                stream: self.stream,
+                pod: d.pod,
+                seq: d.seq,
+                cleared,
+                stored,
+                removed,
+                stats: d.stats,
+            })
+            .await
+    }
+
+    fn resync(&self, pod: &str, reason: &str) {
+        let msg = PickerMessage {
+            msg: Some(picker_message::Msg::Resync(ResyncRequest { pod: pod.to_string(), reason: reason.to_string() })),
+        };
+        if self.tx.try_send(msg).is_err() {
+            debug!(stream = self.stream, %pod, "response queue full or closed: resync will be re-asked");
+        }
+    }
+
+    /// Acks every pod whose seq advanced, once the pool has applied what was queued.
+    async fn ack(&mut self) {
+        self.since_ack = 0;
+        self.last_ack = Instant::now();
+        if self.pool.sync().await.is_err() {
+            return;
+        }
+        for (pod, st) in &mut self.pods {
+            if let Some(seq) = st.last
+                && st.acked != Some(seq)
+            {
+                let msg = PickerMessage { msg: Some(picker_message::Msg::Ack(Ack { pod: pod.clone(), seq })) };
+                if self.tx.try_send(msg).is_ok() {
+                    st.acked = Some(seq);
+                }
+            }
+        }
+    }
+}
+
+/// Flattens block runs into hashes (the hashes are chained already: the index needs no parents).
+fn flatten_runs(runs: &[BlockRun]) -> Vec<BlockHash> {
+    runs.iter().flat_map(|r| r.hashes.iter().map(|h| BlockHash(*h))).collect()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,254 @@
+//! The pod pool: registry of pods (name → [`PodIdx`]), their latest reported state, in-flight
+//! counts, and the prefix index they feed (SPEC §3, §4, §7).
+//!
+//! Concurrency model:
+//! - One writer thread (`kvroute-pool-writer`, started by [`Pool::new`], with its own small tokio
+//!   runtime for its timer) owns the [`IndexWriter`](crate::index::IndexWriter) and the pod
+//!   registry. Ingest streams feed it [`PoolUpdate`]s through a bounded channel
+//!   ([`UPDATE_QUEUE`]); it applies them in batches, publishes one index snapshot per batch, then
+//!   per-pod status. It also expires pods whose agent stream ended more than `grace_ttl_ms` ago.
+//! - Readers (`Router`, metrics) load the pod table, each pod's status and the index through
+//!   `arc-swap`: never blocked by the writer.
+//! - In-flight counters are per pod (see `inflight`); decisions that reserve them serialise on
+//!   [`Pool`]'s selection mutex for the few microseconds of scoring + reservation only.
+//!
+//! Invariants: a pod's [`PodIdx`] is unique among live pods; a freed index is reused only after all
+//! 65 536 fresh ones were handed out (so a reader holding an old index snapshot cannot attribute a
+//! dropped pod's blocks to a new pod); the writer stops when the last [`Pool`] handle is dropped.
+
+mod inflight;
+mod writer;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use kvroute_common::BlockHash;
+use kvroute_proto::agent::v1::{PodInfo, PodStats};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+
+pub use crate::index::IndexStats;
+use crate::index::{IndexSnapshot, PodIdx};
+pub(crate) use inflight::InFlight;
+
+/// Capacity of the update channel from ingest streams to the writer (messages).
+pub const UPDATE_QUEUE: usize = 4096;
+
+/// Pool settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolConfig {
+    /// Tokens per block (vLLM `--block-size`). Default 16. Pods reporting another size are logged.
+    pub block_size: usize,
+    /// How long a pod whose agent stream ended keeps its blocks and stays a candidate, in ms.
+    /// Default 10 000.
+    pub grace_ttl_ms: u64,
+    /// Cap on blocks (index entries) per pod; stores beyond it are dropped and counted.
+    /// Default 2 000 000.
+    pub max_blocks_per_pod: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig { block_size: 16, grace_ttl_ms: 10_000, max_blocks_per_pod: 2_000_000 }
+    }
+}
+
+/// Errors of the pool.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// The writer thread is gone (it failed to start, or the process is shutting down).
+    #[error("pool writer is not running; agent updates cannot be applied")]
+    WriterGone,
+}
+
+/// Identifies one agent stream (assigned by ingest), so a stream's end only disconnects the pods
+/// it still owns.
+pub type StreamId = u64;
+
+/// A change to the pool, as ingest decodes it from an agent stream.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PoolUpdate {
+    /// A stream announced the pods it reports for: register them (connected, not yet ready).
+    Hello { stream: StreamId, pods: Vec<PodInfo> },
+    /// Full state of a pod: replaces its info, stats and blocks atomically.
+    Snapshot { stream: StreamId, info: PodInfo, seq: u64, stats: Option<PodStats>, blocks: Vec<BlockHash> },
+    /// Incremental change (already sequence-checked by ingest): `cleared` first, then `stored`,
+    /// then `removed`; then `stats` if present.
+    Delta {
+        stream: StreamId,
+        pod: String,
+        seq: u64,
+        cleared: bool,
+        stored: Vec<BlockHash>,
+        removed: Vec<BlockHash>,
+        stats: Option<PodStats>,
+    },
+    /// The stream ended: its pods are disconnected and enter the grace period.
+    StreamEnded { stream: StreamId },
+}
+
+enum WriterMsg {
+    Update(PoolUpdate),
+    Barrier(oneshot::Sender<()>),
+}
+
+/// What readers know about a pod; replaced as a whole by the writer.
+#[derive(Debug, Clone)]
+pub(crate) struct PodStatus {
+    pub(crate) endpoint: String,
+    pub(crate) model: String,
+    pub(crate) block_size: u32,
+    /// Latest stats; `None` until the first report (the pod is then not ready).
+    pub(crate) stats: Option<PodStats>,
+    pub(crate) connected: bool,
+    /// When the agent stream ended (monotonic), if disconnected.
+    pub(crate) disconnected_at: Option<Instant>,
+    pub(crate) seq: u64,
+}
+
+/// A live pod: immutable identity plus the cells readers load.
+#[derive(Debug)]
+pub(crate) struct PodRecord {
+    pub(crate) idx: PodIdx,
+    pub(crate) name: String,
+    pub(crate) status: ArcSwap<PodStatus>,
+    pub(crate) inflight: InFlight,
+    pub(crate) blocks: AtomicU64,
+}
+
+/// The published list of live pods.
+#[derive(Debug, Default)]
+pub(crate) struct PodTable {
+    pub(crate) pods: Vec<Arc<PodRecord>>,
+}
+
+/// Shared pod pool. Cheap to share as `Arc<Pool>`; see the module docs for concurrency.
+#[derive(Debug)]
+pub struct Pool {
+    config: PoolConfig,
+    pub(crate) table: Arc<ArcSwap<PodTable>>,
+    pub(crate) index: Arc<ArcSwap<IndexSnapshot>>,
+    /// Held only while a decision scores candidates and reserves its slot.
+    pub(crate) select_lock: Mutex<()>,
+    tx: mpsc::Sender<WriterMsg>,
+    next_slot: AtomicU64,
+}
+
+/// A pod as seen by metrics and `/explain`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodView {
+    /// Pod name, unique in the pool.
+    pub name: String,
+    /// "ip:port" Envoy sends requests to.
+    pub endpoint: String,
+    /// Base model served.
+    pub model: String,
+    /// True while its agent stream is up (false during the grace period).
+    pub connected: bool,
+    /// Engine ready, as last reported (false before the first stats).
+    pub ready: bool,
+    /// Agent's health score in [0,1].
+    pub health_score: f64,
+    /// Agent's reason for the dominant health penalty ("" if healthy).
+    pub health_reason: String,
+    /// Reported `num_requests_waiting` + picker in-flight requests routed since that report.
+    pub queue_depth: u32,
+    /// Requests the picker routed to the pod and has not seen finish.
+    pub in_flight: u32,
+    /// GPU utilization in [0,1] (max over the pod's GPUs).
+    pub gpu_utilization: f64,
+    /// vLLM KV-cache usage in [0,1].
+    pub kv_cache_usage: f64,
+    /// LoRA adapters loaded and running.
+    pub running_adapters: Vec<String>,
+    /// Blocks the pod holds in the index.
+    pub blocks: u64,
+}
+
+/// Wall clock in ms since the Unix epoch (0 if the clock is before 1970).
+pub(crate) fn now_unix_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+impl PodRecord {
+    /// SPEC §4 queueDepth: reported waiting + in-flight routed at/after the report's timestamp.
+    /// Without a report, every in-flight request counts.
+    pub(crate) fn queue_depth(&self, status: &PodStatus) -> u32 {
+        match &status.stats {
+            Some(s) => s.num_requests_waiting.saturating_add(self.inflight.since(s.observed_at_unix_ms)),
+            None => self.inflight.len(),
+        }
+    }
+}
+
+impl Pool {
+    /// Creates the pool and starts its writer thread.
+    pub fn new(config: PoolConfig) -> Arc<Pool> {
+        let (tx, rx) = mpsc::channel(UPDATE_QUEUE);
+        let table = Arc::new(ArcSwap::from_pointee(PodTable::default()));
+        let index = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
+        writer::spawn(config.clone(), rx, table.clone(), index.clone());
+        Arc::new(Pool { config, table, index, select_lock: Mutex::new(()), tx, next_slot: AtomicU64::new(1) })
+    }
+
+    /// The configuration the pool runs with.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Queues an update for the writer (waits while the queue is full: backpressure).
+    pub async fn update(&self, update: PoolUpdate) -> Result<(), PoolError> {
+        self.tx.send(WriterMsg::Update(update)).await.map_err(|_| PoolError::WriterGone)
+    }
+
+    /// Resolves once every update queued before this call is applied and visible to readers.
+    pub async fn sync(&self) -> Result<(), PoolError> {
+        let (done, wait) = oneshot::channel();
+        self.tx.send(WriterMsg::Barrier(done)).await.map_err(|_| PoolError::WriterGone)?;
+        wait.await.map_err(|_| PoolError::WriterGone)
+    }
+
+    /// Every live pod (allocates; for metrics and explain, not the hot path).
+    pub fn pods(&self) -> Vec<PodView> {
+        let table = self.table.load();
+        table
+            .pods
+            .iter()
+            .map(|rec| {
+                let st = rec.status.load();
+                let stats = st.stats.clone().unwrap_or_default();
+                PodView {
+                    name: rec.name.clone(),
+                    endpoint: st.endpoint.clone(),
+                    model: st.model.clone(),
+                    connected: st.connected,
+                    ready: st.stats.as_ref().is_some_and(|s| s.ready),
+                    health_score: stats.health_score,
+                    health_reason: stats.health_reason,
+                    queue_depth: rec.queue_depth(&st),
+                    in_flight: rec.inflight.len(),
+                    gpu_utilization: stats.gpu_utilization,
+                    kv_cache_usage: stats.kv_cache_usage,
+                    running_adapters: stats.running_adapters,
+                    blocks: rec.blocks.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+
+    /// Size of the prefix index as last published.
+    pub fn index_stats(&self) -> IndexStats {
+        self.index.load().stats()
+    }
+
+    pub(crate) fn next_slot_id(&self) -> u64 {
+        self.next_slot.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests;

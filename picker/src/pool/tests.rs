@@ -1,0 +1,1 @@
+//! Pool tests: registration, snapshots/deltas, grace expiry, queue depth.

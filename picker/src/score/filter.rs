@@ -1,0 +1,88 @@
+//! Candidate filtering (SPEC §4; seed §15): model, readiness, connection (or grace period),
+//! health threshold, Envoy subset hint, then queue spill.
+//!
+//! Order: the static checks ([`exclusion`]) run lock-free before scoring; the spill check
+//! ([`spill`]) runs under the selection lock because queue depth includes in-flight reservations.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::pool::PodStatus;
+
+/// Why a pod of the requested model is not a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Exclusion {
+    NoStats,
+    NotReady,
+    GraceExpired,
+    Unhealthy { score: f64, threshold: f64, reason: String },
+    NotInSubset,
+    QueueFull { depth: u32, max: u32 },
+}
+
+impl fmt::Display for Exclusion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exclusion::NoStats => write!(f, "no stats reported yet"),
+            Exclusion::NotReady => write!(f, "engine not ready"),
+            Exclusion::GraceExpired => write!(f, "agent disconnected beyond the grace period"),
+            Exclusion::Unhealthy { score, threshold, reason } if reason.is_empty() => {
+                write!(f, "health {score:.2} below threshold {threshold:.2}")
+            }
+            Exclusion::Unhealthy { score, threshold, reason } => {
+                write!(f, "health {score:.2} below threshold {threshold:.2} ({reason})")
+            }
+            Exclusion::NotInSubset => write!(f, "endpoint not in Envoy's subset hint"),
+            Exclusion::QueueFull { depth, max } => write!(f, "queue {depth} at or above max {max} (spilled)"),
+        }
+    }
+}
+
+/// The static reason `status` is not a candidate, if any. Assumes the model already matched.
+pub(crate) fn exclusion(
+    status: &PodStatus,
+    subset: Option<&[String]>,
+    health_threshold: f64,
+    grace: Duration,
+    now: Instant,
+) -> Option<Exclusion> {
+    let Some(stats) = &status.stats else {
+        return Some(Exclusion::NoStats);
+    };
+    if !stats.ready {
+        return Some(Exclusion::NotReady);
+    }
+    if let Some(t) = status.disconnected_at
+        && now.saturating_duration_since(t) >= grace
+    {
+        return Some(Exclusion::GraceExpired);
+    }
+    // NaN health counts as unhealthy.
+    if stats.health_score.is_nan() || stats.health_score < health_threshold {
+        return Some(Exclusion::Unhealthy {
+            score: stats.health_score,
+            threshold: health_threshold,
+            reason: stats.health_reason.clone(),
+        });
+    }
+    if let Some(allowed) = subset
+        && !allowed.iter().any(|e| *e == status.endpoint)
+    {
+        return Some(Exclusion::NotInSubset);
+    }
+    None
+}
+
+/// Spill outcome for the candidates' queue depths.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Spill {
+    /// Keep exactly the candidates below `max_queue` (at least one is).
+    KeepBelow,
+    /// Every candidate is at or above `max_queue`.
+    AllSaturated,
+}
+
+/// Pods at or above `max_queue` leave the candidates while one is below it (SPEC §4).
+pub(crate) fn spill(depths: &[u32], max_queue: u32) -> Spill {
+    if depths.iter().any(|d| *d < max_queue) { Spill::KeepBelow } else { Spill::AllSaturated }
+}

@@ -1,0 +1,301 @@
+//! Scoring (SPEC §4; seed §2, §3, §15): candidate filtering, the five factor scorers, selection
+//! and the [`Router`] that turns a request's block chain into a [`Decision`].
+//!
+//! S = w_cache·cacheMatchRatio + w_load·(1 − loadRatio) + w_queue·(1 − min(queueDepth/maxQueue, 1))
+//!   + w_health·healthScore + w_adapter·adapterMatch
+//!
+//! Concurrency: [`Router::route`] walks the prefix index and reads pod state lock-free (arc-swap),
+//! then takes the pool's selection mutex for the scoring + choice + in-flight reservation only
+//! (microseconds), so concurrent decisions see each other's reservations (SPEC §4). A decision's
+//! [`InFlightSlot`] releases the reservation when dropped.
+//!
+//! Invariants: weights each in [0,1] and summing to 1 (checked by [`ScoringConfig::validate`] and
+//! [`Router::new`]), every factor in [0,1], hence S in [0,1].
+
+mod adapter;
+mod cache;
+mod filter;
+mod health;
+mod load;
+mod queue;
+mod router;
+mod select;
+
+pub use adapter::AdapterAffinityScorer;
+pub use cache::PrefixCacheScorer;
+pub use health::HealthScorer;
+pub use load::{LoadScorer, load_ratio};
+pub use queue::QueueDepthScorer;
+pub use router::{InFlightSlot, Router};
+
+use serde::{Deserialize, Serialize};
+
+/// Factor weights (SPEC §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
+/// when given in a config file.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Weights {
+    /// cacheMatchRatio weight. Default 0.60.
+    pub cache: f64,
+    /// `1 − loadRatio` weight. Default 0.20.
+    pub load: f64,
+    /// Queue factor weight. Default 0.10.
+    pub queue: f64,
+    /// healthScore weight. Default 0.05.
+    pub health: f64,
+    /// adapterMatch weight. Default 0.05.
+    pub adapter: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights { cache: 0.60, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.05 }
+    }
+}
+
+impl Weights {
+    /// `(name, weight)` in scorer order.
+    pub fn named(&self) -> [(&'static str, f64); 5] {
+        [
+            ("cache", self.cache),
+            ("load", self.load),
+            ("queue", self.queue),
+            ("health", self.health),
+            ("adapter", self.adapter),
+        ]
+    }
+}
+
+/// Scoring settings (SPEC §4). Every absent field takes its default (the `chatbot` preset).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoringConfig {
+    /// Factor weights. Default 0.60/0.20/0.10/0.05/0.05.
+    pub weights: Weights,
+    /// Queue depth (requests) at which the queue factor reaches 0 and the pod spills. Default 20.
+    pub max_queue: u32,
+    /// GPU utilization (fraction) counted as fully loaded. Default 1.0.
+    pub max_utilization: f64,
+    /// Pods with a health score below this are excluded. Default 0.3.
+    pub health_exclusion_threshold: f64,
+    /// When every candidate is at `max_queue`: true → refuse (429), false → keep them all.
+    /// Default false.
+    pub shed_when_saturated: bool,
+    /// Seed of the random tie-break. Default 0.
+    pub seed: u64,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        ScoringConfig {
+            weights: Weights::default(),
+            max_queue: 20,
+            max_utilization: 1.0,
+            health_exclusion_threshold: 0.3,
+            shed_when_saturated: false,
+            seed: 0,
+        }
+    }
+}
+
+/// Named presets (SPEC §4, seed §13): cache/load/queue/health/adapter, maxQueue.
+pub const PRESETS: [(&str, Weights, u32); 4] = [
+    ("chatbot", Weights { cache: 0.60, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.05 }, 20),
+    ("latency-api", Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 }, 10),
+    ("batch", Weights { cache: 0.60, load: 0.30, queue: 0.00, health: 0.05, adapter: 0.05 }, 40),
+    ("multi-lora", Weights { cache: 0.45, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.20 }, 20),
+];
+
+impl ScoringConfig {
+    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`), other fields default.
+    pub fn preset(name: &str) -> Option<ScoringConfig> {
+        PRESETS.iter().find(|(n, _, _)| *n == name).map(|(_, weights, max_queue)| ScoringConfig {
+            weights: *weights,
+            max_queue: *max_queue,
+            ..ScoringConfig::default()
+        })
+    }
+
+    /// Checks weights (each in [0,1], sum 1.0 ± 1e-6), `max_queue ≥ 1`, `max_utilization` in
+    /// (0,1] and the threshold in [0,1].
+    pub fn validate(&self) -> Result<(), ScoringConfigError> {
+        let named = self.weights.named();
+        let sum: f64 = named.iter().map(|(_, w)| w).sum();
+        let each_ok = named.iter().all(|(_, w)| w.is_finite() && (0.0..=1.0).contains(w));
+        if !each_ok || !sum.is_finite() || (sum - 1.0).abs() > 1e-6 {
+            let list = named.iter().map(|(n, w)| format!("{n}={w}")).collect::<Vec<_>>().join(", ");
+            return Err(ScoringConfigError::Weights { weights: list, sum });
+        }
+        if self.max_queue == 0 {
+            return Err(ScoringConfigError::MaxQueue);
+        }
+        if !(self.max_utilization > 0.0 && self.max_utilization <= 1.0) {
+            return Err(ScoringConfigError::MaxUtilization(self.max_utilization));
+        }
+        if !(0.0..=1.0).contains(&self.health_exclusion_threshold) {
+            return Err(ScoringConfigError::HealthThreshold(self.health_exclusion_threshold));
+        }
+        Ok(())
+    }
+}
+
+/// Invalid scoring configuration.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum ScoringConfigError {
+    /// A weight outside [0,1] or a sum other than 1.
+    #[error("scoring weights must each be in [0,1] and sum to 1.0 (±1e-6); got {weights} (sum {sum}): fix the weights")]
+    Weights {
+        /// Every weight as `name=value`.
+        weights: String,
+        /// Their sum.
+        sum: f64,
+    },
+    /// `max_queue` of 0.
+    #[error("scoring.max_queue must be at least 1 (requests)")]
+    MaxQueue,
+    /// `max_utilization` outside (0,1].
+    #[error("scoring.max_utilization must be in (0, 1], got {0}")]
+    MaxUtilization(f64),
+    /// Threshold outside [0,1].
+    #[error("scoring.health_exclusion_threshold must be in [0, 1], got {0}")]
+    HealthThreshold(f64),
+}
+
+/// One routing question.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// Base model (InferenceModel target): only pods serving it are candidates.
+    pub model: &'a str,
+    /// LoRA adapter name, if the InferenceModel names one.
+    pub adapter: Option<&'a str>,
+    /// Full chain of the prompt's full blocks (may be empty: then cache scores 0 everywhere).
+    pub block_hashes: &'a [kvroute_common::BlockHash],
+    /// Envoy subset hint: allowed "ip:port" endpoints (`None` = no restriction).
+    pub subset: Option<&'a [String]>,
+}
+
+/// The outcome of [`Router::route`].
+#[derive(Debug)]
+pub struct Decision {
+    /// Chosen pod name.
+    pub pod: String,
+    /// Its "ip:port".
+    pub endpoint: String,
+    /// Its composite score S in [0,1].
+    pub score: f64,
+    /// Its cacheMatchRatio in [0,1].
+    pub match_ratio: f64,
+    /// Consecutive blocks from the start it holds.
+    pub matched_blocks: u32,
+    /// Full blocks in the request.
+    pub total_blocks: u32,
+    /// Every candidate, best first (the chosen pod first).
+    pub candidates: Vec<CandidateScore>,
+    /// The in-flight reservation: keep it for the life of the request.
+    pub slot: InFlightSlot,
+}
+
+/// One candidate's composite score and factors (each factor unweighted, in [0,1]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CandidateScore {
+    /// Pod name.
+    pub pod: String,
+    /// "ip:port".
+    pub endpoint: String,
+    /// Composite S in [0,1].
+    pub score: f64,
+    /// cacheMatchRatio.
+    pub cache: f64,
+    /// 1 − loadRatio.
+    pub load: f64,
+    /// 1 − min(queueDepth/maxQueue, 1).
+    pub queue: f64,
+    /// healthScore.
+    pub health: f64,
+    /// adapterMatch.
+    pub adapter: f64,
+    /// Consecutive matched blocks from the start.
+    pub matched_blocks: u32,
+}
+
+/// What [`Router::explain`] returns: the same computation as `route`, no reservation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Explanation {
+    /// Candidates, best first.
+    pub candidates: Vec<CandidateScore>,
+    /// `(pod, reason)` for pods of the model that were not candidates.
+    pub excluded: Vec<(String, String)>,
+    /// The pod `route` would choose now (`None` when it would fail).
+    pub choice: Option<String>,
+}
+
+/// Why no pod was chosen.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum RouteError {
+    /// No pod can serve the request (→ 503).
+    #[error("no candidate endpoint: {reason}")]
+    NoCandidate {
+        /// What excluded the pods.
+        reason: String,
+    },
+    /// Every candidate is at max queue and shedding is configured (→ 429).
+    #[error("overloaded: {reason}")]
+    Shed {
+        /// Which limit was hit.
+        reason: String,
+    },
+}
+
+/// What a scorer sees about one candidate pod.
+#[derive(Debug, Clone, Copy)]
+pub struct PodFacts<'a> {
+    /// Pod name.
+    pub name: &'a str,
+    /// "ip:port".
+    pub endpoint: &'a str,
+    /// Consecutive blocks from the start of the request the pod holds.
+    pub matched_blocks: u32,
+    /// GPU utilization in [0,1].
+    pub gpu_utilization: f64,
+    /// Reported waiting + picker in-flight since the report (requests).
+    pub queue_depth: u32,
+    /// Health score in [0,1].
+    pub health_score: f64,
+    /// Reason for the health penalty ("" if healthy).
+    pub health_reason: &'a str,
+    /// vLLM KV-cache usage in [0,1].
+    pub kv_cache_usage: f64,
+    /// LoRA adapters running on the pod.
+    pub running_adapters: &'a [String],
+}
+
+/// The request context every scorer sees, including every candidate's match result.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreContext<'a> {
+    /// Requested LoRA adapter, if any.
+    pub adapter: Option<&'a str>,
+    /// Full blocks in the request.
+    pub total_blocks: u32,
+    /// Scoring settings.
+    pub config: &'a ScoringConfig,
+    /// Every candidate (after filtering).
+    pub candidates: &'a [PodFacts<'a>],
+}
+
+/// A scoring factor: request context + pod state → score in [0,1]. Implementations must return a
+/// value in [0,1] for every input (NaN-free), and must not allocate in `score` (hot path).
+pub trait Scorer: Send + Sync + std::fmt::Debug {
+    /// Short name, as used in config weights and explanations.
+    fn name(&self) -> &'static str;
+    /// The factor in [0,1].
+    fn score(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> f64;
+    /// A short human explanation of the factor for this pod (explain endpoint, DEBUG logs).
+    fn explain(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> String {
+        format!("{:.3}", self.score(ctx, pod))
+    }
+}
+
+#[cfg(test)]
+mod tests;

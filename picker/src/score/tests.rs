@@ -1,0 +1,1 @@
+//! Scoring tests: formulas, properties, filters, selection.
