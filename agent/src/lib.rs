@@ -2,4 +2,7 @@
 //! translates their KV-cache events into kvroute block hashes and streams per-pod deltas to the
 //! picker(s).
 
+pub mod config;
 pub mod engine;
+pub mod gpu;
+pub mod health;

@@ -1,0 +1,181 @@
+//! [`GpuSource`] that replays a YAML scenario, so every health path is testable without a GPU.
+//!
+//! ```yaml
+//! gpus:
+//!   0:
+//!     - at_s: 0
+//!       temperature_c: 55
+//!     - at_s: 5                 # from 5 s after agent start
+//!       temperature_c: 85
+//!       thermal_throttle: true
+//! ```
+//! Each step sets the fields it names; a value holds until a later step changes it (time from
+//! the source's creation, i.e. agent start). Unnamed fields keep healthy defaults (45 °C, no ECC,
+//! no throttling, 80 GiB with 40 GiB used). GPUs absent from the scenario are healthy.
+//! Utilization follows the engine's load (running / max_num_seqs) unless a step sets
+//! `utilization_gpu_pct`. Immutable after load: no locking.
+
+use super::{GpuError, GpuSample, GpuSource};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// One scenario step; every field but `at_s` optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    /// When the step takes effect, seconds after agent start.
+    pub at_s: f64,
+    /// See [`GpuSample`] for each field's unit.
+    pub ecc_corrected_volatile: Option<u64>,
+    #[allow(missing_docs)]
+    pub ecc_uncorrected_volatile: Option<u64>,
+    #[allow(missing_docs)]
+    pub ecc_corrected_aggregate: Option<u64>,
+    #[allow(missing_docs)]
+    pub ecc_uncorrected_aggregate: Option<u64>,
+    #[allow(missing_docs)]
+    pub temperature_c: Option<u32>,
+    #[allow(missing_docs)]
+    pub thermal_throttle: Option<bool>,
+    #[allow(missing_docs)]
+    pub power_throttle: Option<bool>,
+    #[allow(missing_docs)]
+    pub utilization_gpu_pct: Option<u32>,
+    #[allow(missing_docs)]
+    pub utilization_memory_pct: Option<u32>,
+    #[allow(missing_docs)]
+    pub memory_used_bytes: Option<u64>,
+    #[allow(missing_docs)]
+    pub memory_total_bytes: Option<u64>,
+}
+
+/// A scenario file: per GPU index, a timeline of steps.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// GPU index → steps (any order; sorted on load).
+    pub gpus: BTreeMap<u32, Vec<Step>>,
+}
+
+/// Replays a [`Scenario`].
+pub struct MockGpuSource {
+    scenario: Scenario,
+    start: Instant,
+}
+
+const GIB: u64 = 1 << 30;
+
+impl MockGpuSource {
+    /// Loads a scenario file; the clock starts now.
+    pub fn from_file(path: &str) -> Result<Self, GpuError> {
+        let err = |detail: String| GpuError::Scenario { path: path.to_string(), detail };
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        let scenario: Scenario = serde_norway::from_str(&text).map_err(|e| err(e.to_string()))?;
+        Ok(Self::new(scenario))
+    }
+
+    /// Wraps a parsed scenario; the clock starts now.
+    pub fn new(mut scenario: Scenario) -> Self {
+        for steps in scenario.gpus.values_mut() {
+            steps.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+        }
+        Self { scenario, start: Instant::now() }
+    }
+
+    /// The sample of GPU `index` at `elapsed` since start.
+    pub fn sample_at(&self, index: u32, engine_load: f64, elapsed: Duration) -> GpuSample {
+        let t = elapsed.as_secs_f64();
+        let mut s = GpuSample {
+            index,
+            temperature_c: 45,
+            memory_total_bytes: 80 * GIB,
+            memory_used_bytes: 40 * GIB,
+            ..Default::default()
+        };
+        let mut util = None;
+        for step in self.scenario.gpus.get(&index).into_iter().flatten().take_while(|st| st.at_s <= t) {
+            macro_rules! set {
+                ($($f:ident),*) => { $( if let Some(v) = step.$f { s.$f = v; } )* };
+            }
+            set!(
+                ecc_corrected_volatile,
+                ecc_uncorrected_volatile,
+                ecc_corrected_aggregate,
+                ecc_uncorrected_aggregate,
+                temperature_c,
+                thermal_throttle,
+                power_throttle,
+                utilization_memory_pct,
+                memory_used_bytes,
+                memory_total_bytes
+            );
+            if step.utilization_gpu_pct.is_some() {
+                util = step.utilization_gpu_pct;
+            }
+        }
+        s.utilization_gpu_pct = util.unwrap_or_else(|| (engine_load.clamp(0.0, 1.0) * 100.0).round() as u32).min(100);
+        s
+    }
+}
+
+impl GpuSource for MockGpuSource {
+    fn sample(&self, index: u32, engine_load: f64) -> Result<GpuSample, GpuError> {
+        Ok(self.sample_at(index, engine_load, self.start.elapsed()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenario(name: &str) -> MockGpuSource {
+        let p = format!("{}/scenarios/{name}", env!("CARGO_MANIFEST_DIR"));
+        MockGpuSource::from_file(&p).expect("scenario loads")
+    }
+
+    #[test]
+    fn shipped_scenarios() {
+        let healthy = scenario("healthy.yaml");
+        let s = healthy.sample_at(0, 0.5, Duration::from_secs(100));
+        assert_eq!((s.ecc_uncorrected_volatile, s.thermal_throttle, s.utilization_gpu_pct), (0, false, 50));
+
+        let ecc = scenario("ecc-uncorrected.yaml");
+        assert!(ecc.sample_at(1, 0.0, Duration::ZERO).ecc_uncorrected_volatile > 0);
+        assert_eq!(ecc.sample_at(0, 0.0, Duration::ZERO).ecc_uncorrected_volatile, 0);
+
+        let hot = scenario("thermal-throttle.yaml");
+        let before = hot.sample_at(0, 0.0, Duration::from_secs(4));
+        let after = hot.sample_at(0, 0.0, Duration::from_secs(6));
+        assert!(!before.thermal_throttle && before.temperature_c < 85);
+        assert!(after.thermal_throttle && after.temperature_c == 85);
+    }
+
+    #[test]
+    fn steps_hold_and_utilization_override() {
+        let sc: Scenario = serde_norway::from_str(
+            "gpus:\n  0:\n    - {at_s: 2, utilization_gpu_pct: 10}\n    - {at_s: 0, temperature_c: 60}\n",
+        )
+        .expect("parses");
+        let m = MockGpuSource::new(sc);
+        let s1 = m.sample_at(0, 0.9, Duration::from_secs(1));
+        assert_eq!((s1.temperature_c, s1.utilization_gpu_pct), (60, 90));
+        let s3 = m.sample_at(0, 0.9, Duration::from_secs(3));
+        assert_eq!((s3.temperature_c, s3.utilization_gpu_pct), (60, 10));
+        assert!(serde_norway::from_str::<Scenario>("gpus: {0: [{at_s: 0, bogus: 1}]}").is_err());
+        assert!(MockGpuSource::from_file("/nonexistent/scenario.yaml").is_err());
+    }
+
+    #[test]
+    fn nvml_absent_is_a_clear_error() {
+        // No GPU driver on CI machines; where one exists this test only checks construction works.
+        match super::super::nvml::NvmlGpuSource::new() {
+            Ok(_) => {}
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("libnvidia-ml.so"), "{msg}");
+                assert!(msg.contains("--gpu-source mock:"), "{msg}");
+            }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! GPU telemetry (SPEC §7): the [`GpuSource`] role and its two strategies, real NVML
+//! ([`nvml::NvmlGpuSource`]) and a scripted scenario ([`mock::MockGpuSource`]).
+//!
+//! Concurrency: sources are `Send + Sync` and sampled from the engine tasks (blocking calls, a few
+//! microseconds each for NVML); they hold no lock across awaits.
+
+pub mod mock;
+pub mod nvml;
+
+use crate::config::GpuSourceSpec;
+use std::sync::Arc;
+
+/// GPU telemetry errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuError {
+    /// The NVML library could not be loaded or initialised.
+    #[error(
+        "cannot initialise NVML ({detail}): libnvidia-ml.so is missing or unusable on this host. \
+         Install the NVIDIA driver, or run without a GPU with --gpu-source mock:<scenario.yaml> \
+         (e.g. mock:agent/scenarios/healthy.yaml)"
+    )]
+    NvmlUnavailable {
+        /// NVML's own error text.
+        detail: String,
+    },
+    /// A query for one GPU failed.
+    #[error("GPU {index}: {detail}")]
+    Query {
+        /// GPU index.
+        index: u32,
+        /// What failed.
+        detail: String,
+    },
+    /// The mock scenario file is unreadable or invalid.
+    #[error("mock GPU scenario {path}: {detail}")]
+    Scenario {
+        /// Scenario path.
+        path: String,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+/// One GPU's state at one instant.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GpuSample {
+    /// GPU index on the node.
+    pub index: u32,
+    /// Corrected ECC errors since the driver loaded (count).
+    pub ecc_corrected_volatile: u64,
+    /// Uncorrected ECC errors since the driver loaded (count).
+    pub ecc_uncorrected_volatile: u64,
+    /// Corrected ECC errors over the GPU's life (count).
+    pub ecc_corrected_aggregate: u64,
+    /// Uncorrected ECC errors over the GPU's life (count).
+    pub ecc_uncorrected_aggregate: u64,
+    /// Core temperature, °C.
+    pub temperature_c: u32,
+    /// Clocks reduced for temperature (HW or SW thermal slowdown).
+    pub thermal_throttle: bool,
+    /// Clocks reduced for power (SW power cap, HW power brake).
+    pub power_throttle: bool,
+    /// GPU busy, percent [0,100].
+    pub utilization_gpu_pct: u32,
+    /// Memory controller busy, percent [0,100].
+    pub utilization_memory_pct: u32,
+    /// Memory in use, bytes.
+    pub memory_used_bytes: u64,
+    /// Memory total, bytes.
+    pub memory_total_bytes: u64,
+}
+
+/// A source of GPU telemetry.
+pub trait GpuSource: Send + Sync {
+    /// Samples GPU `index`. `engine_load` is the load of the engine using it (running requests /
+    /// max_num_seqs, [0,1]); only the mock uses it, to make utilization follow the emulated fleet.
+    fn sample(&self, index: u32, engine_load: f64) -> Result<GpuSample, GpuError>;
+}
+
+/// Builds the configured source. NVML missing is an error naming the library (SPEC §7).
+pub fn from_spec(spec: &GpuSourceSpec) -> Result<Arc<dyn GpuSource>, GpuError> {
+    Ok(match spec {
+        GpuSourceSpec::Nvml => Arc::new(nvml::NvmlGpuSource::new()?),
+        GpuSourceSpec::Mock(path) => Arc::new(mock::MockGpuSource::from_file(path)?),
+    })
+}

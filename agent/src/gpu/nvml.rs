@@ -1,0 +1,58 @@
+//! [`GpuSource`] backed by NVML through `nvml-wrapper` (loads libnvidia-ml at run time).
+//!
+//! Without the library, `Nvml::init()` returns `LibloadingError(DlOpen…)` (not `LibraryNotFound`,
+//! SPEC §12); both become [`GpuError::NvmlUnavailable`], whose message names libnvidia-ml.so and
+//! suggests `--gpu-source mock:<scenario.yaml>`. `Nvml` is `Send + Sync`; a `Device` handle is
+//! looked up per sample (cheap) so no lifetimes leak out.
+
+use super::{GpuError, GpuSample, GpuSource};
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::device::ThrottleReasons;
+use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::error::NvmlError;
+
+/// Real GPUs through NVML.
+pub struct NvmlGpuSource {
+    nvml: Nvml,
+}
+
+impl NvmlGpuSource {
+    /// Loads and initialises NVML.
+    pub fn new() -> Result<Self, GpuError> {
+        match Nvml::init() {
+            Ok(nvml) => Ok(Self { nvml }),
+            Err(e @ (NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound)) => {
+                Err(GpuError::NvmlUnavailable { detail: e.to_string() })
+            }
+            Err(e) => Err(GpuError::NvmlUnavailable { detail: e.to_string() }),
+        }
+    }
+}
+
+impl GpuSource for NvmlGpuSource {
+    fn sample(&self, index: u32, _engine_load: f64) -> Result<GpuSample, GpuError> {
+        let q = |e: NvmlError| GpuError::Query { index, detail: e.to_string() };
+        let dev = self.nvml.device_by_index(index).map_err(q)?;
+        // ECC is unsupported on consumer GPUs: treat as zero rather than failing the sample.
+        let ecc = |t, c| dev.total_ecc_errors(t, c).unwrap_or(0);
+        let reasons = dev.current_throttle_reasons().unwrap_or(ThrottleReasons::empty());
+        let util = dev.utilization_rates().map_err(q)?;
+        let mem = dev.memory_info().map_err(q)?;
+        Ok(GpuSample {
+            index,
+            ecc_corrected_volatile: ecc(MemoryError::Corrected, EccCounter::Volatile),
+            ecc_uncorrected_volatile: ecc(MemoryError::Uncorrected, EccCounter::Volatile),
+            ecc_corrected_aggregate: ecc(MemoryError::Corrected, EccCounter::Aggregate),
+            ecc_uncorrected_aggregate: ecc(MemoryError::Uncorrected, EccCounter::Aggregate),
+            temperature_c: dev.temperature(TemperatureSensor::Gpu).map_err(q)?,
+            thermal_throttle: reasons
+                .intersects(ThrottleReasons::HW_THERMAL_SLOWDOWN | ThrottleReasons::SW_THERMAL_SLOWDOWN),
+            power_throttle: reasons
+                .intersects(ThrottleReasons::SW_POWER_CAP | ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN),
+            utilization_gpu_pct: util.gpu,
+            utilization_memory_pct: util.memory,
+            memory_used_bytes: mem.used,
+            memory_total_bytes: mem.total,
+        })
+    }
+}

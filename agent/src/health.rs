@@ -1,0 +1,231 @@
+//! The pod health score (SPEC §7, seed §7): ONE pure function, [`health_score`], from what the
+//! agent observes to a score in [0,1] and a reason naming the dominant problem.
+//!
+//! Bands (seed §7):
+//! - 1.0 healthy: no penalty at all.
+//! - 0.7–0.9 minor: intermittent corrected ECC (< 1/min), moderate thermal or power throttling,
+//!   host memory pressure, a slow probe.
+//! - 0.3–0.6 significant: frequent corrected ECC (≥ ~10/min), throttling at ≥ 90 °C, several
+//!   minor problems together (soft penalties add, floored at 0.3 so they never exclude alone).
+//! - < 0.3 excluded: uncorrected ECC errors (0.1), probe failing or timing out (0.2).
+//! - 0.0: draining, engine `/health` failing, model not loaded.
+//!
+//! Cache warmth has weight 0 here: the picker's cache factor already counts it (SPEC §7).
+//! Pure: no state, no I/O; the caller computes rates (ECC per minute) from successive samples.
+
+/// Outcome of the latest active inference probe.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ProbeOutcome {
+    /// No probe finished yet: no penalty.
+    Unknown,
+    /// Answered within the deadline, latency in ms.
+    Ok {
+        /// Probe round trip, ms.
+        latency_ms: f64,
+    },
+    /// Error status or past the deadline.
+    Failed,
+}
+
+/// Everything the score depends on, for one pod.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HealthInputs {
+    /// Operator marked the pod draining.
+    pub draining: bool,
+    /// Engine answers `/health` with 200.
+    pub engine_health_ok: bool,
+    /// `/v1/models` lists a model.
+    pub model_loaded: bool,
+    /// Latest active probe.
+    pub probe: ProbeOutcome,
+    /// Probe deadline, ms (a probe slower than half of it is penalised).
+    pub probe_timeout_ms: f64,
+    /// Corrected ECC errors per minute, summed over the pod's GPUs.
+    pub ecc_corrected_per_min: f64,
+    /// Uncorrected ECC errors (volatile count), summed over the pod's GPUs.
+    pub ecc_uncorrected: u64,
+    /// Hottest GPU of the pod, °C.
+    pub max_temperature_c: u32,
+    /// Any GPU of the pod thermally throttled.
+    pub thermal_throttle: bool,
+    /// Any GPU of the pod power throttled.
+    pub power_throttle: bool,
+    /// Host memory in use, fraction [0,1].
+    pub host_memory_used: f64,
+}
+
+impl Default for HealthInputs {
+    fn default() -> Self {
+        Self {
+            draining: false,
+            engine_health_ok: true,
+            model_loaded: true,
+            probe: ProbeOutcome::Unknown,
+            probe_timeout_ms: 2000.0,
+            ecc_corrected_per_min: 0.0,
+            ecc_uncorrected: 0,
+            max_temperature_c: 50,
+            thermal_throttle: false,
+            power_throttle: false,
+            host_memory_used: 0.3,
+        }
+    }
+}
+
+/// A score in [0,1] and a short reason ("" when healthy).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Health {
+    /// Score in [0,1].
+    pub score: f64,
+    /// The dominant problem, "" when healthy.
+    pub reason: String,
+}
+
+/// Maps a score to its band (0 = failed, 1 = excluded, 2 = significant, 3 = minor, 4 = healthy);
+/// a band change is reported to the picker at once.
+pub fn band(score: f64) -> u8 {
+    match score {
+        s if s <= 0.0 => 0,
+        s if s < 0.3 => 1,
+        s if s < 0.7 => 2,
+        s if s < 1.0 => 3,
+        _ => 4,
+    }
+}
+
+/// The health function. See the module docs for the bands.
+pub fn health_score(i: &HealthInputs) -> Health {
+    let hard = |score: f64, reason: &str| Health { score, reason: reason.to_string() };
+    if i.draining {
+        return hard(0.0, "draining");
+    }
+    if !i.engine_health_ok {
+        return hard(0.0, "engine /health failing");
+    }
+    if !i.model_loaded {
+        return hard(0.0, "model not loaded");
+    }
+    if i.ecc_uncorrected > 0 {
+        return hard(0.1, "uncorrected ECC errors");
+    }
+    if i.probe == ProbeOutcome::Failed {
+        return hard(0.2, "inference probe failing");
+    }
+    // Soft penalties: (amount, reason).
+    let mut penalties: Vec<(f64, &str)> = Vec::new();
+    let r = i.ecc_corrected_per_min;
+    if r > 0.0 {
+        // 0.1 up to 1/min, +0.3 per decade above, capped at 0.6.
+        let p = if r <= 1.0 { 0.1 } else { (0.1 + 0.3 * r.log10()).min(0.6) };
+        penalties.push((p, "corrected ECC errors"));
+    }
+    if i.thermal_throttle {
+        penalties.push((if i.max_temperature_c >= 90 { 0.5 } else { 0.2 }, "thermal throttling"));
+    } else if i.max_temperature_c >= 85 {
+        penalties.push((0.1, "high GPU temperature"));
+    }
+    if i.power_throttle {
+        penalties.push((0.1, "power throttling"));
+    }
+    if i.host_memory_used > 0.9 {
+        penalties.push(((0.1 + (i.host_memory_used.min(1.0) - 0.9) * 3.0).min(0.4), "host memory pressure"));
+    }
+    if let ProbeOutcome::Ok { latency_ms } = i.probe {
+        let half = i.probe_timeout_ms / 2.0;
+        if half > 0.0 && latency_ms > half {
+            penalties.push(((0.1 + 0.2 * (latency_ms - half) / half).min(0.3), "slow inference probe"));
+        }
+    }
+    let total: f64 = penalties.iter().map(|(p, _)| p).sum();
+    let reason = penalties.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map_or("", |(_, r)| r);
+    let score = if penalties.is_empty() { 1.0 } else { (1.0 - total).clamp(0.3, 0.9) };
+    Health { score, reason: reason.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(f: impl FnOnce(&mut HealthInputs)) -> Health {
+        let mut i = HealthInputs::default();
+        f(&mut i);
+        health_score(&i)
+    }
+
+    #[test]
+    fn healthy_band() {
+        let h = with(|_| {});
+        assert_eq!((h.score, h.reason.as_str()), (1.0, ""));
+        assert_eq!(band(h.score), 4);
+        let h = with(|i| i.probe = ProbeOutcome::Ok { latency_ms: 30.0 });
+        assert_eq!(h.score, 1.0);
+    }
+
+    #[test]
+    fn minor_band() {
+        for h in [
+            with(|i| i.ecc_corrected_per_min = 0.5),
+            with(|i| {
+                i.thermal_throttle = true;
+                i.max_temperature_c = 85
+            }),
+            with(|i| i.host_memory_used = 0.95),
+            with(|i| i.power_throttle = true),
+            with(|i| i.probe = ProbeOutcome::Ok { latency_ms: 1200.0 }),
+        ] {
+            assert!((0.7..=0.9).contains(&h.score), "{h:?}");
+            assert!(!h.reason.is_empty());
+        }
+        assert_eq!(with(|i| i.ecc_corrected_per_min = 0.5).reason, "corrected ECC errors");
+    }
+
+    #[test]
+    fn significant_band() {
+        for h in [
+            with(|i| i.ecc_corrected_per_min = 10.0),
+            with(|i| {
+                i.thermal_throttle = true;
+                i.max_temperature_c = 92
+            }),
+            with(|i| {
+                i.thermal_throttle = true;
+                i.power_throttle = true;
+                i.host_memory_used = 0.99;
+                i.ecc_corrected_per_min = 1000.0
+            }),
+        ] {
+            assert!((0.3..=0.6).contains(&h.score), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn excluded_band() {
+        let ecc = with(|i| i.ecc_uncorrected = 1);
+        assert!(ecc.score < 0.3 && ecc.score > 0.0 && ecc.reason.contains("uncorrected"));
+        let probe = with(|i| i.probe = ProbeOutcome::Failed);
+        assert!(probe.score < 0.3 && probe.score > 0.0 && probe.reason.contains("probe"));
+        assert_eq!(band(probe.score), 1);
+    }
+
+    #[test]
+    fn zero_band() {
+        assert_eq!(with(|i| i.model_loaded = false).score, 0.0);
+        assert_eq!(with(|i| i.engine_health_ok = false).score, 0.0);
+        assert_eq!(with(|i| i.draining = true).reason, "draining");
+        assert_eq!(band(0.0), 0);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn always_in_unit_interval(rate in 0.0f64..1e6, temp in 0u32..120, th: bool, pw: bool, mem in 0.0f64..1.5,
+                                   lat in 0.0f64..1e5, unc in 0u64..3) {
+            let h = health_score(&HealthInputs {
+                ecc_corrected_per_min: rate, max_temperature_c: temp, thermal_throttle: th, power_throttle: pw,
+                host_memory_used: mem, probe: ProbeOutcome::Ok { latency_ms: lat }, ecc_uncorrected: unc,
+                ..Default::default()
+            });
+            proptest::prop_assert!((0.0..=1.0).contains(&h.score));
+            proptest::prop_assert!(unc > 0 || h.score >= 0.3);
+        }
+    }
+}
