@@ -1,0 +1,274 @@
+//! The emulated engine: admission (bounded running batch + FIFO-ish wait queue), the timing model
+//! and the prefix-cache bookkeeping of each request.
+//!
+//! Timing (every duration × `time_scale`): prefill sleeps `uncached_tokens × prefill_us_per_token`
+//! and yields the first token; each further token takes `decode_ms_per_token`. Cache: the hit is
+//! the longest run of cached leading full blocks, capped so that the last prompt token is never
+//! counted (vLLM: hit tokens ≤ prompt_len − 1, whole blocks). After prefill the prompt's full blocks
+//! are stored; at the end the full blocks of prompt + output are stored too; then every block the
+//! request referenced is released (LRU order), as vLLM does.
+//!
+//! Concurrency: each request runs in its own tokio task, which owns the request's lifecycle and
+//! streams [`GenerationEvent`]s to the HTTP side through a bounded channel; a closed channel means
+//! the client left, and the task aborts (releasing its blocks). The cache is one `parking_lot`
+//! mutex, never held across an `.await`. Admission is a tokio semaphore of `max_num_seqs` permits.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::time::Instant;
+
+use crate::cache::{EngineHasher, PrefixCache};
+use crate::faults::FaultState;
+use crate::kv_events::{KvEvent, KvEventSink};
+use crate::metrics::{FinishReason, Metrics};
+
+/// Timing and capacity of the emulated engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Cache capacity in blocks.
+    pub num_gpu_blocks: u32,
+    /// Maximum running requests.
+    pub max_num_seqs: u32,
+    /// Prefill time per uncached token, µs.
+    pub prefill_us_per_token: f64,
+    /// Decode time per token, ms.
+    pub decode_ms_per_token: f64,
+    /// Multiplier of every simulated duration.
+    pub time_scale: f64,
+    /// Engine-hash root seed.
+    pub hash_seed: u64,
+}
+
+/// A request as the engine sees it.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate (≥ 1); EOS is never produced, so always exactly this many.
+    pub max_tokens: u32,
+    /// LoRA adapter (id, name), if any.
+    pub lora: Option<(u32, String)>,
+}
+
+/// What a running request reports to its HTTP handler, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerationEvent {
+    /// One generated token: its id and text; `index` counts from 0.
+    Token {
+        /// 0-based position in the output.
+        index: u32,
+        /// Token id.
+        id: u32,
+        /// Token text.
+        text: String,
+    },
+    /// The request finished after the last token.
+    Finished {
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: u32,
+        /// Generated tokens.
+        completion_tokens: u32,
+        /// Why it finished.
+        reason: FinishReason,
+    },
+}
+
+/// The shared engine.
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    hasher: EngineHasher,
+    cache: Mutex<PrefixCache>,
+    slots: Semaphore,
+    metrics: Arc<Metrics>,
+    faults: Arc<FaultState>,
+    events: KvEventSink,
+    filler: Vec<(u32, String)>,
+}
+
+/// The client left before the request finished.
+struct Aborted;
+
+/// Blocks and metric state a request holds; released exactly once.
+struct Held {
+    pinned: Vec<u64>,
+    blocks_in_use: u64,
+}
+
+impl Engine {
+    /// An engine publishing to `events`; `filler` is the cycle of (token id, text) it generates.
+    pub fn new(
+        config: EngineConfig,
+        metrics: Arc<Metrics>,
+        faults: Arc<FaultState>,
+        events: KvEventSink,
+        filler: Vec<(u32, String)>,
+    ) -> Self {
+        let filler = if filler.is_empty() { vec![(1000, " the".to_string())] } else { filler };
+        Self {
+            hasher: EngineHasher::new(config.hash_seed, config.block_size),
+            cache: Mutex::new(PrefixCache::new(config.num_gpu_blocks as usize)),
+            slots: Semaphore::new(config.max_num_seqs as usize),
+            config,
+            metrics,
+            faults,
+            events,
+            filler,
+        }
+    }
+
+    /// Starts a request; its events arrive on the returned channel. Dropping the receiver aborts it.
+    pub fn submit(self: &Arc<Self>, request: GenerationRequest) -> mpsc::Receiver<GenerationEvent> {
+        let (tx, rx) = mpsc::channel(64);
+        let engine = self.clone();
+        tokio::spawn(async move { engine.run(request, tx).await });
+        rx
+    }
+
+    /// Clears the prefix cache and publishes AllBlocksCleared.
+    pub fn reset_prefix_cache(&self) {
+        self.cache.lock().clear();
+        self.events.send([KvEvent::AllBlocksCleared]);
+        tracing::info!("prefix cache reset");
+    }
+
+    /// Number of blocks cached now.
+    pub fn cached_blocks(&self) -> usize {
+        self.cache.lock().len()
+    }
+
+    fn scaled(&self, seconds: f64) -> Duration {
+        Duration::from_secs_f64((seconds * self.config.time_scale).max(0.0))
+    }
+
+    fn blocks_for(&self, tokens: usize) -> u64 {
+        tokens.div_ceil(self.config.block_size as usize) as u64
+    }
+
+    async fn run(self: Arc<Self>, request: GenerationRequest, tx: mpsc::Sender<GenerationEvent>) {
+        let arrived = Instant::now();
+        let adapter = request.lora.as_ref().map(|(_, name)| name.clone());
+        self.metrics.waiting.fetch_add(1, Ordering::Relaxed);
+        if let Some(name) = &adapter {
+            self.metrics.lora_request(name, 1, 0);
+        }
+        let permit = tokio::select! {
+            permit = self.admit() => permit,
+            _ = tx.closed() => None,
+        };
+        self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+        if let Some(name) = &adapter {
+            self.metrics.lora_request(name, -1, 0);
+        }
+        let Some(_permit) = permit else {
+            self.metrics.record_finished(FinishReason::Abort);
+            return;
+        };
+        self.metrics.running.fetch_add(1, Ordering::Relaxed);
+        if let Some(name) = &adapter {
+            self.metrics.lora_request(name, 0, 1);
+        }
+        let mut held = Held { pinned: Vec::new(), blocks_in_use: 0 };
+        let reason = match self.generate(&request, &tx, arrived, &mut held).await {
+            Ok(()) => FinishReason::Length,
+            Err(Aborted) => FinishReason::Abort,
+        };
+        self.cache.lock().release(&held.pinned);
+        self.metrics.blocks_in_use.fetch_sub(held.blocks_in_use, Ordering::Relaxed);
+        self.metrics.running.fetch_sub(1, Ordering::Relaxed);
+        if let Some(name) = &adapter {
+            self.metrics.lora_request(name, 0, -1);
+        }
+        self.metrics.record_finished(reason);
+    }
+
+    /// Waits for a running slot, honouring the `stuck` and `extra_latency_ms` faults.
+    async fn admit(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        while self.faults.get().stuck {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let extra = self.faults.get().extra_latency_ms;
+        if extra > 0 {
+            tokio::time::sleep(Duration::from_millis(extra)).await;
+        }
+        self.slots.acquire().await.ok()
+    }
+
+    async fn generate(
+        &self,
+        request: &GenerationRequest,
+        tx: &mpsc::Sender<GenerationEvent>,
+        arrived: Instant,
+        held: &mut Held,
+    ) -> Result<(), Aborted> {
+        let bs = self.config.block_size as usize;
+        let prompt_len = request.prompt.len();
+        let lora_name = request.lora.as_ref().map(|(_, name)| name.as_str());
+        let chain = self.hasher.chain(&request.prompt, lora_name);
+        let max_hit_blocks = prompt_len.saturating_sub(1) / bs;
+        let hit_blocks = {
+            let mut cache = self.cache.lock();
+            let hit = cache.match_prefix(&chain).min(max_hit_blocks);
+            held.pinned = cache.pin(&chain[..hit]);
+            hit
+        };
+        let cached_tokens = hit_blocks * bs;
+        self.metrics.record_prefix_lookup(prompt_len as u64, cached_tokens as u64);
+        held.blocks_in_use = self.blocks_for(prompt_len);
+        self.metrics.blocks_in_use.fetch_add(held.blocks_in_use, Ordering::Relaxed);
+
+        let uncached = (prompt_len - cached_tokens) as f64;
+        self.sleep_or_abort(self.scaled(uncached * self.config.prefill_us_per_token / 1e6), tx).await?;
+        let stored = self.cache.lock().store(&chain, hit_blocks, &request.prompt, bs, request.lora.as_ref());
+        held.pinned.extend(stored.pinned);
+        self.events.send(stored.events);
+        self.metrics.observe_ttft(arrived.elapsed().as_secs_f64());
+
+        let mut all_tokens = request.prompt.clone();
+        for index in 0..request.max_tokens {
+            if index > 0 {
+                self.sleep_or_abort(self.scaled(self.config.decode_ms_per_token / 1e3), tx).await?;
+            }
+            let (id, text) = self.filler[index as usize % self.filler.len()].clone();
+            all_tokens.push(id);
+            self.metrics.record_generated_token();
+            let now_blocks = self.blocks_for(all_tokens.len());
+            if now_blocks > held.blocks_in_use {
+                self.metrics.blocks_in_use.fetch_add(now_blocks - held.blocks_in_use, Ordering::Relaxed);
+                held.blocks_in_use = now_blocks;
+            }
+            tx.send(GenerationEvent::Token { index, id, text }).await.map_err(|_| Aborted)?;
+        }
+
+        let full_chain = self.hasher.chain(&all_tokens, lora_name);
+        let prompt_blocks = chain.len();
+        let stored = self.cache.lock().store(&full_chain, prompt_blocks, &all_tokens, bs, request.lora.as_ref());
+        held.pinned.extend(stored.pinned);
+        self.events.send(stored.events);
+        let finished = GenerationEvent::Finished {
+            prompt_tokens: prompt_len as u32,
+            cached_tokens: cached_tokens as u32,
+            completion_tokens: request.max_tokens,
+            reason: FinishReason::Length,
+        };
+        tx.send(finished).await.map_err(|_| Aborted)
+    }
+
+    async fn sleep_or_abort(&self, duration: Duration, tx: &mpsc::Sender<GenerationEvent>) -> Result<(), Aborted> {
+        if duration.is_zero() {
+            return if tx.is_closed() { Err(Aborted) } else { Ok(()) };
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(duration) => Ok(()),
+            _ = tx.closed() => Err(Aborted),
+        }
+    }
+}
