@@ -1,0 +1,192 @@
+//! The Qwen2.5 fixture: rendered text and ids must equal what transformers/tiktoken produced
+//! (tests/fixtures/tokenizer-qwen2.5, see its README), with and without the segment cache.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use kvroute_tokenize::{ChatRequest, ModelTokenizer, SegmentCacheConfig, TokenizeError, TokenizerOptions};
+use serde_json::Value;
+
+fn fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5")
+}
+
+/// Loading the 8 MB tokenizer.json takes a while in debug builds: share one per test binary.
+fn cached() -> &'static ModelTokenizer {
+    static TOK: OnceLock<ModelTokenizer> = OnceLock::new();
+    TOK.get_or_init(|| ModelTokenizer::from_dir(&fixture_dir()).unwrap())
+}
+
+fn uncached() -> &'static ModelTokenizer {
+    static TOK: OnceLock<ModelTokenizer> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let opts = TokenizerOptions { segment_cache: SegmentCacheConfig { max_bytes: 0, shards: 1 } };
+        ModelTokenizer::from_dir_with(&fixture_dir(), opts).unwrap()
+    })
+}
+
+fn load_json(name: &str) -> serde_json::Map<String, Value> {
+    let text = std::fs::read_to_string(fixture_dir().join(name)).unwrap();
+    match serde_json::from_str(&text).unwrap() {
+        Value::Object(m) => m,
+        other => panic!("{name}: expected an object, got {other}"),
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| u32::try_from(x.as_u64().unwrap()).unwrap()).collect()
+}
+
+#[test]
+fn chat_fixtures_render_and_encode_exactly() {
+    let cases = load_json("expected-chat.json");
+    assert_eq!(cases.len(), 5);
+    for (name, case) in &cases {
+        let chat: ChatRequest = serde_json::from_value(case["request"].clone()).unwrap();
+        let rendered = cached().render_chat(&chat).unwrap();
+        assert_eq!(rendered, case["rendered"].as_str().unwrap(), "rendered text of case {name}");
+        let want = ids(&case["token_ids"]);
+        assert_eq!(uncached().encode_chat(&chat).unwrap(), want, "uncached ids of case {name}");
+        // Twice: the first fills the segment cache, the second is served from it.
+        assert_eq!(cached().encode_chat(&chat).unwrap(), want, "cached ids (cold) of case {name}");
+        assert_eq!(cached().encode_chat(&chat).unwrap(), want, "cached ids (warm) of case {name}");
+    }
+    assert!(cached().cache_stats().unwrap().hits > 0);
+}
+
+#[test]
+fn text_fixtures_encode_exactly() {
+    let cases = load_json("expected-text.json");
+    assert!(cases.contains_key("empty"));
+    for (name, case) in &cases {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["token_ids"]);
+        assert_eq!(cached().encode_prompt(text).unwrap(), want, "encode_prompt of {name}");
+        assert_eq!(uncached().encode_prompt(text).unwrap(), want, "uncached encode_prompt of {name}");
+        assert_eq!(cached().encode_text(text).unwrap(), want, "encode_text of {name}");
+        // Byte-level BPE round-trips.
+        assert_eq!(cached().decode(&want).unwrap(), text, "decode of {name}");
+    }
+}
+
+#[test]
+fn special_tokens_are_kept_by_decode_and_known_by_id() {
+    let tok = cached();
+    assert_eq!(tok.token_id("<|im_start|>"), Some(151644));
+    assert_eq!(tok.eos_token_id(), Some(151645));
+    assert_eq!(tok.decode(&[151644, 872, 198, 9707, 0, 151645]).unwrap(), "<|im_start|>user\nHello!<|im_end|>");
+    // Completions prompts also match special tokens (HF `tokenizer(prompt)` does).
+    assert_eq!(tok.encode_prompt("<|im_start|>user").unwrap(), vec![151644, 872]);
+}
+
+/// A long conversation, one turn at a time, as a client would send it: cached ids equal uncached
+/// ids at every turn, and later turns are mostly cache hits.
+#[test]
+fn long_multi_turn_chat_cached_equals_uncached() {
+    let seed = load_json("expected-text.json")["seed_first_2000_chars"]["text"].as_str().unwrap().to_owned();
+    let words: Vec<&str> = seed.split(' ').collect();
+    let system = format!("{seed}\n\n{seed}");
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+    let tok = cached();
+    let before = tok.cache_stats().unwrap();
+    for turn in 0..12usize {
+        let question: String =
+            words.iter().cycle().skip(turn * 7).take(40 + turn * 5).copied().collect::<Vec<_>>().join(" ");
+        messages.push(serde_json::json!({"role": "user", "content": format!("Turn {turn}: {question}?  \n")}));
+        let chat = ChatRequest { messages: messages.clone(), tools: None };
+        let text = tok.render_chat(&chat).unwrap();
+        let want = uncached().encode_text_uncached(&text).unwrap();
+        assert_eq!(tok.encode_chat(&chat).unwrap(), want, "turn {turn}");
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn}: {}", &question[..question.len() / 2])}));
+    }
+    let after = tok.cache_stats().unwrap();
+    let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
+    // Each turn re-uses every earlier piece; only the new user/assistant text (and fresh "\n"
+    // pieces on the first turn) miss. Other tests run concurrently, so compare loosely.
+    assert!(hits > 3 * misses, "hits {hits} misses {misses}");
+}
+
+#[test]
+fn concurrent_use_from_many_threads_is_consistent() {
+    let cases = load_json("expected-chat.json");
+    let cases: Arc<Vec<(ChatRequest, Vec<u32>)>> = Arc::new(
+        cases.values().map(|c| (serde_json::from_value(c["request"].clone()).unwrap(), ids(&c["token_ids"]))).collect(),
+    );
+    let small = Arc::new(
+        ModelTokenizer::from_dir_with(
+            &fixture_dir(),
+            // Small budget so eviction runs while threads race.
+            TokenizerOptions { segment_cache: SegmentCacheConfig { max_bytes: 1024, shards: 2 } },
+        )
+        .unwrap(),
+    );
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let (cases, tok) = (cases.clone(), small.clone());
+            std::thread::spawn(move || {
+                for round in 0..20 {
+                    let (chat, want) = &cases[(t + round) % cases.len()];
+                    assert_eq!(&tok.encode_chat(chat).unwrap(), want);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let stats = small.cache_stats().unwrap();
+    assert!(stats.hits > 0 && stats.evictions > 0, "{stats:?}");
+}
+
+#[test]
+fn compact_tool_arguments_render_like_vllm() {
+    // vLLM parses the JSON string and the template re-serialises it with Python's separators.
+    let chat: ChatRequest = serde_json::from_value(serde_json::json!({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"unit\":\"°C\"}"}}]}
+    ]}))
+    .unwrap();
+    let text = cached().render_chat(&chat).unwrap();
+    assert!(
+        text.contains("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"°C\"}}"),
+        "{text}"
+    );
+}
+
+#[test]
+fn errors_name_the_problem() {
+    let missing = ModelTokenizer::from_dir(Path::new("/nonexistent/model")).unwrap_err();
+    assert!(matches!(missing, TokenizeError::Io { .. }), "{missing}");
+    assert!(missing.to_string().contains("/nonexistent/model"), "{missing}");
+
+    let dir = std::env::temp_dir().join(format!("kvroute-tokenize-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let no_file = ModelTokenizer::from_dir(&dir).unwrap_err().to_string();
+    assert!(no_file.contains("tokenizer.json"), "{no_file}");
+
+    std::fs::write(dir.join("tokenizer.json"), "{\"not\": \"a tokenizer\"}").unwrap();
+    let bad_file = ModelTokenizer::from_dir(&dir).unwrap_err();
+    assert!(matches!(bad_file, TokenizeError::TokenizerFile { .. }), "{bad_file}");
+
+    std::fs::copy(fixture_dir().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": "{% for m in messages %}{{ m.content }"}"#)
+        .unwrap();
+    let bad_template = ModelTokenizer::from_dir(&dir).unwrap_err();
+    let msg = bad_template.to_string();
+    assert!(matches!(bad_template, TokenizeError::TemplateSyntax { .. }), "{msg}");
+    assert!(msg.contains("tokenizer_config.json") && msg.contains("line 1"), "{msg}");
+
+    std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+    let no_template = ModelTokenizer::from_dir(&dir).unwrap();
+    let e = no_template.render_chat(&ChatRequest::default()).unwrap_err();
+    assert!(matches!(e, TokenizeError::NoChatTemplate { .. }), "{e}");
+    assert_eq!(no_template.encode_prompt("Hello!").unwrap(), vec![9707, 0]);
+
+    let bad_message = ChatRequest { messages: vec![Value::from("just a string")], tools: None };
+    let e = cached().encode_chat(&bad_message).unwrap_err().to_string();
+    assert!(e.contains("messages[0]"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
