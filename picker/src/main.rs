@@ -1,1 +1,88 @@
-fn main() {}
+//! `kvroute-picker --config picker.yaml [--log-level info]`: load and validate the config, bind the
+//! ext_proc, AgentIngest and admin listeners, print `READY` on stdout, serve until SIGINT/SIGTERM.
+//! An invalid config or a listener that cannot bind exits non-zero with the reason on stderr.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use kvroute_picker::config::PickerConfig;
+
+/// KV-cache-aware Envoy ext_proc endpoint picker.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-picker", version)]
+struct Cli {
+    /// Picker configuration file (YAML).
+    #[arg(long)]
+    config: PathBuf,
+    /// Log level or `tracing` filter directive (e.g. `info`, `kvroute_picker=debug,info`).
+    #[arg(long, env = "EPP_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    kvroute_common::telemetry::init_logging(&cli.log_level);
+    let config = match PickerConfig::load(&cli.config) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "refusing to start");
+            eprintln!("kvroute-picker: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let running = match kvroute_picker::start(&config).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "refusing to start");
+            eprintln!("kvroute-picker: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "READY");
+    let _ = out.flush();
+
+    let stopper = async {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+    };
+    tokio::pin!(stopper);
+    let shutdown = running.shutdown_handle();
+    let result = tokio::select! {
+        r = running.wait() => r,
+        () = &mut stopper => { shutdown.shutdown(); Ok(()) }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "picker stopped");
+            eprintln!("kvroute-picker: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+        match term {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,181 @@
+//! The picker's Prometheus metrics (SPEC §9), through `prometheus-client`.
+//!
+//! Request-path metrics are updated by the ext_proc tasks through handles created once at start
+//! (atomics; no allocation except a label set's first use). Pod metrics (`epp_queue_depth`,
+//! `epp_pod_health_score`) and index size are computed at scrape time from `Pool::pods()` and
+//! `Pool::index_stats()`, so a pod that left the pool also leaves the scrape.
+//!
+//! prometheus-client appends `_total` to counter names itself: counters are registered without it.
+
+use std::sync::atomic::AtomicU64;
+
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::pool::Pool;
+
+/// `{model}` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    /// Client-facing model name.
+    pub model: String,
+}
+
+/// `{adapter}` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdapterLabel {
+    /// LoRA adapter name.
+    pub adapter: String,
+}
+
+/// `{pod}` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodLabel {
+    /// Pod name.
+    pub pod: String,
+}
+
+/// `{code}` label: HTTP status the picker answered itself.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    /// HTTP status code.
+    pub code: u16,
+}
+
+/// Every metric the picker exports, registered once.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// `epp_routing_decisions_total{model}`: requests routed.
+    pub routing_decisions: Family<ModelLabel, Counter>,
+    /// `epp_cache_match_ratio`: the chosen pod's match ratio, [0,1].
+    pub cache_match_ratio: Histogram,
+    /// `epp_scoring_latency_us`: time in `Router::route`, microseconds.
+    pub scoring_latency_us: Histogram,
+    /// `epp_decision_latency_us`: body parse + tokenize + hash + route, microseconds.
+    pub decision_latency_us: Histogram,
+    /// `epp_composite_score`: the chosen pod's composite score, [0,1].
+    pub composite_score: Histogram,
+    /// `epp_candidate_pods`: candidates scored in the last decision.
+    pub candidate_pods: Gauge,
+    /// `epp_stale_cache_routing_total`: engine's cached tokens fell short of the prediction.
+    pub stale_cache_routing: Counter,
+    /// `epp_adapter_loads_triggered_total{adapter}`: routed to a pod not running the adapter.
+    pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
+    /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/413/429/503).
+    pub request_errors: Family<CodeLabel, Counter>,
+    queue_depth: Family<PodLabel, Gauge>,
+    pod_health_score: Family<PodLabel, Gauge<f64, AtomicU64>>,
+    prefix_tree_nodes: Gauge,
+    prefix_index_entries: Gauge,
+    prefix_index_bytes: Gauge,
+    scrape: Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let routing_decisions = Family::<ModelLabel, Counter>::default();
+        let cache_match_ratio = Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]);
+        let scoring_latency_us = Histogram::new(exponential_buckets(1.0, 2.0, 18));
+        let decision_latency_us = Histogram::new(exponential_buckets(10.0, 2.0, 18));
+        let composite_score = Histogram::new((1..=20).map(|i| f64::from(i) * 0.05));
+        let candidate_pods = Gauge::default();
+        let stale_cache_routing = Counter::default();
+        let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
+        let request_errors = Family::<CodeLabel, Counter>::default();
+        let queue_depth = Family::<PodLabel, Gauge>::default();
+        let pod_health_score = Family::<PodLabel, Gauge<f64, AtomicU64>>::default();
+        let prefix_tree_nodes = Gauge::default();
+        let prefix_index_entries = Gauge::default();
+        let prefix_index_bytes = Gauge::default();
+
+        registry.register("epp_routing_decisions", "Requests routed, by model", routing_decisions.clone());
+        registry.register("epp_cache_match_ratio", "Chosen pod's prefix match ratio", cache_match_ratio.clone());
+        registry.register("epp_scoring_latency_us", "Scoring and selection time (µs)", scoring_latency_us.clone());
+        registry.register(
+            "epp_decision_latency_us",
+            "Body parse, tokenization, hashing and routing time (µs)",
+            decision_latency_us.clone(),
+        );
+        registry.register("epp_composite_score", "Chosen pod's composite score", composite_score.clone());
+        registry.register("epp_candidate_pods", "Candidate pods in the last decision", candidate_pods.clone());
+        registry.register(
+            "epp_stale_cache_routing",
+            "Requests whose engine-reported cached tokens fell more than a block short of the prediction",
+            stale_cache_routing.clone(),
+        );
+        registry.register(
+            "epp_adapter_loads_triggered",
+            "Requests routed to a pod not running their LoRA adapter",
+            adapter_loads_triggered.clone(),
+        );
+        registry.register(
+            "epp_request_errors",
+            "Requests answered by the picker with an error",
+            request_errors.clone(),
+        );
+        registry.register("epp_queue_depth", "Pod queue depth (waiting + routed since report)", queue_depth.clone());
+        registry.register("epp_pod_health_score", "Pod health score [0,1]", pod_health_score.clone());
+        registry.register("epp_prefix_tree_nodes", "Distinct blocks in the prefix index", prefix_tree_nodes.clone());
+        registry.register(
+            "epp_prefix_index_entries",
+            "(block, pod) entries in the prefix index",
+            prefix_index_entries.clone(),
+        );
+        registry.register(
+            "epp_prefix_index_bytes",
+            "Estimated prefix index memory (bytes)",
+            prefix_index_bytes.clone(),
+        );
+        Self {
+            registry,
+            routing_decisions,
+            cache_match_ratio,
+            scoring_latency_us,
+            decision_latency_us,
+            composite_score,
+            candidate_pods,
+            stale_cache_routing,
+            adapter_loads_triggered,
+            request_errors,
+            queue_depth,
+            pod_health_score,
+            prefix_tree_nodes,
+            prefix_index_entries,
+            prefix_index_bytes,
+            scrape: Mutex::new(()),
+        }
+    }
+
+    /// Refreshes the pool-derived metrics and encodes everything in the OpenMetrics text format.
+    pub fn render(&self, pool: &Pool) -> Result<String, std::fmt::Error> {
+        let _one_scrape_at_a_time = self.scrape.lock();
+        self.queue_depth.clear();
+        self.pod_health_score.clear();
+        for p in pool.pods() {
+            let label = PodLabel { pod: p.name };
+            self.queue_depth.get_or_create(&label).set(i64::from(p.queue_depth));
+            self.pod_health_score.get_or_create(&label).set(p.health_score);
+        }
+        let stats = pool.index_stats();
+        self.prefix_tree_nodes.set(i64::try_from(stats.nodes).unwrap_or(i64::MAX));
+        self.prefix_index_entries.set(i64::try_from(stats.entries).unwrap_or(i64::MAX));
+        self.prefix_index_bytes.set(i64::try_from(stats.bytes_estimate).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,105 @@
+//! Admin HTTP server (axum): `GET /metrics` (Prometheus/OpenMetrics text), `GET /healthz`, and
+//! `POST /explain` (SPEC §9: a request body in, every candidate's factor breakdown out, no routing,
+//! no state change).
+//!
+//! Concurrency: handlers only read the shared [`Gateway`]; a scrape refreshes the pool-derived
+//! gauges under the metrics' own scrape lock.
+
+pub mod metrics;
+
+use std::sync::Arc;
+
+use axum::Router as HttpRouter;
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvroute_common::BlockHash;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::Gateway;
+use crate::model::{ModelError, parse_body};
+use crate::score::RouteRequest;
+
+/// The admin routes over `gateway`.
+pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
+    HttpRouter::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/explain", post(explain_handler))
+        .with_state(gateway)
+}
+
+async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
+    match gw.metrics.render(&gw.pool) {
+        Ok(text) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+            .into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics encoding failed");
+            (StatusCode::INTERNAL_SERVER_ERROR, "metrics encoding failed\n").into_response()
+        }
+    }
+}
+
+/// `/explain?path=/v1/chat/completions`: which endpoint the body is for (default completions,
+/// or chat when the body has `messages`).
+#[derive(Debug, Deserialize)]
+struct ExplainQuery {
+    #[serde(default)]
+    path: Option<String>,
+}
+
+async fn explain_handler(State(gw): State<Arc<Gateway>>, Query(q): Query<ExplainQuery>, body: Bytes) -> Response {
+    if body.len() > gw.body_limit_bytes {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "request body exceeds the limit".into());
+    }
+    let path = q.path.unwrap_or_default();
+    let joined = tokio::task::spawn_blocking(move || explain(&gw, &path, &body)).await;
+    match joined {
+        Ok(Ok(v)) => axum::Json(v).into_response(),
+        Ok(Err(ModelError::UnknownModel(m))) => error(StatusCode::NOT_FOUND, format!("model `{m}` does not exist")),
+        Ok(Err(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("explain task failed: {e}")),
+    }
+}
+
+fn explain(gw: &Gateway, path: &str, body: &[u8]) -> Result<serde_json::Value, ModelError> {
+    let parsed = parse_body(path, body)?;
+    let model = gw.models.resolve(&parsed.model).ok_or_else(|| ModelError::UnknownModel(parsed.model.clone()))?;
+    let tokens = model.tokens(&parsed.prompt, "explain");
+    let mut hashes: Vec<BlockHash> = Vec::new();
+    model.hasher.hash_prompt(&tokens, &mut hashes);
+    let req = RouteRequest {
+        model: &model.target_model,
+        adapter: model.adapter.as_deref(),
+        block_hashes: &hashes,
+        subset: None,
+    };
+    let ex = gw.router.explain(&req);
+    let candidates: Vec<_> = ex
+        .candidates
+        .iter()
+        .map(|c| {
+            json!({"pod": c.pod, "endpoint": c.endpoint, "score": c.score, "cache": c.cache, "load": c.load,
+                   "queue": c.queue, "health": c.health, "adapter": c.adapter, "matched_blocks": c.matched_blocks})
+        })
+        .collect();
+    let excluded: Vec<_> = ex.excluded.iter().map(|(pod, reason)| json!({"pod": pod, "reason": reason})).collect();
+    Ok(json!({
+        "model": parsed.model,
+        "target_model": model.target_model,
+        "adapter": model.adapter,
+        "input_tokens": tokens.len(),
+        "total_blocks": hashes.len(),
+        "choice": ex.choice,
+        "candidates": candidates,
+        "excluded": excluded,
+    }))
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    let body = json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}

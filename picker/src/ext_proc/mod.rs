@@ -1,0 +1,310 @@
+//! Envoy ext_proc server: the picker's request path (SPEC §5, §11).
+//!
+//! One gRPC stream = one HTTP request. Each stream is served by its own task that owns all of the
+//! request's state ([`StreamState`]): path, request id, body being accumulated, the routing
+//! decision's in-flight slot and the usage scanner. Nothing is shared between streams except the
+//! read-only [`Gateway`] (router, models, metrics).
+//!
+//! Phases (Envoy `processing_mode`: request headers SEND, request body BUFFERED, response headers
+//! SEND, response body STREAMED, trailers SKIP):
+//! - request headers: remember `:path`, `x-request-id` (else a fresh UUID v4), `traceparent`;
+//!   a request without a body (`end_of_stream`) is routed right there by load; otherwise CONTINUE.
+//! - request body: accumulated until `end_of_stream` (one message in BUFFERED mode, several also
+//!   accepted), decided exactly once. Over `body_limit_bytes` → 413 at once.
+//! - response headers: `x-request-id` added for the client.
+//! - response body: each chunk answered at once; usage scanned; at end of stream the slot's
+//!   predicted-vs-actual cached tokens are compared (stale routing counted) and the slot released.
+//!
+//! Invariants: every message that needs an answer gets exactly one; the in-flight slot is
+//! released when the response ends or the stream ends in any way (it lives in the task's state,
+//! dropped when the task returns); nothing here panics on bad input.
+
+pub mod decide;
+pub mod reply;
+pub mod usage;
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
+use envoy_types::pb::google::protobuf::value::Kind;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming};
+
+use crate::Gateway;
+use crate::score::InFlightSlot;
+use decide::{DecisionInput, Rejection, decide};
+use usage::UsageScanner;
+
+/// Filter-metadata namespace and key of Envoy's subset hint (GIE protocol).
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// Key of the subset hint: a list (or comma string) of allowed `ip:port`s.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+
+/// Responses buffered per stream before the task waits for Envoy to read.
+const RESPONSE_QUEUE: usize = 8;
+
+/// The `ExternalProcessor` gRPC service.
+#[derive(Debug, Clone)]
+pub struct ExtProcService {
+    gateway: Arc<Gateway>,
+}
+
+impl ExtProcService {
+    /// A service routing through `gateway`.
+    pub fn new(gateway: Arc<Gateway>) -> Self {
+        Self { gateway }
+    }
+
+    /// The tonic server, with the receive limit raised above the body limit (SPEC §11: tonic's
+    /// 4 MiB default would fail the stream on large prompts before the picker can answer 413).
+    pub fn into_server(self, max_message_bytes: usize) -> ExternalProcessorServer<Self> {
+        ExternalProcessorServer::new(self)
+            .max_decoding_message_size(max_message_bytes)
+            .max_encoding_message_size(max_message_bytes)
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProcService {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: GrpcRequest<Streaming<ProcessingRequest>>,
+    ) -> Result<GrpcResponse<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
+        tokio::spawn(run_stream(self.gateway.clone(), inbound, tx));
+        Ok(GrpcResponse::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Everything known about one request.
+#[derive(Default)]
+struct StreamState {
+    request_id: String,
+    path: String,
+    traceparent: Option<String>,
+    subset: Option<Vec<String>>,
+    body: Vec<u8>,
+    /// The request has been routed or rejected; later request-phase messages only CONTINUE.
+    decided: bool,
+    slot: Option<InFlightSlot>,
+    usage: Option<UsageScanner>,
+    response_status: Option<u16>,
+}
+
+async fn run_stream(
+    gateway: Arc<Gateway>,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    let mut st = StreamState::default();
+    loop {
+        let next = tokio::select! {
+            m = inbound.message() => m,
+            () = tx.closed() => break,
+        };
+        let msg = match next {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(status) => {
+                tracing::debug!(request_id = %st.request_id, %status, "ext_proc stream ended with an error");
+                break;
+            }
+        };
+        if let Some(md) = &msg.metadata_context
+            && let Some(subset) = subset_hint(md)
+        {
+            st.subset = Some(subset);
+        }
+        let reply = match msg.request {
+            Some(Request::RequestHeaders(h)) => on_request_headers(&gateway, &mut st, h).await,
+            Some(Request::RequestBody(b)) => on_request_body(&gateway, &mut st, b).await,
+            Some(Request::ResponseHeaders(h)) => Some(on_response_headers(&mut st, &h)),
+            Some(Request::ResponseBody(b)) => Some(on_response_body(&gateway, &mut st, &b)),
+            Some(Request::RequestTrailers(_)) => Some(reply::continue_trailers(true)),
+            Some(Request::ResponseTrailers(_)) => Some(reply::continue_trailers(false)),
+            None => {
+                tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored");
+                None
+            }
+        };
+        if let Some(r) = reply
+            && tx.send(Ok(r)).await.is_err()
+        {
+            break;
+        }
+    }
+    if st.slot.is_some() {
+        tracing::debug!(request_id = %st.request_id, "stream ended before the response did; releasing slot");
+    }
+}
+
+async fn on_request_headers(gw: &Arc<Gateway>, st: &mut StreamState, h: HttpHeaders) -> Option<ProcessingResponse> {
+    let headers = h.headers.unwrap_or_default();
+    st.path = header(&headers, ":path").unwrap_or_default();
+    st.traceparent = header(&headers, "traceparent");
+    st.request_id = header(&headers, reply::REQUEST_ID_HEADER)
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    if h.end_of_stream {
+        return Some(route(gw, st, None, true).await);
+    }
+    Some(reply::continue_request_headers())
+}
+
+async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody) -> Option<ProcessingResponse> {
+    if st.decided {
+        return Some(reply::continue_request_body());
+    }
+    if st.request_id.is_empty() {
+        st.request_id = uuid::Uuid::new_v4().to_string();
+    }
+    if st.body.len() + b.body.len() > gw.body_limit_bytes {
+        st.decided = true;
+        st.body = Vec::new();
+        let msg = format!("request body exceeds the limit of {} bytes", gw.body_limit_bytes);
+        return Some(reject(gw, st, Rejection { status: 413, kind: "request_too_large", message: msg }));
+    }
+    if st.body.is_empty() && b.end_of_stream {
+        st.body = b.body;
+    } else {
+        st.body.extend_from_slice(&b.body);
+    }
+    if !b.end_of_stream {
+        // More chunks follow; Envoy gets the single answer with the decision.
+        return None;
+    }
+    let body = std::mem::take(&mut st.body);
+    Some(route(gw, st, Some(body), false).await)
+}
+
+/// Runs the decision off the async workers and turns it into the reply. Called once per stream.
+async fn route(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>, on_headers: bool) -> ProcessingResponse {
+    st.decided = true;
+    let gw2 = gw.clone();
+    let request_id = st.request_id.clone();
+    let path = st.path.clone();
+    let subset = st.subset.clone();
+    let joined = tokio::task::spawn_blocking(move || {
+        let input =
+            DecisionInput { request_id: &request_id, path: &path, body: body.as_deref(), subset: subset.as_deref() };
+        decide(&gw2, &input)
+    })
+    .await;
+    let result = match joined {
+        Ok(r) => r,
+        Err(e) => Err(Rejection { status: 500, kind: "internal_error", message: format!("routing task failed: {e}") }),
+    };
+    match result {
+        Ok(decision) => {
+            if let Some(tp) = &st.traceparent {
+                tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context");
+            }
+            let r = reply::routed(&decision.endpoint, &st.request_id, on_headers);
+            st.slot = Some(decision.slot);
+            r
+        }
+        Err(rej) => reject(gw, st, rej),
+    }
+}
+
+fn reject(gw: &Gateway, st: &StreamState, rej: Rejection) -> ProcessingResponse {
+    gw.metrics.request_errors.get_or_create(&crate::admin::metrics::CodeLabel { code: rej.status }).inc();
+    tracing::info!(request_id = %st.request_id, status = rej.status, kind = rej.kind, message = %rej.message,
+        "request rejected");
+    reply::immediate_error(rej.status, rej.kind, &rej.message, &st.request_id)
+}
+
+fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingResponse {
+    let headers = h.headers.clone().unwrap_or_default();
+    st.response_status = header(&headers, ":status").and_then(|s| s.parse().ok());
+    let event_stream = header(&headers, "content-type").map(|ct| ct.contains("text/event-stream"));
+    st.usage = Some(UsageScanner::new(event_stream));
+    if h.end_of_stream {
+        st.slot = None;
+    }
+    reply::response_headers(&st.request_id)
+}
+
+fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> ProcessingResponse {
+    let ok = st.response_status.is_none_or(|s| s < 400);
+    if ok && st.slot.is_some() {
+        let scanner = st.usage.get_or_insert_with(|| UsageScanner::new(None));
+        scanner.push(&b.body);
+        // Judge as soon as the usage is seen: the final SSE chunk may precede end of stream.
+        let found = if b.end_of_stream { scanner.finish() } else { scanner.found() };
+        if let Some(cached) = found
+            && let Some(slot) = st.slot.take()
+        {
+            if slot.observe_cached_tokens(cached) {
+                gw.metrics.stale_cache_routing.inc();
+                tracing::info!(request_id = %st.request_id, cached_tokens = cached, "stale cache routing");
+            } else {
+                tracing::debug!(request_id = %st.request_id, cached_tokens = cached, "usage seen");
+            }
+        }
+    }
+    if b.end_of_stream {
+        st.slot = None;
+        st.usage = None;
+    }
+    reply::continue_response_body()
+}
+
+/// A header's value: `raw_value` bytes (what Envoy sends) or, failing that, `value`.
+fn header(map: &HeaderMap, key: &str) -> Option<String> {
+    let h = map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(key))?;
+    if h.raw_value.is_empty() { Some(h.value.clone()) } else { String::from_utf8(h.raw_value.clone()).ok() }
+}
+
+/// `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`: a list or a comma string.
+fn subset_hint(md: &Metadata) -> Option<Vec<String>> {
+    let v = md.filter_metadata.get(SUBSET_NAMESPACE)?.fields.get(SUBSET_KEY)?;
+    let mut out = Vec::new();
+    let mut push = |s: &str| {
+        out.extend(s.split(',').map(str::trim).filter(|x| !x.is_empty()).map(str::to_owned));
+    };
+    match v.kind.as_ref()? {
+        Kind::StringValue(s) => push(s),
+        Kind::ListValue(l) => {
+            for item in &l.values {
+                if let Some(Kind::StringValue(s)) = &item.kind {
+                    push(s);
+                }
+            }
+        }
+        _ => return None,
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
+    use std::collections::HashMap;
+
+    fn md(v: Kind) -> Metadata {
+        let s = Struct { fields: HashMap::from([(SUBSET_KEY.to_owned(), Value { kind: Some(v) })]) };
+        Metadata { filter_metadata: HashMap::from([(SUBSET_NAMESPACE.to_owned(), s)]), ..Default::default() }
+    }
+
+    #[test]
+    fn subset_hint_list_and_string() {
+        let l = Kind::ListValue(ListValue {
+            values: vec![Value { kind: Some(Kind::StringValue("10.0.0.1:8000".into())) }],
+        });
+        assert_eq!(subset_hint(&md(l)), Some(vec!["10.0.0.1:8000".to_owned()]));
+        let s = Kind::StringValue("10.0.0.1:8000, 10.0.0.2:8000".into());
+        assert_eq!(subset_hint(&md(s)).map(|v| v.len()), Some(2));
+        assert_eq!(subset_hint(&Metadata::default()), None);
+    }
+}

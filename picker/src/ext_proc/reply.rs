@@ -1,0 +1,155 @@
+//! Builders of the `ProcessingResponse`s the picker sends to Envoy (SPEC §5, §11).
+//!
+//! Facts verified with Envoy 1.40 (SPEC §11): header values must travel in `raw_value` (setting
+//! `value` produced an empty header) with `append_action: OVERWRITE_IF_EXISTS_OR_ADD`; the dynamic
+//! metadata namespace `envoy.lb` is only kept when the filter lists it in
+//! `metadata_options.receiving_namespaces.untyped`.
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse,
+    TrailersResponse,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+/// Request header (and `envoy.lb` metadata key) carrying the chosen `ip:port`.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Dynamic metadata namespace read by the ORIGINAL_DST cluster / override-host policy.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Request id header, set upstream and returned to the client.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// One header set with `OVERWRITE_IF_EXISTS_OR_ADD`, value in `raw_value`.
+pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue { key: key.to_owned(), value: String::new(), raw_value: value.as_bytes().to_vec() }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+/// `{ "envoy.lb": { "x-gateway-destination-endpoint": endpoint } }`.
+pub fn destination_metadata(endpoint: &str) -> Struct {
+    let inner = Struct {
+        fields: HashMap::from([(
+            DESTINATION_HEADER.to_owned(),
+            Value { kind: Some(Kind::StringValue(endpoint.to_owned())) },
+        )]),
+    };
+    Struct { fields: HashMap::from([(LB_NAMESPACE.to_owned(), Value { kind: Some(Kind::StructValue(inner)) })]) }
+}
+
+/// The routing result: destination + request id headers, route cache cleared, `envoy.lb` metadata.
+/// `on_headers` picks the phase the reply answers (headers-only requests are routed on headers).
+pub fn routed(endpoint: &str, request_id: &str, on_headers: bool) -> ProcessingResponse {
+    let common = CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: vec![set_header(DESTINATION_HEADER, endpoint), set_header(REQUEST_ID_HEADER, request_id)],
+            remove_headers: Vec::new(),
+        }),
+        clear_route_cache: true,
+        ..Default::default()
+    };
+    let response = if on_headers {
+        Response::RequestHeaders(HeadersResponse { response: Some(common) })
+    } else {
+        Response::RequestBody(BodyResponse { response: Some(common) })
+    };
+    ProcessingResponse {
+        response: Some(response),
+        dynamic_metadata: Some(destination_metadata(endpoint)),
+        ..Default::default()
+    }
+}
+
+/// Empty CONTINUE to a request-headers message.
+pub fn continue_request_headers() -> ProcessingResponse {
+    ProcessingResponse { response: Some(Response::RequestHeaders(HeadersResponse::default())), ..Default::default() }
+}
+
+/// Empty CONTINUE to a request-body message.
+pub fn continue_request_body() -> ProcessingResponse {
+    ProcessingResponse { response: Some(Response::RequestBody(BodyResponse::default())), ..Default::default() }
+}
+
+/// Response headers: adds `x-request-id` for the client.
+pub fn response_headers(request_id: &str) -> ProcessingResponse {
+    let common = CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: vec![set_header(REQUEST_ID_HEADER, request_id)],
+            remove_headers: Vec::new(),
+        }),
+        ..Default::default()
+    };
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse { response: Some(common) })),
+        ..Default::default()
+    }
+}
+
+/// Empty CONTINUE to a response-body chunk (the body streams through untouched).
+pub fn continue_response_body() -> ProcessingResponse {
+    ProcessingResponse { response: Some(Response::ResponseBody(BodyResponse::default())), ..Default::default() }
+}
+
+/// CONTINUE to trailers of either direction.
+pub fn continue_trailers(request: bool) -> ProcessingResponse {
+    let t = TrailersResponse::default();
+    let response = if request { Response::RequestTrailers(t) } else { Response::ResponseTrailers(t) };
+    ProcessingResponse { response: Some(response), ..Default::default() }
+}
+
+/// An error answered to the client directly: `status` with an OpenAI-style JSON body
+/// `{"error":{"message":..,"type":..,"code":..}}`.
+pub fn immediate_error(status: u16, kind: &str, message: &str, request_id: &str) -> ProcessingResponse {
+    let body = serde_json::json!({ "error": { "message": message, "type": kind, "code": status } });
+    let immediate = ImmediateResponse {
+        status: Some(HttpStatus { code: i32::from(status) }),
+        headers: Some(HeaderMutation {
+            set_headers: vec![
+                set_header("content-type", "application/json"),
+                set_header(REQUEST_ID_HEADER, request_id),
+            ],
+            remove_headers: Vec::new(),
+        }),
+        body: body.to_string().into_bytes(),
+        details: format!("kvroute_picker_{kind}"),
+        ..Default::default()
+    };
+    ProcessingResponse { response: Some(Response::ImmediateResponse(immediate)), ..Default::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routed_sets_raw_value_and_metadata() {
+        let r = routed("10.0.0.1:8000", "rid", false);
+        let Some(Response::RequestBody(b)) = &r.response else { panic!("not a body response") };
+        let common = b.response.as_ref().unwrap();
+        assert!(common.clear_route_cache);
+        let h = &common.header_mutation.as_ref().unwrap().set_headers[0];
+        assert_eq!(h.header.as_ref().unwrap().raw_value, b"10.0.0.1:8000");
+        assert!(h.header.as_ref().unwrap().value.is_empty());
+        assert_eq!(h.append_action, HeaderAppendAction::OverwriteIfExistsOrAdd as i32);
+        let md = r.dynamic_metadata.unwrap();
+        let Some(Kind::StructValue(lb)) = &md.fields[LB_NAMESPACE].kind else { panic!("no envoy.lb") };
+        assert_eq!(lb.fields[DESTINATION_HEADER].kind, Some(Kind::StringValue("10.0.0.1:8000".into())));
+    }
+
+    #[test]
+    fn immediate_error_is_json() {
+        let r = immediate_error(404, "not_found_error", "model `x` does not exist", "rid");
+        let Some(Response::ImmediateResponse(i)) = r.response else { panic!() };
+        assert_eq!(i.status.unwrap().code, 404);
+        let v: serde_json::Value = serde_json::from_slice(&i.body).unwrap();
+        assert_eq!(v["error"]["code"], 404);
+        assert_eq!(v["error"]["type"], "not_found_error");
+    }
+}

@@ -1,0 +1,191 @@
+//! Finds `usage.prompt_tokens_details.cached_tokens` in a response body that streams past in
+//! chunks of any size (SPEC §5), without holding the body.
+//!
+//! Two shapes: a non-streaming JSON completion (usage at the top level, near the end), and an SSE
+//! stream of `data: {...}` lines where the final chunk carries `usage` (when the client asked for
+//! `stream_options.include_usage`). Memory is bounded: SSE keeps only the current partial line
+//! (dropped past [`MAX_LINE_BYTES`]); JSON keeps the body up to [`MAX_JSON_BYTES`], then only a
+//! tail of [`TAIL_BYTES`] that is scanned textually for `"cached_tokens": N` (an unescaped quote
+//! cannot occur inside a JSON string, so generated text cannot fake it).
+
+use serde_json::Value;
+
+/// Longest SSE line kept while waiting for its end, in bytes.
+pub const MAX_LINE_BYTES: usize = 1024 * 1024;
+/// Largest non-streaming body parsed as a whole, in bytes.
+pub const MAX_JSON_BYTES: usize = 1024 * 1024;
+/// Tail kept for the textual fallback once a JSON body outgrows [`MAX_JSON_BYTES`], in bytes.
+pub const TAIL_BYTES: usize = 16 * 1024;
+
+/// Per-response scanner. Feed every chunk in order; `finish` at end of stream.
+#[derive(Debug, Default)]
+pub struct UsageScanner {
+    sse: Option<bool>,
+    buf: Vec<u8>,
+    overflowed: bool,
+    found: Option<u32>,
+}
+
+impl UsageScanner {
+    /// A scanner; `event_stream` from the response `content-type` when known (else sniffed).
+    pub fn new(event_stream: Option<bool>) -> Self {
+        Self { sse: event_stream, ..Self::default() }
+    }
+
+    /// The cached-token count once seen.
+    pub fn found(&self) -> Option<u32> {
+        self.found
+    }
+
+    /// Feeds one chunk of the response body.
+    pub fn push(&mut self, chunk: &[u8]) {
+        if self.found.is_some() || chunk.is_empty() {
+            return;
+        }
+        let sse = *self.sse.get_or_insert_with(|| {
+            let first = chunk.iter().find(|b| !b.is_ascii_whitespace()).copied();
+            first != Some(b'{')
+        });
+        if sse { self.push_sse(chunk) } else { self.push_json(chunk) }
+    }
+
+    /// Ends the body; returns the cached-token count if any was found.
+    pub fn finish(&mut self) -> Option<u32> {
+        if self.found.is_none() {
+            if self.sse == Some(true) {
+                let line = std::mem::take(&mut self.buf);
+                self.sse_line(&line);
+            } else if self.overflowed {
+                self.found = scan_text(&self.buf);
+            } else if !self.buf.is_empty() {
+                self.found = serde_json::from_slice::<Value>(&self.buf).ok().as_ref().and_then(cached_tokens);
+            }
+        }
+        self.buf = Vec::new();
+        self.found
+    }
+
+    fn push_sse(&mut self, chunk: &[u8]) {
+        let mut rest = chunk;
+        while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
+            let (head, tail) = rest.split_at(nl);
+            rest = &tail[1..];
+            if self.overflowed {
+                self.overflowed = false;
+                self.buf.clear();
+                continue;
+            }
+            if self.buf.is_empty() {
+                self.sse_line(head);
+            } else {
+                self.buf.extend_from_slice(head);
+                let line = std::mem::take(&mut self.buf);
+                self.sse_line(&line);
+            }
+            if self.found.is_some() {
+                return;
+            }
+        }
+        if !self.overflowed {
+            self.buf.extend_from_slice(rest);
+            if self.buf.len() > MAX_LINE_BYTES {
+                self.buf.clear();
+                self.overflowed = true;
+            }
+        }
+    }
+
+    fn sse_line(&mut self, line: &[u8]) {
+        let Some(data) = line.strip_prefix(b"data:") else { return };
+        let data = data.trim_ascii();
+        if data.first() != Some(&b'{') || memfind(data, b"\"usage\"").is_none() {
+            return;
+        }
+        if let Ok(v) = serde_json::from_slice::<Value>(data) {
+            self.found = cached_tokens(&v);
+        }
+    }
+
+    fn push_json(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+        if !self.overflowed && self.buf.len() > MAX_JSON_BYTES {
+            self.overflowed = true;
+        }
+        if self.overflowed && self.buf.len() > 2 * TAIL_BYTES {
+            let cut = self.buf.len() - TAIL_BYTES;
+            self.buf.drain(..cut);
+        }
+    }
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of a parsed response object.
+fn cached_tokens(v: &Value) -> Option<u32> {
+    v.get("usage")?.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+/// Last `"cached_tokens": N` in `text`.
+fn scan_text(text: &[u8]) -> Option<u32> {
+    let key = b"\"cached_tokens\"";
+    let pos = text.windows(key.len()).rposition(|w| w == key)?;
+    let rest = text[pos + key.len()..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+fn memfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FINAL: &str = r#"data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+
+    #[test]
+    fn sse_split_anywhere() {
+        let stream = format!(
+            "data: {{\"id\":\"c\",\"choices\":[{{\"text\":\"\\\"cached_tokens\\\": 9\"}}]}}\n\n{FINAL}\n\ndata: [DONE]\n\n"
+        );
+        for cut in 0..stream.len() {
+            let mut s = UsageScanner::new(None);
+            s.push(&stream.as_bytes()[..cut]);
+            s.push(&stream.as_bytes()[cut..]);
+            assert_eq!(s.finish(), Some(32), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn sse_without_usage() {
+        let mut s = UsageScanner::new(Some(true));
+        s.push(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n");
+        assert_eq!(s.finish(), None);
+    }
+
+    #[test]
+    fn json_body_and_large_json_tail() {
+        let body = r#"{"id":"x","choices":[{"text":"hi"}],"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+        let mut s = UsageScanner::new(Some(false));
+        for c in body.as_bytes().chunks(7) {
+            s.push(c);
+        }
+        assert_eq!(s.finish(), Some(16));
+
+        let big = format!(
+            r#"{{"choices":[{{"text":"{}"}}],"usage":{{"prompt_tokens_details":{{"cached_tokens": 48}}}}}}"#,
+            "a".repeat(3 * MAX_JSON_BYTES)
+        );
+        let mut s = UsageScanner::new(None);
+        for c in big.as_bytes().chunks(65536) {
+            s.push(c);
+        }
+        assert_eq!(s.finish(), Some(48));
+    }
+
+    #[test]
+    fn null_details_give_none() {
+        let mut s = UsageScanner::new(None);
+        s.push(br#"{"usage":{"prompt_tokens":5,"prompt_tokens_details":null}}"#);
+        assert_eq!(s.finish(), None);
+    }
+}

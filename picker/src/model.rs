@@ -1,0 +1,293 @@
+//! InferenceModel resolution and request body → token ids → block hashes.
+//!
+//! A request's `model` names an InferenceModel from the config; it resolves to the base model the
+//! pods serve (`target_model`) and an optional LoRA adapter. Each model has a `BlockHasher` rooted at
+//! (target_model, adapter) (SPEC §2) and, when configured, a tokenizer shared by every model that
+//! names the same directory.
+//!
+//! Bodies: `/v1/completions` `prompt` (string → `encode_prompt`; token array → as is; a one-element
+//! batch of either) and `/v1/chat/completions` `messages` (+ `tools`) → `encode_chat`. A tokenizer
+//! failure yields no tokens and a warning: the request is then routed by load alone. Requests with
+//! `cache_salt` are never prefix-matched (SPEC §2).
+//!
+//! Concurrency: the registry is immutable after start-up and shared by `Arc`; tokenization is
+//! CPU-bound and is run by callers off the async workers (`spawn_blocking`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvroute_common::BlockHasher;
+use kvroute_tokenize::{ChatRequest, ModelTokenizer};
+use serde_json::Value;
+
+use crate::config::ModelConfig;
+
+/// Errors turning a request body into a routing input. Each maps to one HTTP status.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// The body is not a JSON object (400).
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    /// `model` is absent or not a string (400).
+    #[error("request body has no string field `model`")]
+    MissingModel,
+    /// `model` is not one of the configured InferenceModels (404).
+    #[error("model `{0}` does not exist")]
+    UnknownModel(String),
+}
+
+/// A configured model, ready to hash requests.
+#[derive(Debug)]
+pub struct ResolvedModel {
+    /// Client-facing name.
+    pub name: String,
+    /// Base model served by the pods.
+    pub target_model: String,
+    /// LoRA adapter, if any.
+    pub adapter: Option<String>,
+    /// Tokenizer; `None` when not configured or it failed to load (load-only routing).
+    pub tokenizer: Option<Arc<ModelTokenizer>>,
+    /// Block hasher rooted at (target_model, adapter).
+    pub hasher: BlockHasher,
+}
+
+/// Every configured model by client-facing name.
+#[derive(Debug, Default)]
+pub struct ModelRegistry {
+    models: HashMap<String, Arc<ResolvedModel>>,
+}
+
+/// What a body asks for, before tokenization.
+#[derive(Debug)]
+pub enum PromptInput {
+    /// `/v1/completions` prompt text.
+    Text(String),
+    /// `/v1/completions` prompt already given as token ids.
+    Tokens(Vec<u32>),
+    /// `/v1/chat/completions` messages and tools.
+    Chat(ChatRequest),
+    /// Nothing matchable (no prompt, `cache_salt`, unsupported shape): route by load.
+    None(&'static str),
+}
+
+/// A parsed request body: the model it names and its prompt.
+#[derive(Debug)]
+pub struct ParsedBody {
+    /// The `model` field.
+    pub model: String,
+    /// The prompt.
+    pub prompt: PromptInput,
+}
+
+impl ModelRegistry {
+    /// Builds every model of the config. A tokenizer that fails to load is logged and the model
+    /// routes by load only (the tokenizer crate may not be complete yet).
+    pub fn load(models: &[ModelConfig], block_size: usize) -> Self {
+        let mut tokenizers: HashMap<PathBuf, Option<Arc<ModelTokenizer>>> = HashMap::new();
+        let mut out = HashMap::new();
+        for m in models {
+            let tokenizer = m.tokenizer.as_ref().and_then(|dir| {
+                tokenizers
+                    .entry(dir.clone())
+                    .or_insert_with(|| match ModelTokenizer::from_dir(dir) {
+                        Ok(t) => Some(Arc::new(t)),
+                        Err(e) => {
+                            tracing::warn!(model = %m.name, dir = %dir.display(), error = %e,
+                                "tokenizer failed to load; this model routes by load only");
+                            None
+                        }
+                    })
+                    .clone()
+            });
+            let target = m.target().to_owned();
+            let hasher = BlockHasher::new(&target, m.adapter.as_deref(), block_size);
+            let resolved = ResolvedModel {
+                name: m.name.clone(),
+                target_model: target,
+                adapter: m.adapter.clone(),
+                tokenizer,
+                hasher,
+            };
+            out.insert(m.name.clone(), Arc::new(resolved));
+        }
+        Self { models: out }
+    }
+
+    /// The model a request names, if configured.
+    pub fn resolve(&self, name: &str) -> Option<&Arc<ResolvedModel>> {
+        self.models.get(name)
+    }
+
+    /// Number of configured models.
+    pub fn len(&self) -> usize {
+        self.models.len()
+    }
+
+    /// True when no model is configured.
+    pub fn is_empty(&self) -> bool {
+        self.models.is_empty()
+    }
+}
+
+/// True when `path` (the `:path` header, query string included) is the chat endpoint.
+fn is_chat_path(path: &str) -> bool {
+    path.split('?').next().is_some_and(|p| p.ends_with("/chat/completions"))
+}
+
+/// Parses a body: the `model` and the prompt, by `:path` (or, for other paths, by which of
+/// `messages`/`prompt` is present).
+pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ModelError::InvalidJson(e.to_string()))?;
+    let Value::Object(mut obj) = v else {
+        return Err(ModelError::InvalidJson("expected a JSON object".into()));
+    };
+    let model = match obj.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        _ => return Err(ModelError::MissingModel),
+    };
+    if obj.get("cache_salt").is_some_and(|s| !s.is_null()) {
+        return Ok(ParsedBody { model, prompt: PromptInput::None("cache_salt set: not prefix-matched") });
+    }
+    let chat = is_chat_path(path) || (!obj.contains_key("prompt") && obj.contains_key("messages"));
+    let prompt = if chat {
+        let messages = match obj.remove("messages") {
+            Some(Value::Array(m)) => m,
+            _ => return Ok(ParsedBody { model, prompt: PromptInput::None("no messages array") }),
+        };
+        let tools = match obj.remove("tools") {
+            Some(Value::Array(t)) => Some(t),
+            _ => None,
+        };
+        PromptInput::Chat(ChatRequest { messages, tools })
+    } else {
+        completion_prompt(obj.remove("prompt"))
+    };
+    Ok(ParsedBody { model, prompt })
+}
+
+/// `prompt` of `/v1/completions`: a string, a token array, or a one-element batch of either.
+fn completion_prompt(p: Option<Value>) -> PromptInput {
+    match p {
+        Some(Value::String(s)) => PromptInput::Text(s),
+        Some(Value::Array(mut a)) => {
+            if a.is_empty() {
+                return PromptInput::None("empty prompt");
+            }
+            if a.iter().all(Value::is_number) {
+                return tokens_of(&a);
+            }
+            if a.len() == 1 {
+                return match a.pop() {
+                    Some(Value::String(s)) => PromptInput::Text(s),
+                    Some(Value::Array(inner)) if inner.iter().all(Value::is_number) => tokens_of(&inner),
+                    _ => PromptInput::None("unsupported prompt shape"),
+                };
+            }
+            PromptInput::None("batched prompts are routed by load")
+        }
+        _ => PromptInput::None("no prompt"),
+    }
+}
+
+fn tokens_of(a: &[Value]) -> PromptInput {
+    let mut out = Vec::with_capacity(a.len());
+    for t in a {
+        match t.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(n) => out.push(n),
+            None => return PromptInput::None("prompt token ids must be u32"),
+        }
+    }
+    PromptInput::Tokens(out)
+}
+
+impl ResolvedModel {
+    /// Token ids of the prompt; empty (with a warning) when it cannot be tokenized.
+    pub fn tokens(&self, prompt: &PromptInput, request_id: &str) -> Vec<u32> {
+        let res = match (prompt, &self.tokenizer) {
+            (PromptInput::Tokens(t), _) => return t.clone(),
+            (PromptInput::None(why), _) => {
+                tracing::debug!(request_id, reason = why, "no prompt tokens");
+                return Vec::new();
+            }
+            (_, None) => {
+                tracing::debug!(request_id, model = %self.name, "no tokenizer: routing by load");
+                return Vec::new();
+            }
+            (PromptInput::Text(s), Some(t)) => t.encode_prompt(s),
+            (PromptInput::Chat(c), Some(t)) => t.encode_chat(c),
+        };
+        res.unwrap_or_else(|e| {
+            tracing::warn!(request_id, model = %self.name, error = %e, "tokenization failed: routing by load");
+            Vec::new()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let p = parse_body("/v1/completions", br#"{"model":"m","prompt":"hi"}"#).unwrap();
+        assert_eq!(p.model, "m");
+        assert!(matches!(p.prompt, PromptInput::Text(ref s) if s == "hi"));
+        let p = parse_body("/v1/completions", br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert!(matches!(p.prompt, PromptInput::Tokens(ref t) if t == &[1, 2, 3]));
+        let p = parse_body("/v1/completions", br#"{"model":"m","prompt":[[4,5]]}"#).unwrap();
+        assert!(matches!(p.prompt, PromptInput::Tokens(ref t) if t == &[4, 5]));
+        let p = parse_body("/v1/completions", br#"{"model":"m","prompt":[-1]}"#).unwrap();
+        assert!(matches!(p.prompt, PromptInput::None(_)));
+        let p = parse_body("/v1/completions", br#"{"model":"m","prompt":"x","cache_salt":"s"}"#).unwrap();
+        assert!(matches!(p.prompt, PromptInput::None(_)));
+    }
+
+    #[test]
+    fn chat_body() {
+        let p = parse_body(
+            "/v1/chat/completions?x=1",
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#,
+        )
+        .unwrap();
+        match p.prompt {
+            PromptInput::Chat(c) => {
+                assert_eq!(c.messages.len(), 1);
+                assert_eq!(c.tools.map(|t| t.len()), Some(1));
+            }
+            other => panic!("expected chat, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn errors() {
+        assert!(matches!(parse_body("/v1/completions", b"{nope"), Err(ModelError::InvalidJson(_))));
+        assert!(matches!(parse_body("/v1/completions", b"[1]"), Err(ModelError::InvalidJson(_))));
+        assert!(matches!(parse_body("/v1/completions", br#"{"prompt":"x"}"#), Err(ModelError::MissingModel)));
+        assert!(matches!(parse_body("/v1/completions", br#"{"model":3}"#), Err(ModelError::MissingModel)));
+    }
+
+    #[test]
+    fn registry_resolves_and_hashes_under_adapter_root() {
+        let cfg = vec![
+            ModelConfig { name: "a".into(), target_model: Some("base".into()), adapter: None, tokenizer: None },
+            ModelConfig {
+                name: "b".into(),
+                target_model: Some("base".into()),
+                adapter: Some("l".into()),
+                tokenizer: None,
+            },
+        ];
+        let r = ModelRegistry::load(&cfg, 16);
+        let a = r.resolve("a").unwrap();
+        let b = r.resolve("b").unwrap();
+        assert_eq!(a.target_model, "base");
+        assert_eq!(b.adapter.as_deref(), Some("l"));
+        assert_ne!(a.hasher.root(), b.hasher.root());
+        assert!(r.resolve("c").is_none());
+        // No tokenizer: text prompts give no tokens, token prompts pass through.
+        assert!(a.tokens(&PromptInput::Text("x".into()), "r").is_empty());
+        assert_eq!(a.tokens(&PromptInput::Tokens(vec![7; 3]), "r"), vec![7; 3]);
+    }
+}
