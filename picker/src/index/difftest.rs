@@ -54,7 +54,7 @@ impl Model {
     }
 }
 
-fn block() -> impl Strategy<Value = u64> {
+fn block() -> impl Strategy<Value = u64> + Clone {
     // Few distinct values so ops collide; spread over the shard bits too.
     (0u64..24).prop_map(|v| v.wrapping_mul(0x0123_4567_89ab_cdef))
 }

@@ -251,4 +251,4 @@ impl Pool {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

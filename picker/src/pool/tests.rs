@@ -1,1 +1,137 @@
-//! Pool tests: registration, snapshots/deltas, grace expiry, queue depth.
+//! Pool tests: registration, snapshot/delta application order, grace expiry, queue depth; and
+//! helpers shared with the score and ingest tests.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_common::BlockHash;
+use kvroute_proto::agent::v1::{PodInfo, PodStats};
+
+use super::{Pool, PoolConfig, PoolUpdate, now_unix_ms};
+
+/// Pod info for tests: endpoint derived from the name.
+pub(crate) fn info(pod: &str, model: &str) -> PodInfo {
+    PodInfo { pod: pod.into(), endpoint: format!("{pod}:8000"), model: model.into(), block_size: 16 }
+}
+
+/// Ready, healthy stats observed now.
+pub(crate) fn stats(gpu: f64, waiting: u32, health: f64) -> PodStats {
+    PodStats {
+        observed_at_unix_ms: now_unix_ms(),
+        num_requests_waiting: waiting,
+        gpu_utilization: gpu,
+        health_score: health,
+        ready: true,
+        ..PodStats::default()
+    }
+}
+
+/// Chain of `n` distinct test blocks starting at `base`.
+pub(crate) fn chain(base: u64, n: u64) -> Vec<BlockHash> {
+    (0..n).map(|i| BlockHash((base + i).wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect()
+}
+
+/// Registers (or replaces) a pod with `stats` and `blocks`, and waits until it is visible.
+pub(crate) async fn put(pool: &Arc<Pool>, pod: &str, model: &str, stats: PodStats, blocks: &[BlockHash]) {
+    let u =
+        PoolUpdate::Snapshot { stream: 1, info: info(pod, model), seq: 0, stats: Some(stats), blocks: blocks.to_vec() };
+    assert!(pool.update(u).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+}
+
+fn small() -> Arc<Pool> {
+    Pool::new(PoolConfig { grace_ttl_ms: 150, max_blocks_per_pod: 1000, ..PoolConfig::default() })
+}
+
+#[tokio::test]
+async fn snapshot_registers_pod_and_blocks() {
+    let pool = small();
+    put(&pool, "a", "m", stats(0.5, 2, 0.9), &chain(0, 10)).await;
+    let pods = pool.pods();
+    assert_eq!(pods.len(), 1);
+    let a = &pods[0];
+    assert_eq!((a.name.as_str(), a.endpoint.as_str(), a.model.as_str()), ("a", "a:8000", "m"));
+    assert!(a.connected && a.ready);
+    assert_eq!((a.blocks, a.queue_depth, a.in_flight), (10, 2, 0));
+    assert_eq!(pool.index_stats().entries, 10);
+    // A second snapshot replaces the set.
+    put(&pool, "a", "m", stats(0.5, 2, 0.9), &chain(5, 3)).await;
+    assert_eq!(pool.index_stats().entries, 3);
+    assert_eq!(pool.pods()[0].blocks, 3);
+}
+
+#[tokio::test]
+async fn delta_applies_cleared_then_stored_then_removed() {
+    let pool = small();
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &chain(0, 4)).await;
+    let c = chain(100, 3);
+    let u = PoolUpdate::Delta {
+        stream: 1,
+        pod: "a".into(),
+        seq: 1,
+        cleared: true,
+        stored: c.clone(),
+        removed: vec![c[2]],
+        stats: None,
+    };
+    assert!(pool.update(u).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    let snap = pool.index.load();
+    assert_eq!(snap.stats().entries, 2);
+    assert_eq!(snap.pods_of(c[0]).len(), 1);
+    assert!(snap.pods_of(c[2]).is_empty());
+    assert!(snap.pods_of(chain(0, 1)[0]).is_empty());
+    // Stats were kept (delta without stats).
+    assert!(pool.pods()[0].ready);
+}
+
+#[tokio::test]
+async fn ended_stream_keeps_pod_for_grace_then_drops_it() {
+    let pool = small();
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &chain(0, 4)).await;
+    assert!(pool.update(PoolUpdate::StreamEnded { stream: 1 }).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    let pods = pool.pods();
+    assert_eq!(pods.len(), 1);
+    assert!(!pods[0].connected);
+    assert_eq!(pool.index_stats().entries, 4, "blocks still count during grace");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(pool.pods().is_empty());
+    assert_eq!(pool.index_stats().entries, 0);
+}
+
+#[tokio::test]
+async fn stream_end_only_disconnects_pods_it_still_owns() {
+    let pool = small();
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
+    let moved = PoolUpdate::Snapshot { stream: 2, info: info("a", "m"), seq: 0, stats: None, blocks: vec![] };
+    assert!(pool.update(moved).await.is_ok());
+    assert!(pool.update(PoolUpdate::StreamEnded { stream: 1 }).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    assert!(pool.pods()[0].connected);
+}
+
+#[tokio::test]
+async fn queue_depth_counts_in_flight_only_since_the_report() {
+    let pool = small();
+    let mut s = stats(0.0, 3, 1.0);
+    s.observed_at_unix_ms = now_unix_ms() - 60_000;
+    put(&pool, "a", "m", s, &[]).await;
+    let rec = pool.table.load().pods[0].clone();
+    rec.inflight.reserve(now_unix_ms(), 1);
+    rec.inflight.reserve(now_unix_ms() - 120_000, 2); // routed before the report: engine counted it
+    assert_eq!(pool.pods()[0].queue_depth, 4);
+    assert_eq!(pool.pods()[0].in_flight, 2);
+    // A newer report absorbs the earlier routings.
+    let mut s = stats(0.0, 5, 1.0);
+    s.observed_at_unix_ms = now_unix_ms() + 1000;
+    put(&pool, "a", "m", s, &[]).await;
+    assert_eq!(pool.pods()[0].queue_depth, 5);
+}
+
+#[test]
+fn pool_works_without_an_outer_runtime() {
+    let pool = Pool::new(PoolConfig::default());
+    assert!(pool.pods().is_empty());
+    assert_eq!(pool.index_stats().nodes, 0);
+}

@@ -233,6 +233,21 @@ impl Router {
         (pre, excluded, model_pods)
     }
 
+    /// Each built-in factor (unweighted, in [0,1]) and the composite S in [0,1] for `pod`.
+    pub fn composite(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> ([f64; 5], f64) {
+        let mut factors = [0.0f64; 5];
+        let mut s = 0.0;
+        for (k, (scorer, w)) in self.scorers.iter().enumerate() {
+            let v = scorer.score(ctx, pod);
+            let v = if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) };
+            if let Some(slot) = factors.get_mut(k) {
+                *slot = v;
+            }
+            s += w * v;
+        }
+        (factors, s.clamp(0.0, 1.0))
+    }
+
     /// Spill, factor scores, composite, choice. Call under the selection lock when reserving.
     #[allow(clippy::type_complexity)]
     fn score<'t>(
@@ -289,17 +304,7 @@ impl Router {
         let mut candidates = Vec::with_capacity(facts.len());
         let mut ranked = Vec::with_capacity(facts.len());
         for (i, f) in facts.iter().enumerate() {
-            let mut factors = [0.0f64; 5];
-            let mut s = 0.0;
-            for (k, (scorer, w)) in self.scorers.iter().enumerate() {
-                let v = scorer.score(&ctx, f);
-                let v = if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) };
-                if k < factors.len() {
-                    factors[k] = v;
-                }
-                s += w * v;
-            }
-            let s = s.clamp(0.0, 1.0);
+            let (factors, s) = self.composite(&ctx, f);
             ranked.push(Ranked {
                 score: s,
                 load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),

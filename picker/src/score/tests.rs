@@ -1,1 +1,297 @@
-//! Scoring tests: formulas, properties, filters, selection.
+//! Scoring tests: SPEC §4 properties (proptest), the seed's worked numbers, filters, spill,
+//! ties, health exclusion, adapter match, reservations, config validation.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::{PodFacts, RouteError, RouteRequest, Router, ScoreContext, ScoringConfig, ScoringConfigError, Weights};
+use crate::pool::tests::{chain, put, stats};
+use crate::pool::{Pool, PoolConfig};
+
+fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -> PodFacts<'_> {
+    PodFacts {
+        name: "p",
+        endpoint: "p:1",
+        matched_blocks: matched,
+        gpu_utilization: gpu,
+        queue_depth: queue,
+        health_score: health,
+        health_reason: "",
+        kv_cache_usage: 0.0,
+        running_adapters: adapters,
+    }
+}
+
+fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
+    let pool = Pool::new(PoolConfig::default());
+    let r = Router::new(pool.clone(), config);
+    assert!(r.is_ok());
+    let Ok(r) = r else { unreachable!() };
+    (pool, r)
+}
+
+fn req<'a>(blocks: &'a [kvroute_common::BlockHash]) -> RouteRequest<'a> {
+    RouteRequest { model: "m", adapter: None, block_hashes: blocks, subset: None }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]
+
+    /// S ∈ [0,1] for any inputs, including out-of-range and adversarial ones.
+    #[test]
+    fn composite_is_in_unit_interval(
+        total in 0u32..300, matched in 0u32..400, gpu in -1.0f64..3.0, queue in 0u32..100,
+        health in -0.5f64..1.5, has_adapter in any::<bool>(), wants_adapter in any::<bool>(),
+    ) {
+        let (_pool, r) = router(ScoringConfig::default());
+        let running = if has_adapter { vec!["x".to_string()] } else { vec![] };
+        let f = facts(matched, gpu, queue, health, &running);
+        let ctx = ScoreContext { adapter: wants_adapter.then_some("x"), total_blocks: total, config: r.config(), candidates: &[] };
+        let (factors, s) = r.composite(&ctx, &f);
+        prop_assert!((0.0..=1.0).contains(&s), "S = {s}");
+        for v in factors { prop_assert!((0.0..=1.0).contains(&v)); }
+    }
+
+    /// A cache advantage ≥ 0.65 is never overturned when both pods pass the health threshold.
+    #[test]
+    fn cache_advantage_of_065_always_wins(
+        total in 20u32..300, ratio_b in 0.0f64..0.35, adv in 0.65f64..1.0,
+        gpu_a in 0.0f64..1.0, gpu_b in 0.0f64..1.0, q_a in 0u32..40, q_b in 0u32..40,
+        h_a in 0.3f64..1.0, h_b in 0.3f64..1.0, ad_a in any::<bool>(), ad_b in any::<bool>(),
+    ) {
+        let (_pool, r) = router(ScoringConfig::default());
+        let ratio_a = (ratio_b + adv).min(1.0);
+        prop_assume!(ratio_a - ratio_b >= 0.65);
+        // Matched counts realising at least the advantage.
+        let m_a = (ratio_a * f64::from(total)).ceil() as u32;
+        let m_b = (ratio_b * f64::from(total)).floor() as u32;
+        let run = vec!["x".to_string()];
+        let none: Vec<String> = vec![];
+        let fa = facts(m_a.min(total), gpu_a, q_a, h_a, if ad_a { &run } else { &none });
+        let fb = facts(m_b, gpu_b, q_b, h_b, if ad_b { &run } else { &none });
+        let ctx = ScoreContext { adapter: Some("x"), total_blocks: total, config: r.config(), candidates: &[] };
+        let (_, sa) = r.composite(&ctx, &fa);
+        let (_, sb) = r.composite(&ctx, &fb);
+        prop_assert!(sa > sb, "S_a {sa} <= S_b {sb}");
+    }
+
+    /// The health factor alone never costs a pass-threshold pod more than 0.035.
+    #[test]
+    fn max_health_penalty_is_0035(h in 0.3f64..=1.0) {
+        let (_pool, r) = router(ScoringConfig::default());
+        let ctx = ScoreContext { adapter: None, total_blocks: 10, config: r.config(), candidates: &[] };
+        let (_, best) = r.composite(&ctx, &facts(5, 0.5, 3, 1.0, &[]));
+        let (_, s) = r.composite(&ctx, &facts(5, 0.5, 3, h, &[]));
+        prop_assert!(best - s <= 0.035 + 1e-12);
+    }
+}
+
+#[tokio::test]
+async fn cache_hot_loaded_pod_beats_idle_cold_pod() {
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 32);
+    put(&pool, "hot", "m", stats(0.8, 0, 1.0), &c).await;
+    put(&pool, "cold", "m", stats(0.0, 0, 1.0), &[]).await;
+    let d = r.route(&req(&c));
+    assert!(d.is_ok(), "{d:?}");
+    let Ok(d) = d else { return };
+    assert_eq!((d.pod.as_str(), d.endpoint.as_str()), ("hot", "hot:8000"));
+    assert_eq!((d.matched_blocks, d.total_blocks), (32, 32));
+    assert!((d.match_ratio - 1.0).abs() < 1e-12);
+    let hot = &d.candidates[0];
+    let cold = &d.candidates[1];
+    assert!((0.6 * hot.cache + 0.2 * hot.load - 0.64).abs() < 1e-9);
+    assert!((0.6 * cold.cache + 0.2 * cold.load - 0.20).abs() < 1e-9);
+    // Full composite: hot 0.64 + 0.1 + 0.05 + 0.05; cold 0.20 + 0.2.
+    assert!((hot.score - 0.84).abs() < 1e-9 && (cold.score - 0.40).abs() < 1e-9);
+}
+
+#[tokio::test]
+async fn partial_prefix_counts_consecutive_blocks_from_the_start() {
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 10);
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &c[..4]).await;
+    let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+    assert_eq!((d.matched_blocks, d.total_blocks), (4, 10));
+    assert!((d.match_ratio - 0.4).abs() < 1e-12);
+}
+
+#[tokio::test]
+async fn full_queue_spills_then_degrades_or_sheds() {
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 8);
+    put(&pool, "hot", "m", stats(0.0, 20, 1.0), &c).await;
+    put(&pool, "cold", "m", stats(0.9, 5, 1.0), &[]).await;
+    let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+    assert_eq!(d.pod, "cold", "hot pod at maxQueue must spill");
+    let e = r.explain(&req(&c));
+    assert!(e.excluded.iter().any(|(p, why)| p == "hot" && why.contains("queue")), "{e:?}");
+    drop(d);
+    // Everyone saturated: all stay candidates, cache wins again.
+    put(&pool, "cold", "m", stats(0.9, 25, 1.0), &[]).await;
+    let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+    assert_eq!(d.pod, "hot");
+    drop(d);
+    let shed = Router::new(pool.clone(), ScoringConfig { shed_when_saturated: true, ..ScoringConfig::default() });
+    let Ok(shed) = shed else { panic!("config") };
+    assert!(matches!(shed.route(&req(&c)), Err(RouteError::Shed { .. })));
+}
+
+#[tokio::test]
+async fn reservations_are_seen_by_later_decisions_and_released_on_drop() {
+    let cfg = ScoringConfig { max_queue: 2, ..ScoringConfig::default() };
+    let (pool, r) = router(cfg);
+    let c = chain(0, 8);
+    put(&pool, "hot", "m", stats(0.0, 0, 1.0), &c).await;
+    put(&pool, "cold", "m", stats(0.0, 0, 1.0), &[]).await;
+    let Ok(d1) = r.route(&req(&c)) else { panic!() };
+    let Ok(d2) = r.route(&req(&c)) else { panic!() };
+    assert_eq!((d1.pod.as_str(), d2.pod.as_str()), ("hot", "hot"));
+    let hot = pool.pods().into_iter().find(|p| p.name == "hot");
+    assert_eq!(hot.map(|p| (p.in_flight, p.queue_depth)), Some((2, 2)));
+    // maxQueue 2 reached by the picker's own reservations: the third spills.
+    let Ok(d3) = r.route(&req(&c)) else { panic!() };
+    assert_eq!(d3.pod, "cold");
+    drop((d1, d2, d3));
+    assert!(pool.pods().iter().all(|p| p.in_flight == 0));
+}
+
+#[tokio::test]
+async fn concurrent_routes_reserve_exactly_once_each() {
+    let (pool, r) = router(ScoringConfig { max_queue: 1000, ..ScoringConfig::default() });
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
+    put(&pool, "b", "m", stats(0.0, 0, 1.0), &[]).await;
+    let r = Arc::new(r);
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let r = r.clone();
+            std::thread::spawn(move || (0..50).filter_map(|_| r.route(&req(&[])).ok()).collect::<Vec<_>>())
+        })
+        .collect();
+    let slots: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
+    assert_eq!(slots.len(), 200);
+    let pods = pool.pods();
+    assert_eq!(pods.iter().map(|p| p.in_flight).sum::<u32>(), 200);
+    // Queue factor balances identical pods: each got about half.
+    assert!(pods.iter().all(|p| (90..=110).contains(&p.in_flight)), "{pods:?}");
+}
+
+#[tokio::test]
+async fn ties_break_on_load_then_queue_then_seeded_random() {
+    let cache_only = ScoringConfig {
+        weights: Weights { cache: 1.0, load: 0.0, queue: 0.0, health: 0.0, adapter: 0.0 },
+        ..ScoringConfig::default()
+    };
+    let (pool, r) = router(cache_only.clone());
+    put(&pool, "busy", "m", stats(0.7, 0, 1.0), &[]).await;
+    put(&pool, "idle", "m", stats(0.1, 9, 1.0), &[]).await;
+    let Ok(d) = r.route(&req(&[])) else { panic!() };
+    assert_eq!(d.pod, "idle", "equal S: lower loadRatio wins");
+    drop(d);
+    put(&pool, "busy", "m", stats(0.1, 1, 1.0), &[]).await;
+    let Ok(d) = r.route(&req(&[])) else { panic!() };
+    assert_eq!(d.pod, "busy", "equal S and load: lower queue wins");
+    drop(d);
+    put(&pool, "busy", "m", stats(0.1, 9, 1.0), &[]).await;
+    let picks = |r: &Router| (0..64).filter_map(|_| r.route(&req(&[])).ok().map(|d| d.pod)).collect::<Vec<_>>();
+    let Ok(fresh) = Router::new(pool.clone(), cache_only.clone()) else { panic!() };
+    let first = picks(&fresh);
+    assert!(first.iter().any(|p| p == "busy") && first.iter().any(|p| p == "idle"), "random tie-break spreads");
+    let Ok(again) = Router::new(pool.clone(), cache_only) else { panic!() };
+    assert_eq!(picks(&again), first, "same seed, same sequence");
+}
+
+#[tokio::test]
+async fn unhealthy_pods_are_excluded_with_a_reason() {
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 8);
+    let mut sick = stats(0.0, 0, 0.2);
+    sick.health_reason = "uncorrected ECC".into();
+    put(&pool, "sick", "m", sick, &c).await;
+    let e = r.route(&req(&c));
+    let Err(RouteError::NoCandidate { reason }) = e else { panic!("expected NoCandidate, got {e:?}") };
+    assert!(reason.contains("sick") && reason.contains("uncorrected ECC"), "{reason}");
+    put(&pool, "ok", "m", stats(0.9, 10, 0.3), &[]).await;
+    let Ok(d) = r.route(&req(&c)) else { panic!() };
+    assert_eq!(d.pod, "ok", "a full cache hit on a pod below threshold does not count");
+    let e = r.explain(&req(&c));
+    assert_eq!(e.choice.as_deref(), Some("ok"));
+    assert_eq!(e.excluded.len(), 1);
+}
+
+#[tokio::test]
+async fn adapter_match_prefers_pods_running_the_adapter() {
+    let (pool, r) = router(ScoringConfig::default());
+    let mut with = stats(0.2, 0, 1.0);
+    with.running_adapters = vec!["sql-lora".into()];
+    put(&pool, "with", "m", with, &[]).await;
+    put(&pool, "without", "m", stats(0.2, 0, 1.0), &[]).await;
+    let rq = RouteRequest { adapter: Some("sql-lora"), ..req(&[]) };
+    let Ok(d) = r.route(&rq) else { panic!() };
+    assert_eq!(d.pod, "with");
+    assert_eq!(d.candidates[0].adapter, 1.0);
+    assert_eq!(d.candidates[1].adapter, 0.0);
+}
+
+#[tokio::test]
+async fn model_subset_and_readiness_filters() {
+    let (pool, r) = router(ScoringConfig::default());
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
+    put(&pool, "b", "m", stats(0.9, 0, 1.0), &[]).await;
+    put(&pool, "other", "m2", stats(0.0, 0, 1.0), &[]).await;
+    let mut not_ready = stats(0.0, 0, 1.0);
+    not_ready.ready = false;
+    put(&pool, "starting", "m", not_ready, &[]).await;
+    let subset = vec!["b:8000".to_string()];
+    let Ok(d) = r.route(&RouteRequest { subset: Some(&subset), ..req(&[]) }) else { panic!() };
+    assert_eq!(d.pod, "b");
+    let e = r.explain(&req(&[]));
+    assert_eq!(e.choice.as_deref(), Some("a"));
+    assert!(e.excluded.iter().any(|(p, why)| p == "starting" && why.contains("not ready")));
+    let e = r.route(&RouteRequest { model: "nope", ..req(&[]) });
+    assert!(matches!(e, Err(RouteError::NoCandidate { reason }) if reason.contains("no pod serves model 'nope'")));
+}
+
+#[tokio::test]
+async fn stale_routing_is_judged_against_predicted_tokens() {
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 10);
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &c).await;
+    let Ok(d) = r.route(&req(&c)) else { panic!() };
+    // Predicted 160 tokens; vLLM never counts the last token: 144..=160 is fine.
+    assert!(!d.slot.observe_cached_tokens(159));
+    assert!(!d.slot.observe_cached_tokens(144));
+    assert!(d.slot.observe_cached_tokens(143));
+    assert!(d.slot.observe_cached_tokens(0));
+}
+
+#[test]
+fn validate_names_every_weight_and_the_sum() {
+    assert_eq!(ScoringConfig::default().validate(), Ok(()));
+    let bad = ScoringConfig { weights: Weights { cache: 0.9, ..Weights::default() }, ..ScoringConfig::default() };
+    let err = bad.validate();
+    let Err(e @ ScoringConfigError::Weights { .. }) = err else { panic!("{err:?}") };
+    let msg = e.to_string();
+    for part in ["cache=0.9", "load=0.2", "queue=0.1", "health=0.05", "adapter=0.05", "sum 1.3"] {
+        assert!(msg.contains(part), "{msg} lacks {part}");
+    }
+    let neg = ScoringConfig {
+        weights: Weights { cache: 1.1, load: -0.1, queue: 0.0, health: 0.0, adapter: 0.0 },
+        ..ScoringConfig::default()
+    };
+    assert!(neg.validate().is_err(), "sum 1 but out-of-range weights");
+    for name in ["chatbot", "latency-api", "batch", "multi-lora"] {
+        assert_eq!(ScoringConfig::preset(name).map(|c| c.validate()), Some(Ok(())), "{name}");
+    }
+    assert!(ScoringConfig { max_queue: 0, ..ScoringConfig::default() }.validate().is_err());
+    assert!(ScoringConfig { max_utilization: 0.0, ..ScoringConfig::default() }.validate().is_err());
+}
+
+#[test]
+fn config_parses_with_defaults_and_rejects_unknown_fields() {
+    let c: Result<ScoringConfig, _> = serde_norway::from_str("max_queue: 10");
+    assert!(matches!(c, Ok(ref c) if c.max_queue == 10 && c.weights == Weights::default()), "{c:?}");
+    let c: Result<ScoringConfig, _> = serde_norway::from_str("max_queu: 10");
+    assert!(c.is_err());
+}
