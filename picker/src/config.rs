@@ -156,7 +156,7 @@ impl ScoringSection {
     pub fn to_scoring_config(&self) -> ScoringConfig {
         let mut c = ScoringConfig::default();
         if let Some(w) = &self.weights {
-            c.weights = w.clone();
+            c.weights = *w;
         }
         if let Some(v) = self.max_queue {
             c.max_queue = v;
@@ -268,6 +268,7 @@ impl PickerConfig {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

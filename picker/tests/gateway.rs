@@ -2,6 +2,8 @@
 //! through a real `AgentIngest` client stream, and a tonic ext_proc client playing Envoy (BUFFERED
 //! request body, STREAMED response body).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -1,0 +1,86 @@
+//! The `kvroute-picker` binary: prints `READY` once its listeners are bound, and refuses an invalid
+//! config with a non-zero exit and a message naming the problem.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn write_config(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-picker-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("picker.yaml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn tokenizer_dir() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5").display().to_string()
+}
+
+#[test]
+fn prints_ready_then_stops_on_sigterm() {
+    let config = write_config(
+        "ok",
+        &format!(
+            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+             models:\n  - name: m\n    tokenizer: {}\n",
+            tokenizer_dir()
+        ),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
+        .args(["--config", config.to_str().unwrap(), "--log-level", "warn"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(30));
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(line.unwrap().trim(), "READY");
+    assert!(status.is_some_and(|s| s.success()), "picker did not exit cleanly on SIGTERM: {status:?}");
+}
+
+#[test]
+fn invalid_config_exits_non_zero_with_message() {
+    let cases = [
+        (
+            "weights",
+            "scoring: {weights: {cache: 0.9, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05}}\n",
+            "scoring",
+        ),
+        ("unknown", "ext_proc_adr: 127.0.0.1:1\n", "ext_proc_adr"),
+        ("tokenizer", "models: [{name: m, tokenizer: no-such-dir}]\n", "tokenizer.json"),
+    ];
+    for (name, yaml, needle) in cases {
+        let config = write_config(name, yaml);
+        let out = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
+            .args(["--config", config.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{name}: should refuse to start");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "{name}: stderr lacks {needle:?}: {stderr}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("READY"));
+    }
+}
