@@ -14,6 +14,8 @@ use super::{IndexSnapshot, IndexWriter, MatchScratch, PodIdx};
 const PODS: u16 = 10;
 const CAP: usize = 12;
 
+type NaiveIndex = HashMap<BlockHash, BTreeSet<u16>>;
+
 #[derive(Clone, Debug)]
 enum Op {
     Store(u16, Vec<u64>),
@@ -104,7 +106,7 @@ proptest! {
         let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
         let mut w = IndexWriter::new(published.clone(), CAP);
         let mut model = Model::default();
-        let mut frozen: Option<(Arc<IndexSnapshot>, HashMap<BlockHash, BTreeSet<u16>>)> = None;
+        let mut frozen: Option<(Arc<IndexSnapshot>, NaiveIndex)> = None;
         for op in ops {
             match op {
                 Op::Store(p, b) => {

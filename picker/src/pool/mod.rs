@@ -92,7 +92,7 @@ pub enum PoolUpdate {
 }
 
 enum WriterMsg {
-    Update(PoolUpdate),
+    Update(Box<PoolUpdate>),
     Barrier(oneshot::Sender<()>),
 }
 
@@ -202,7 +202,7 @@ impl Pool {
 
     /// Queues an update for the writer (waits while the queue is full: backpressure).
     pub async fn update(&self, update: PoolUpdate) -> Result<(), PoolError> {
-        self.tx.send(WriterMsg::Update(update)).await.map_err(|_| PoolError::WriterGone)
+        self.tx.send(WriterMsg::Update(Box::new(update))).await.map_err(|_| PoolError::WriterGone)
     }
 
     /// Resolves once every update queued before this call is applied and visible to readers.

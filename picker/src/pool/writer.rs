@@ -100,7 +100,7 @@ impl Writer {
         let mut n = 0;
         while let Some(m) = msg.take() {
             match m {
-                WriterMsg::Update(u) => self.apply(u),
+                WriterMsg::Update(u) => self.apply(*u),
                 WriterMsg::Barrier(b) => barriers.push(b),
             }
             n += 1;

@@ -66,7 +66,7 @@ pub(crate) fn exclusion(
         });
     }
     if let Some(allowed) = subset
-        && !allowed.iter().any(|e| *e == status.endpoint)
+        && !allowed.contains(&status.endpoint)
     {
         return Some(Exclusion::NotInSubset);
     }
