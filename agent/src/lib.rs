@@ -2,7 +2,10 @@
 //! translates their KV-cache events into kvroute block hashes and streams per-pod deltas to the
 //! picker(s).
 
+pub mod app;
 pub mod config;
 pub mod engine;
 pub mod gpu;
 pub mod health;
+pub mod report;
+pub mod telemetry;

@@ -1,1 +1,39 @@
-fn main() {}
+//! `kvroute-agent --config agent.yaml [--gpu-source nvml|mock:<scenario.yaml>] [--log-level info]`
+//! Thin: parse flags, load config, build the GPU source, start, print READY, wait for a signal.
+
+use anyhow::Context;
+use clap::Parser;
+use kvroute_agent::config::{AgentConfig, GpuSourceSpec};
+
+/// kvroute node agent: engine + GPU telemetry, KV events, health, deltas to the picker.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// Agent config file (YAML).
+    #[arg(long)]
+    config: String,
+    /// GPU telemetry source, overrides the config: `nvml` or `mock:<scenario.yaml>`.
+    #[arg(long)]
+    gpu_source: Option<String>,
+    /// Log level or EnvFilter directive.
+    #[arg(long, env = "AGENT_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    kvroute_common::telemetry::init_logging(&cli.log_level);
+    let mut config = AgentConfig::load(&cli.config)?;
+    if let Some(src) = cli.gpu_source {
+        config.gpu_source = src;
+        config.validate()?;
+    }
+    let spec: GpuSourceSpec = config.gpu_source.parse()?;
+    let gpu = kvroute_agent::gpu::from_spec(&spec)?;
+    let agent = kvroute_agent::app::start(config, gpu).await.context("starting agent")?;
+    println!("READY");
+    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
+    agent.shutdown().await;
+    Ok(())
+}

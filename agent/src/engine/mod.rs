@@ -4,3 +4,5 @@
 pub mod blocks;
 pub mod kv_events;
 pub mod metrics;
+pub mod scrape;
+pub mod subscriber;

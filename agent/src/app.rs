@@ -1,0 +1,302 @@
+//! The agent's library entry point: builds the per-pod state, starts one KV-event subscriber
+//! thread, one event task and one scrape task per engine, a report ticker, one stream task per
+//! picker and the metrics listener.
+//!
+//! Concurrency: tasks share only the [`Hub`] (per-pod mutexes, broadcast channel) and the
+//! metric handles. Engine tasks are the only writers of their pod. Shutdown: a watch channel for
+//! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms).
+
+use crate::config::{AgentConfig, EngineConfig};
+use crate::engine::scrape::EngineClient;
+use crate::engine::subscriber::{self, SubscriberConfig, SubscriberEvent};
+use crate::gpu::GpuSource;
+use crate::health::{HealthInputs, ProbeOutcome, health_score};
+use crate::report::hub::{Hub, Pod};
+use crate::report::stream::{AgentIdentity, run_picker_stream};
+use crate::telemetry::{AgentMetrics, pod_label};
+use kvroute_proto::agent::v1::{PodInfo, PodStats};
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+
+/// Start-up errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// The metrics listener could not bind.
+    #[error("cannot bind metrics listener {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// A subscriber thread could not start.
+    #[error("cannot start KV-event thread for {pod}: {source}")]
+    Thread {
+        /// Pod.
+        pod: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// A started agent. Dropping it does not stop it; call [`RunningAgent::shutdown`].
+pub struct RunningAgent {
+    /// Bound address of `/metrics` and `/healthz`.
+    pub metrics_addr: SocketAddr,
+    /// Per-pod state (for tests and introspection).
+    pub hub: Arc<Hub>,
+    /// Metric handles.
+    pub metrics: Arc<AgentMetrics>,
+    stop_tx: watch::Sender<bool>,
+    stop_threads: Arc<AtomicBool>,
+    tasks: JoinSet<()>,
+}
+
+impl RunningAgent {
+    /// Stops every task and thread.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop_tx.send(true);
+        self.stop_threads.store(true, Ordering::Relaxed);
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+fn now_unix_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Starts the agent. Returns once the metrics listener is bound (print READY then).
+pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<RunningAgent, AgentError> {
+    let metrics = AgentMetrics::new();
+    let listener = tokio::net::TcpListener::bind(config.metrics_addr)
+        .await
+        .map_err(|source| AgentError::Bind { addr: config.metrics_addr, source })?;
+    let metrics_addr =
+        listener.local_addr().map_err(|source| AgentError::Bind { addr: config.metrics_addr, source })?;
+    let infos = config
+        .engines
+        .iter()
+        .map(|e| PodInfo {
+            pod: e.pod.clone(),
+            endpoint: e.endpoint.clone(),
+            model: e.model.clone().unwrap_or_default(),
+            block_size: e.block_size,
+        })
+        .collect();
+    let hub = Hub::new(infos, 4096);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_threads = Arc::new(AtomicBool::new(false));
+    let mut tasks = JoinSet::new();
+
+    let router = metrics.router();
+    let mut srv_stop = stop_rx.clone();
+    tasks.spawn(async move {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+            let _ = srv_stop.wait_for(|s| *s).await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "metrics listener failed");
+        }
+    });
+
+    for (engine, pod) in config.engines.iter().zip(hub.pods().iter().cloned()) {
+        if let Some(kv_events) = &engine.kv_events {
+            let (tx, rx) = mpsc::channel(1024);
+            let sub_cfg = SubscriberConfig {
+                pod: engine.pod.clone(),
+                kv_events: kv_events.clone(),
+                kv_replay: engine.kv_replay.clone(),
+                replay_timeout: Duration::from_secs(1),
+            };
+            subscriber::spawn(sub_cfg, tx, metrics.clone(), stop_threads.clone())
+                .map_err(|source| AgentError::Thread { pod: engine.pod.clone(), source })?;
+            tasks.spawn(event_task(pod.clone(), rx, Duration::from_millis(config.block_flush_ms), metrics.clone()));
+        }
+        tasks.spawn(scrape_task(engine.clone(), config.clone(), pod, gpu.clone(), metrics.clone(), stop_rx.clone()));
+    }
+
+    let tick_hub = hub.clone();
+    let report_every = Duration::from_millis(config.report_interval_ms);
+    tasks.spawn(async move {
+        let mut iv = tokio::time::interval(report_every);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            iv.tick().await;
+            for p in tick_hub.pods() {
+                p.tick();
+            }
+        }
+    });
+
+    let node_name = config.resolved_node_name();
+    let id = AgentIdentity { agent_id: format!("{node_name}-{}", std::process::id()), node_name };
+    for picker in &config.pickers {
+        tasks.spawn(run_picker_stream(picker.clone(), hub.clone(), id.clone(), metrics.clone(), stop_rx.clone()));
+    }
+    tracing::info!(%metrics_addr, engines = config.engines.len(), pickers = config.pickers.len(), "agent started");
+    Ok(RunningAgent { metrics_addr, hub, metrics, stop_tx, stop_threads, tasks })
+}
+
+/// Applies KV events to the pod and flushes block changes, coalescing for at most `flush`.
+async fn event_task(
+    pod: Arc<Pod>,
+    mut rx: mpsc::Receiver<SubscriberEvent>,
+    flush: Duration,
+    metrics: Arc<AgentMetrics>,
+) {
+    let labels = pod_label(pod.name());
+    let handle = |ev: SubscriberEvent| match ev {
+        SubscriberEvent::Batch(m) => {
+            let out = pod.apply_batch(&m.batch);
+            let dropped = out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens;
+            if dropped > 0 {
+                metrics.kv_blocks_dropped.get_or_create(&labels).inc_by(dropped);
+                tracing::debug!(pod = %pod.name(), seq = m.seq, ?out, "blocks dropped");
+            }
+        }
+        SubscriberEvent::Reset { reason } => {
+            tracing::warn!(pod = %pod.name(), %reason, "clearing pod blocks");
+            pod.clear_blocks();
+        }
+    };
+    while let Some(first) = rx.recv().await {
+        handle(first);
+        let deadline = tokio::time::Instant::now() + flush;
+        while let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+            handle(ev);
+        }
+        pod.flush_blocks();
+    }
+}
+
+/// Scrapes the engine, samples its GPUs and the host, computes health and updates the pod.
+async fn scrape_task(
+    engine: EngineConfig,
+    config: AgentConfig,
+    pod: Arc<Pod>,
+    gpu: Arc<dyn GpuSource>,
+    metrics: Arc<AgentMetrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let labels = pod_label(&engine.pod);
+    let probe_timeout = Duration::from_millis(config.probe_timeout_ms);
+    let client = EngineClient::new(&engine.endpoint, probe_timeout);
+    let mut sys = sysinfo::System::new().ok();
+    let mut scrape = tokio::time::interval(Duration::from_millis(config.scrape_interval_ms));
+    scrape.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let probe_every = Duration::from_millis(config.probe_interval_ms);
+    let mut last_probe: Option<Instant> = None;
+    let (mut health_ok, mut model_loaded, mut probe) = (false, false, ProbeOutcome::Unknown);
+    let mut ecc_window: VecDeque<(Instant, u64)> = VecDeque::new();
+    let mut last_metrics = None;
+    loop {
+        tokio::select! {
+            _ = scrape.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        if last_probe.is_none_or(|t| t.elapsed() >= probe_every) {
+            last_probe = Some(Instant::now());
+            health_ok = client.health().await.map_err(|e| scrape_err(&metrics, &labels, &engine.pod, e)).is_ok();
+            match client.model().await {
+                Ok(Some(id)) => {
+                    model_loaded = true;
+                    if engine.model.is_none() && pod.model() != id {
+                        pod.set_model(&id, None);
+                    }
+                }
+                Ok(None) => model_loaded = false,
+                Err(e) => {
+                    model_loaded = false;
+                    scrape_err(&metrics, &labels, &engine.pod, e);
+                }
+            }
+            let model = pod.model();
+            if health_ok && !model.is_empty() {
+                probe = match client.probe(&model, probe_timeout).await {
+                    Ok(lat) => ProbeOutcome::Ok { latency_ms: lat.as_secs_f64() * 1e3 },
+                    Err(e) => {
+                        tracing::warn!(pod = %engine.pod, error = %e, "inference probe failed");
+                        ProbeOutcome::Failed
+                    }
+                };
+            }
+        }
+        let observed_at = now_unix_ms();
+        match client.metrics().await {
+            Ok(m) => {
+                if let Some(b) = m.block_size
+                    && pod.info().block_size != b
+                {
+                    pod.set_model(&pod.model(), Some(b));
+                }
+                last_metrics = Some((m, observed_at));
+            }
+            Err(e) => scrape_err(&metrics, &labels, &engine.pod, e),
+        }
+        let (m, observed_at) = last_metrics.clone().unwrap_or_default();
+        let load = f64::from(m.num_requests_running) / f64::from(engine.max_num_seqs.max(1));
+        let mut inputs = HealthInputs {
+            engine_health_ok: health_ok,
+            model_loaded,
+            probe,
+            probe_timeout_ms: config.probe_timeout_ms as f64,
+            max_temperature_c: 0,
+            ..Default::default()
+        };
+        let (mut util, mut corrected) = (0.0f64, 0u64);
+        for &g in &engine.gpus {
+            match gpu.sample(g, load) {
+                Ok(s) => {
+                    util = util.max(f64::from(s.utilization_gpu_pct) / 100.0);
+                    corrected += s.ecc_corrected_volatile;
+                    inputs.ecc_uncorrected += s.ecc_uncorrected_volatile;
+                    inputs.max_temperature_c = inputs.max_temperature_c.max(s.temperature_c);
+                    inputs.thermal_throttle |= s.thermal_throttle;
+                    inputs.power_throttle |= s.power_throttle;
+                }
+                Err(e) => tracing::warn!(pod = %engine.pod, error = %e, "GPU sample failed"),
+            }
+        }
+        let now = Instant::now();
+        ecc_window.push_back((now, corrected));
+        while ecc_window.front().is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(60)) {
+            ecc_window.pop_front();
+        }
+        inputs.ecc_corrected_per_min = ecc_window.front().map_or(0, |(_, c)| corrected.saturating_sub(*c)) as f64;
+        if let Some(sys) = sys.as_mut() {
+            sys.refresh_memory();
+            let total = sys.total_memory();
+            if total > 0 {
+                inputs.host_memory_used = 1.0 - sys.available_memory() as f64 / total as f64;
+            }
+        }
+        let health = health_score(&inputs);
+        metrics.health_score.get_or_create(&labels).set(health.score);
+        let lora = m.lora.clone().unwrap_or_default();
+        let stats = PodStats {
+            observed_at_unix_ms: observed_at,
+            num_requests_waiting: m.num_requests_waiting,
+            num_requests_running: m.num_requests_running,
+            kv_cache_usage: m.kv_cache_usage,
+            gpu_utilization: util.clamp(0.0, 1.0),
+            health_score: health.score,
+            health_reason: health.reason,
+            running_adapters: lora.running,
+            waiting_adapters: lora.waiting,
+            ready: health_ok && model_loaded,
+        };
+        pod.update_stats(stats, false);
+    }
+}
+
+fn scrape_err(metrics: &AgentMetrics, labels: &crate::telemetry::Labels, pod: &str, e: impl std::fmt::Display) {
+    metrics.scrape_errors.get_or_create(labels).inc();
+    tracing::debug!(pod, error = %e, "engine scrape failed");
+}

@@ -1,0 +1,204 @@
+//! The KV-event subscriber: one std thread per engine (the `zmq` crate is blocking) with a SUB
+//! socket on the engine's PUB endpoint, forwarding decoded batches over a tokio channel.
+//!
+//! Sequence handling (SPEC §7): the thread remembers the last seq it forwarded. On start, and on
+//! a gap, it asks the engine's ROUTER replay endpoint (DEALER socket, `["", start_seq as u64 BE]`)
+//! for the missing batches, reading replies until the end marker or a 1 s timeout, and drops
+//! duplicates by seq. If replay cannot fill a gap, or seq goes backwards (engine restart), it
+//! sends [`SubscriberEvent::Reset`] so the pod's record is cleared and rebuilt from new events
+//! (under-claim rather than over-claim).
+//!
+//! `connect()` returns at once even when the engine is not up; libzmq reconnects by itself
+//! (0.2–0.3 s after a publisher restart). The thread exits when the channel closes or `stop` is set.
+
+use super::kv_events::{KvMessage, ReplayFrame, decode_message, decode_replay};
+use crate::telemetry::{AgentMetrics, pod_label};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// What the subscriber hands to the pod's event task.
+#[derive(Debug)]
+pub enum SubscriberEvent {
+    /// A batch, in seq order.
+    Batch(KvMessage),
+    /// Events were lost beyond replay or the engine restarted: clear the pod's record.
+    Reset {
+        /// Why, for logs.
+        reason: String,
+    },
+}
+
+/// Subscriber settings for one engine.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// Pod name (logs, metrics).
+    pub pod: String,
+    /// Engine PUB endpoint.
+    pub kv_events: String,
+    /// Engine ROUTER replay endpoint, if any.
+    pub kv_replay: Option<String>,
+    /// How long to wait for replay replies.
+    pub replay_timeout: Duration,
+}
+
+/// Errors that stop a subscriber thread.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubscriberError {
+    /// A ZeroMQ call failed.
+    #[error("zmq {what} on {endpoint}: {source}")]
+    Zmq {
+        /// Which call.
+        what: &'static str,
+        /// Endpoint concerned.
+        endpoint: String,
+        /// libzmq error.
+        source: zmq::Error,
+    },
+}
+
+/// Starts the subscriber thread.
+pub fn spawn(
+    cfg: SubscriberConfig,
+    tx: mpsc::Sender<SubscriberEvent>,
+    metrics: Arc<AgentMetrics>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name(format!("kv-sub-{}", cfg.pod)).spawn(move || {
+        if let Err(e) = run(&cfg, &tx, &metrics, &stop) {
+            tracing::error!(pod = %cfg.pod, error = %e, "KV-event subscriber stopped");
+        }
+    })
+}
+
+fn zerr<'a>(what: &'static str, endpoint: &'a str) -> impl FnOnce(zmq::Error) -> SubscriberError + 'a {
+    move |source| SubscriberError::Zmq { what, endpoint: endpoint.to_string(), source }
+}
+
+fn run(
+    cfg: &SubscriberConfig,
+    tx: &mpsc::Sender<SubscriberEvent>,
+    metrics: &AgentMetrics,
+    stop: &AtomicBool,
+) -> Result<(), SubscriberError> {
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).map_err(zerr("socket", &cfg.kv_events))?;
+    sub.set_subscribe(b"").map_err(zerr("subscribe", &cfg.kv_events))?;
+    sub.set_rcvtimeo(100).map_err(zerr("rcvtimeo", &cfg.kv_events))?;
+    sub.set_linger(0).map_err(zerr("linger", &cfg.kv_events))?;
+    sub.connect(&cfg.kv_events).map_err(zerr("connect", &cfg.kv_events))?;
+    let labels = pod_label(&cfg.pod);
+    let mut st = SeqState { last: None };
+    // History the engine still buffers (we may have started after it).
+    if cfg.kv_replay.is_some() {
+        let msgs = replay(&ctx, cfg, 0);
+        for m in msgs.into_iter().flatten() {
+            metrics.kv_events_replayed.get_or_create(&labels).inc();
+            if !forward(tx, &mut st, m) {
+                return Ok(());
+            }
+        }
+    }
+    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+        let frames = match sub.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(zmq::Error::ETERM) => return Ok(()),
+            Err(e) => return Err(zerr("recv", &cfg.kv_events)(e)),
+        };
+        let msg = match decode_message(&frames) {
+            Ok(m) => m,
+            Err(e) => {
+                metrics.kv_events_malformed.get_or_create(&labels).inc();
+                tracing::warn!(pod = %cfg.pod, error = %e, "malformed KV-event message skipped");
+                continue;
+            }
+        };
+        metrics.kv_events_received.get_or_create(&labels).inc();
+        match st.last {
+            Some(last) if msg.seq <= last => {
+                tracing::warn!(pod = %cfg.pod, last, seq = msg.seq, "KV-event seq went back: engine restart, clearing");
+                metrics.kv_resyncs.get_or_create(&labels).inc();
+                if tx.blocking_send(SubscriberEvent::Reset { reason: "seq went back".into() }).is_err() {
+                    return Ok(());
+                }
+                st.last = None;
+            }
+            Some(last) if msg.seq > last + 1 => {
+                let from = last + 1;
+                let got = replay(&ctx, cfg, from).unwrap_or_default();
+                let filled: Vec<KvMessage> = got.into_iter().filter(|m| m.seq >= from && m.seq < msg.seq).collect();
+                let contiguous = filled.iter().enumerate().all(|(i, m)| m.seq == from + i as u64)
+                    && filled.len() as u64 == msg.seq - from;
+                if contiguous {
+                    tracing::info!(pod = %cfg.pod, from, to = msg.seq - 1, "KV-event gap filled by replay");
+                    for m in filled {
+                        metrics.kv_events_replayed.get_or_create(&labels).inc();
+                        if !forward(tx, &mut st, m) {
+                            return Ok(());
+                        }
+                    }
+                } else {
+                    tracing::warn!(pod = %cfg.pod, from, to = msg.seq - 1, "KV-event gap not replayable, clearing");
+                    metrics.kv_resyncs.get_or_create(&labels).inc();
+                    if tx.blocking_send(SubscriberEvent::Reset { reason: "gap beyond replay".into() }).is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+            _ => {}
+        }
+        if !forward(tx, &mut st, msg) {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+struct SeqState {
+    last: Option<u64>,
+}
+
+/// Sends `m` unless it is a duplicate; false when the receiver is gone.
+fn forward(tx: &mpsc::Sender<SubscriberEvent>, st: &mut SeqState, m: KvMessage) -> bool {
+    if st.last.is_some_and(|l| m.seq <= l) {
+        return true;
+    }
+    st.last = Some(m.seq);
+    tx.blocking_send(SubscriberEvent::Batch(m)).is_ok()
+}
+
+/// Asks the replay endpoint for every buffered batch with seq ≥ `from`. `None` when there is no
+/// replay endpoint or it did not answer in time; replies are in seq order.
+fn replay(ctx: &zmq::Context, cfg: &SubscriberConfig, from: u64) -> Option<Vec<KvMessage>> {
+    let endpoint = cfg.kv_replay.as_deref()?;
+    let result = (|| -> Result<Option<Vec<KvMessage>>, zmq::Error> {
+        let dealer = ctx.socket(zmq::DEALER)?;
+        dealer.set_linger(0)?;
+        dealer.set_rcvtimeo(100)?;
+        dealer.connect(endpoint)?;
+        dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], 0)?;
+        let deadline = Instant::now() + cfg.replay_timeout;
+        let mut out = Vec::new();
+        while Instant::now() < deadline {
+            let frames = match dealer.recv_multipart(0) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => continue,
+                Err(e) => return Err(e),
+            };
+            match decode_replay(&frames) {
+                Ok(ReplayFrame::End) => return Ok(Some(out)),
+                Ok(ReplayFrame::Batch(m)) => out.push(m),
+                Err(e) => tracing::warn!(pod = %cfg.pod, error = %e, "malformed replay reply skipped"),
+            }
+        }
+        tracing::warn!(pod = %cfg.pod, endpoint, "replay timed out");
+        Ok(None)
+    })();
+    result.unwrap_or_else(|e| {
+        tracing::warn!(pod = %cfg.pod, endpoint, error = %e, "replay failed");
+        None
+    })
+}

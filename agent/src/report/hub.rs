@@ -1,0 +1,185 @@
+//! Per-pod reporting state shared by the engine tasks (writers) and the picker streams (readers).
+//!
+//! Concurrency: each [`Pod`] has one `parking_lot` mutex guarding its block record, latest stats
+//! and sequence number; no lock is ever held across an `.await`. Every delta is numbered AND
+//! published on the hub's broadcast channel while that mutex is held, so the channel carries each
+//! pod's deltas in seq order. A picker stream subscribes first and then takes snapshots; it
+//! forwards only deltas with seq > its snapshot's seq, so nothing is lost or doubled.
+//! Invariant: per pod, seq grows by exactly one per delta; a snapshot carries the current seq.
+
+use crate::engine::blocks::{ApplyOutcome, BlockRecord};
+use crate::engine::kv_events::KvEventBatch;
+use crate::health::band;
+use kvroute_proto::agent::v1::{PodDelta, PodInfo, PodSnapshot, PodStats};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::broadcast;
+
+/// Queue jump (requests waiting) that triggers an immediate stats delta.
+pub const QUEUE_JUMP: u32 = 5;
+
+/// One delta on the broadcast channel.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// The delta.
+    pub delta: PodDelta,
+    /// When it was numbered (for the report-lag metric).
+    pub created: Instant,
+}
+
+struct PodInner {
+    info: PodInfo,
+    seq: u64,
+    stats: PodStats,
+    record: BlockRecord,
+    sent_band: u8,
+    sent_waiting: u32,
+}
+
+/// One pod's reporting state.
+pub struct Pod {
+    name: String,
+    inner: Mutex<PodInner>,
+    tx: broadcast::Sender<Arc<Outgoing>>,
+}
+
+impl Pod {
+    /// Pod name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The full state as a snapshot (info, seq, stats, GPU blocks as runs).
+    pub fn snapshot(&self) -> PodSnapshot {
+        let g = self.inner.lock();
+        PodSnapshot {
+            info: Some(g.info.clone()),
+            seq: g.seq,
+            stats: Some(g.stats.clone()),
+            blocks: g.record.snapshot_runs(),
+        }
+    }
+
+    /// Static info currently reported.
+    pub fn info(&self) -> PodInfo {
+        self.inner.lock().info.clone()
+    }
+
+    /// Applies a KV-event batch to the record; changes wait for [`Pod::flush_blocks`].
+    pub fn apply_batch(&self, batch: &KvEventBatch) -> ApplyOutcome {
+        self.inner.lock().record.apply(batch)
+    }
+
+    /// Forgets every block (events lost beyond replay, engine restart): a `cleared` goes out at
+    /// the next flush.
+    pub fn clear_blocks(&self) {
+        self.inner.lock().record.clear();
+    }
+
+    /// Sets the model (hash root) and block size reported; a model change clears the blocks.
+    pub fn set_model(&self, model: &str, block_size: Option<u32>) {
+        let mut g = self.inner.lock();
+        g.record.set_model(model);
+        g.info.model = model.to_string();
+        if let Some(b) = block_size {
+            g.info.block_size = b;
+        }
+    }
+
+    /// Model of the hash root.
+    pub fn model(&self) -> String {
+        self.inner.lock().info.model.clone()
+    }
+
+    /// Sends pending block changes as one delta, if any.
+    pub fn flush_blocks(&self) {
+        let mut g = self.inner.lock();
+        if g.record.has_changes() {
+            let blocks = g.record.take_changes();
+            self.send(&mut g, Some(blocks), None);
+        }
+    }
+
+    /// Records fresh stats; sends them at once when the health band changed or the queue jumped
+    /// by ≥ [`QUEUE_JUMP`], or when `force` (report tick). Returns whether a delta went out.
+    pub fn update_stats(&self, stats: PodStats, force: bool) -> bool {
+        let mut g = self.inner.lock();
+        let significant = band(stats.health_score) != g.sent_band
+            || stats.num_requests_waiting.abs_diff(g.sent_waiting) >= QUEUE_JUMP
+            || stats.ready != g.stats.ready;
+        g.stats = stats;
+        if force || significant {
+            let blocks = g.record.has_changes().then(|| g.record.take_changes());
+            let stats = g.stats.clone();
+            self.send(&mut g, blocks, Some(stats));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Re-sends the latest stats (report tick).
+    pub fn tick(&self) {
+        let stats = self.inner.lock().stats.clone();
+        self.update_stats(stats, true);
+    }
+
+    fn send(&self, g: &mut PodInner, blocks: Option<kvroute_proto::agent::v1::BlockChanges>, stats: Option<PodStats>) {
+        g.seq += 1;
+        if let Some(s) = &stats {
+            g.sent_band = band(s.health_score);
+            g.sent_waiting = s.num_requests_waiting;
+        }
+        let delta = PodDelta { pod: self.name.clone(), seq: g.seq, blocks, stats };
+        // No receiver (no picker connected yet) is fine: snapshots carry the state.
+        let _ = self.tx.send(Arc::new(Outgoing { delta, created: Instant::now() }));
+    }
+}
+
+/// All pods of this agent and the broadcast channel of their deltas.
+pub struct Hub {
+    pods: Vec<Arc<Pod>>,
+    tx: broadcast::Sender<Arc<Outgoing>>,
+}
+
+impl Hub {
+    /// Creates pods from their static info; `capacity` bounds the broadcast backlog (a slower
+    /// picker stream gets `Lagged` and resends snapshots).
+    pub fn new(pods: Vec<PodInfo>, capacity: usize) -> Arc<Self> {
+        let (tx, _) = broadcast::channel(capacity.max(16));
+        let pods = pods
+            .into_iter()
+            .map(|info| {
+                Arc::new(Pod {
+                    name: info.pod.clone(),
+                    inner: Mutex::new(PodInner {
+                        record: BlockRecord::new(&info.model),
+                        info,
+                        seq: 0,
+                        stats: PodStats::default(),
+                        sent_band: u8::MAX,
+                        sent_waiting: 0,
+                    }),
+                    tx: tx.clone(),
+                })
+            })
+            .collect();
+        Arc::new(Self { pods, tx })
+    }
+
+    /// Every pod, in config order.
+    pub fn pods(&self) -> &[Arc<Pod>] {
+        &self.pods
+    }
+
+    /// A pod by name.
+    pub fn pod(&self, name: &str) -> Option<&Arc<Pod>> {
+        self.pods.iter().find(|p| p.name == name)
+    }
+
+    /// Subscribes to every future delta. Subscribe BEFORE taking snapshots.
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Outgoing>> {
+        self.tx.subscribe()
+    }
+}

@@ -1,0 +1,107 @@
+//! The agent's own Prometheus metrics and its HTTP listener (`/metrics`, `/healthz`).
+//!
+//! Metric handles are created once at start and shared (`Arc<AgentMetrics>`); prometheus-client
+//! metrics are atomics, so the ZMQ threads and tokio tasks update them without locks. The
+//! registry is only read by the HTTP handler.
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+/// Label set: `[("pod", name)]` or `[("picker", endpoint)]`.
+pub type Labels = Vec<(String, String)>;
+
+/// Every metric the agent exports.
+pub struct AgentMetrics {
+    registry: Registry,
+    /// KV-event batches received over SUB, per pod.
+    pub kv_events_received: Family<Labels, Counter>,
+    /// KV-event batches recovered through replay, per pod.
+    pub kv_events_replayed: Family<Labels, Counter>,
+    /// Blocks dropped (unknown parent, gap beyond replay, opaque extra keys), per pod.
+    pub kv_blocks_dropped: Family<Labels, Counter>,
+    /// Malformed KV-event messages, per pod.
+    pub kv_events_malformed: Family<Labels, Counter>,
+    /// Times the pod's record was cleared because events were lost or the engine restarted.
+    pub kv_resyncs: Family<Labels, Counter>,
+    /// Failed engine scrapes (`/metrics`, `/health`, `/v1/models`), per pod.
+    pub scrape_errors: Family<Labels, Counter>,
+    /// Current health score [0,1], per pod.
+    pub health_score: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Time from a delta's creation to the picker's Ack of it, ms, per picker (last value).
+    pub report_lag_ms: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Picker stream (re)connections, per picker.
+    pub picker_connects: Family<Labels, Counter>,
+}
+
+/// `[("pod", pod)]`.
+pub fn pod_label(pod: &str) -> Labels {
+    vec![("pod".into(), pod.into())]
+}
+
+impl AgentMetrics {
+    /// Creates and registers every metric (prefix `kvroute_agent_`).
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("kvroute_agent");
+        let m = Self {
+            kv_events_received: Family::default(),
+            kv_events_replayed: Family::default(),
+            kv_blocks_dropped: Family::default(),
+            kv_events_malformed: Family::default(),
+            kv_resyncs: Family::default(),
+            scrape_errors: Family::default(),
+            health_score: Family::default(),
+            report_lag_ms: Family::default(),
+            picker_connects: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("kv_event_batches_received", "KV-event batches received", m.kv_events_received.clone());
+        registry.register(
+            "kv_event_batches_replayed",
+            "KV-event batches recovered by replay",
+            m.kv_events_replayed.clone(),
+        );
+        registry.register(
+            "kv_blocks_dropped",
+            "Blocks that could not be placed in a chain",
+            m.kv_blocks_dropped.clone(),
+        );
+        registry.register("kv_events_malformed", "Undecodable KV-event messages", m.kv_events_malformed.clone());
+        registry.register(
+            "kv_resyncs",
+            "Pod records cleared after lost events or engine restart",
+            m.kv_resyncs.clone(),
+        );
+        registry.register("scrape_errors", "Failed engine HTTP scrapes", m.scrape_errors.clone());
+        registry.register("health_score", "Pod health score [0,1]", m.health_score.clone());
+        registry.register("report_lag_ms", "Delta creation to picker Ack, ms", m.report_lag_ms.clone());
+        registry.register("picker_connects", "Picker stream connections", m.picker_connects.clone());
+        Arc::new(Self { registry, ..m })
+    }
+
+    /// Text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    /// The HTTP router: `/metrics` and `/healthz`.
+    pub fn router(self: &Arc<Self>) -> Router {
+        Router::new().route("/metrics", get(metrics)).route("/healthz", get(|| async { "ok" })).with_state(self.clone())
+    }
+}
+
+async fn metrics(State(m): State<Arc<AgentMetrics>>) -> impl IntoResponse {
+    (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
+}
