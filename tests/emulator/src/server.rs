@@ -294,6 +294,9 @@ async fn pump(
                 }
                 if die_mid_stream {
                     tracing::info!(id = %meta.id, "fault injection: cutting the stream after its first chunk");
+                    // Let hyper flush the chunk first: an error right behind it aborts the
+                    // connection before the buffered chunk is written.
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                     let _ = out.send(Err(std::io::Error::other("fault injection: die_mid_stream"))).await;
                     return;
                 }

@@ -1,0 +1,565 @@
+//! End-to-end tests of the emulator over real sockets: HTTP on an ephemeral port, ZeroMQ PUB and
+//! ROUTER on `tcp://127.0.0.1:*`, and one run of the real binary.
+
+use std::time::Duration;
+
+use clap::Parser;
+use kvroute_emulator::{EmulatorConfig, RunningEmulator};
+use rmpv::Value;
+use serde_json::{Value as Json, json};
+
+const TOPIC: &str = "kv@127.0.0.1@test-model";
+/// Longer than the publisher's batching window, so events before and after land in separate batches.
+const BATCH_GAP: Duration = Duration::from_millis(50);
+
+async fn start(extra: &[&str]) -> RunningEmulator {
+    let mut args = vec![
+        "kvroute-emulator",
+        "--port",
+        "0",
+        "--model",
+        "test-model",
+        "--block-size",
+        "16",
+        "--prefill-us-per-token",
+        "10",
+        "--decode-ms-per-token",
+        "1",
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:*",
+        "--kv-replay-endpoint",
+        "tcp://127.0.0.1:*",
+        "--kv-topic",
+        TOPIC,
+        "--pod-name",
+        "engine-7",
+    ];
+    // Flags given in `extra` replace the defaults above.
+    for flag in extra.iter().filter(|a| a.starts_with("--")) {
+        if let Some(i) = args.iter().position(|a| a == flag) {
+            args.drain(i..i + 2);
+        }
+    }
+    args.extend_from_slice(extra);
+    kvroute_emulator::start(EmulatorConfig::try_parse_from(args).unwrap()).await.unwrap()
+}
+
+fn url(emu: &RunningEmulator, path: &str) -> String {
+    format!("http://{}{path}", emu.http_addr)
+}
+
+async fn complete(emu: &RunningEmulator, body: Json) -> Json {
+    let resp = reqwest::Client::new().post(url(emu, "/v1/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.json().await.unwrap()
+}
+
+fn tokens(start: u32, n: u32) -> Vec<u32> {
+    (start..start + n).collect()
+}
+
+/// A SUB socket on the emulator's PUB endpoint; waits out ZeroMQ's slow-joiner window.
+fn subscribe(emu: &RunningEmulator) -> zmq::Socket {
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).unwrap();
+    sub.set_subscribe(b"").unwrap();
+    sub.set_rcvtimeo(3000).unwrap();
+    sub.connect(&emu.kv_events_endpoint).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    sub
+}
+
+/// One message: (topic, seq, decoded payload).
+fn recv_batch(sub: &zmq::Socket) -> (String, u64, Value) {
+    let frames = sub.recv_multipart(0).expect("a KV-event batch within 3 s");
+    assert_eq!(frames.len(), 3);
+    let seq = u64::from_be_bytes(frames[1].as_slice().try_into().unwrap());
+    let payload = rmpv::decode::read_value(&mut frames[2].as_slice()).unwrap();
+    (String::from_utf8(frames[0].clone()).unwrap(), seq, payload)
+}
+
+fn events(batch: &Value) -> Vec<Value> {
+    let arr = batch.as_array().unwrap();
+    assert_eq!(arr.len(), 3, "[ts, events, data_parallel_rank]");
+    assert!(arr[0].is_f64());
+    assert_eq!(arr[2].as_u64(), Some(0));
+    arr[1].as_array().unwrap().clone()
+}
+
+fn field<'a>(event: &'a Value, key: &str) -> &'a Value {
+    event.as_map().unwrap().iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v).unwrap_or(&Value::Nil)
+}
+
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn non_stream_completion_has_vllm_shape_and_headers() {
+    let emu = start(&[]).await;
+    let resp = reqwest::Client::new()
+        .post(url(&emu, "/v1/completions"))
+        .header("x-request-id", "req-42")
+        .json(&json!({"model": "test-model", "prompt": tokens(0, 20), "max_tokens": 5, "temperature": 0.7,
+                      "ignore_eos": true, "some_unknown_field": [1]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-served-by"], "engine-7");
+    assert_eq!(resp.headers()["x-request-id"], "req-42");
+    let body: Json = resp.json().await.unwrap();
+    assert_eq!(body["object"], "text_completion");
+    assert!(body["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(body["model"], "test-model");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert!(!body["choices"][0]["text"].as_str().unwrap().is_empty());
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
+    emu.shutdown().await;
+}
+
+/// SSE parsed as strictly as inference-perf does.
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_completion_is_strict_sse_with_final_usage_chunk() {
+    let emu = start(&[]).await;
+    let resp = reqwest::Client::new()
+        .post(url(&emu, "/v1/completions"))
+        .json(&json!({"model": "test-model", "prompt": tokens(0, 20), "max_tokens": 4, "stream": true,
+                      "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert_eq!(resp.headers()["x-served-by"], "engine-7");
+    let text = resp.text().await.unwrap();
+    assert!(text.ends_with("\n\n"));
+    let events: Vec<&str> = text.strip_suffix("\n\n").unwrap().split("\n\n").collect();
+    for e in &events {
+        assert!(e.starts_with("data: "), "bad SSE event {e:?}");
+        assert!(!e.contains('\n'), "one line per event");
+    }
+    assert_eq!(events.last(), Some(&"data: [DONE]"));
+    let chunks: Vec<Json> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(&e[6..]).unwrap()).collect();
+    assert_eq!(chunks.len(), 5, "4 token chunks + usage chunk");
+    for (i, chunk) in chunks[..4].iter().enumerate() {
+        assert_eq!(chunk["object"], "text_completion");
+        assert!(!chunk["choices"][0]["text"].as_str().unwrap().is_empty());
+        let finish = if i == 3 { json!("length") } else { Json::Null };
+        assert_eq!(chunk["choices"][0]["finish_reason"], finish);
+        assert!(chunk.get("usage").is_none());
+    }
+    let usage = &chunks[4];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 4);
+    assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(chunks.iter().map(|c| c["id"].clone()).collect::<std::collections::HashSet<_>>().len(), 1);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_prompt_reports_cached_full_blocks_minus_last_token() {
+    let emu = start(&[]).await;
+    // 40 tokens: 2 full blocks + 8; the second request hits both blocks.
+    let body = json!({"model": "test-model", "prompt": tokens(0, 40), "max_tokens": 1});
+    assert_eq!(complete(&emu, body.clone()).await["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(complete(&emu, body).await["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+    // 32 tokens = exactly 2 blocks: the last token is never cached, so only 1 block counts.
+    let exact = json!({"model": "test-model", "prompt": tokens(1000, 32), "max_tokens": 1});
+    complete(&emu, exact.clone()).await;
+    assert_eq!(complete(&emu, exact).await["usage"]["prompt_tokens_details"]["cached_tokens"], 16);
+    // A different prefix shares nothing.
+    let other = json!({"model": "test-model", "prompt": tokens(5000, 40), "max_tokens": 1});
+    assert_eq!(complete(&emu, other).await["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sub_receives_chained_block_stored_events() {
+    let emu = start(&[]).await;
+    let sub = subscribe(&emu);
+    let a = tokens(0, 32);
+    complete(&emu, json!({"model": "test-model", "prompt": a, "max_tokens": 1})).await;
+    let (topic, seq, batch) = tokio::task::block_in_place(|| recv_batch(&sub));
+    assert_eq!((topic.as_str(), seq), (TOPIC, 0));
+    let stored = events(&batch);
+    assert_eq!(stored.len(), 1);
+    let ev = &stored[0];
+    assert_eq!(field(ev, "type").as_str(), Some("BlockStored"));
+    assert_eq!(field(ev, "parent_block_hash"), &Value::Nil);
+    assert_eq!(field(ev, "medium").as_str(), Some("GPU"));
+    assert_eq!(field(ev, "block_size").as_u64(), Some(16));
+    assert_eq!(field(ev, "lora_id"), &Value::Nil);
+    let a_hashes = u64s(field(ev, "block_hashes"));
+    assert_eq!(a_hashes.len(), 2);
+    assert_eq!(u64s(field(ev, "token_ids")), (0..32).collect::<Vec<u64>>());
+
+    // B shares A's first block, then diverges: one new block, parented on A's first block.
+    let mut b = tokens(0, 16);
+    b.extend(tokens(900, 16));
+    complete(&emu, json!({"model": "test-model", "prompt": b, "max_tokens": 1})).await;
+    let (_, seq, batch) = tokio::task::block_in_place(|| recv_batch(&sub));
+    assert_eq!(seq, 1);
+    let ev = &events(&batch)[0];
+    assert_eq!(field(ev, "parent_block_hash").as_u64(), Some(a_hashes[0]));
+    assert_eq!(u64s(field(ev, "token_ids")), (900..916).collect::<Vec<u64>>());
+    let b_hashes = u64s(field(ev, "block_hashes"));
+    assert_eq!(b_hashes.len(), 1);
+    assert!(!a_hashes.contains(&b_hashes[0]));
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lru_eviction_publishes_block_removed() {
+    let emu = start(&["--num-gpu-blocks", "4"]).await;
+    let sub = subscribe(&emu);
+    let mut stored = Vec::new();
+    for start in [0, 100, 200] {
+        complete(&emu, json!({"model": "test-model", "prompt": tokens(start, 32), "max_tokens": 1})).await;
+        tokio::time::sleep(BATCH_GAP).await;
+    }
+    let mut removed = Vec::new();
+    tokio::task::block_in_place(|| {
+        for _ in 0..3 {
+            let (_, _, batch) = recv_batch(&sub);
+            for ev in events(&batch) {
+                match field(&ev, "type").as_str() {
+                    Some("BlockStored") => stored.push(u64s(field(&ev, "block_hashes"))),
+                    Some("BlockRemoved") => {
+                        assert_eq!(field(&ev, "medium").as_str(), Some("GPU"));
+                        removed.extend(u64s(field(&ev, "block_hashes")));
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+        }
+    });
+    // Capacity 4: the third prompt evicts both blocks of the first, the tail first.
+    assert_eq!(stored.len(), 3);
+    assert_eq!(removed, vec![stored[0][1], stored[0][0]]);
+    // And the first prompt is no longer cached.
+    let again = complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 32), "max_tokens": 1})).await;
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    emu.shutdown().await;
+}
+
+/// Sends a replay request and collects `(seq, payload)` until the end marker.
+fn replay(endpoint: &str, start: u64) -> (Vec<(u64, Vec<u8>)>, Vec<Vec<u8>>) {
+    let ctx = zmq::Context::new();
+    let dealer = ctx.socket(zmq::DEALER).unwrap();
+    dealer.set_rcvtimeo(3000).unwrap();
+    dealer.connect(endpoint).unwrap();
+    dealer.send_multipart([&b""[..], &start.to_be_bytes()], 0).unwrap();
+    let mut batches = Vec::new();
+    loop {
+        let frames = dealer.recv_multipart(0).expect("replay reply within 3 s");
+        assert_eq!(frames.len(), 4, "0.33 framing: [empty, topic, seq, payload]");
+        assert!(frames[0].is_empty());
+        if frames[2] == (-1i64).to_be_bytes() {
+            return (batches, frames);
+        }
+        assert_eq!(frames[1], TOPIC.as_bytes());
+        batches.push((u64::from_be_bytes(frames[2].as_slice().try_into().unwrap()), frames[3].clone()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_returns_buffered_batches_and_end_marker() {
+    let emu = start(&[]).await;
+    let sub = subscribe(&emu);
+    let mut live = Vec::new();
+    for start in [0, 100, 200] {
+        complete(&emu, json!({"model": "test-model", "prompt": tokens(start, 16), "max_tokens": 1})).await;
+        live.push(tokio::task::block_in_place(|| sub.recv_multipart(0).unwrap()));
+    }
+    let endpoint = emu.kv_replay_endpoint.clone();
+    let (batches, end) = tokio::task::spawn_blocking(move || replay(&endpoint, 1)).await.unwrap();
+    assert_eq!(batches.iter().map(|b| b.0).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(batches[0].1, live[1][2], "replayed payload is the published one");
+    assert_eq!(batches[1].1, live[2][2]);
+    assert_eq!(end, vec![vec![], vec![], (-1i64).to_be_bytes().to_vec(), vec![]]);
+    // Replay from past the end: only the marker.
+    let endpoint = emu.kv_replay_endpoint.clone();
+    let (none, _) = tokio::task::spawn_blocking(move || replay(&endpoint, 99)).await.unwrap();
+    assert!(none.is_empty());
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dropped_batches_leave_a_seq_gap_that_replay_fills() {
+    let emu = start(&[]).await;
+    let sub = subscribe(&emu);
+    let client = reqwest::Client::new();
+    let faults: Json = client
+        .post(url(&emu, "/emulator/faults"))
+        .json(&json!({"drop_kv_events": 1}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(faults["drop_kv_events"], 1);
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 16), "max_tokens": 1})).await;
+    tokio::time::sleep(BATCH_GAP).await;
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(500, 16), "max_tokens": 1})).await;
+    let (_, seq, _) = tokio::task::block_in_place(|| recv_batch(&sub));
+    assert_eq!(seq, 1, "batch 0 was dropped: the subscriber sees a gap");
+    let endpoint = emu.kv_replay_endpoint.clone();
+    let (batches, _) = tokio::task::spawn_blocking(move || replay(&endpoint, 0)).await.unwrap();
+    assert_eq!(batches[0].0, 0);
+    let payload = rmpv::decode::read_value(&mut batches[0].1.as_slice()).unwrap();
+    assert_eq!(u64s(field(&events(&payload)[0], "token_ids")), (0..16).collect::<Vec<u64>>());
+    let now: Json = client.get(url(&emu, "/emulator/faults")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(now["drop_kv_events"], 0);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reset_prefix_cache_publishes_all_blocks_cleared() {
+    let emu = start(&[]).await;
+    let sub = subscribe(&emu);
+    let body = json!({"model": "test-model", "prompt": tokens(0, 40), "max_tokens": 1});
+    complete(&emu, body.clone()).await;
+    tokio::time::sleep(BATCH_GAP).await;
+    let resp = reqwest::Client::new().post(url(&emu, "/reset_prefix_cache")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let types: Vec<String> = tokio::task::block_in_place(|| {
+        (0..2)
+            .flat_map(|_| events(&recv_batch(&sub).2))
+            .map(|e| field(&e, "type").as_str().unwrap().to_string())
+            .collect()
+    });
+    assert_eq!(types, vec!["BlockStored", "AllBlocksCleared"]);
+    assert_eq!(complete(&emu, body).await["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_expose_vllm_names_and_labels() {
+    let emu = start(&["--lora-modules", "sql-lora=/dev/null", "--max-loras", "3", "--num-gpu-blocks", "64"]).await;
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 40), "max_tokens": 2})).await;
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 40), "max_tokens": 2})).await;
+    let resp = reqwest::get(url(&emu, "/metrics")).await.unwrap();
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+    let text = resp.text().await.unwrap();
+    let labels = "{engine=\"0\",model_name=\"test-model\"}";
+    for needle in [
+        format!("vllm:num_requests_running{labels} 0.0"),
+        format!("vllm:num_requests_waiting{labels} 0.0"),
+        format!("vllm:kv_cache_usage_perc{labels} 0.0"),
+        format!("vllm:prefix_cache_queries_total{labels} 80.0"),
+        format!("vllm:prefix_cache_hits_total{labels} 32.0"),
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"test-model\"} 2.0".to_string(),
+        format!("vllm:time_to_first_token_seconds_count{labels} 2.0"),
+        "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"test-model\"} 2.0".to_string(),
+        "vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}".to_string(),
+        "# TYPE vllm:time_to_first_token_seconds histogram".to_string(),
+        "# TYPE vllm:prefix_cache_hits_total counter".to_string(),
+    ] {
+        assert!(text.contains(&needle), "missing {needle:?} in\n{text}");
+    }
+    let cache_info = text.lines().find(|l| l.starts_with("vllm:cache_config_info{")).unwrap();
+    assert!(cache_info.contains("block_size=\"16\"") && cache_info.contains("num_gpu_blocks=\"64\""));
+    assert!(cache_info.ends_with(" 1.0"));
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn queue_bounded_by_max_num_seqs() {
+    let emu = start(&["--max-num-seqs", "1", "--decode-ms-per-token", "20"]).await;
+    let first = tokio::spawn(complete_owned(url(&emu, "/v1/completions"), tokens(0, 8), 20));
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let second = tokio::spawn(complete_owned(url(&emu, "/v1/completions"), tokens(100, 8), 1));
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let text = reqwest::get(url(&emu, "/metrics")).await.unwrap().text().await.unwrap();
+    assert!(text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"test-model\"} 1.0"), "{text}");
+    assert!(text.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"test-model\"} 1.0"), "{text}");
+    first.await.unwrap();
+    second.await.unwrap();
+    emu.shutdown().await;
+}
+
+async fn complete_owned(url: String, prompt: Vec<u32>, max_tokens: u32) {
+    let resp = reqwest::Client::new()
+        .post(url)
+        .json(&json!({"model": "test-model", "prompt": prompt, "max_tokens": max_tokens}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn errors_use_vllm_error_shape() {
+    let emu = start(&[]).await;
+    let client = reqwest::Client::new();
+    let resp = client
+        .post(url(&emu, "/v1/completions"))
+        .json(&json!({"model": "nope", "prompt": [1, 2]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    assert_eq!(resp.headers()["x-served-by"], "engine-7");
+    let body: Json = resp.json().await.unwrap();
+    assert_eq!(body["object"], "error");
+    assert_eq!(body["type"], "NotFoundError");
+    assert_eq!(body["code"], 404);
+    assert_eq!(body["param"], Json::Null);
+    let resp = client.post(url(&emu, "/v1/completions")).body("{not json").send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Json = resp.json().await.unwrap();
+    assert_eq!((body["type"].as_str(), body["code"].as_u64()), (Some("BadRequestError"), Some(400)));
+    let resp = client
+        .post(url(&emu, "/v1/completions"))
+        .json(&json!({"model": "test-model", "prompt": [], "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lora_adapters_load_unload_and_list() {
+    let emu = start(&["--lora-modules", "sql-lora=/adapters/sql"]).await;
+    let client = reqwest::Client::new();
+    let models: Json = client.get(url(&emu, "/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "test-model");
+    assert_eq!(models["data"][0]["owned_by"], "vllm");
+    assert_eq!(models["data"][1]["id"], "sql-lora");
+    assert_eq!(models["data"][1]["parent"], "test-model");
+    let load = |name: &str| {
+        client.post(url(&emu, "/v1/load_lora_adapter")).json(&json!({"lora_name": name, "lora_path": "/x"})).send()
+    };
+    assert_eq!(load("chat-lora").await.unwrap().status(), 200);
+    assert_eq!(load("chat-lora").await.unwrap().status(), 400);
+    let body = json!({"model": "chat-lora", "prompt": tokens(0, 20), "max_tokens": 1});
+    assert_eq!(complete(&emu, body.clone()).await["model"], "chat-lora");
+    let unload = client
+        .post(url(&emu, "/v1/unload_lora_adapter"))
+        .json(&json!({"lora_name": "chat-lora"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unload.status(), 200);
+    let gone = client.post(url(&emu, "/v1/completions")).json(&body).send().await.unwrap();
+    assert_eq!(gone.status(), 404);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lora_blocks_carry_adapter_identity() {
+    let emu = start(&["--lora-modules", "sql-lora=/adapters/sql"]).await;
+    let sub = subscribe(&emu);
+    complete(&emu, json!({"model": "sql-lora", "prompt": tokens(0, 20), "max_tokens": 1})).await;
+    tokio::time::sleep(BATCH_GAP).await;
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 20), "max_tokens": 1})).await;
+    let (lora_ev, base_ev) = tokio::task::block_in_place(|| (events(&recv_batch(&sub).2), events(&recv_batch(&sub).2)));
+    assert_eq!(field(&lora_ev[0], "lora_id").as_u64(), Some(1));
+    assert_eq!(field(&lora_ev[0], "lora_name").as_str(), Some("sql-lora"));
+    assert_ne!(u64s(field(&lora_ev[0], "block_hashes")), u64s(field(&base_ev[0], "block_hashes")));
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_and_stuck_and_die_mid_stream_faults() {
+    let emu = start(&[]).await;
+    let client = reqwest::Client::new();
+    let set = |body: Json| client.post(url(&emu, "/emulator/faults")).json(&body).send();
+    assert_eq!(client.get(url(&emu, "/health")).send().await.unwrap().status(), 200);
+    set(json!({"unhealthy": true})).await.unwrap();
+    assert_eq!(client.get(url(&emu, "/health")).send().await.unwrap().status(), 503);
+    set(json!({"unhealthy": false, "stuck": true})).await.unwrap();
+    assert_eq!(client.get(url(&emu, "/health")).send().await.unwrap().status(), 200);
+    let probe = client
+        .post(url(&emu, "/v1/completions"))
+        .timeout(Duration::from_millis(300))
+        .json(&json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 1}))
+        .send()
+        .await;
+    assert!(probe.is_err_and(|e| e.is_timeout()), "a stuck engine never answers");
+    set(json!({"stuck": false, "die_mid_stream": true})).await.unwrap();
+    let resp = client
+        .post(url(&emu, "/v1/completions"))
+        .json(&json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 5, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut resp = resp;
+    let mut received = Vec::new();
+    let outcome = loop {
+        match resp.chunk().await {
+            Ok(Some(bytes)) => received.extend_from_slice(&bytes),
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    assert!(outcome.is_err(), "the stream must be cut, not finished");
+    let text = String::from_utf8(received).unwrap();
+    assert_eq!(text.matches("data: ").count(), 1, "exactly one chunk before the cut: {text:?}");
+    assert!(!text.contains("[DONE]"));
+    let bad = set(json!({"stuck": "yes"})).await.unwrap();
+    assert_eq!(bad.status(), 400);
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_uses_the_tokenizer_or_says_why_not() {
+    let dir = format!("{}/../fixtures/tokenizer-qwen2.5", env!("CARGO_MANIFEST_DIR"));
+    let emu = start(&["--tokenizer", &dir]).await;
+    let resp = reqwest::Client::new()
+        .post(url(&emu, "/v1/chat/completions"))
+        .json(&json!({"model": "test-model", "messages": [{"role": "user", "content": "Hello!"}],
+                      "max_tokens": 3, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    if kvroute_tokenize::ModelTokenizer::from_dir(std::path::Path::new(&dir)).is_ok() {
+        assert_eq!(resp.status(), 200);
+        let text = resp.text().await.unwrap();
+        let chunks: Vec<Json> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+            .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+            .collect();
+        assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        assert!(chunks.last().unwrap()["usage"]["prompt_tokens"].as_u64().unwrap() > 3);
+    } else {
+        assert_eq!(resp.status(), 400);
+        let body: Json = resp.json().await.unwrap();
+        assert!(body["message"].as_str().unwrap().contains("tokenizer"));
+    }
+    emu.shutdown().await;
+}
+
+#[test]
+fn binary_prints_ready_and_serves() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-emulator"))
+        .args(["--port", "0", "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-replay-endpoint", "tcp://127.0.0.1:*"])
+        .args(["--log-level", "warn"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
+    let base =
+        line.trim().strip_prefix("READY ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).to_string();
+    assert!(base.starts_with("http://127.0.0.1:"));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let status = rt.block_on(async { reqwest::get(format!("{base}/health")).await.unwrap().status() });
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert_eq!(status, 200);
+}
