@@ -34,6 +34,7 @@ use crate::ingest::IngestService;
 use crate::model::ModelRegistry;
 use crate::pool::{Pool, PoolConfig};
 use crate::score::Router;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 16 MiB (SPEC §11; a
 /// BUFFERED body of `body_limit_bytes` plus headers must fit so the picker can answer 413 itself).
@@ -176,9 +177,13 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
 
     let max_msg = MIN_GRPC_MESSAGE_BYTES.max(config.body_limit_bytes.saturating_mul(2));
     let ext = ExtProcService::new(gateway.clone()).into_server(max_msg);
+    // grpc.health.v1 on the ext_proc port, for Envoy's cluster health checks and Kubernetes probes.
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
         tonic::transport::Server::builder()
+            .add_service(health)
             .add_service(ext)
             .serve_with_incoming_shutdown(TcpListenerStream::new(ext_l), ext_stop)
             .await

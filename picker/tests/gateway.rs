@@ -338,6 +338,17 @@ async fn prefix_holder_wins_and_envoy_contract_holds() {
         assert!(metrics.contains(name), "{name} missing: {metrics}");
     }
     assert_eq!(http_get(picker.admin_addr, "/healthz").await.0, 200);
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", picker.ext_proc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in ["", "envoy.service.ext_proc.v3.ExternalProcessor"] {
+        let r =
+            health.check(tonic_health::pb::HealthCheckRequest { service: service.into() }).await.unwrap().into_inner();
+        assert_eq!(r.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32, "{service:?}");
+    }
     picker.shutdown();
 }
 
