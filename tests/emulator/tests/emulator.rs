@@ -1,6 +1,8 @@
 //! End-to-end tests of the emulator over real sockets: HTTP on an ephemeral port, ZeroMQ PUB and
 //! ROUTER on `tcp://127.0.0.1:*`, and one run of the real binary.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
 use std::time::Duration;
 
 use clap::Parser;
@@ -248,7 +250,10 @@ async fn lru_eviction_publishes_block_removed() {
 }
 
 /// Sends a replay request and collects `(seq, payload)` until the end marker.
-fn replay(endpoint: &str, start: u64) -> (Vec<(u64, Vec<u8>)>, Vec<Vec<u8>>) {
+/// Replayed batches as (seq, payload), and the end-marker frames.
+type Replayed = (Vec<(u64, Vec<u8>)>, Vec<Vec<u8>>);
+
+fn replay(endpoint: &str, start: u64) -> Replayed {
     let ctx = zmq::Context::new();
     let dealer = ctx.socket(zmq::DEALER).unwrap();
     dealer.set_rcvtimeo(3000).unwrap();
