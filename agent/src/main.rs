@@ -21,8 +21,17 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    match run(Cli::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute-agent: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     kvroute_common::telemetry::init_logging(&cli.log_level);
     let mut config = AgentConfig::load(&cli.config)?;
     if let Some(src) = cli.gpu_source {
@@ -33,7 +42,18 @@ async fn main() -> anyhow::Result<()> {
     let gpu = kvroute_agent::gpu::from_spec(&spec)?;
     let agent = kvroute_agent::app::start(config, gpu).await.context("starting agent")?;
     println!("READY");
-    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
+    wait_for_signal().await?;
     agent.shutdown().await;
+    Ok(())
+}
+
+/// SIGINT or SIGTERM (Kubernetes stops pods with SIGTERM).
+async fn wait_for_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for ctrl-c")?,
+        _ = term.recv() => {}
+    }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! (axum serving the fixture `/metrics`, plus a ZeroMQ XPUB publishing the fixture KV-event
 //! batches once the agent subscribes), and the agent's library entry point in between.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 use kvroute_agent::app;
 use kvroute_agent::config::AgentConfig;
 use kvroute_agent::gpu::mock::MockGpuSource;

@@ -127,7 +127,9 @@ fn parse_value(s: &str) -> Option<f64> {
 }
 
 /// Parses `k="v",k2="v2"}` and returns the pairs and what follows the `}`.
-fn parse_labels(mut s: &str) -> Result<(Vec<(String, String)>, &str), &'static str> {
+type LabelPairs = Vec<(String, String)>;
+
+fn parse_labels(mut s: &str) -> Result<(LabelPairs, &str), &'static str> {
     let mut labels = Vec::new();
     loop {
         s = s.trim_start();
@@ -195,10 +197,8 @@ pub fn parse_engine_metrics(text: &str) -> Result<EngineMetrics, MetricsError> {
                 m.block_size = s.label("block_size").and_then(|v| v.parse().ok()).or(m.block_size);
                 m.num_gpu_blocks = s.label("num_gpu_blocks").and_then(|v| v.parse().ok()).or(m.num_gpu_blocks);
             }
-            "vllm:lora_requests_info" => {
-                if lora_best.is_none_or(|(v, _)| s.value > v) {
-                    lora_best = Some((s.value, s));
-                }
+            "vllm:lora_requests_info" if lora_best.is_none_or(|(v, _)| s.value > v) => {
+                lora_best = Some((s.value, s));
             }
             _ => {}
         }
