@@ -26,10 +26,12 @@ pub mod usage;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
 use envoy_types::pb::google::protobuf::value::Kind;
 use tokio::sync::mpsc;
@@ -95,6 +97,9 @@ struct StreamState {
     body: Vec<u8>,
     /// The request has been routed or rejected; later request-phase messages only CONTINUE.
     decided: bool,
+    /// Envoy runs the request body in FULL_DUPLEX_STREAMED mode (from `protocol_config`): the
+    /// headers answer is held until the decision and the body is sent back in streamed chunks.
+    full_duplex: bool,
     slot: Option<InFlightSlot>,
     usage: Option<UsageScanner>,
     response_status: Option<u16>,
@@ -106,7 +111,8 @@ async fn run_stream(
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
     let mut st = StreamState::default();
-    loop {
+    let mut replies = Vec::with_capacity(2);
+    'stream: loop {
         let next = tokio::select! {
             m = inbound.message() => m,
             () = tx.closed() => break,
@@ -119,27 +125,27 @@ async fn run_stream(
                 break;
             }
         };
+        if let Some(pc) = &msg.protocol_config {
+            st.full_duplex = pc.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
+        }
         if let Some(md) = &msg.metadata_context
             && let Some(subset) = subset_hint(md)
         {
             st.subset = Some(subset);
         }
-        let reply = match msg.request {
-            Some(Request::RequestHeaders(h)) => on_request_headers(&gateway, &mut st, h).await,
-            Some(Request::RequestBody(b)) => on_request_body(&gateway, &mut st, b).await,
-            Some(Request::ResponseHeaders(h)) => Some(on_response_headers(&mut st, &h)),
-            Some(Request::ResponseBody(b)) => Some(on_response_body(&gateway, &mut st, &b)),
-            Some(Request::RequestTrailers(_)) => Some(reply::continue_trailers(true)),
-            Some(Request::ResponseTrailers(_)) => Some(reply::continue_trailers(false)),
-            None => {
-                tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored");
-                None
+        match msg.request {
+            Some(Request::RequestHeaders(h)) => on_request_headers(&gateway, &mut st, h, &mut replies).await,
+            Some(Request::RequestBody(b)) => on_request_body(&gateway, &mut st, b, &mut replies).await,
+            Some(Request::RequestTrailers(_)) => on_request_trailers(&gateway, &mut st, &mut replies).await,
+            Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(&mut st, &h)),
+            Some(Request::ResponseBody(b)) => replies.push(on_response_body(&gateway, &mut st, &b)),
+            Some(Request::ResponseTrailers(_)) => replies.push(reply::continue_trailers(false)),
+            None => tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored"),
+        }
+        for r in replies.drain(..) {
+            if tx.send(Ok(r)).await.is_err() {
+                break 'stream;
             }
-        };
-        if let Some(r) = reply
-            && tx.send(Ok(r)).await.is_err()
-        {
-            break;
         }
     }
     if st.slot.is_some() {
@@ -147,7 +153,12 @@ async fn run_stream(
     }
 }
 
-async fn on_request_headers(gw: &Arc<Gateway>, st: &mut StreamState, h: HttpHeaders) -> Option<ProcessingResponse> {
+async fn on_request_headers(
+    gw: &Arc<Gateway>,
+    st: &mut StreamState,
+    h: HttpHeaders,
+    out: &mut Vec<ProcessingResponse>,
+) {
     let headers = h.headers.unwrap_or_default();
     st.path = header(&headers, ":path").unwrap_or_default();
     st.traceparent = header(&headers, "traceparent");
@@ -155,14 +166,25 @@ async fn on_request_headers(gw: &Arc<Gateway>, st: &mut StreamState, h: HttpHead
         .filter(|v| !v.is_empty() && v.len() <= 128)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     if h.end_of_stream {
-        return Some(route(gw, st, None, true).await);
+        match route(gw, st, None).await {
+            Ok(endpoint) => out.push(reply::routed(&endpoint, &st.request_id, true)),
+            Err(r) => out.push(r),
+        }
+    } else if !st.full_duplex {
+        out.push(reply::continue_request_headers());
     }
-    Some(reply::continue_request_headers())
+    // Full duplex: the headers answer waits for the decision (it carries the destination).
 }
 
-async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody) -> Option<ProcessingResponse> {
+async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody, out: &mut Vec<ProcessingResponse>) {
     if st.decided {
-        return Some(reply::continue_request_body());
+        // Only after a rejection (Envoy stops sending) or a stray chunk: pass it on untouched.
+        out.push(if st.full_duplex {
+            reply::streamed_body(b.body, b.end_of_stream)
+        } else {
+            reply::continue_request_body()
+        });
+        return;
     }
     if st.request_id.is_empty() {
         st.request_id = uuid::Uuid::new_v4().to_string();
@@ -171,23 +193,71 @@ async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody) -
         st.decided = true;
         st.body = Vec::new();
         let msg = format!("request body exceeds the limit of {} bytes", gw.body_limit_bytes);
-        return Some(reject(gw, st, Rejection { status: 413, kind: "request_too_large", message: msg }));
+        out.push(reject(gw, st, Rejection { status: 413, kind: "request_too_large", message: msg }));
+        return;
     }
     if st.body.is_empty() && b.end_of_stream {
         st.body = b.body;
     } else {
         st.body.extend_from_slice(&b.body);
     }
-    if !b.end_of_stream {
-        // More chunks follow; Envoy gets the single answer with the decision.
-        return None;
+    if b.end_of_stream {
+        finish_request_body(gw, st, true, out).await;
     }
-    let body = std::mem::take(&mut st.body);
-    Some(route(gw, st, Some(body), false).await)
+    // Otherwise more chunks follow; Envoy gets the answer with the decision.
 }
 
-/// Runs the decision off the async workers and turns it into the reply. Called once per stream.
-async fn route(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>, on_headers: bool) -> ProcessingResponse {
+/// Full duplex: trailers mark the end of a body that did not carry `end_of_stream`.
+async fn on_request_trailers(gw: &Arc<Gateway>, st: &mut StreamState, out: &mut Vec<ProcessingResponse>) {
+    if st.full_duplex && !st.decided {
+        finish_request_body(gw, st, false, out).await;
+        if out.iter().any(|r| matches!(r.response, Some(Response::ImmediateResponse(_)))) {
+            return;
+        }
+    }
+    out.push(reply::continue_trailers(true));
+}
+
+/// The whole body is in: decide once and answer. BUFFERED: one body answer with the decision.
+/// Full duplex: the held headers answer with the decision, then the body re-emitted in chunks.
+async fn finish_request_body(
+    gw: &Arc<Gateway>,
+    st: &mut StreamState,
+    end_of_stream: bool,
+    out: &mut Vec<ProcessingResponse>,
+) {
+    let body = std::mem::take(&mut st.body);
+    let (body, result) = route_body(gw, st, body).await;
+    match result {
+        Ok(endpoint) if st.full_duplex => {
+            out.push(reply::routed(&endpoint, &st.request_id, true));
+            reply::streamed_body_chunks(body, end_of_stream, out);
+        }
+        Ok(endpoint) => out.push(reply::routed(&endpoint, &st.request_id, false)),
+        Err(r) => out.push(r),
+    }
+}
+
+async fn route_body(
+    gw: &Arc<Gateway>,
+    st: &mut StreamState,
+    body: Vec<u8>,
+) -> (Vec<u8>, Result<String, ProcessingResponse>) {
+    let (body, result) = decide_blocking(gw, st, Some(body)).await;
+    (body.unwrap_or_default(), finish_decision(gw, st, result))
+}
+
+async fn route(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Result<String, ProcessingResponse> {
+    let (_, result) = decide_blocking(gw, st, body).await;
+    finish_decision(gw, st, result)
+}
+
+/// Runs [`decide`] off the async workers (parse + tokenize are CPU-bound); gives the body back.
+async fn decide_blocking(
+    gw: &Arc<Gateway>,
+    st: &mut StreamState,
+    body: Option<Vec<u8>>,
+) -> (Option<Vec<u8>>, Result<crate::score::Decision, Rejection>) {
     st.decided = true;
     let gw2 = gw.clone();
     let request_id = st.request_id.clone();
@@ -196,23 +266,33 @@ async fn route(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>, o
     let joined = tokio::task::spawn_blocking(move || {
         let input =
             DecisionInput { request_id: &request_id, path: &path, body: body.as_deref(), subset: subset.as_deref() };
-        decide(&gw2, &input)
+        let result = decide(&gw2, &input);
+        (body, result)
     })
     .await;
-    let result = match joined {
+    match joined {
         Ok(r) => r,
-        Err(e) => Err(Rejection { status: 500, kind: "internal_error", message: format!("routing task failed: {e}") }),
-    };
+        Err(e) => {
+            (None, Err(Rejection { status: 500, kind: "internal_error", message: format!("routing task failed: {e}") }))
+        }
+    }
+}
+
+/// Keeps the slot of a successful decision and returns its endpoint, or the error reply.
+fn finish_decision(
+    gw: &Gateway,
+    st: &mut StreamState,
+    result: Result<crate::score::Decision, Rejection>,
+) -> Result<String, ProcessingResponse> {
     match result {
         Ok(decision) => {
             if let Some(tp) = &st.traceparent {
                 tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context");
             }
-            let r = reply::routed(&decision.endpoint, &st.request_id, on_headers);
             st.slot = Some(decision.slot);
-            r
+            Ok(decision.endpoint)
         }
-        Err(rej) => reject(gw, st, rej),
+        Err(rej) => Err(reject(gw, st, rej)),
     }
 }
 

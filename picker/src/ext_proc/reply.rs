@@ -9,10 +9,11 @@ use std::collections::HashMap;
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse,
-    TrailersResponse,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse,
+    StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -75,6 +76,41 @@ pub fn continue_request_headers() -> ProcessingResponse {
 /// Empty CONTINUE to a request-body message.
 pub fn continue_request_body() -> ProcessingResponse {
     ProcessingResponse { response: Some(Response::RequestBody(BodyResponse::default())), ..Default::default() }
+}
+
+/// Largest body chunk re-emitted in one message, in bytes: well under Envoy's gRPC message limit
+/// (GIE's endpoint picker uses the same 62 000).
+pub const STREAMED_CHUNK_BYTES: usize = 62_000;
+
+/// Full duplex: one request-body chunk sent back to Envoy as a `StreamedBodyResponse`.
+pub fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+    let common = CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                body,
+                end_of_stream,
+                ..Default::default()
+            })),
+        }),
+        ..Default::default()
+    };
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse { response: Some(common) })),
+        ..Default::default()
+    }
+}
+
+/// Full duplex: the whole request body, re-emitted in [`STREAMED_CHUNK_BYTES`] chunks; the last
+/// carries `end_of_stream` (false when trailers follow). An empty body is one empty chunk.
+pub fn streamed_body_chunks(body: Vec<u8>, end_of_stream: bool, out: &mut Vec<ProcessingResponse>) {
+    if body.len() <= STREAMED_CHUNK_BYTES {
+        out.push(streamed_body(body, end_of_stream));
+        return;
+    }
+    let n = body.len().div_ceil(STREAMED_CHUNK_BYTES);
+    for (i, chunk) in body.chunks(STREAMED_CHUNK_BYTES).enumerate() {
+        out.push(streamed_body(chunk.to_vec(), end_of_stream && i + 1 == n));
+    }
 }
 
 /// Response headers: adds `x-request-id` for the client.
