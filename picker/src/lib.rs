@@ -36,9 +36,15 @@ use crate::pool::{Pool, PoolConfig};
 use crate::score::Router;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
-/// Largest gRPC message the ext_proc server accepts, in bytes, at least: 16 MiB (SPEC §11; a
-/// BUFFERED body of `body_limit_bytes` plus headers must fit so the picker can answer 413 itself).
-pub const MIN_GRPC_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+/// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
+/// default fails the stream on large prompts (SPEC §11); Envoy's buffer limit in deploy/ is 16 MiB,
+/// and a BUFFERED body of that size plus framing must still arrive so the picker can answer 413
+/// itself instead of Envoy answering 500. Raised further to twice `body_limit_bytes` when larger.
+pub const MIN_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
+
+/// Largest agent report message accepted, in bytes: a full snapshot of a big pod (≈ 8 bytes per
+/// block; 2M blocks ≈ 16 MiB) fits.
+pub const AGENT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// Errors starting or running the picker.
 #[derive(Debug, thiserror::Error)]
@@ -190,8 +196,8 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
             .map_err(|e| StartError::Serve { what: "ext_proc", message: e.to_string() })
     });
 
-    let ingest = AgentIngestServer::new(IngestService::new(gateway.pool.clone()))
-        .max_decoding_message_size(MIN_GRPC_MESSAGE_BYTES * 4);
+    let ingest =
+        AgentIngestServer::new(IngestService::new(gateway.pool.clone())).max_decoding_message_size(AGENT_MESSAGE_BYTES);
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
         tonic::transport::Server::builder()

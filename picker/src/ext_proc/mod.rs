@@ -168,7 +168,7 @@ async fn on_request_headers(
     if h.end_of_stream {
         match route(gw, st, None).await {
             Ok(endpoint) => out.push(reply::routed(&endpoint, &st.request_id, true)),
-            Err(r) => out.push(r),
+            Err(r) => out.push(*r),
         }
     } else if !st.full_duplex {
         out.push(reply::continue_request_headers());
@@ -234,7 +234,7 @@ async fn finish_request_body(
             reply::streamed_body_chunks(body, end_of_stream, out);
         }
         Ok(endpoint) => out.push(reply::routed(&endpoint, &st.request_id, false)),
-        Err(r) => out.push(r),
+        Err(r) => out.push(*r),
     }
 }
 
@@ -242,12 +242,16 @@ async fn route_body(
     gw: &Arc<Gateway>,
     st: &mut StreamState,
     body: Vec<u8>,
-) -> (Vec<u8>, Result<String, ProcessingResponse>) {
+) -> (Vec<u8>, Result<String, Box<ProcessingResponse>>) {
     let (body, result) = decide_blocking(gw, st, Some(body)).await;
     (body.unwrap_or_default(), finish_decision(gw, st, result))
 }
 
-async fn route(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Result<String, ProcessingResponse> {
+async fn route(
+    gw: &Arc<Gateway>,
+    st: &mut StreamState,
+    body: Option<Vec<u8>>,
+) -> Result<String, Box<ProcessingResponse>> {
     let (_, result) = decide_blocking(gw, st, body).await;
     finish_decision(gw, st, result)
 }
@@ -283,7 +287,7 @@ fn finish_decision(
     gw: &Gateway,
     st: &mut StreamState,
     result: Result<crate::score::Decision, Rejection>,
-) -> Result<String, ProcessingResponse> {
+) -> Result<String, Box<ProcessingResponse>> {
     match result {
         Ok(decision) => {
             if let Some(tp) = &st.traceparent {
@@ -292,7 +296,7 @@ fn finish_decision(
             st.slot = Some(decision.slot);
             Ok(decision.endpoint)
         }
-        Err(rej) => Err(reject(gw, st, rej)),
+        Err(rej) => Err(Box::new(reject(gw, st, rej))),
     }
 }
 
