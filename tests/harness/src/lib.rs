@@ -18,5 +18,5 @@ pub mod workload;
 
 pub use client::{ChatOutcome, GatewayClient};
 pub use fleet::{Fleet, FleetSpec};
-pub use run::{RunSummary, TurnRecord, run_chat_workload};
+pub use run::{Pacing, RunSummary, TurnRecord, run_chat_workload};
 pub use workload::{Conversation, Workload};

@@ -1,9 +1,11 @@
-//! Drives a [`Workload`] through a gateway: turn by turn, every conversation's next turn sent
-//! concurrently, each turn carrying the replies the earlier turns got.
+//! Drives a [`Workload`] through a gateway the way chat users do: conversations arrive one after
+//! another (`arrival_gap`), and each user sends their next turn once the previous reply is in
+//! (after `think_time`), carrying the whole history.
 
 use crate::client::{ChatOutcome, GatewayClient};
 use crate::workload::Workload;
 use anyhow::Result;
+use std::time::Duration;
 
 /// One request's result, with where it sits in the workload.
 #[derive(Clone, Debug)]
@@ -14,31 +16,59 @@ pub struct TurnRecord {
     pub outcome: ChatOutcome,
 }
 
-/// Sends every turn of `workload` to `client`; calls `on_record` as each turn's requests finish
-/// (in conversation order) and returns all records.
+/// Pacing of a chat workload run.
+#[derive(Clone, Copy, Debug)]
+pub struct Pacing {
+    /// Time between the starts of consecutive conversations.
+    pub arrival_gap: Duration,
+    /// Time a user waits after a reply before sending the next turn.
+    pub think_time: Duration,
+    /// Output tokens per reply.
+    pub max_tokens: u32,
+}
+
+/// Sends every turn of `workload` to `client`; calls `on_record` as each request finishes and
+/// returns all records in completion order.
 pub async fn run_chat_workload(
     client: &GatewayClient,
     model: &str,
     workload: &Workload,
-    max_tokens: u32,
+    pacing: Pacing,
     mut on_record: impl FnMut(&TurnRecord),
 ) -> Result<Vec<TurnRecord>> {
-    let turns = workload.conversations.iter().map(|c| c.user_messages.len()).max().unwrap_or(0);
-    let mut replies: Vec<Vec<String>> = vec![Vec::new(); workload.conversations.len()];
-    let mut records = Vec::new();
-    for turn in 0..turns {
-        let sends = workload.conversations.iter().filter(|c| turn < c.user_messages.len()).map(|c| {
-            let messages = workload.messages(c, turn, &replies[c.id]);
-            let client = client.clone();
-            async move { (c, client.chat(model, &messages, max_tokens).await) }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Result<TurnRecord>>();
+    for (i, c) in workload.conversations.iter().enumerate() {
+        let (client, model, workload, c, tx) =
+            (client.clone(), model.to_string(), workload.clone(), c.clone(), tx.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(pacing.arrival_gap * i as u32).await;
+            let mut replies = Vec::new();
+            for turn in 0..c.user_messages.len() {
+                if turn > 0 {
+                    tokio::time::sleep(pacing.think_time).await;
+                }
+                let messages = workload.messages(&c, turn, &replies);
+                let outcome = match client.chat(&model, &messages, pacing.max_tokens).await {
+                    Ok(o) => o,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                replies.push(outcome.text.clone());
+                let record = TurnRecord { conversation: c.id, system_prompt: c.system_prompt, turn, outcome };
+                if tx.send(Ok(record)).is_err() {
+                    return;
+                }
+            }
         });
-        for (c, result) in futures::future::join_all(sends).await {
-            let outcome = result?;
-            replies[c.id].push(outcome.text.clone());
-            let record = TurnRecord { conversation: c.id, system_prompt: c.system_prompt, turn, outcome };
-            on_record(&record);
-            records.push(record);
-        }
+    }
+    drop(tx);
+    let mut records = Vec::new();
+    while let Some(record) = rx.recv().await {
+        let record = record?;
+        on_record(&record);
+        records.push(record);
     }
     Ok(records)
 }

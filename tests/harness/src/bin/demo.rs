@@ -4,26 +4,37 @@
 
 use anyhow::Result;
 use clap::Parser;
-use kvroute_harness::{Fleet, FleetSpec, GatewayClient, RunSummary, TurnRecord, Workload, run_chat_workload};
+use kvroute_harness::{Fleet, FleetSpec, GatewayClient, Pacing, RunSummary, TurnRecord, Workload, run_chat_workload};
+use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(about = "Run a local kvroute fleet behind Envoy and route a multi-turn chat workload through it")]
 struct Args {
     /// Number of distinct system prompts.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     system_prompts: usize,
     /// Conversations per system prompt.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 3)]
     conversations_per_prompt: usize,
     /// Turns per conversation.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 3)]
     turns: usize,
-    /// Words per system prompt (about 1.1 tokens per word).
-    #[arg(long, default_value_t = 1500)]
+    /// Words per system prompt (about 1.2 tokens per word).
+    #[arg(long, default_value_t = 1200)]
     system_words: usize,
     /// Output tokens per reply.
     #[arg(long, default_value_t = 24)]
     max_tokens: u32,
+    /// Milliseconds between the arrivals of consecutive conversations.
+    #[arg(long, default_value_t = 150)]
+    arrival_gap_ms: u64,
+    /// Milliseconds a user waits after a reply before the next turn.
+    #[arg(long, default_value_t = 200)]
+    think_time_ms: u64,
+    /// KV cache per engine, in 16-token blocks (512 blocks = 8192 tokens: the system prompts
+    /// together need more than one engine holds, less than the fleet does).
+    #[arg(long, default_value_t = 512)]
+    num_gpu_blocks: u32,
     /// Emulator time scale (1.0 = the seed's 8B-model prefill speed on an A100).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -63,6 +74,11 @@ async fn main() -> Result<()> {
         args.system_words,
         40,
     );
+    let pacing = Pacing {
+        arrival_gap: Duration::from_millis(args.arrival_gap_ms),
+        think_time: Duration::from_millis(args.think_time_ms),
+        max_tokens: args.max_tokens,
+    };
     let print = |label: &'static str| {
         move |r: &TurnRecord| {
             let o = &r.outcome;
@@ -81,14 +97,12 @@ async fn main() -> Result<()> {
     };
 
     let kvroute =
-        run_chat_workload(&GatewayClient::new(&fleet.gateway)?, &model, &workload, args.max_tokens, print("kvroute"))
-            .await?;
+        run_chat_workload(&GatewayClient::new(&fleet.gateway)?, &model, &workload, pacing, print("kvroute")).await?;
     fleet.reset_prefix_caches().await?;
     println!();
     let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
     let baseline =
-        run_chat_workload(&GatewayClient::new(rr_gateway)?, &model, &workload, args.max_tokens, print("round-robin"))
-            .await?;
+        run_chat_workload(&GatewayClient::new(rr_gateway)?, &model, &workload, pacing, print("round-robin")).await?;
 
     let (k, b) = (RunSummary::of(&kvroute), RunSummary::of(&baseline));
     println!("\nsummary ({} requests each, same workload, caches emptied in between):", k.requests);
