@@ -73,12 +73,19 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
     };
     let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(model_name.clone()))?;
     let tokens = model.tokens(&prompt, input.request_id);
+    // Why the prompt cannot be prefix-matched (e.g. `cache_salt`, SPEC §2); "" when it can.
+    let unmatched_reason = match &prompt {
+        PromptInput::None(why) => *why,
+        _ if model.tokenizer.is_none() => "no tokenizer",
+        _ => "",
+    };
     tracing::info!(
         request_id = input.request_id,
         model = %model_name,
         target_model = %model.target_model,
         adapter = model.adapter.as_deref().unwrap_or(""),
         input_tokens = tokens.len(),
+        unmatched_reason,
         "request received"
     );
     SCRATCH.with(|scratch| {
@@ -92,7 +99,8 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         };
         let t_route = Instant::now();
         let result = gw.router.route(&req);
-        gw.metrics.scoring_latency_us.observe(t_route.elapsed().as_secs_f64() * 1e6);
+        let route_elapsed = t_route.elapsed();
+        gw.metrics.scoring_latency_us.observe(route_elapsed.as_secs_f64() * 1e6);
         let decision = match result {
             Ok(d) => d,
             Err(e) => {
@@ -104,6 +112,29 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
                 return Err(Rejection::new(status, kind, e.to_string()));
             }
         };
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for c in &decision.candidates {
+                tracing::debug!(
+                    request_id = input.request_id,
+                    pod = %c.pod,
+                    score = c.score,
+                    cache = c.cache,
+                    load = c.load,
+                    queue = c.queue,
+                    health = c.health,
+                    adapter = c.adapter,
+                    matched_blocks = c.matched_blocks,
+                    "candidate"
+                );
+            }
+            tracing::debug!(
+                request_id = input.request_id,
+                total_blocks = hashes.len(),
+                route_us = route_elapsed.as_micros() as u64,
+                decision_us = started.elapsed().as_micros() as u64,
+                "timings"
+            );
+        }
         tracing::info!(
             request_id = input.request_id,
             candidates = decision.candidates.len(),
