@@ -376,6 +376,17 @@ async fn stale_usage_counted_and_dropped_stream_releases_slot() {
     let metrics = metrics_text(&picker).await;
     assert!(metrics.contains("epp_stale_cache_routing_total 1"), "{metrics}");
 
+    // A LoRA model routed to pods that do not run its adapter: counted as an adapter load.
+    let mut envoy = Envoy::open(&picker).await;
+    let lora = serde_json::json!({"model": "sql", "prompt": prompt}).to_string();
+    routed_endpoint(&envoy.request("/v1/completions", &[], lora.as_bytes()).await);
+    drop(envoy);
+    let metrics = metrics_text(&picker).await;
+    assert!(metrics.contains("epp_adapter_loads_triggered_total{adapter=\"sql-lora\"} 1"), "{metrics}");
+    assert!(metrics.contains("epp_routing_decisions_total{model=\"sql\"} 1"), "{metrics}");
+    wait_in_flight(&picker, "pod-a", 0).await;
+    wait_in_flight(&picker, "pod-c", 0).await;
+
     // Envoy goes away mid-request: the slot is released with the stream.
     let mut envoy = Envoy::open(&picker).await;
     envoy.request("/v1/completions", &[], body.as_bytes()).await;
