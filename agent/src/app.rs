@@ -88,6 +88,7 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
             endpoint: e.endpoint.clone(),
             model: e.model.clone().unwrap_or_default(),
             block_size: e.block_size,
+            annotations: Default::default(),
         })
         .collect();
     let hub = Hub::new(infos, 4096);

@@ -12,11 +12,13 @@
 pub mod admin;
 pub mod config;
 pub mod ext_proc;
-pub mod index;
 pub mod ingest;
 pub mod model;
 pub mod pool;
 pub mod score;
+
+/// The prefix index lives in its own crate (no async runtime, fast benches); re-exported here.
+pub use kvroute_index as index;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -103,7 +103,13 @@ async fn report_pods(picker: &RunningPicker, pods: &[(&str, String, Vec<BlockHas
     let (tx, rx) = mpsc::channel(16);
     let infos: Vec<PodInfo> = pods
         .iter()
-        .map(|(n, e, _)| PodInfo { pod: (*n).into(), endpoint: e.clone(), model: MODEL.into(), block_size: 16 })
+        .map(|(n, e, _)| PodInfo {
+            pod: (*n).into(),
+            endpoint: e.clone(),
+            model: MODEL.into(),
+            block_size: 16,
+            annotations: Default::default(),
+        })
         .collect();
     let hello = Hello { agent_id: "t".into(), node_name: "n".into(), protocol_version: 1, pods: infos.clone() };
     tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.unwrap();
@@ -143,10 +149,8 @@ async fn post(addr: SocketAddr, path: &str, body: &[u8], extra: &str) -> (u16, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_real_envoy() {
-    let Some(envoy_bin) = envoy_binary() else {
-        eprintln!("Envoy not installed (scripts/install-envoy): skipping the real-Envoy check");
-        return;
-    };
+    // scripts/test installs Envoy; a missing one is a failure, not a skip.
+    let envoy_bin = envoy_binary().expect("Envoy not installed: run scripts/install-envoy (scripts/test does)");
     let config = PickerConfig::from_yaml(&format!(
         "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\n"
     ))

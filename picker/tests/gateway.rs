@@ -103,7 +103,13 @@ async fn connect_agent(picker: &RunningPicker, pods: &[FakePod]) -> mpsc::Sender
     let (tx, rx) = mpsc::channel(16);
     let infos: Vec<PodInfo> = pods
         .iter()
-        .map(|p| PodInfo { pod: p.name.into(), endpoint: p.endpoint.into(), model: MODEL.into(), block_size: 16 })
+        .map(|p| PodInfo {
+            pod: p.name.into(),
+            endpoint: p.endpoint.into(),
+            model: MODEL.into(),
+            block_size: 16,
+            annotations: Default::default(),
+        })
         .collect();
     tx.send(AgentMessage {
         msg: Some(agent_message::Msg::Hello(Hello {

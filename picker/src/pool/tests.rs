@@ -11,7 +11,13 @@ use super::{Pool, PoolConfig, PoolUpdate, now_unix_ms};
 
 /// Pod info for tests: endpoint derived from the name.
 pub(crate) fn info(pod: &str, model: &str) -> PodInfo {
-    PodInfo { pod: pod.into(), endpoint: format!("{pod}:8000"), model: model.into(), block_size: 16 }
+    PodInfo {
+        pod: pod.into(),
+        endpoint: format!("{pod}:8000"),
+        model: model.into(),
+        block_size: 16,
+        annotations: Default::default(),
+    }
 }
 
 /// Ready, healthy stats observed now.
