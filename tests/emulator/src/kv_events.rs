@@ -200,57 +200,22 @@ impl KvEventPublisher {
         let ring: Arc<Mutex<VecDeque<Buffered>>> = Arc::new(Mutex::new(VecDeque::new()));
         let (sender, receiver) = mpsc::channel();
 
-        let (pub_ready_tx, pub_ready_rx) = mpsc::sync_channel(1);
-        let pub_thread = {
-            let (ctx, config, ring, shutdown) = (ctx.clone(), config.clone(), ring.clone(), shutdown.clone());
-            std::thread::Builder::new()
-                .name("kv-pub".into())
-                .spawn(move || {
-                    let socket = match bind(&ctx, zmq::PUB, &config.events_endpoint) {
-                        Ok((socket, endpoint)) => {
-                            let _ = pub_ready_tx.send(Ok(endpoint));
-                            socket
-                        }
-                        Err(e) => {
-                            let _ = pub_ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    publish_loop(&socket, &receiver, &config, &ring, &faults, &shutdown);
-                })
-                .map_err(|_| KvEventsError::ThreadGone("PUB"))?
-        };
-        let events_endpoint = pub_ready_rx.recv().map_err(|_| KvEventsError::ThreadGone("PUB"))??;
-
-        let (router_ready_tx, router_ready_rx) = mpsc::sync_channel(1);
-        let router_thread = {
+        let (pub_thread, events_endpoint) = {
             let (config, ring, shutdown) = (config.clone(), ring.clone(), shutdown.clone());
-            std::thread::Builder::new()
-                .name("kv-replay".into())
-                .spawn(move || {
-                    let socket = match bind(&ctx, zmq::ROUTER, &config.replay_endpoint) {
-                        Ok((socket, endpoint)) => {
-                            let _ = router_ready_tx.send(Ok(endpoint));
-                            socket
-                        }
-                        Err(e) => {
-                            let _ = router_ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    replay_loop(&socket, &config, &ring, &shutdown);
-                })
-                .map_err(|_| KvEventsError::ThreadGone("ROUTER"))?
+            spawn_bound(&ctx, "kv-pub", zmq::PUB, config.events_endpoint.clone(), move |socket| {
+                publish_loop(&socket, &receiver, &config, &ring, &faults, &shutdown)
+            })?
         };
-        let replay_endpoint = match router_ready_rx.recv() {
-            Ok(Ok(endpoint)) => endpoint,
-            Ok(Err(e)) => {
-                shutdown.store(true, Ordering::SeqCst);
-                return Err(e);
-            }
-            Err(_) => {
-                shutdown.store(true, Ordering::SeqCst);
-                return Err(KvEventsError::ThreadGone("ROUTER"));
+        let (router_thread, replay_endpoint) = {
+            let (config, ring, stop) = (config.clone(), ring.clone(), shutdown.clone());
+            match spawn_bound(&ctx, "kv-replay", zmq::ROUTER, config.replay_endpoint.clone(), move |socket| {
+                replay_loop(&socket, &config, &ring, &stop)
+            }) {
+                Ok(bound) => bound,
+                Err(e) => {
+                    shutdown.store(true, Ordering::SeqCst);
+                    return Err(e);
+                }
             }
         };
         tracing::info!(%events_endpoint, %replay_endpoint, topic = %config.topic, "KV-event sockets bound");
@@ -275,6 +240,33 @@ impl Drop for KvEventPublisher {
     fn drop(&mut self) {
         self.shutdown.store(true, Ordering::SeqCst);
     }
+}
+
+/// Binds a socket on its own thread (zmq sockets are not `Sync`), then runs `serve` there.
+/// Returns once the socket is bound, with the thread and the bound endpoint.
+fn spawn_bound(
+    ctx: &zmq::Context,
+    name: &'static str,
+    kind: zmq::SocketType,
+    endpoint: String,
+    serve: impl FnOnce(zmq::Socket) + Send + 'static,
+) -> Result<(std::thread::JoinHandle<()>, String), KvEventsError> {
+    let ctx = ctx.clone();
+    let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+    let thread = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || match bind(&ctx, kind, &endpoint) {
+            Ok((socket, bound)) => {
+                let _ = ready_tx.send(Ok(bound));
+                serve(socket);
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+            }
+        })
+        .map_err(|_| KvEventsError::ThreadGone(name))?;
+    let bound = ready_rx.recv().map_err(|_| KvEventsError::ThreadGone(name))??;
+    Ok((thread, bound))
 }
 
 fn bind(ctx: &zmq::Context, kind: zmq::SocketType, endpoint: &str) -> Result<(zmq::Socket, String), KvEventsError> {
