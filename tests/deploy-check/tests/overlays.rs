@@ -276,3 +276,17 @@ fn envoy_config_drifting_from_deploy_envoy_fails() {
         "differs from deploy/envoy/envoy.yaml",
     );
 }
+
+#[test]
+fn picker_body_limit_above_envoy_buffer_fails() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text =
+                data.get("picker.yaml").unwrap().replace("body_limit_bytes: 8388608", "body_limit_bytes: 33554432");
+            data.insert("picker.yaml".into(), text);
+        },
+        "must exceed the picker's body_limit_bytes 33554432",
+    );
+}

@@ -2,11 +2,14 @@
 //! run). Allowed differences, and nothing else: the `kvroute_picker` cluster (in a cluster it
 //! resolves the picker Service by DNS; its address and port must be that Service's ext-proc port)
 //! and `failure_mode_allow` (the fail-open overlay). The gateway listener's port must be the
-//! Deployment's `http` container port.
+//! Deployment's `http` container port, and its per-connection buffer must exceed the picker's
+//! `body_limit_bytes` (SPEC §5: the picker, not Envoy, answers 413).
 
 use serde_json::Value;
 
-use super::{CheckContext, Problem, Sink, config_file, containers, named_port};
+use kvroute_picker::config::PickerConfig;
+
+use super::{CheckContext, Problem, Sink, config_arg, config_file, containers, named_port};
 use crate::objects::{Rendered, Workload, diff};
 
 const REFERENCE: &str = "deploy/envoy/envoy.yaml";
@@ -50,6 +53,14 @@ fn walk_mut(v: &mut Value, f: &mut impl FnMut(&str, &mut Value)) {
 
 fn picker_cluster(config: &mut Value) -> Option<&mut Value> {
     config["static_resources"]["clusters"].as_array_mut()?.iter_mut().find(|c| c["name"] == "kvroute_picker")
+}
+
+/// The picker's `body_limit_bytes`, when its config can be read (configs.rs reports it otherwise).
+fn picker_body_limit(r: &Rendered, ctx: &CheckContext) -> Option<usize> {
+    let w = r.workload(&ctx.picker)?;
+    let c = containers(w.template).iter().find(|c| config_arg(c).is_some())?;
+    let (_, _, text) = config_file(r, w.template, c, config_arg(c)?).ok()?;
+    PickerConfig::from_yaml(text).ok().map(|p| p.body_limit_bytes)
 }
 
 pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
@@ -103,6 +114,16 @@ pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
     let http = containers(w.template).first().and_then(|c| named_port(c, "http"));
     if listen.is_none() || listen != http.map(i64::from) {
         sink.push(format!("listener port {listen:?} ≠ containerPort http {http:?}"));
+    }
+
+    // Envoy must buffer more than the picker accepts, so that the picker (not Envoy) answers 413.
+    if let Some(limit) = picker_body_limit(r, ctx) {
+        let buffer = config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"].as_u64();
+        if buffer.is_none_or(|b| b <= limit as u64) {
+            sink.push(format!(
+                "listener per_connection_buffer_limit_bytes {buffer:?} must exceed the picker's body_limit_bytes {limit}"
+            ));
+        }
     }
 
     // Everything else equals the reference.
