@@ -290,3 +290,26 @@ fn picker_body_limit_above_envoy_buffer_fails() {
         "must exceed the picker's body_limit_bytes 33554432",
     );
 }
+
+#[test]
+fn engine_model_or_port_unknown_to_picker_and_pool_fails() {
+    broken(
+        "gateway-api",
+        |r| {
+            let data = config_map_data(r, "kvroute-agent-config");
+            let text =
+                data.get("gpu-node-2.yaml").unwrap().replace("model: Qwen/Qwen2.5-7B-Instruct", "model: Qwen/Qwen3-8B");
+            data.insert("gpu-node-2.yaml".into(), text);
+        },
+        "serves Qwen/Qwen3-8B, which no picker models[].target_model names",
+    );
+    broken(
+        "gateway-api",
+        |r| {
+            let data = config_map_data(r, "kvroute-agent-config");
+            let text = data.get("gpu-node-1.yaml").unwrap().replace("10.0.0.11:8000", "10.0.0.11:8001");
+            data.insert("gpu-node-1.yaml".into(), text);
+        },
+        "endpoint 10.0.0.11:8001 is not on a targetPort [8000] of InferencePool vllm-qwen2-5-7b",
+    );
+}

@@ -1,7 +1,8 @@
 //! The picker and agent config files inside their ConfigMaps, checked with the binaries' own parsers
 //! and `validate()`, and against the manifests: listen ports equal the declared container ports,
-//! listeners bind all interfaces, tokenizer directories live on a mounted volume, and every agent
-//! lists exactly the picker StatefulSet's replicas by their per-pod DNS names.
+//! listeners bind all interfaces, tokenizer directories live on a mounted volume, every agent
+//! lists exactly the picker StatefulSet's replicas by their per-pod DNS names, every engine's model
+//! is a picker `target_model`, and every engine endpoint is on an InferencePool target port.
 //!
 //! Tokenizers: the picker's tokenizer volume (a PVC) is not in the repository, so each tokenizer
 //! path is first checked to lie under one of the picker's volume mounts and then replaced by
@@ -105,6 +106,8 @@ pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         return;
     };
     let expected = expected_pickers(r, ctx);
+    let served = picker_targets(r, ctx);
+    let pools = pool_ports(r);
     let mut sink = Sink::new(out, workload_id(&w));
     if w.kind != "DaemonSet" {
         sink.push("the agent must be a DaemonSet (one per GPU node)");
@@ -181,5 +184,48 @@ pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
             Ok(_) => {}
             Err(e) => sink.push(format!("node {node}: cannot derive the picker replicas: {e}")),
         }
+        for e in &config.engines {
+            if let (Some(model), Some(targets)) = (&e.model, &served)
+                && !targets.contains(model)
+            {
+                sink.push(format!(
+                    "node {node}: engine {} serves {model}, which no picker models[].target_model names \
+                     (its blocks would hash under another root and never match)",
+                    e.pod
+                ));
+            }
+            let port = e.endpoint.rsplit_once(':').and_then(|(_, p)| p.parse::<i32>().ok());
+            for (pool, ports) in &pools {
+                if !port.is_some_and(|p| ports.contains(&p)) {
+                    sink.push(format!(
+                        "node {node}: engine {} endpoint {} is not on a targetPort {ports:?} of InferencePool {pool}",
+                        e.pod, e.endpoint
+                    ));
+                }
+            }
+        }
     }
+}
+
+/// The base models the picker routes (`models[].target_model`), when its config can be read.
+fn picker_targets(r: &Rendered, ctx: &CheckContext) -> Option<Vec<String>> {
+    let w = r.workload(&ctx.picker)?;
+    let c = containers(w.template).iter().find(|c| config_arg(c).is_some())?;
+    let (_, _, text) = config_file(r, w.template, c, config_arg(c)?).ok()?;
+    let config = PickerConfig::from_yaml(text).ok()?;
+    Some(config.models.iter().map(|m| m.target().to_string()).collect())
+}
+
+/// Every InferencePool's name and target ports.
+fn pool_ports(r: &Rendered) -> Vec<(String, Vec<i32>)> {
+    r.objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::InferencePool(p) => Some((
+                p.metadata.name.clone().unwrap_or_default(),
+                p.spec.target_ports.iter().map(|t| t.number).collect(),
+            )),
+            _ => None,
+        })
+        .collect()
 }
