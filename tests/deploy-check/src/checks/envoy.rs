@@ -1,0 +1,150 @@
+//! The standalone Envoy's config against `deploy/envoy/envoy.yaml` (the file the end-to-end tests
+//! run). Allowed differences, and nothing else: the `kvroute_picker` cluster (in a cluster it
+//! resolves the picker Service by DNS; its address and port must be that Service's ext-proc port)
+//! and `failure_mode_allow` (the fail-open overlay). The gateway listener's port must be the
+//! Deployment's `http` container port, and its per-connection buffer must exceed the picker's
+//! `body_limit_bytes` (SPEC §5: the picker, not Envoy, answers 413).
+
+use serde_json::Value;
+
+use kvroute_picker::config::PickerConfig;
+
+use super::{CheckContext, Problem, Sink, config_arg, config_file, containers, named_port};
+use crate::objects::{Rendered, Workload, diff};
+
+const REFERENCE: &str = "deploy/envoy/envoy.yaml";
+
+fn envoy_config(r: &Rendered, w: &Workload<'_>) -> Result<Value, String> {
+    let c = containers(w.template).first().ok_or("no container")?;
+    let args = c.args.as_deref().unwrap_or(&[]);
+    let path = args
+        .iter()
+        .position(|a| a == "-c" || a == "--config-path")
+        .and_then(|i| args.get(i + 1))
+        .ok_or("envoy runs without -c <file>")?;
+    let (_, _, text) = config_file(r, w.template, c, path)?;
+    serde_norway::from_str(text).map_err(|e| format!("{path}: not YAML: {e}"))
+}
+
+/// `failure_mode_allow` of the standalone Envoy's ext_proc filter, if the overlay has one.
+pub fn envoy_failure_mode_allow(r: &Rendered, ctx: &CheckContext) -> Option<bool> {
+    let config = envoy_config(r, &r.workload(&ctx.envoy)?).ok()?;
+    let mut found = None;
+    walk_mut(&mut config.clone(), &mut |key, v| {
+        if key == "failure_mode_allow" {
+            found = v.as_bool();
+        }
+    });
+    found
+}
+
+fn walk_mut(v: &mut Value, f: &mut impl FnMut(&str, &mut Value)) {
+    match v {
+        Value::Object(m) => {
+            for (k, child) in m.iter_mut() {
+                f(k, child);
+                walk_mut(child, f);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|child| walk_mut(child, f)),
+        _ => {}
+    }
+}
+
+fn picker_cluster(config: &mut Value) -> Option<&mut Value> {
+    config["static_resources"]["clusters"].as_array_mut()?.iter_mut().find(|c| c["name"] == "kvroute_picker")
+}
+
+/// The picker's `body_limit_bytes`, when its config can be read (configs.rs reports it otherwise).
+fn picker_body_limit(r: &Rendered, ctx: &CheckContext) -> Option<usize> {
+    let w = r.workload(&ctx.picker)?;
+    let c = containers(w.template).iter().find(|c| config_arg(c).is_some())?;
+    let (_, _, text) = config_file(r, w.template, c, config_arg(c)?).ok()?;
+    PickerConfig::from_yaml(text).ok().map(|p| p.body_limit_bytes)
+}
+
+pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
+    let Some(w) = r.workload(&ctx.envoy) else { return };
+    let mut sink = Sink::new(out, format!("{}/{}", w.kind, w.name));
+    let mut config = match envoy_config(r, &w) {
+        Ok(config) => config,
+        Err(e) => return sink.push(e),
+    };
+    let ref_path = ctx.repo_root.join(REFERENCE);
+    let mut reference: Value = match std::fs::read_to_string(&ref_path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_norway::from_str(&t).map_err(|e| e.to_string()))
+    {
+        Ok(v) => v,
+        Err(e) => return sink.push(format!("cannot read {}: {e}", ref_path.display())),
+    };
+
+    // The picker cluster: must reach the picker Service's ext-proc port by DNS.
+    let svc = r.service(&ctx.picker);
+    let namespace = svc.and_then(|s| s.metadata.namespace.clone()).unwrap_or_else(|| "default".into());
+    let svc_port = svc.and_then(|s| {
+        s.spec.as_ref()?.ports.as_ref()?.iter().find(|p| p.name.as_deref() == Some("ext-proc")).map(|p| p.port)
+    });
+    let want_host = format!("{}.{namespace}.svc.cluster.local", ctx.picker);
+    match picker_cluster(&mut config) {
+        None => sink.push("envoy.yaml has no kvroute_picker cluster"),
+        Some(cluster) => {
+            if !matches!(cluster["type"].as_str(), Some("STRICT_DNS") | Some("LOGICAL_DNS")) {
+                sink.push("cluster kvroute_picker must resolve the Service by DNS (type STRICT_DNS)");
+            }
+            let sa =
+                &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+            if sa["address"].as_str() != Some(want_host.as_str()) {
+                sink.push(format!(
+                    "cluster kvroute_picker dials {}, not the picker Service {want_host}",
+                    sa["address"]
+                ));
+            }
+            if sa["port_value"].as_i64() != svc_port.map(i64::from) {
+                sink.push(format!(
+                    "cluster kvroute_picker port {} ≠ Service {} ext-proc port {svc_port:?}",
+                    sa["port_value"], ctx.picker
+                ));
+            }
+        }
+    }
+
+    // Listener port = container port `http`.
+    let listen = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"].as_i64();
+    let http = containers(w.template).first().and_then(|c| named_port(c, "http"));
+    if listen.is_none() || listen != http.map(i64::from) {
+        sink.push(format!("listener port {listen:?} ≠ containerPort http {http:?}"));
+    }
+
+    // Envoy must buffer more than the picker accepts, so that the picker (not Envoy) answers 413.
+    if let Some(limit) = picker_body_limit(r, ctx) {
+        let buffer = config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"].as_u64();
+        if buffer.is_none_or(|b| b <= limit as u64) {
+            sink.push(format!(
+                "listener per_connection_buffer_limit_bytes {buffer:?} must exceed the picker's body_limit_bytes {limit}"
+            ));
+        }
+    }
+
+    // Everything else equals the reference.
+    if let (Some(mine), Some(theirs)) = (picker_cluster(&mut config), picker_cluster(&mut reference).cloned()) {
+        *mine = theirs;
+    }
+    for v in [&mut config, &mut reference] {
+        walk_mut(v, &mut |key, v| {
+            if key == "failure_mode_allow" {
+                *v = Value::Bool(false);
+            }
+        });
+    }
+    let mut paths = Vec::new();
+    diff("", &reference, &config, &mut paths);
+    diff("", &config, &reference, &mut paths);
+    if !paths.is_empty() {
+        paths.sort();
+        paths.dedup();
+        sink.push(format!(
+            "envoy.yaml differs from {REFERENCE} beyond the picker cluster and failure_mode_allow at {paths:?}"
+        ));
+    }
+}

@@ -1,0 +1,96 @@
+//! Gateway API objects: the InferencePool's Endpoint Picker reference reaches the picker's ext_proc
+//! port through a real Service port; HTTPRoutes attach to existing Gateways and send to existing pools.
+
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use super::{Problem, Sink, containers, named_port, resolve_port, selects};
+use crate::objects::{Object, Rendered};
+
+const POOL_GROUP: &str = "inference.networking.k8s.io";
+
+pub(super) fn check(r: &Rendered, out: &mut Vec<Problem>) {
+    for o in &r.objects {
+        match o {
+            Object::InferencePool(pool) => {
+                let mut sink = Sink::new(out, o.id());
+                let spec = &pool.spec;
+                let n = spec.target_ports.len();
+                let mut numbers: Vec<_> = spec.target_ports.iter().map(|p| p.number).collect();
+                numbers.sort_unstable();
+                numbers.dedup();
+                if n == 0 || n > 8 || numbers.len() != n {
+                    sink.push("targetPorts must hold 1 to 8 unique ports");
+                }
+                if spec.selector.match_labels.is_empty() {
+                    sink.push("selector.matchLabels is empty");
+                }
+                let epp = &spec.endpoint_picker_ref;
+                if !matches!(epp.failure_mode.as_deref(), None | Some("FailOpen") | Some("FailClose")) {
+                    sink.push(format!("endpointPickerRef.failureMode {:?}: FailOpen or FailClose", epp.failure_mode));
+                }
+                if epp.kind.as_deref().unwrap_or("Service") != "Service"
+                    || !epp.group.as_deref().unwrap_or("").is_empty()
+                {
+                    sink.push("endpointPickerRef must name a core Service");
+                    continue;
+                }
+                let Some(port) = &epp.port else {
+                    sink.push("endpointPickerRef.port is required for a Service");
+                    continue;
+                };
+                let Some(svc) = r.service(&epp.name) else {
+                    sink.push(format!("endpointPickerRef names Service {}, which does not exist", epp.name));
+                    continue;
+                };
+                let svc_spec = svc.spec.clone().unwrap_or_default();
+                let Some(sp) = svc_spec.ports.as_deref().unwrap_or(&[]).iter().find(|p| p.port == port.number) else {
+                    sink.push(format!("Service {} has no port {}", epp.name, port.number));
+                    continue;
+                };
+                // The port must land on the picker's ext_proc listener, not on ingest or admin.
+                let target = sp.target_port.clone().unwrap_or(IntOrString::Int(sp.port));
+                let selector = svc_spec.selector.unwrap_or_default();
+                let lands_on_ext_proc = r.workloads().iter().any(|w| {
+                    selects(&selector, w.template.metadata.as_ref().and_then(|m| m.labels.as_ref()))
+                        && containers(w.template).iter().any(|c| {
+                            named_port(c, "ext-proc").is_some() && resolve_port(c, &target) == named_port(c, "ext-proc")
+                        })
+                });
+                if !lands_on_ext_proc {
+                    sink.push(format!(
+                        "Service {} port {} does not reach a container port named ext-proc (the picker's ext_proc gRPC)",
+                        epp.name, port.number
+                    ));
+                }
+            }
+            Object::HttpRoute(route) => {
+                let mut sink = Sink::new(out, o.id());
+                for p in &route.spec.parent_refs {
+                    if p.kind.as_deref().unwrap_or("Gateway") == "Gateway" && !r.has("Gateway", &p.name) {
+                        sink.push(format!("parentRef Gateway {} does not exist", p.name));
+                    }
+                }
+                for rule in &route.spec.rules {
+                    if rule.backend_refs.is_empty() {
+                        sink.push("a rule has no backendRefs");
+                    }
+                    for b in &rule.backend_refs {
+                        match (b.group.as_deref().unwrap_or(""), b.kind.as_deref().unwrap_or("Service")) {
+                            (POOL_GROUP, "InferencePool") if !r.has("InferencePool", &b.name) => {
+                                sink.push(format!("backendRef InferencePool {} does not exist", b.name));
+                            }
+                            ("", "Service") if !r.has("Service", &b.name) => {
+                                sink.push(format!("backendRef Service {} does not exist", b.name));
+                            }
+                            (POOL_GROUP, "InferencePool") | ("", "Service") => {}
+                            (g, k) => {
+                                sink.push(format!("backendRef {g}/{k} {} is not a kind this deployment uses", b.name))
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! References between objects (ConfigMaps, PVCs, ServiceAccounts) and the pod security baseline
+//! every workload here meets (read-only root filesystem, non-root, no privilege escalation,
+//! resource requests, no API token).
+
+use super::{Problem, Sink, containers, workload_id};
+use crate::objects::{Object, Rendered};
+
+pub(super) fn references(r: &Rendered, out: &mut Vec<Problem>) {
+    for w in r.workloads() {
+        let mut sink = Sink::new(out, workload_id(&w));
+        let Some(spec) = &w.template.spec else {
+            sink.push("pod template has no spec");
+            continue;
+        };
+        for v in spec.volumes.as_deref().unwrap_or(&[]) {
+            if let Some(cmv) = &v.config_map {
+                match r.config_map(&cmv.name) {
+                    None => sink.push(format!("volume {} names ConfigMap {}, which does not exist", v.name, cmv.name)),
+                    Some(cm) => {
+                        let data = cm.data.clone().unwrap_or_default();
+                        for item in cmv.items.as_deref().unwrap_or(&[]) {
+                            if !data.contains_key(&item.key) {
+                                sink.push(format!(
+                                    "volume {} projects key {} missing from ConfigMap {}",
+                                    v.name, item.key, cmv.name
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(pvc) = &v.persistent_volume_claim
+                && !r.has("PersistentVolumeClaim", &pvc.claim_name)
+            {
+                sink.push(format!("volume {} claims PVC {}, which does not exist", v.name, pvc.claim_name));
+            }
+        }
+        let volume_names: Vec<_> = spec.volumes.as_deref().unwrap_or(&[]).iter().map(|v| v.name.as_str()).collect();
+        for c in &spec.containers {
+            for m in c.volume_mounts.as_deref().unwrap_or(&[]) {
+                if !volume_names.contains(&m.name.as_str()) {
+                    sink.push(format!("container {} mounts volume {}, which the pod does not define", c.name, m.name));
+                }
+            }
+            for e in c.env.as_deref().unwrap_or(&[]) {
+                if let Some(k) = e.value_from.as_ref().and_then(|f| f.config_map_key_ref.as_ref()) {
+                    let found =
+                        r.config_map(&k.name).and_then(|cm| cm.data.as_ref()).is_some_and(|d| d.contains_key(&k.key));
+                    if !found && k.optional != Some(true) {
+                        sink.push(format!(
+                            "env {} reads key {} of ConfigMap {}, which does not exist",
+                            e.name, k.key, k.name
+                        ));
+                    }
+                }
+            }
+            for ef in c.env_from.as_deref().unwrap_or(&[]) {
+                if let Some(cm) = &ef.config_map_ref
+                    && r.config_map(&cm.name).is_none()
+                {
+                    sink.push(format!("envFrom names ConfigMap {}, which does not exist", cm.name));
+                }
+            }
+        }
+        if let Some(sa) = &spec.service_account_name
+            && !r.has("ServiceAccount", sa)
+        {
+            sink.push(format!("serviceAccountName {sa} does not exist"));
+        }
+    }
+}
+
+pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
+    for w in r.workloads() {
+        let mut sink = Sink::new(out, workload_id(&w));
+        let Some(spec) = &w.template.spec else { continue };
+        if spec.automount_service_account_token != Some(false) {
+            sink.push("automountServiceAccountToken must be false: no kvroute component calls the API server");
+        }
+        let pod_non_root = spec.security_context.as_ref().and_then(|s| s.run_as_non_root) == Some(true);
+        for c in containers(w.template) {
+            let sc = c.security_context.as_ref();
+            if sc.and_then(|s| s.read_only_root_filesystem) != Some(true) {
+                sink.push(format!("container {}: readOnlyRootFilesystem must be true", c.name));
+            }
+            if sc.and_then(|s| s.allow_privilege_escalation) != Some(false) {
+                sink.push(format!("container {}: allowPrivilegeEscalation must be false", c.name));
+            }
+            if !pod_non_root && sc.and_then(|s| s.run_as_non_root) != Some(true) {
+                sink.push(format!("container {}: runAsNonRoot must be true", c.name));
+            }
+            let requests = c.resources.as_ref().and_then(|r| r.requests.as_ref());
+            for res in ["cpu", "memory"] {
+                if !requests.is_some_and(|q| q.contains_key(res)) {
+                    sink.push(format!("container {}: no {res} request", c.name));
+                }
+            }
+        }
+    }
+    for o in &r.objects {
+        match o {
+            Object::ServiceAccount(sa) if sa.automount_service_account_token != Some(false) => {
+                Sink::new(out, o.id()).push("automountServiceAccountToken must be false");
+            }
+            Object::ClusterRole(_) | Object::ClusterRoleBinding(_) => {
+                Sink::new(out, o.id()).push("kvroute needs no cluster-wide permissions");
+            }
+            Object::Role(role) => {
+                for rule in role.rules.as_deref().unwrap_or(&[]) {
+                    if rule.verbs.iter().any(|v| v == "*")
+                        || rule.resources.as_deref().unwrap_or(&[]).iter().any(|x| x == "*")
+                    {
+                        Sink::new(out, o.id()).push("wildcard rule: list the verbs and resources needed");
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}

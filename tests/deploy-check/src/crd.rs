@@ -1,0 +1,171 @@
+//! Custom resources deploy/k8s uses, as serde structs holding the fields kvroute relies on.
+//! Unknown fields are rejected (`deny_unknown_fields`), so a typo fails the parse.
+//!
+//! Shapes: InferencePool from the Gateway API Inference Extension API reference
+//! (`inference.networking.k8s.io/v1`: `selector.matchLabels`, `targetPorts[].number`,
+//! `endpointPickerRef{group,kind,name,port.number,failureMode}`); Gateway and HTTPRoute from
+//! `gateway.networking.k8s.io/v1` (only the subset used here).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Serialize};
+
+/// `inference.networking.k8s.io/v1` InferencePool.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct InferencePool {
+    /// Always `inference.networking.k8s.io/v1`.
+    pub api_version: String,
+    /// Always `InferencePool`.
+    pub kind: String,
+    /// Name, namespace, labels.
+    pub metadata: ObjectMeta,
+    /// The pool.
+    pub spec: InferencePoolSpec,
+}
+
+/// The pool's pods, ports and Endpoint Picker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct InferencePoolSpec {
+    /// Label selector of the model-server pods (same namespace).
+    pub selector: PoolSelector,
+    /// Model-server ports (1–8, unique); each pod ip:port is one endpoint.
+    pub target_ports: Vec<PortNumber>,
+    /// `http` (default) or `kubernetes.io/h2c`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_protocol: Option<String>,
+    /// The Endpoint Picker Service.
+    pub endpoint_picker_ref: EndpointPickerRef,
+}
+
+/// `selector` of an InferencePool (labels only).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PoolSelector {
+    /// Labels the pods must carry.
+    pub match_labels: BTreeMap<String, String>,
+}
+
+/// `{number: N}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortNumber {
+    /// TCP port.
+    pub number: i32,
+}
+
+/// Reference to the Endpoint Picker (kvroute-picker's ext_proc Service port).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EndpointPickerRef {
+    /// API group; empty/absent = core.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Kind; absent = `Service`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Service name (same namespace).
+    pub name: String,
+    /// Service port (required for a Service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<PortNumber>,
+    /// `FailOpen` or `FailClose` (default `FailClose`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<String>,
+}
+
+/// `gateway.networking.k8s.io/v1` Gateway (subset).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Gateway {
+    /// Always `gateway.networking.k8s.io/v1`.
+    pub api_version: String,
+    /// Always `Gateway`.
+    pub kind: String,
+    /// Name, namespace, labels.
+    pub metadata: ObjectMeta,
+    /// Class and listeners.
+    pub spec: GatewaySpec,
+}
+
+/// Gateway spec (subset).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GatewaySpec {
+    /// The implementation's GatewayClass.
+    pub gateway_class_name: String,
+    /// Listeners.
+    pub listeners: Vec<GatewayListener>,
+}
+
+/// One Gateway listener.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayListener {
+    /// Listener name, unique in the Gateway.
+    pub name: String,
+    /// `HTTP`, `HTTPS`, ….
+    pub protocol: String,
+    /// Port.
+    pub port: i32,
+}
+
+/// `gateway.networking.k8s.io/v1` HTTPRoute (subset).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HttpRoute {
+    /// Always `gateway.networking.k8s.io/v1`.
+    pub api_version: String,
+    /// Always `HTTPRoute`.
+    pub kind: String,
+    /// Name, namespace, labels.
+    pub metadata: ObjectMeta,
+    /// Parents and rules.
+    pub spec: HttpRouteSpec,
+}
+
+/// HTTPRoute spec (subset).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HttpRouteSpec {
+    /// Gateways this route attaches to.
+    pub parent_refs: Vec<ObjectRef>,
+    /// Rules.
+    pub rules: Vec<HttpRouteRule>,
+}
+
+/// A reference by group/kind/name (parentRefs, backendRefs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectRef {
+    /// API group (absent = the default for the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Kind (absent = the default for the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Name (same namespace).
+    pub name: String,
+    /// Port, for Service backends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<i32>,
+    /// Weight, for backends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<i32>,
+}
+
+/// One HTTPRoute rule (subset).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HttpRouteRule {
+    /// Matches (kept as JSON: only their presence matters here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matches: Option<serde_json::Value>,
+    /// Backends.
+    pub backend_refs: Vec<ObjectRef>,
+    /// Timeouts (kept as JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeouts: Option<serde_json::Value>,
+}

@@ -1,0 +1,315 @@
+//! Renders every overlay under deploy/k8s/overlays with `kubectl kustomize`, parses every object
+//! into typed structs and runs every cross-reference check; then breaks the rendered objects on
+//! purpose to show that each check can fail.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kvroute_deploy_check::checks::envoy_failure_mode_allow;
+use kvroute_deploy_check::render::split_documents;
+use kvroute_deploy_check::{CheckContext, Object, Rendered, check_all, parse_all, render};
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+fn rendered(overlay: &str) -> Rendered {
+    let dir = repo_root().join("deploy/k8s/overlays").join(overlay);
+    let text = render(&dir).unwrap_or_else(|e| panic!("{e}"));
+    parse_all(&split_documents(&text).unwrap()).unwrap_or_else(|e| panic!("{overlay}: {e}"))
+}
+
+fn ctx() -> CheckContext {
+    CheckContext::new(repo_root())
+}
+
+fn assert_clean(overlay: &str, r: &Rendered) {
+    let problems = check_all(r, &ctx());
+    assert!(
+        problems.is_empty(),
+        "{overlay}:\n{}",
+        problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")
+    );
+}
+
+fn kinds(r: &Rendered) -> Vec<String> {
+    let mut k: Vec<_> = r.objects.iter().map(Object::id).collect();
+    k.sort();
+    k
+}
+
+/// Problems after `edit`, which must mention `needle`.
+fn broken(overlay: &str, edit: impl FnOnce(&mut Rendered), needle: &str) {
+    let mut r = rendered(overlay);
+    edit(&mut r);
+    let problems = check_all(&r, &ctx());
+    assert!(
+        problems.iter().any(|p| p.to_string().contains(needle)),
+        "expected a problem containing {needle:?}, got {problems:#?}"
+    );
+}
+
+#[test]
+fn every_overlay_is_listed_here() {
+    let mut found: Vec<_> = std::fs::read_dir(repo_root().join("deploy/k8s/overlays"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    found.sort();
+    assert_eq!(found, ["fail-open", "gateway-api", "standalone"], "add new overlays to the tests below");
+}
+
+#[test]
+fn standalone_renders_and_checks_clean() {
+    let r = rendered("standalone");
+    assert_clean("standalone", &r);
+    let ids = kinds(&r);
+    for want in [
+        "DaemonSet/kvroute-agent",
+        "StatefulSet/kvroute-picker",
+        "Service/kvroute-picker",
+        "Service/kvroute-picker-peers",
+        "PodDisruptionBudget/kvroute-picker",
+        "Deployment/kvroute-envoy",
+        "Service/kvroute-gateway",
+    ] {
+        assert!(ids.iter().any(|i| i == want), "{want} missing from {ids:?}");
+    }
+    assert_eq!(envoy_failure_mode_allow(&r, &ctx()), Some(false), "standalone fails closed");
+}
+
+#[test]
+fn fail_open_differs_only_in_failure_mode() {
+    let r = rendered("fail-open");
+    assert_clean("fail-open", &r);
+    assert_eq!(envoy_failure_mode_allow(&r, &ctx()), Some(true));
+}
+
+#[test]
+fn gateway_api_renders_and_checks_clean() {
+    let r = rendered("gateway-api");
+    assert_clean("gateway-api", &r);
+    let ids = kinds(&r);
+    for want in ["InferencePool/vllm-qwen2-5-7b", "HTTPRoute/kvroute-inference", "Gateway/kvroute-inference"] {
+        assert!(ids.iter().any(|i| i == want), "{want} missing from {ids:?}");
+    }
+    assert!(!ids.iter().any(|i| i == "Deployment/kvroute-envoy"), "no standalone Envoy with a Gateway");
+    assert_eq!(r.workload("kvroute-picker").unwrap().replicas, Some(3));
+}
+
+// --- each check can fail ---------------------------------------------------------------------
+
+fn picker_sts(r: &mut Rendered) -> &mut k8s_openapi::api::apps::v1::StatefulSet {
+    r.objects
+        .iter_mut()
+        .find_map(|o| match o {
+            Object::StatefulSet(s) => Some(s),
+            _ => None,
+        })
+        .unwrap()
+}
+
+fn agent_ds(r: &mut Rendered) -> &mut k8s_openapi::api::apps::v1::DaemonSet {
+    r.objects
+        .iter_mut()
+        .find_map(|o| match o {
+            Object::DaemonSet(d) => Some(d),
+            _ => None,
+        })
+        .unwrap()
+}
+
+fn config_map_data<'a>(r: &'a mut Rendered, prefix: &str) -> &'a mut std::collections::BTreeMap<String, String> {
+    r.objects
+        .iter_mut()
+        .find_map(|o| match o {
+            Object::ConfigMap(c) if c.metadata.name.as_deref().unwrap_or("").starts_with(prefix) => c.data.as_mut(),
+            _ => None,
+        })
+        .unwrap()
+}
+
+#[test]
+fn scaling_pickers_without_listing_them_in_agents_fails() {
+    broken("standalone", |r| picker_sts(r).spec.as_mut().unwrap().replicas = Some(3), "must list every picker replica");
+}
+
+#[test]
+fn service_port_without_container_port_fails() {
+    broken(
+        "standalone",
+        |r| {
+            let c = &mut picker_sts(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+            c.ports.as_mut().unwrap().retain(|p| p.name.as_deref() != Some("ingest"));
+        },
+        "targets String(\"ingest\")",
+    );
+}
+
+#[test]
+fn probe_on_undeclared_port_fails() {
+    broken(
+        "standalone",
+        |r| {
+            let c = &mut agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+            c.liveness_probe.as_mut().unwrap().http_get.as_mut().unwrap().port = IntOrString::Int(9999);
+        },
+        "livenessProbe probes Int(9999)",
+    );
+}
+
+#[test]
+fn invalid_picker_config_fails_with_the_pickers_own_message() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text = data.get("picker.yaml").unwrap().replace("cache: 0.60", "cache: 0.90");
+            data.insert("picker.yaml".into(), text);
+        },
+        "fails the picker's validation: invalid config: scoring",
+    );
+}
+
+#[test]
+fn loopback_listener_and_port_mismatch_fail() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text = data.get("picker.yaml").unwrap().replace("0.0.0.0:9003", "127.0.0.1:9013");
+            data.insert("picker.yaml".into(), text);
+        },
+        "ingest_addr 127.0.0.1:9013 binds one interface only",
+    );
+}
+
+#[test]
+fn tokenizer_outside_a_volume_fails() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text = data.get("picker.yaml").unwrap().replace("/models/tokenizers/", "/opt/tok/");
+            data.insert("picker.yaml".into(), text);
+        },
+        "is not under a volume mount",
+    );
+}
+
+#[test]
+fn invalid_agent_config_fails_with_the_agents_own_message() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-agent-config");
+            let text = data.get("gpu-node-1.yaml").unwrap().replace("tcp://10.0.0.11:5557", "10.0.0.11:5557");
+            data.insert("gpu-node-1.yaml".into(), text);
+        },
+        "node gpu-node-1: fails the agent's validation",
+    );
+}
+
+#[test]
+fn missing_configmap_key_and_node_name_env_fail() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text = data.remove("picker.yaml").unwrap();
+            data.insert("config.yaml".into(), text);
+        },
+        "key picker.yaml missing",
+    );
+    broken(
+        "standalone",
+        |r| {
+            let c = &mut agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+            c.env.as_mut().unwrap().retain(|e| e.name != "NODE_NAME");
+        },
+        "NODE_NAME must come from the downward API",
+    );
+}
+
+#[test]
+fn agent_without_gpu_scheduling_or_security_fails() {
+    broken(
+        "standalone",
+        |r| agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().runtime_class_name = None,
+        "runtimeClassName must be nvidia",
+    );
+    broken(
+        "standalone",
+        |r| {
+            let c = &mut agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+            c.security_context.as_mut().unwrap().read_only_root_filesystem = Some(false);
+        },
+        "readOnlyRootFilesystem must be true",
+    );
+}
+
+#[test]
+fn inference_pool_pointing_at_the_wrong_port_fails() {
+    broken(
+        "gateway-api",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::InferencePool(p) = o {
+                    p.spec.endpoint_picker_ref.port.as_mut().unwrap().number = 9090;
+                }
+            }
+        },
+        "does not reach a container port named ext-proc",
+    );
+}
+
+#[test]
+fn envoy_config_drifting_from_deploy_envoy_fails() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-envoy-config");
+            let text = data.get("envoy.yaml").unwrap().replace("message_timeout: 5s", "message_timeout: 7s");
+            data.insert("envoy.yaml".into(), text);
+        },
+        "differs from deploy/envoy/envoy.yaml",
+    );
+}
+
+#[test]
+fn picker_body_limit_above_envoy_buffer_fails() {
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text =
+                data.get("picker.yaml").unwrap().replace("body_limit_bytes: 8388608", "body_limit_bytes: 33554432");
+            data.insert("picker.yaml".into(), text);
+        },
+        "must exceed the picker's body_limit_bytes 33554432",
+    );
+}
+
+#[test]
+fn engine_model_or_port_unknown_to_picker_and_pool_fails() {
+    broken(
+        "gateway-api",
+        |r| {
+            let data = config_map_data(r, "kvroute-agent-config");
+            let text =
+                data.get("gpu-node-2.yaml").unwrap().replace("model: Qwen/Qwen2.5-7B-Instruct", "model: Qwen/Qwen3-8B");
+            data.insert("gpu-node-2.yaml".into(), text);
+        },
+        "serves Qwen/Qwen3-8B, which no picker models[].target_model names",
+    );
+    broken(
+        "gateway-api",
+        |r| {
+            let data = config_map_data(r, "kvroute-agent-config");
+            let text = data.get("gpu-node-1.yaml").unwrap().replace("10.0.0.11:8000", "10.0.0.11:8001");
+            data.insert("gpu-node-1.yaml".into(), text);
+        },
+        "endpoint 10.0.0.11:8001 is not on a targetPort [8000] of InferencePool vllm-qwen2-5-7b",
+    );
+}
