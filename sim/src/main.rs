@@ -14,7 +14,8 @@ use kvroute_sim::{policy, report, sim};
 #[derive(Parser, Debug)]
 #[command(name = "kvroute-sim", about = "Discrete-event routing-quality simulation on kvroute's real router")]
 struct Args {
-    /// Workloads, comma-separated: shared-prefix, chat, herd, lora, zipf, or `all`.
+    /// Workloads, comma-separated: shared-prefix, chat, herd, lora, zipf, `all`, or `none` (only
+    /// the `--trace` files).
     #[arg(long, default_value = "all", value_delimiter = ',')]
     workload: Vec<String>,
     /// JSONL trace files to run as extra workloads (see workload::trace for the format).
@@ -44,7 +45,7 @@ struct Args {
     /// Workload seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Where tables (`benchmarks.md`) and charts (`<workload>.svg`) go.
+    /// Where tables (`tables.md`) and charts (`<workload>.svg`) go.
     #[arg(long, default_value = "target/sim")]
     out: PathBuf,
 }
@@ -74,9 +75,9 @@ fn workloads(a: &Args) -> anyhow::Result<Vec<Workload>> {
         v.push(workload::trace(t, 16)?);
     }
     for w in &a.workload {
-        if !matches!(w.as_str(), "all" | "shared-prefix" | "chat" | "herd" | "lora" | "zipf") {
+        if !matches!(w.as_str(), "all" | "none" | "shared-prefix" | "chat" | "herd" | "lora" | "zipf") {
             anyhow::bail!(
-                "unknown workload '{w}': use shared-prefix, chat, herd, lora, zipf or all (traces via --trace)"
+                "unknown workload '{w}': use shared-prefix, chat, herd, lora, zipf, all or none (traces via --trace)"
             );
         }
     }
@@ -123,7 +124,7 @@ fn main() -> anyhow::Result<()> {
         md.push_str(&format!("Chart: `{}`\n\n", svg.display()));
     }
     pb.finish_and_clear();
-    let path = a.out.join("benchmarks.md");
+    let path = a.out.join("tables.md");
     std::fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
     eprintln!("wrote {} and the charts beside it", path.display());
     Ok(())

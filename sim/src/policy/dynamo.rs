@@ -1,8 +1,9 @@
 //! NVIDIA Dynamo KV router's cost function: for each worker,
 //! `logit = overlap_score_weight × prefill_blocks + decode_blocks`, lowest wins (temperature 0,
 //! seeded random tie-break). `prefill_blocks` = the request's blocks the worker does not hold
-//! (from KV events, after the report delay); `decode_blocks` = blocks of the requests the router
-//! has active on the worker plus this request's. `overlap_score_weight` = 1.0 (Dynamo's default).
+//! (from KV events, after the report delay); `decode_blocks` = distinct blocks of the sequences the
+//! router has active on the worker (shared prefixes counted once, as Dynamo's `ActiveSequences`
+//! does) plus this request's new ones. `overlap_score_weight` = 1.0 (Dynamo's default).
 
 use std::collections::{HashMap, HashSet};
 
@@ -17,8 +18,9 @@ use crate::workload::SimRequest;
 #[derive(Debug)]
 pub struct DynamoCost {
     held: Vec<HashSet<u64>>,
-    active_blocks: Vec<u64>,
-    routed: HashMap<usize, u64>,
+    /// Per worker: block → active sequences using it.
+    active: Vec<HashMap<u64, u32>>,
+    routed: HashMap<usize, Vec<u64>>,
     overlap_weight: f64,
     rng: StdRng,
 }
@@ -28,7 +30,7 @@ impl DynamoCost {
     pub fn new(pods: usize, seed: u64) -> Self {
         DynamoCost {
             held: vec![HashSet::new(); pods.max(1)],
-            active_blocks: vec![0; pods.max(1)],
+            active: vec![HashMap::new(); pods.max(1)],
             routed: HashMap::new(),
             overlap_weight: 1.0,
             rng: StdRng::seed_from_u64(seed ^ 0xD1A),
@@ -46,14 +48,21 @@ impl Policy for DynamoCost {
         let mut best = (f64::MAX, 0u64, 0usize);
         for (p, held) in self.held.iter().enumerate() {
             let overlap = req.blocks.iter().take_while(|b| held.contains(&b.0)).count() as u64;
-            let logit = self.overlap_weight * (n - overlap) as f64 + (self.active_blocks[p] + n) as f64;
+            let active = &self.active[p];
+            let new_active = req.blocks.iter().filter(|b| !active.contains_key(&b.0)).count() as u64;
+            let logit = self.overlap_weight * (n - overlap) as f64 + (active.len() as u64 + new_active) as f64;
             let tie: u64 = self.rng.random();
             if logit < best.0 - 1e-9 || ((logit - best.0).abs() <= 1e-9 && tie < best.1) {
                 best = (logit, tie, p);
             }
         }
-        self.active_blocks[best.2] += n;
-        self.routed.insert(req.id, n);
+        let blocks: Vec<u64> = req.blocks.iter().map(|b| b.0).collect();
+        if let Some(active) = self.active.get_mut(best.2) {
+            for b in &blocks {
+                *active.entry(*b).or_insert(0) += 1;
+            }
+        }
+        self.routed.insert(req.id, blocks);
         Ok(best.2)
     }
 
@@ -67,9 +76,16 @@ impl Policy for DynamoCost {
     }
 
     fn on_finish(&mut self, req: &SimRequest, pod: usize) {
-        let n = self.routed.remove(&req.id).unwrap_or(0);
-        if let Some(a) = self.active_blocks.get_mut(pod) {
-            *a = a.saturating_sub(n);
+        let blocks = self.routed.remove(&req.id).unwrap_or_default();
+        if let Some(active) = self.active.get_mut(pod) {
+            for b in blocks {
+                if let Some(c) = active.get_mut(&b) {
+                    *c -= 1;
+                    if *c == 0 {
+                        active.remove(&b);
+                    }
+                }
+            }
         }
     }
 }
