@@ -88,3 +88,6 @@ pub fn build(name: &str, pods: usize, kv_capacity_blocks: usize, seed: u64) -> R
         _ => Err(SimError::UnknownPolicy(name.to_string())),
     }
 }
+
+#[cfg(test)]
+mod tests;
