@@ -33,6 +33,10 @@ struct Args {
     /// KV capacity per pod, tokens.
     #[arg(long, default_value_t = 450_000)]
     kv_tokens: usize,
+    /// KV capacity per pod the approximate policies assume, tokens (default: `--kv-tokens`, i.e.
+    /// a perfect guess).
+    #[arg(long)]
+    approx_capacity_tokens: Option<usize>,
     /// Delay from an engine read to the router seeing it, ms.
     #[arg(long, default_value_t = 20)]
     report_delay_ms: u64,
@@ -111,7 +115,8 @@ fn main() -> anyhow::Result<()> {
         let mut rows = Vec::new();
         for p in &policies {
             pb.set_message(format!("{} / {p}", w.name));
-            let mut pol = policy::build(p, cfg.pods, cfg.cost.kv_capacity_blocks, a.seed)?;
+            let approx_blocks = a.approx_capacity_tokens.map_or(cfg.cost.kv_capacity_blocks, |t| t / 16);
+            let mut pol = policy::build(p, cfg.pods, approx_blocks, a.seed)?;
             let run = sim::run(w, pol.as_mut(), &cfg, Some(&pb))?;
             rows.push(report::summarize(&run, w.stages.len()));
         }

@@ -66,7 +66,8 @@ pub const ALL: [&str; 11] = [
 ];
 
 /// Builds the named policy for `pods` pods. `kv_capacity_blocks` sizes the approximate policies'
-/// estimated caches (they assume each pod holds that many blocks).
+/// estimated caches (they assume each pod holds that many blocks; the engines' real capacity is
+/// the simulator's, and the two may differ).
 pub fn build(name: &str, pods: usize, kv_capacity_blocks: usize, seed: u64) -> Result<Box<dyn Policy>, SimError> {
     let kv = |preset: &str, view: CacheView| -> Result<Box<dyn Policy>, SimError> {
         let config = kvroute_picker::score::ScoringConfig::preset(preset)
