@@ -1,0 +1,499 @@
+//! Workloads (issue 9; SPEC §10): seeded generators and a JSONL trace reader.
+//!
+//! A request is a list of prompt [`Segment`]s (a segment is a run of tokens with an identity:
+//! a system prompt, a document, a user turn). Two requests whose segment lists start the same share
+//! that prefix token for token. Token ids are synthesised from `(segment id, offset)` and hashed
+//! with the real kvroute block hashing ([`kvroute_common::hash::hash_block`], SPEC §2), so the
+//! simulated index and engines see exactly the chains the picker would compute.
+//!
+//! Arrivals are open-loop (Poisson per stage); multi-turn chat schedules turn k+1 a think time after
+//! turn k's arrival (think times ≫ TTFT, so the turn almost always follows its answer).
+
+use std::io::BufRead;
+use std::path::Path;
+
+use kvroute_common::BlockHash;
+use kvroute_common::hash::{hash_block, root_hash};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Deserialize;
+
+use crate::SimError;
+
+/// Base model name every simulated pod serves (the chain root's model field).
+pub const MODEL: &str = "sim-model";
+
+/// A run of prompt tokens with an identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Identity: equal ids mean equal tokens.
+    pub id: u64,
+    /// Length in tokens.
+    pub tokens: u32,
+}
+
+/// One simulated request.
+#[derive(Clone, Debug)]
+pub struct SimRequest {
+    /// Position in the workload (dense, from 0).
+    pub id: usize,
+    /// Arrival at the router, µs of simulated time.
+    pub arrival_us: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Tokens to generate.
+    pub output_tokens: u32,
+    /// LoRA adapter, if any (its chain is disjoint from the base model's, SPEC §2).
+    pub adapter: Option<String>,
+    /// Conversation id (multi-turn chat), if any.
+    pub session: Option<u64>,
+    /// Load stage the request belongs to (index into [`Workload::stages`]).
+    pub stage: usize,
+    /// Full-block chain of the prompt (SPEC §2).
+    pub blocks: Vec<BlockHash>,
+}
+
+/// A constant-rate phase of a workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stage {
+    /// Offered rate, requests per second.
+    pub rate_rps: f64,
+}
+
+/// A named list of requests sorted by arrival.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// Short name (table headings, file names).
+    pub name: String,
+    /// One line for the report: the shape in numbers.
+    pub description: String,
+    /// Requests sorted by `arrival_us`.
+    pub requests: Vec<SimRequest>,
+    /// Load stages (one for single-rate workloads).
+    pub stages: Vec<Stage>,
+}
+
+/// Builds request chains from segment lists (`block_size` tokens per block).
+#[derive(Clone, Debug)]
+pub struct ChainBuilder {
+    block_size: usize,
+    tokens: Vec<u32>,
+}
+
+impl ChainBuilder {
+    /// A builder for `block_size`-token blocks (vLLM default 16).
+    pub fn new(block_size: usize) -> Self {
+        ChainBuilder { block_size: block_size.max(1), tokens: Vec::new() }
+    }
+
+    /// The full-block chain of `segments` under `adapter` (a trailing partial block is ignored).
+    pub fn chain(&mut self, adapter: Option<&str>, segments: &[Segment]) -> Vec<BlockHash> {
+        self.tokens.clear();
+        for s in segments {
+            self.tokens.extend((0..s.tokens).map(|off| synth_token(s.id, off)));
+        }
+        let mut parent = root_hash(MODEL, adapter);
+        let mut out = Vec::with_capacity(self.tokens.len() / self.block_size);
+        for block in self.tokens.chunks_exact(self.block_size) {
+            parent = hash_block(parent, block);
+            out.push(parent);
+        }
+        out
+    }
+}
+
+/// A deterministic token id for `(segment, offset)`.
+fn synth_token(segment: u64, offset: u32) -> u32 {
+    (splitmix64(segment ^ (u64::from(offset) << 40) ^ u64::from(offset)) & 0xFFFF_FFFF) as u32
+}
+
+/// splitmix64 finaliser.
+pub(crate) fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Exponential inter-arrival gap at `rate_rps`, in µs.
+fn exp_gap_us(rng: &mut StdRng, rate_rps: f64) -> u64 {
+    let u: f64 = rng.random_range(f64::EPSILON..1.0);
+    (-u.ln() / rate_rps * 1e6) as u64
+}
+
+struct Draft {
+    arrival_us: u64,
+    segments: Vec<Segment>,
+    output_tokens: u32,
+    adapter: Option<String>,
+    session: Option<u64>,
+    stage: usize,
+}
+
+fn finish(name: &str, description: String, stages: Vec<Stage>, mut drafts: Vec<Draft>, block_size: usize) -> Workload {
+    drafts.sort_by_key(|d| d.arrival_us);
+    let mut cb = ChainBuilder::new(block_size);
+    let requests = drafts
+        .into_iter()
+        .enumerate()
+        .map(|(id, d)| SimRequest {
+            id,
+            arrival_us: d.arrival_us,
+            prompt_tokens: d.segments.iter().map(|s| s.tokens).sum(),
+            output_tokens: d.output_tokens,
+            blocks: cb.chain(d.adapter.as_deref(), &d.segments),
+            adapter: d.adapter,
+            session: d.session,
+            stage: d.stage,
+        })
+        .collect();
+    Workload { name: name.into(), description, requests, stages }
+}
+
+/// SPEC §10's routing-quality shape (llm-d's benchmark, scaled).
+#[derive(Clone, Debug)]
+pub struct SharedPrefixConfig {
+    /// Prefix groups. Default 150.
+    pub groups: u32,
+    /// Shared prefix per group, tokens. Default 6 000.
+    pub prefix_tokens: u32,
+    /// Distinct questions per group. Default 5.
+    pub questions_per_group: u32,
+    /// Question length, tokens. Default 1 200.
+    pub question_tokens: u32,
+    /// Output tokens. Default 100.
+    pub output_tokens: u32,
+    /// Offered rate per stage, requests/s, rising. Default 2, 4, 6, 8, 10.
+    pub rates_rps: Vec<f64>,
+    /// Length of each stage, seconds of simulated time. Default 60.
+    pub stage_s: f64,
+}
+
+impl Default for SharedPrefixConfig {
+    fn default() -> Self {
+        SharedPrefixConfig {
+            groups: 150,
+            prefix_tokens: 6000,
+            questions_per_group: 5,
+            question_tokens: 1200,
+            output_tokens: 100,
+            rates_rps: vec![2.0, 4.0, 6.0, 8.0, 10.0],
+            stage_s: 60.0,
+        }
+    }
+}
+
+/// Shared-prefix groups: each request is one group's prefix + one of its questions, both uniform.
+pub fn shared_prefix(cfg: &SharedPrefixConfig, seed: u64, block_size: usize) -> Workload {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut drafts = Vec::new();
+    let mut start_us = 0u64;
+    for (stage, rate) in cfg.rates_rps.iter().enumerate() {
+        let end_us = start_us + (cfg.stage_s * 1e6) as u64;
+        let mut t = start_us + exp_gap_us(&mut rng, *rate);
+        while t < end_us {
+            let g = u64::from(rng.random_range(0..cfg.groups.max(1)));
+            let q = u64::from(rng.random_range(0..cfg.questions_per_group.max(1)));
+            drafts.push(Draft {
+                arrival_us: t,
+                segments: vec![
+                    Segment { id: 1 << 48 | g, tokens: cfg.prefix_tokens },
+                    Segment { id: 2 << 48 | g << 16 | q, tokens: cfg.question_tokens },
+                ],
+                output_tokens: cfg.output_tokens,
+                adapter: None,
+                session: None,
+                stage,
+            });
+            t += exp_gap_us(&mut rng, *rate);
+        }
+        start_us = end_us;
+    }
+    let rates = cfg.rates_rps.iter().map(|r| format!("{r}")).collect::<Vec<_>>().join("/");
+    let description = format!(
+        "{} groups × {}-token prefix × {} questions of {} tokens, {} output tokens; Poisson stages {} req/s × {} s",
+        cfg.groups,
+        cfg.prefix_tokens,
+        cfg.questions_per_group,
+        cfg.question_tokens,
+        cfg.output_tokens,
+        rates,
+        cfg.stage_s
+    );
+    let stages = cfg.rates_rps.iter().map(|r| Stage { rate_rps: *r }).collect();
+    finish("shared-prefix", description, stages, drafts, block_size)
+}
+
+/// Multi-turn chat: every conversation starts with one shared system prompt; each turn appends the
+/// previous answer and a new user message. Conversations start Poisson at `sessions_per_s`.
+pub fn chat(sessions: u32, turns: u32, sessions_per_s: f64, seed: u64, block_size: usize) -> Workload {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (system, user, answer, think_s) = (2000u32, 300u32, 200u32, 15.0f64);
+    let mut drafts = Vec::new();
+    let mut t = 0u64;
+    for s in 0..u64::from(sessions) {
+        t += exp_gap_us(&mut rng, sessions_per_s);
+        let mut segments = vec![Segment { id: 3 << 48, tokens: system }];
+        let mut at = t;
+        for k in 0..u64::from(turns) {
+            segments.push(Segment { id: 4 << 48 | s << 8 | k, tokens: user });
+            drafts.push(Draft {
+                arrival_us: at,
+                segments: segments.clone(),
+                output_tokens: answer,
+                adapter: None,
+                session: Some(s),
+                stage: 0,
+            });
+            segments.push(Segment { id: 5 << 48 | s << 8 | k, tokens: answer });
+            at += exp_gap_us(&mut rng, 1.0 / think_s);
+        }
+    }
+    let description = format!(
+        "{sessions} conversations × {turns} turns, shared {system}-token system prompt, {user}-token user turns, \
+         {answer}-token answers, think time exp. mean {think_s} s, {sessions_per_s} new conversations/s"
+    );
+    finish("chat", description, vec![Stage { rate_rps: sessions_per_s * f64::from(turns) }], drafts, block_size)
+}
+
+/// Thundering herd (seed §15): per wave, one warm-up request for a new prefix, then `herd`
+/// requests for that same prompt arrive at one instant.
+pub fn herd(waves: u32, herd: u32, prefix_tokens: u32, seed: u64, block_size: usize) -> Workload {
+    let _ = seed;
+    let mut drafts = Vec::new();
+    for w in 0..u64::from(waves) {
+        let base = w * 30_000_000;
+        let segments = vec![Segment { id: 6 << 48 | w, tokens: prefix_tokens }];
+        for (i, at) in std::iter::once(base).chain(std::iter::repeat_n(base + 10_000_000, herd as usize)).enumerate() {
+            let _ = i;
+            drafts.push(Draft {
+                arrival_us: at,
+                segments: segments.clone(),
+                output_tokens: 50,
+                adapter: None,
+                session: None,
+                stage: 0,
+            });
+        }
+    }
+    let description = format!(
+        "{waves} waves: a warm-up request, then {herd} identical {prefix_tokens}-token requests at one instant 10 s later"
+    );
+    finish("herd", description, vec![Stage { rate_rps: 0.0 }], drafts, block_size)
+}
+
+/// Zipf(s) sampler over ranks 0..n (rank 0 most popular), by inverse CDF.
+struct Zipf {
+    cdf: Vec<f64>,
+}
+
+impl Zipf {
+    fn new(n: u32, s: f64) -> Zipf {
+        let mut acc = 0.0;
+        let mut cdf: Vec<f64> = (1..=n.max(1))
+            .map(|k| {
+                acc += 1.0 / f64::from(k).powf(s);
+                acc
+            })
+            .collect();
+        for c in &mut cdf {
+            *c /= acc;
+        }
+        Zipf { cdf }
+    }
+
+    fn sample(&self, rng: &mut StdRng) -> u64 {
+        let u: f64 = rng.random();
+        self.cdf.partition_point(|c| *c < u) as u64
+    }
+}
+
+/// Multi-tenant LoRA: `adapters` adapters with Zipf(1.0) popularity, each with its own 2 000-token
+/// system prompt and unique 300-token questions.
+pub fn lora(adapters: u32, rate_rps: f64, duration_s: f64, seed: u64, block_size: usize) -> Workload {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let zipf = Zipf::new(adapters, 1.0);
+    let mut drafts = Vec::new();
+    let end = (duration_s * 1e6) as u64;
+    let mut t = exp_gap_us(&mut rng, rate_rps);
+    let mut n = 0u64;
+    while t < end {
+        let a = zipf.sample(&mut rng);
+        drafts.push(Draft {
+            arrival_us: t,
+            segments: vec![Segment { id: 7 << 48 | a, tokens: 2000 }, Segment { id: 8 << 48 | n, tokens: 300 }],
+            output_tokens: 100,
+            adapter: Some(format!("tenant-{a}")),
+            session: None,
+            stage: 0,
+        });
+        n += 1;
+        t += exp_gap_us(&mut rng, rate_rps);
+    }
+    let description = format!(
+        "{adapters} LoRA adapters, Zipf(1.0) popularity, 2000-token per-tenant system prompt + unique 300-token question, \
+         {rate_rps} req/s × {duration_s} s"
+    );
+    finish("lora", description, vec![Stage { rate_rps }], drafts, block_size)
+}
+
+/// Zipf-popular prefixes: `prefixes` documents of 3 000 tokens, Zipf(1.1), unique 200-token question.
+pub fn zipf_prefixes(prefixes: u32, rate_rps: f64, duration_s: f64, seed: u64, block_size: usize) -> Workload {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let zipf = Zipf::new(prefixes, 1.1);
+    let mut drafts = Vec::new();
+    let end = (duration_s * 1e6) as u64;
+    let mut t = exp_gap_us(&mut rng, rate_rps);
+    let mut n = 0u64;
+    while t < end {
+        let p = zipf.sample(&mut rng);
+        drafts.push(Draft {
+            arrival_us: t,
+            segments: vec![Segment { id: 9 << 48 | p, tokens: 3000 }, Segment { id: 10 << 48 | n, tokens: 200 }],
+            output_tokens: 100,
+            adapter: None,
+            session: None,
+            stage: 0,
+        });
+        n += 1;
+        t += exp_gap_us(&mut rng, rate_rps);
+    }
+    let description = format!(
+        "{prefixes} 3000-token documents, Zipf(1.1) popularity, unique 200-token question, {rate_rps} req/s × {duration_s} s"
+    );
+    finish("zipf", description, vec![Stage { rate_rps }], drafts, block_size)
+}
+
+/// Unique-prefix pairs (seed §5's random-routing claim): `prefixes` distinct prompts, each sent
+/// twice, the repeat `gap_s` seconds after the first; arrivals spaced `spacing_s` apart.
+pub fn repeated_pairs(prefixes: u32, tokens: u32, spacing_s: f64, gap_s: f64, block_size: usize) -> Workload {
+    let mut drafts = Vec::new();
+    for p in 0..u64::from(prefixes) {
+        let t = (p as f64 * spacing_s * 1e6) as u64;
+        for at in [t, t + (gap_s * 1e6) as u64] {
+            drafts.push(Draft {
+                arrival_us: at,
+                segments: vec![Segment { id: 11 << 48 | p, tokens }],
+                output_tokens: 10,
+                adapter: None,
+                session: Some(p),
+                stage: 0,
+            });
+        }
+    }
+    let description = format!("{prefixes} distinct {tokens}-token prompts, each repeated once {gap_s} s later");
+    finish("pairs", description, vec![Stage { rate_rps: 2.0 / spacing_s }], drafts, block_size)
+}
+
+/// One line of a JSONL trace.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TraceLine {
+    /// Arrival, ms from the trace start.
+    arrival_ms: f64,
+    /// Prompt segments in order; equal `id`s mean equal tokens.
+    segments: Vec<TraceSegment>,
+    /// Tokens to generate.
+    output_tokens: u32,
+    #[serde(default)]
+    adapter: Option<String>,
+    #[serde(default)]
+    session: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TraceSegment {
+    id: String,
+    tokens: u32,
+}
+
+/// Reads a JSONL trace: one object per line,
+/// `{"arrival_ms": 0, "segments": [{"id": "sys", "tokens": 6000}, {"id": "q1", "tokens": 1200}],
+/// "output_tokens": 100, "adapter": null, "session": null}`. Blank lines are skipped; a malformed
+/// line is an error naming the line.
+pub fn trace(path: &Path, block_size: usize) -> Result<Workload, SimError> {
+    let file = std::fs::File::open(path).map_err(|source| SimError::TraceOpen { path: path.into(), source })?;
+    let mut drafts = Vec::new();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|source| SimError::TraceOpen { path: path.into(), source })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let t: TraceLine = serde_json::from_str(&line).map_err(|e| SimError::TraceLine {
+            path: path.into(),
+            line: i + 1,
+            message: e.to_string(),
+        })?;
+        if !(t.arrival_ms.is_finite() && t.arrival_ms >= 0.0) {
+            return Err(SimError::TraceLine {
+                path: path.into(),
+                line: i + 1,
+                message: format!("arrival_ms must be a finite number ≥ 0, got {}", t.arrival_ms),
+            });
+        }
+        let segments = t
+            .segments
+            .iter()
+            .map(|s| Segment { id: splitmix64(kvroute_common::hash::root_hash(&s.id, None).0), tokens: s.tokens })
+            .collect();
+        drafts.push(Draft {
+            arrival_us: (t.arrival_ms * 1000.0) as u64,
+            segments,
+            output_tokens: t.output_tokens,
+            adapter: t.adapter,
+            session: t.session,
+            stage: 0,
+        });
+    }
+    let description = format!("{} requests from {}", drafts.len(), path.display());
+    let name = path.file_stem().map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
+    Ok(finish(&name, description, vec![Stage { rate_rps: 0.0 }], drafts, block_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_prefixes_share_chain_blocks_and_diverge_after() {
+        let mut cb = ChainBuilder::new(16);
+        let a = cb.chain(None, &[Segment { id: 1, tokens: 160 }, Segment { id: 2, tokens: 40 }]);
+        let b = cb.chain(None, &[Segment { id: 1, tokens: 160 }, Segment { id: 3, tokens: 40 }]);
+        assert_eq!(a.len(), 12);
+        assert_eq!(a[..10], b[..10]);
+        assert_ne!(a[10], b[10]);
+        let c = cb.chain(Some("x"), &[Segment { id: 1, tokens: 160 }]);
+        assert_ne!(c[0], a[0], "an adapter gives a disjoint chain");
+    }
+
+    #[test]
+    fn generators_are_seeded_and_sorted() {
+        let cfg = SharedPrefixConfig { rates_rps: vec![5.0, 10.0], stage_s: 10.0, ..SharedPrefixConfig::default() };
+        let w1 = shared_prefix(&cfg, 7, 16);
+        let w2 = shared_prefix(&cfg, 7, 16);
+        assert_eq!(w1.requests.len(), w2.requests.len());
+        assert!(w1.requests.windows(2).all(|p| p[0].arrival_us <= p[1].arrival_us));
+        assert!(w1.requests.iter().zip(&w2.requests).all(|(a, b)| a.blocks == b.blocks));
+        let per_stage = |s| w1.requests.iter().filter(|r| r.stage == s).count() as f64;
+        assert!(per_stage(1) > 1.4 * per_stage(0), "rate doubles between stages");
+        assert_eq!(w1.requests[0].prompt_tokens, 7200);
+        assert_eq!(w1.requests[0].blocks.len(), 450);
+    }
+
+    #[test]
+    fn bad_trace_line_is_named() {
+        let dir = std::env::temp_dir().join(format!("kvroute-sim-trace-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let p = dir.join("t.jsonl");
+        let ok = r#"{"arrival_ms": 5, "segments": [{"id": "sys", "tokens": 64}], "output_tokens": 3}"#;
+        assert!(std::fs::write(&p, format!("{ok}\n\n{ok}\n{{\"arrival_ms\": 1}}\n")).is_ok());
+        match trace(&p, 16) {
+            Err(SimError::TraceLine { line, .. }) => assert_eq!(line, 4),
+            other => panic!("expected a line error, got {other:?}"),
+        }
+        assert!(std::fs::write(&p, format!("{ok}\n{ok}\n")).is_ok());
+        let w = trace(&p, 16);
+        assert!(matches!(&w, Ok(w) if w.requests.len() == 2 && w.requests[0].blocks == w.requests[1].blocks));
+    }
+}
