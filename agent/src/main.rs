@@ -32,7 +32,11 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    kvroute_common::telemetry::init_logging(&cli.log_level);
+    let telemetry = kvroute_common::telemetry::init(
+        "kvroute-agent",
+        &cli.log_level,
+        &kvroute_common::telemetry::TelemetryConfig::from_env(),
+    )?;
     let mut config = AgentConfig::load(&cli.config)?;
     if let Some(src) = cli.gpu_source {
         config.gpu_source = src;
@@ -44,6 +48,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     println!("READY");
     wait_for_signal().await?;
     agent.shutdown().await;
+    telemetry.shutdown().await;
     Ok(())
 }
 

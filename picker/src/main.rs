@@ -1,6 +1,7 @@
 //! `kvroute-picker --config picker.yaml [--log-level info]`: load and validate the config, bind the
 //! ext_proc, AgentIngest and admin listeners, print `READY` on stdout, serve until SIGINT/SIGTERM.
 //! An invalid config or a listener that cannot bind exits non-zero with the reason on stderr.
+//! Traces go over OTLP gRPC when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (flushed on exit).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -24,7 +25,17 @@ struct Cli {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    kvroute_common::telemetry::init_logging(&cli.log_level);
+    let telemetry = match kvroute_common::telemetry::init(
+        "kvroute-picker",
+        &cli.log_level,
+        &kvroute_common::telemetry::TelemetryConfig::from_env(),
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvroute-picker: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let config = match PickerConfig::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
@@ -55,6 +66,7 @@ async fn main() -> ExitCode {
         r = running.wait() => r,
         () = &mut stopper => { shutdown.shutdown(); Ok(()) }
     };
+    telemetry.shutdown().await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
