@@ -124,11 +124,8 @@ pub fn init(service_name: &str, level: &str, config: &TelemetryConfig) -> Result
         }
         None => None,
     };
-    let otel_layer =
-        provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer(service_name.to_owned())));
-    let (filter, bad) = env_filter(level);
-    let fmt_layer = fmt::layer().json().with_current_span(false).with_target(true).with_writer(std::io::stderr);
-    let installed = tracing_subscriber::registry().with(filter).with(fmt_layer).with(otel_layer).try_init().is_ok();
+    let (subscriber, bad) = subscriber(level, provider.as_ref(), service_name, std::io::stderr);
+    let installed = subscriber.try_init().is_ok();
     if bad {
         tracing::warn!(level, "invalid log level directive, using info");
     }
@@ -137,6 +134,38 @@ pub fn init(service_name: &str, level: &str, config: &TelemetryConfig) -> Result
         tracing::info!(endpoint = %endpoint, "exporting traces over OTLP gRPC");
     }
     Ok(Telemetry { provider: if installed { provider } else { None } })
+}
+
+/// The subscriber [`init`] installs, writing log lines to `writer` (public for the
+/// `trace_overhead` bench). Each layer has its own copy of the `level` filter: the JSON layer
+/// sees events only (log lines name their request with an explicit `request_id` field), so
+/// spans are only built when `provider` is given; without an exporter a span costs about as
+/// much as with no subscriber at all (measured in `benches/trace_overhead.rs`).
+/// The flag is true when `level` was invalid and `info` is used instead.
+pub fn subscriber<W>(
+    level: &str,
+    provider: Option<&SdkTracerProvider>,
+    service_name: &str,
+    writer: W,
+) -> (impl tracing::Subscriber + Send + Sync + 'static, bool)
+where
+    W: for<'w> fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::Layer as _;
+    let (filter, bad) = env_filter(level);
+    let events_only = tracing_subscriber::filter::filter_fn(|m| m.is_event());
+    let fmt_layer = fmt::layer()
+        .json()
+        .with_current_span(false)
+        .with_span_list(false)
+        .with_target(true)
+        .with_writer(writer)
+        .with_filter(filter)
+        .with_filter(events_only);
+    let otel_layer = provider.map(|p| {
+        tracing_opentelemetry::layer().with_tracer(p.tracer(service_name.to_owned())).with_filter(env_filter(level).0)
+    });
+    (tracing_subscriber::registry().with(fmt_layer).with(otel_layer), bad)
 }
 
 /// Installs the global JSON log subscriber only (no trace export); see [`init`].
