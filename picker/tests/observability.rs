@@ -419,7 +419,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
         .serve_with_incoming(TcpListenerStream::new(listener));
     tokio::spawn(server);
 
-    // The picker binary, exporting to it, logging at DEBUG.
+    // The picker binary, exporting to it, logging at TRACE.
     let (ext_proc, ingest, admin) = (free_port(), free_port(), free_port());
     let dir = std::env::temp_dir().join(format!("kvroute-picker-otel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -428,7 +428,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     std::fs::write(&config, config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin))).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap()])
-        .env("EPP_LOG_LEVEL", "debug,h2=info,tonic=info,hyper=info,tower=info")
+        .env("EPP_LOG_LEVEL", "trace,h2=info,tonic=info,hyper=info,hyper_util=info,tower=info,tokenizers=info")
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp}"))
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
         .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -547,7 +547,9 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
         assert_eq!(v["fields"]["request_id"].as_str(), Some(request_id), "log line without the request id: {line}");
         messages.insert(v["fields"]["message"].as_str().unwrap_or_default().to_owned());
     }
-    for m in ["request received", "request scored", "pod selected", "candidate", "timings"] {
+    for m in
+        ["request received", "request scored", "pod selected", "candidate", "timings", "block walk", "block hashes"]
+    {
         assert!(messages.contains(m), "no `{m}` line among {messages:?}");
     }
     assert!(about_request >= 6, "{about_request} request lines: {lines:?}");

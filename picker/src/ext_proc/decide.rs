@@ -119,6 +119,15 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
                 return Err(Rejection::new(status, kind, e.to_string()));
             }
         };
+        if tracing::enabled!(tracing::Level::TRACE) {
+            // The block walk: each candidate's matched prefix against the prompt's block hashes.
+            let walk: Vec<String> = hashes.iter().map(|h| format!("{:016x}", h.0)).collect();
+            for c in &decision.candidates {
+                tracing::trace!(request_id = input.request_id, pod = %c.pod, matched_blocks = c.matched_blocks,
+                    total_blocks = hashes.len(), "block walk");
+            }
+            tracing::trace!(request_id = input.request_id, blocks = ?walk, "block hashes");
+        }
         if tracing::enabled!(tracing::Level::DEBUG) {
             for c in &decision.candidates {
                 tracing::debug!(

@@ -213,6 +213,8 @@ impl Session {
             Some(b) => (b.cleared, flatten_runs(&b.stored), b.removed.into_iter().map(BlockHash).collect()),
             None => (false, Vec::new(), Vec::new()),
         };
+        tracing::trace!(stream = self.stream, pod = %d.pod, seq = d.seq, cleared, stored = stored.len(),
+            removed = removed.len(), has_stats = d.stats.is_some(), "delta");
         self.pool
             .update(PoolUpdate::Delta {
                 stream: self.stream,
