@@ -52,12 +52,18 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // The SIGTERM handler is in place before READY: a stop right after READY must not kill us.
+    #[cfg(unix)]
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let mut out = std::io::stdout();
     let _ = writeln!(out, "READY");
     let _ = out.flush();
 
     let stopper = async {
-        shutdown_signal().await;
+        #[cfg(unix)]
+        shutdown_signal(term).await;
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
         tracing::info!("shutting down");
     };
     tokio::pin!(stopper);
@@ -77,24 +83,18 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
-        match term {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+/// SIGINT or `term` (SIGTERM, registered by the caller; `None` if that failed: SIGINT only).
+#[cfg(unix)]
+async fn shutdown_signal(term: Option<tokio::signal::unix::Signal>) {
+    match term {
+        Some(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
             }
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+        None => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
