@@ -32,7 +32,11 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    kvroute_common::telemetry::init_logging(&cli.log_level);
+    let telemetry = kvroute_common::telemetry::init(
+        "kvroute-agent",
+        &cli.log_level,
+        &kvroute_common::telemetry::TelemetryConfig::from_env(),
+    )?;
     let mut config = AgentConfig::load(&cli.config)?;
     if let Some(src) = cli.gpu_source {
         config.gpu_source = src;
@@ -41,16 +45,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let spec: GpuSourceSpec = config.gpu_source.parse()?;
     let gpu = kvroute_agent::gpu::from_spec(&spec)?;
     let agent = kvroute_agent::app::start(config, gpu).await.context("starting agent")?;
+    // The SIGTERM handler is in place before READY: a stop right after READY must not kill us.
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing SIGTERM handler")?;
     println!("READY");
-    wait_for_signal().await?;
+    wait_for_signal(term).await?;
     agent.shutdown().await;
+    telemetry.shutdown().await;
     Ok(())
 }
 
-/// SIGINT or SIGTERM (Kubernetes stops pods with SIGTERM).
-async fn wait_for_signal() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing SIGTERM handler")?;
+/// SIGINT or SIGTERM (`term`, registered by the caller; Kubernetes stops pods with SIGTERM).
+async fn wait_for_signal(mut term: tokio::signal::unix::Signal) -> anyhow::Result<()> {
     tokio::select! {
         r = tokio::signal::ctrl_c() => r.context("waiting for ctrl-c")?,
         _ = term.recv() => {}

@@ -1,6 +1,7 @@
 //! `kvroute-picker --config picker.yaml [--log-level info]`: load and validate the config, bind the
 //! ext_proc, AgentIngest and admin listeners, print `READY` on stdout, serve until SIGINT/SIGTERM.
 //! An invalid config or a listener that cannot bind exits non-zero with the reason on stderr.
+//! Traces go over OTLP gRPC when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (flushed on exit).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -24,7 +25,17 @@ struct Cli {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    kvroute_common::telemetry::init_logging(&cli.log_level);
+    let telemetry = match kvroute_common::telemetry::init(
+        "kvroute-picker",
+        &cli.log_level,
+        &kvroute_common::telemetry::TelemetryConfig::from_env(),
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvroute-picker: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let config = match PickerConfig::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
@@ -41,12 +52,18 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // The SIGTERM handler is in place before READY: a stop right after READY must not kill us.
+    #[cfg(unix)]
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let mut out = std::io::stdout();
     let _ = writeln!(out, "READY");
     let _ = out.flush();
 
     let stopper = async {
-        shutdown_signal().await;
+        #[cfg(unix)]
+        shutdown_signal(term).await;
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
         tracing::info!("shutting down");
     };
     tokio::pin!(stopper);
@@ -55,6 +72,7 @@ async fn main() -> ExitCode {
         r = running.wait() => r,
         () = &mut stopper => { shutdown.shutdown(); Ok(()) }
     };
+    telemetry.shutdown().await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -65,24 +83,18 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
-        match term {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+/// SIGINT or `term` (SIGTERM, registered by the caller; `None` if that failed: SIGINT only).
+#[cfg(unix)]
+async fn shutdown_signal(term: Option<tokio::signal::unix::Signal>) {
+    match term {
+        Some(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
             }
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+        None => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

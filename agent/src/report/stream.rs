@@ -85,6 +85,8 @@ pub async fn run_picker_stream(
 }
 
 fn snapshot_msgs(hub: &Hub, only: Option<&str>, sent: &mut HashMap<String, u64>) -> Vec<AgentMessage> {
+    // Trace span of a report (SPEC §9): snapshots at INFO, each delta at TRACE (see below).
+    let _span = tracing::info_span!("agent.report.snapshots", pod = only.unwrap_or("")).entered();
     hub.pods()
         .iter()
         .filter(|p| only.is_none_or(|o| o.is_empty() || o == p.name()))
@@ -136,7 +138,8 @@ async fn stream_once(
                     }
                     in_flight.entry(o.delta.pod.clone()).or_insert((o.delta.seq, o.created));
                     let msg = AgentMessage { msg: Some(agent_message::Msg::Delta(o.delta.clone())) };
-                    out.send(msg).await.map_err(|_| closed())?;
+                    let span = tracing::trace_span!("agent.report.delta", pod = %o.delta.pod, seq = o.delta.seq);
+                    tracing::Instrument::instrument(out.send(msg), span).await.map_err(|_| closed())?;
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     tracing::warn!(picker = %endpoint, skipped = n, "stream fell behind; resending snapshots");

@@ -14,7 +14,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::pool::Pool;
@@ -47,19 +47,39 @@ pub struct CodeLabel {
     pub code: u16,
 }
 
+/// Latency bucket bounds in microseconds: the 1-2-5 series from `lo` to `hi` inclusive
+/// (1, 2, 5, 10, 20, 50, …). It puts bounds exactly on the seed §14 thresholds (1000 µs
+/// "should stay below", 5000 µs alert), so `histogram_quantile` is exact at those points.
+pub fn one_two_five_buckets(lo: f64, hi: f64) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut decade = lo;
+    while decade <= hi {
+        for m in [1.0, 2.0, 5.0] {
+            let b = decade * m;
+            if b <= hi {
+                out.push(b);
+            }
+        }
+        decade *= 10.0;
+    }
+    out
+}
+
 /// Every metric the picker exports, registered once.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     /// `epp_routing_decisions_total{model}`: requests routed.
     pub routing_decisions: Family<ModelLabel, Counter>,
-    /// `epp_cache_match_ratio`: the chosen pod's match ratio, [0,1].
+    /// `epp_cache_match_ratio`: the chosen pod's match ratio, [0,1] (0.1 steps, plus 0.95; the
+    /// 0.4 bound is the seed §14 alert threshold).
     pub cache_match_ratio: Histogram,
-    /// `epp_scoring_latency_us`: time in `Router::route`, microseconds.
+    /// `epp_scoring_latency_us`: time in `Router::route`, microseconds (1-2-5 buckets, 1 µs–100 ms).
     pub scoring_latency_us: Histogram,
-    /// `epp_decision_latency_us`: body parse + tokenize + hash + route, microseconds.
+    /// `epp_decision_latency_us`: body parse + tokenize + hash + route, microseconds (1-2-5
+    /// buckets, 10 µs–2 s: tokenizing a multi-MB prompt takes hundreds of ms).
     pub decision_latency_us: Histogram,
-    /// `epp_composite_score`: the chosen pod's composite score, [0,1].
+    /// `epp_composite_score`: the chosen pod's composite score, [0,1] (0.05 steps).
     pub composite_score: Histogram,
     /// `epp_candidate_pods`: candidates scored in the last decision.
     pub candidate_pods: Gauge,
@@ -74,6 +94,7 @@ pub struct Metrics {
     prefix_tree_nodes: Gauge,
     prefix_index_entries: Gauge,
     prefix_index_bytes: Gauge,
+    max_queue: Gauge,
     scrape: Mutex<()>,
 }
 
@@ -89,8 +110,8 @@ impl Metrics {
         let mut registry = Registry::default();
         let routing_decisions = Family::<ModelLabel, Counter>::default();
         let cache_match_ratio = Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]);
-        let scoring_latency_us = Histogram::new(exponential_buckets(1.0, 2.0, 18));
-        let decision_latency_us = Histogram::new(exponential_buckets(10.0, 2.0, 18));
+        let scoring_latency_us = Histogram::new(one_two_five_buckets(1.0, 100_000.0));
+        let decision_latency_us = Histogram::new(one_two_five_buckets(10.0, 2_000_000.0));
         let composite_score = Histogram::new((1..=20).map(|i| f64::from(i) * 0.05));
         let candidate_pods = Gauge::default();
         let stale_cache_routing = Counter::default();
@@ -101,6 +122,7 @@ impl Metrics {
         let prefix_tree_nodes = Gauge::default();
         let prefix_index_entries = Gauge::default();
         let prefix_index_bytes = Gauge::default();
+        let max_queue = Gauge::default();
 
         registry.register("epp_routing_decisions", "Requests routed, by model", routing_decisions.clone());
         registry.register("epp_cache_match_ratio", "Chosen pod's prefix match ratio", cache_match_ratio.clone());
@@ -140,6 +162,11 @@ impl Metrics {
             "Estimated prefix index memory (bytes)",
             prefix_index_bytes.clone(),
         );
+        registry.register(
+            "epp_max_queue",
+            "Configured maxQueue: a pod at or above it is not a candidate (alert threshold base)",
+            max_queue.clone(),
+        );
         Self {
             registry,
             routing_decisions,
@@ -156,13 +183,16 @@ impl Metrics {
             prefix_tree_nodes,
             prefix_index_entries,
             prefix_index_bytes,
+            max_queue,
             scrape: Mutex::new(()),
         }
     }
 
-    /// Refreshes the pool-derived metrics and encodes everything in the OpenMetrics text format.
-    pub fn render(&self, pool: &Pool) -> Result<String, std::fmt::Error> {
+    /// Refreshes the pool-derived metrics and the configured `max_queue` (requests), and encodes
+    /// everything in the OpenMetrics text format.
+    pub fn render(&self, pool: &Pool, max_queue: u32) -> Result<String, std::fmt::Error> {
         let _one_scrape_at_a_time = self.scrape.lock();
+        self.max_queue.set(i64::from(max_queue));
         self.queue_depth.clear();
         self.pod_health_score.clear();
         for p in pool.pods() {
@@ -177,5 +207,19 @@ impl Metrics {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_buckets_hit_the_seed_thresholds() {
+        let b = one_two_five_buckets(1.0, 100_000.0);
+        assert_eq!(&b[..4], &[1.0, 2.0, 5.0, 10.0]);
+        assert!(b.contains(&1000.0) && b.contains(&5000.0));
+        assert_eq!(b.last(), Some(&100_000.0));
+        assert!(b.windows(2).all(|w| w[0] < w[1]));
     }
 }

@@ -33,7 +33,7 @@ pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
-    match gw.metrics.render(&gw.pool) {
+    match gw.metrics.render(&gw.pool, gw.router.config().max_queue) {
         Ok(text) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
             .into_response(),
         Err(e) => {

@@ -61,6 +61,8 @@ pub struct DecisionInput<'a> {
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
 pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
     let started = Instant::now();
+    // Steps of the decision, as child spans of the caller's `epp.decision` span (SPEC §9 traces).
+    let parse_span = tracing::info_span!("epp.parse").entered();
     let (model_name, prompt) = match input.body {
         Some(body) => {
             let parsed = parse_body(input.path, body)?;
@@ -72,7 +74,9 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         },
     };
     let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(model_name.clone()))?;
-    let tokens = model.tokens(&prompt, input.request_id);
+    drop(parse_span);
+    tracing::Span::current().record("model", model_name.as_str());
+    let tokens = tracing::info_span!("epp.tokenize").in_scope(|| model.tokens(&prompt, input.request_id));
     // Why the prompt cannot be prefix-matched (e.g. `cache_salt`, SPEC §2); "" when it can.
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
@@ -90,7 +94,10 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
     );
     SCRATCH.with(|scratch| {
         let mut hashes = scratch.borrow_mut();
-        model.hasher.hash_prompt(&tokens, &mut hashes);
+        tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
+            model.hasher.hash_prompt(&tokens, &mut hashes);
+            tracing::Span::current().record("blocks", hashes.len());
+        });
         let req = RouteRequest {
             model: &model.target_model,
             adapter: model.adapter.as_deref(),
@@ -98,7 +105,7 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
             subset: input.subset,
         };
         let t_route = Instant::now();
-        let result = gw.router.route(&req);
+        let result = tracing::info_span!("epp.score").in_scope(|| gw.router.route(&req));
         let route_elapsed = t_route.elapsed();
         gw.metrics.scoring_latency_us.observe(route_elapsed.as_secs_f64() * 1e6);
         let decision = match result {
@@ -112,6 +119,15 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
                 return Err(Rejection::new(status, kind, e.to_string()));
             }
         };
+        if tracing::enabled!(tracing::Level::TRACE) {
+            // The block walk: each candidate's matched prefix against the prompt's block hashes.
+            let walk: Vec<String> = hashes.iter().map(|h| format!("{:016x}", h.0)).collect();
+            for c in &decision.candidates {
+                tracing::trace!(request_id = input.request_id, pod = %c.pod, matched_blocks = c.matched_blocks,
+                    total_blocks = hashes.len(), "block walk");
+            }
+            tracing::trace!(request_id = input.request_id, blocks = ?walk, "block hashes");
+        }
         if tracing::enabled!(tracing::Level::DEBUG) {
             for c in &decision.candidates {
                 tracing::debug!(

@@ -7,7 +7,8 @@
 //!
 //! Phases (Envoy `processing_mode`: request headers SEND, request body BUFFERED, response headers
 //! SEND, response body STREAMED, trailers SKIP):
-//! - request headers: remember `:path`, `x-request-id` (else a fresh UUID v4), `traceparent`;
+//! - request headers: remember `:path`, `x-request-id` (else a fresh UUID v4), `traceparent` and
+//!   `tracestate` (the parent of the `epp.decision` span, whose own `traceparent` is set upstream);
 //!   a request without a body (`end_of_stream`) is routed right there by load; otherwise CONTINUE.
 //! - request body: accumulated until `end_of_stream` (one message in BUFFERED mode, several also
 //!   accepted), decided exactly once. Over `body_limit_bytes` → 413 at once.
@@ -23,6 +24,7 @@ pub mod decide;
 pub mod reply;
 pub mod usage;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
@@ -92,7 +94,8 @@ impl ExternalProcessor for ExtProcService {
 struct StreamState {
     request_id: String,
     path: String,
-    traceparent: Option<String>,
+    /// W3C `traceparent` / `tracestate` of the request (lower-case keys), the decision span's parent.
+    trace_headers: HashMap<String, String>,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
     /// The request has been routed or rejected; later request-phase messages only CONTINUE.
@@ -161,13 +164,19 @@ async fn on_request_headers(
 ) {
     let headers = h.headers.unwrap_or_default();
     st.path = header(&headers, ":path").unwrap_or_default();
-    st.traceparent = header(&headers, "traceparent");
+    for key in ["traceparent", "tracestate"] {
+        if let Some(v) = header(&headers, key) {
+            st.trace_headers.insert(key.to_owned(), v);
+        }
+    }
     st.request_id = header(&headers, reply::REQUEST_ID_HEADER)
         .filter(|v| !v.is_empty() && v.len() <= 128)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     if h.end_of_stream {
         match route(gw, st, None).await {
-            Ok(endpoint) => out.push(reply::routed(&endpoint, &st.request_id, true)),
+            Ok((endpoint, trace)) => {
+                out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
+            }
             Err(r) => out.push(*r),
         }
     } else if !st.full_duplex {
@@ -229,11 +238,13 @@ async fn finish_request_body(
     let body = std::mem::take(&mut st.body);
     let (body, result) = route_body(gw, st, body).await;
     match result {
-        Ok(endpoint) if st.full_duplex => {
-            out.push(reply::routed(&endpoint, &st.request_id, true));
+        Ok((endpoint, trace)) if st.full_duplex => {
+            out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
             reply::streamed_body_chunks(body, end_of_stream, out);
         }
-        Ok(endpoint) => out.push(reply::routed(&endpoint, &st.request_id, false)),
+        Ok((endpoint, trace)) => {
+            out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, false), &trace));
+        }
         Err(r) => out.push(*r),
     }
 }
@@ -242,7 +253,7 @@ async fn route_body(
     gw: &Arc<Gateway>,
     st: &mut StreamState,
     body: Vec<u8>,
-) -> (Vec<u8>, Result<String, Box<ProcessingResponse>>) {
+) -> (Vec<u8>, Result<Routed, Box<ProcessingResponse>>) {
     let (body, result) = decide_blocking(gw, st, Some(body)).await;
     (body.unwrap_or_default(), finish_decision(gw, st, result))
 }
@@ -251,26 +262,48 @@ async fn route(
     gw: &Arc<Gateway>,
     st: &mut StreamState,
     body: Option<Vec<u8>>,
-) -> Result<String, Box<ProcessingResponse>> {
+) -> Result<Routed, Box<ProcessingResponse>> {
     let (_, result) = decide_blocking(gw, st, body).await;
     finish_decision(gw, st, result)
 }
 
-/// Runs [`decide`] off the async workers (parse + tokenize are CPU-bound); gives the body back.
+/// A routed request: the endpoint and the W3C trace headers to set upstream (empty when no trace
+/// is recorded).
+type Routed = (String, HashMap<String, String>);
+
+/// Runs [`decide`] off the async workers (parse + tokenize are CPU-bound) inside the request's
+/// `epp.decision` span (child of the request's `traceparent`, if any); gives the body back, with
+/// the trace headers naming that span as the upstream request's parent.
 async fn decide_blocking(
     gw: &Arc<Gateway>,
     st: &mut StreamState,
     body: Option<Vec<u8>>,
-) -> (Option<Vec<u8>>, Result<crate::score::Decision, Rejection>) {
+) -> (Option<Vec<u8>>, Result<(crate::score::Decision, HashMap<String, String>), Rejection>) {
     st.decided = true;
+    let span = tracing::info_span!(
+        "epp.decision",
+        otel.kind = "server",
+        request_id = %st.request_id,
+        path = %st.path,
+        model = tracing::field::Empty,
+        pod = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    );
+    kvroute_common::telemetry::extract_parent(&span, &st.trace_headers);
     let gw2 = gw.clone();
     let request_id = st.request_id.clone();
     let path = st.path.clone();
     let subset = st.subset.clone();
     let joined = tokio::task::spawn_blocking(move || {
+        let _entered = span.enter();
         let input =
             DecisionInput { request_id: &request_id, path: &path, body: body.as_deref(), subset: subset.as_deref() };
         let result = decide(&gw2, &input);
+        match &result {
+            Ok(d) => span.record("pod", d.pod.as_str()),
+            Err(_) => span.record("otel.status_code", "ERROR"),
+        };
+        let result = result.map(|d| (d, kvroute_common::telemetry::inject(&span)));
         (body, result)
     })
     .await;
@@ -286,15 +319,15 @@ async fn decide_blocking(
 fn finish_decision(
     gw: &Gateway,
     st: &mut StreamState,
-    result: Result<crate::score::Decision, Rejection>,
-) -> Result<String, Box<ProcessingResponse>> {
+    result: Result<(crate::score::Decision, HashMap<String, String>), Rejection>,
+) -> Result<Routed, Box<ProcessingResponse>> {
     match result {
-        Ok(decision) => {
-            if let Some(tp) = &st.traceparent {
-                tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context");
+        Ok((decision, trace)) => {
+            if let Some(tp) = trace.get("traceparent") {
+                tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context passed upstream");
             }
             st.slot = Some(decision.slot);
-            Ok(decision.endpoint)
+            Ok((decision.endpoint, trace))
         }
         Err(rej) => Err(Box::new(reject(gw, st, rej))),
     }

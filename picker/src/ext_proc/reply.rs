@@ -68,6 +68,26 @@ pub fn routed(endpoint: &str, request_id: &str, on_headers: bool) -> ProcessingR
     }
 }
 
+/// Adds `headers` (e.g. the W3C trace context) to the request-phase header mutation of `resp`
+/// (a reply built by [`routed`]); other replies are returned unchanged.
+pub fn with_request_headers(mut resp: ProcessingResponse, headers: &HashMap<String, String>) -> ProcessingResponse {
+    if headers.is_empty() {
+        return resp;
+    }
+    let common = match resp.response.as_mut() {
+        Some(Response::RequestHeaders(HeadersResponse { response: Some(c) }))
+        | Some(Response::RequestBody(BodyResponse { response: Some(c) })) => c,
+        _ => return resp,
+    };
+    let mutation = common.header_mutation.get_or_insert_with(HeaderMutation::default);
+    let mut pairs: Vec<(&String, &String)> = headers.iter().collect();
+    pairs.sort();
+    for (k, v) in pairs {
+        mutation.set_headers.push(set_header(k, v));
+    }
+    resp
+}
+
 /// Empty CONTINUE to a request-headers message.
 pub fn continue_request_headers() -> ProcessingResponse {
     ProcessingResponse { response: Some(Response::RequestHeaders(HeadersResponse::default())), ..Default::default() }

@@ -138,8 +138,15 @@ impl Session {
     async fn handle(&mut self, msg: AgentMessage) -> Result<(), crate::pool::PoolError> {
         match msg.msg {
             Some(agent_message::Msg::Hello(h)) => self.hello(h).await,
-            Some(agent_message::Msg::Snapshot(s)) => self.snapshot(s).await,
-            Some(agent_message::Msg::Delta(d)) => self.delta(d).await,
+            // Trace spans of report processing (SPEC §9): snapshots at INFO, deltas at TRACE.
+            Some(agent_message::Msg::Snapshot(s)) => {
+                let span = tracing::info_span!("ingest.snapshot", stream = self.stream);
+                tracing::Instrument::instrument(self.snapshot(s), span).await
+            }
+            Some(agent_message::Msg::Delta(d)) => {
+                let span = tracing::trace_span!("ingest.delta", stream = self.stream, pod = %d.pod, seq = d.seq);
+                tracing::Instrument::instrument(self.delta(d), span).await
+            }
             None => {
                 warn!(stream = self.stream, "agent message without a body: asking for a full resync");
                 self.resync("", "empty AgentMessage");
@@ -206,6 +213,8 @@ impl Session {
             Some(b) => (b.cleared, flatten_runs(&b.stored), b.removed.into_iter().map(BlockHash).collect()),
             None => (false, Vec::new(), Vec::new()),
         };
+        tracing::trace!(stream = self.stream, pod = %d.pod, seq = d.seq, cleared, stored = stored.len(),
+            removed = removed.len(), has_stats = d.stats.is_some(), "delta");
         self.pool
             .update(PoolUpdate::Delta {
                 stream: self.stream,

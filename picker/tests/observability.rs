@@ -1,0 +1,556 @@
+//! Observability (SPEC §9, issue 7):
+//! - the Grafana dashboard and the alert rules under `deploy/observability/` query only metrics the
+//!   picker exports, and carry the seed §14 panels and thresholds;
+//! - `/explain` reports factors, exclusions and the would-be choice without changing state;
+//! - the `kvroute-picker` binary exports OTLP spans to a real OTLP gRPC receiver started here (the
+//!   decision span continues the request's W3C `traceparent`, its steps are child spans, and the
+//!   `traceparent` set on the upstream request names the decision span), and every JSON log line
+//!   about the request carries its request id.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
+use kvroute_common::{BlockHash, BlockHasher};
+use kvroute_picker::RunningPicker;
+use kvroute_picker::config::PickerConfig;
+use kvroute_proto::agent::v1::agent_ingest_client::AgentIngestClient;
+use kvroute_proto::agent::v1::{AgentMessage, BlockRun, Hello, PodInfo, PodSnapshot, PodStats, agent_message};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::common::v1::any_value;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+
+const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+const TIMEOUT: Duration = Duration::from_secs(15);
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn config_yaml(ext_proc: &str, ingest: &str, admin: &str) -> String {
+    format!(
+        "ext_proc_addr: {ext_proc}\ningest_addr: {ingest}\nadmin_addr: {admin}\nblock_size: 16\n\
+         models:\n  - name: {MODEL}\n    target_model: {MODEL}\n    tokenizer: {tok}\n\
+           \x20 - name: sql\n    target_model: {MODEL}\n    adapter: sql-lora\n\
+         scoring: {{ max_queue: 20, health_exclusion_threshold: 0.3 }}\n",
+        tok = repo().join("tests/fixtures/tokenizer-qwen2.5").display()
+    )
+}
+
+async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+}
+
+async fn metrics_text(admin: SocketAddr) -> String {
+    let (status, text) = http(admin, "GET", "/metrics", "").await;
+    assert_eq!(status, 200, "{text}");
+    text
+}
+
+/// Every series name the exposition can contain, from its `# TYPE` lines (a family without samples
+/// yet still has one): counters as `<name>_total`, histograms as `_bucket`/`_sum`/`_count`.
+fn exported_series(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        let mut parts = line.split_whitespace();
+        if parts.next() != Some("#") || parts.next() != Some("TYPE") {
+            continue;
+        }
+        let (Some(name), Some(kind)) = (parts.next(), parts.next()) else { continue };
+        match kind {
+            "counter" => {
+                out.insert(format!("{name}_total"));
+            }
+            "histogram" => {
+                for s in ["_bucket", "_sum", "_count"] {
+                    out.insert(format!("{name}{s}"));
+                }
+            }
+            _ => {
+                out.insert(name.to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// `epp_*` / `kvroute_*` identifiers in a PromQL expression.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let start_ok = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+        if start_ok && (expr[i..].starts_with("epp_") || expr[i..].starts_with("kvroute_")) {
+            let end = expr[i..].find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).map_or(expr.len(), |e| i + e);
+            out.push(expr[i..end].to_owned());
+            i = end;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 1000 + i * 7 + salt).collect()
+}
+
+fn hashes_of(toks: &[u32]) -> Vec<BlockHash> {
+    let mut out = Vec::new();
+    BlockHasher::new(MODEL, None, 16).hash_prompt(toks, &mut out);
+    out
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+/// (pod, endpoint, blocks held, health score).
+type FakePod = (&'static str, &'static str, Vec<BlockHash>, f64);
+
+/// Reports `pods` over AgentIngest; keep the sender alive to stay connected.
+async fn connect_agent(ingest: SocketAddr, pods: &[FakePod]) -> mpsc::Sender<AgentMessage> {
+    let mut client = AgentIngestClient::connect(format!("http://{ingest}")).await.unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    let infos: Vec<PodInfo> = pods
+        .iter()
+        .map(|(pod, endpoint, _, _)| PodInfo {
+            pod: (*pod).into(),
+            endpoint: (*endpoint).into(),
+            model: MODEL.into(),
+            block_size: 16,
+            annotations: Default::default(),
+        })
+        .collect();
+    let hello = Hello { agent_id: "test".into(), node_name: "node".into(), protocol_version: 1, pods: infos.clone() };
+    tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.unwrap();
+    for ((_, _, blocks, health), info) in pods.iter().zip(infos) {
+        let stats = PodStats {
+            observed_at_unix_ms: now_ms(),
+            kv_cache_usage: 0.1,
+            health_score: *health,
+            ready: true,
+            ..Default::default()
+        };
+        let blocks = if blocks.is_empty() {
+            vec![]
+        } else {
+            vec![BlockRun { parent: 0, hashes: blocks.iter().map(|h| h.0).collect() }]
+        };
+        let snap = PodSnapshot { info: Some(info), seq: 1, stats: Some(stats), blocks };
+        tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snap)) }).await.unwrap();
+    }
+    let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    tokio::spawn(async move { while let Ok(Some(_)) = replies.message().await {} });
+    tx
+}
+
+/// Waits until `/metrics` shows every pod.
+async fn wait_pods(admin: SocketAddr, pods: &[FakePod]) {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let m = metrics_text(admin).await;
+        if pods.iter().all(|(p, ..)| m.contains(&format!("epp_pod_health_score{{pod=\"{p}\"}}"))) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pods never showed up: {m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn pods(hot: Vec<BlockHash>) -> Vec<FakePod> {
+    vec![
+        ("pod-a", "10.0.0.1:8000", vec![], 1.0),
+        ("pod-b", "10.0.0.2:8000", hot, 1.0),
+        ("pod-sick", "10.0.0.3:8000", vec![], 0.1),
+    ]
+}
+
+async fn start_in_process() -> RunningPicker {
+    let config = PickerConfig::from_yaml(&config_yaml("127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0")).unwrap();
+    config.validate().unwrap();
+    kvroute_picker::start(&config).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_and_alert_rules_query_only_exported_metrics() {
+    let picker = start_in_process().await;
+    // Labelled families appear once they have a sample: pods reported, one LoRA request routed.
+    let fleet = pods(Vec::new());
+    let _agent = connect_agent(picker.ingest_addr, &fleet).await;
+    wait_pods(picker.admin_addr, &fleet).await;
+    let body = serde_json::json!({"model": "sql", "prompt": tokens(40, 1)}).to_string();
+    let r = route_one(picker.ext_proc_addr, &[("x-request-id", "r1")], &body).await;
+    assert!(matches!(r.response, Some(Response::RequestBody(_))), "{r:?}");
+    let exported = exported_series(&metrics_text(picker.admin_addr).await);
+    for name in [
+        "epp_routing_decisions_total",
+        "epp_cache_match_ratio_bucket",
+        "epp_queue_depth",
+        "epp_pod_health_score",
+        "epp_scoring_latency_us_bucket",
+        "epp_prefix_tree_nodes",
+        "epp_stale_cache_routing_total",
+        "epp_adapter_loads_triggered_total",
+        "epp_candidate_pods",
+        "epp_composite_score_bucket",
+        "epp_max_queue",
+    ] {
+        assert!(exported.contains(name), "SPEC §9 metric {name} not exported: {exported:?}");
+    }
+    let dir = repo().join("deploy/observability");
+
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("grafana-dashboard.json")).unwrap()).unwrap();
+    let panels = dashboard["panels"].as_array().unwrap();
+    assert_eq!(panels.len(), 8, "seed §14 recommends eight panels");
+    let mut queried = BTreeSet::new();
+    for p in panels {
+        let targets = p["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "panel {} has no query", p["title"]);
+        for t in targets {
+            let names = metric_names(t["expr"].as_str().unwrap());
+            assert!(!names.is_empty(), "panel {} queries no kvroute metric", p["title"]);
+            queried.extend(names);
+        }
+    }
+    for want in [
+        "epp_cache_match_ratio_bucket",
+        "epp_queue_depth",
+        "epp_routing_decisions_total",
+        "epp_composite_score_bucket",
+        "epp_stale_cache_routing_total",
+        "epp_scoring_latency_us_bucket",
+        "epp_pod_health_score",
+        "epp_adapter_loads_triggered_total",
+    ] {
+        assert!(queried.contains(want), "no panel for {want}");
+    }
+
+    let rules: serde_json::Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("alerts.yaml")).unwrap()).unwrap();
+    let mut alerts = HashMap::new();
+    for group in rules["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            let expr = rule["expr"].as_str().unwrap().to_owned();
+            queried.extend(metric_names(&expr));
+            alerts.insert(rule["alert"].as_str().unwrap().to_owned(), (expr, rule["for"].as_str().unwrap().to_owned()));
+        }
+    }
+    let unknown: Vec<_> = queried.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(unknown.is_empty(), "dashboard/rules query metrics the picker does not export: {unknown:?}");
+
+    // Seed §14 thresholds.
+    let has = |alert: &str, needles: &[&str], dur: &str| {
+        let (expr, d) = alerts.get(alert).unwrap_or_else(|| panic!("alert {alert} missing"));
+        assert_eq!(d, dur, "{alert} duration");
+        for n in needles {
+            assert!(expr.contains(n), "{alert}: `{expr}` lacks `{n}`");
+        }
+    };
+    has("EppCacheMatchLow", &["histogram_quantile(0.5", "epp_cache_match_ratio_bucket", "< 0.40"], "10m");
+    has("EppQueueNearMax", &["epp_queue_depth", "0.8 * epp_max_queue"], "5m");
+    has("EppStaleRoutingHigh", &["epp_stale_cache_routing_total", "epp_routing_decisions_total", "> 0.05"], "5m");
+    has("EppScoringLatencyHigh", &["histogram_quantile(0.99", "epp_scoring_latency_us_bucket", "> 5000"], "5m");
+    picker.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_reports_factors_exclusions_and_choice_without_changing_state() {
+    let picker = start_in_process().await;
+    let prompt = tokens(64, 0);
+    let fleet = pods(hashes_of(&prompt));
+    let _agent = connect_agent(picker.ingest_addr, &fleet).await;
+    wait_pods(picker.admin_addr, &fleet).await;
+    let before = metrics_text(picker.admin_addr).await;
+    let in_flight = |p: &RunningPicker| {
+        let mut v: Vec<_> = p.gateway.pool.pods().into_iter().map(|p| (p.name, p.in_flight, p.queue_depth)).collect();
+        v.sort();
+        v
+    };
+    let state_before = in_flight(&picker);
+
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
+    for _ in 0..3 {
+        let (status, text) = http(picker.admin_addr, "POST", "/explain", &body).await;
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["choice"], "pod-b", "{v}");
+        assert_eq!(v["total_blocks"].as_u64(), Some(4), "{v}");
+        let cands = v["candidates"].as_array().unwrap();
+        assert_eq!(cands.len(), 2, "the sick pod is excluded, not scored: {v}");
+        for c in cands {
+            for f in ["score", "cache", "load", "queue", "health", "adapter", "matched_blocks", "endpoint"] {
+                assert!(!c[f].is_null(), "candidate lacks {f}: {c}");
+            }
+        }
+        let b = cands.iter().find(|c| c["pod"] == "pod-b").unwrap();
+        assert_eq!(b["cache"].as_f64(), Some(1.0), "{b}");
+        let excluded = v["excluded"].as_array().unwrap();
+        assert_eq!(excluded.len(), 1, "{v}");
+        assert_eq!(excluded[0]["pod"], "pod-sick");
+        assert!(excluded[0]["reason"].as_str().unwrap().contains("health"), "{v}");
+    }
+    // Nothing routed, nothing reserved.
+    assert_eq!(in_flight(&picker), state_before);
+    let after = metrics_text(picker.admin_addr).await;
+    assert!(!after.contains("epp_routing_decisions_total{"), "explain counted a decision: {after}");
+    let count = |t: &str| t.lines().find(|l| l.starts_with("epp_scoring_latency_us_count")).map(str::to_owned);
+    assert_eq!(count(&before), count(&after), "explain observed a scoring latency");
+
+    // Unknown model and bad JSON: clear errors, not panics.
+    let (status, text) = http(picker.admin_addr, "POST", "/explain", r#"{"model":"nope","prompt":"x"}"#).await;
+    assert_eq!(status, 404, "{text}");
+    let (status, _) = http(picker.admin_addr, "POST", "/explain", "{not json").await;
+    assert_eq!(status, 400);
+    picker.shutdown();
+}
+
+/// A real OTLP gRPC trace receiver: keeps every span it is sent, with its resource's service name.
+#[derive(Clone, Default)]
+struct Receiver {
+    spans: Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for rs in request.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .iter()
+                .flat_map(|r| r.attributes.iter())
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
+                    any_value::Value::StringValue(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            for ss in rs.scope_spans {
+                spans.extend(ss.spans.into_iter().map(|s| (service.clone(), s)));
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn hdr(k: &str, v: &str) -> HeaderValue {
+    HeaderValue { key: k.into(), value: String::new(), raw_value: v.as_bytes().to_vec() }
+}
+
+fn set_header(common: &CommonResponse, key: &str) -> Option<String> {
+    let h =
+        common.header_mutation.as_ref()?.set_headers.iter().find_map(|h| h.header.as_ref().filter(|h| h.key == key))?;
+    Some(String::from_utf8(h.raw_value.clone()).unwrap())
+}
+
+async fn recv(replies: &mut tonic::Streaming<ProcessingResponse>) -> ProcessingResponse {
+    tokio::time::timeout(TIMEOUT, replies.message()).await.unwrap().unwrap().unwrap()
+}
+
+/// One BUFFERED-mode request over ext_proc (headers, then the whole body); the answer to the body.
+async fn route_one(ext_proc: SocketAddr, extra: &[(&str, &str)], body: &str) -> ProcessingResponse {
+    let mut client = ExternalProcessorClient::connect(format!("http://{ext_proc}")).await.unwrap();
+    let (tx, rx) = mpsc::channel(4);
+    let mut replies = client.process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut headers = vec![hdr(":method", "POST"), hdr(":path", "/v1/completions")];
+    headers.extend(extra.iter().map(|(k, v)| hdr(k, v)));
+    let headers = HttpHeaders { headers: Some(HeaderMap { headers }), end_of_stream: false, ..Default::default() };
+    let msg = ProcessingRequest { request: Some(Request::RequestHeaders(headers)), ..Default::default() };
+    tx.send(msg).await.unwrap();
+    assert!(matches!(recv(&mut replies).await.response, Some(Response::RequestHeaders(_))));
+    let body = HttpBody { body: body.as_bytes().to_vec(), end_of_stream: true, ..Default::default() };
+    tx.send(ProcessingRequest { request: Some(Request::RequestBody(body)), ..Default::default() }).await.unwrap();
+    recv(&mut replies).await
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_everywhere() {
+    // The receiver.
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp = listener.local_addr().unwrap();
+    let server = tonic::transport::Server::builder()
+        .add_service(TraceServiceServer::new(receiver.clone()))
+        .serve_with_incoming(TcpListenerStream::new(listener));
+    tokio::spawn(server);
+
+    // The picker binary, exporting to it, logging at TRACE.
+    let (ext_proc, ingest, admin) = (free_port(), free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("kvroute-picker-otel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("picker.yaml");
+    let addr = |p: u16| format!("127.0.0.1:{p}");
+    std::fs::write(&config, config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin))).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
+        .args(["--config", config.to_str().unwrap()])
+        .env("EPP_LOG_LEVEL", "trace,h2=info,tonic=info,hyper=info,hyper_util=info,tower=info,tokenizers=info")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp}"))
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .env_remove("OTEL_SDK_DISABLED")
+        .env_remove("OTEL_TRACES_EXPORTER")
+        .env_remove("OTEL_SERVICE_NAME")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut child = KillOnDrop(child);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = ready_tx.send(line);
+    });
+    let log_lines = Arc::new(Mutex::new(Vec::<String>::new()));
+    let log_reader = {
+        let lines = log_lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        })
+    };
+    let ready = ready_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(ready.trim(), "READY", "logs: {:?}", log_lines.lock().unwrap());
+    let admin: SocketAddr = addr(admin).parse().unwrap();
+
+    let prompt = tokens(64, 0);
+    let fleet = pods(hashes_of(&prompt));
+    let _agent = connect_agent(addr(ingest).parse().unwrap(), &fleet).await;
+    wait_pods(admin, &fleet).await;
+
+    // One request with a W3C traceparent, as Envoy would send it.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let parent_span = "00f067aa0ba902b7";
+    let request_id = "req-otel-1";
+    let traceparent = format!("00-{trace_id}-{parent_span}-01");
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
+    let r = route_one(
+        addr(ext_proc).parse().unwrap(),
+        &[("x-request-id", request_id), ("traceparent", &traceparent), ("tracestate", "vendor=1")],
+        &body,
+    )
+    .await;
+    let Some(Response::RequestBody(b)) = &r.response else { panic!("expected a body answer: {r:?}") };
+    let common = b.response.as_ref().unwrap();
+    assert_eq!(set_header(common, "x-gateway-destination-endpoint").as_deref(), Some("10.0.0.2:8000"));
+    // Upstream traceparent: same trace, the picker's decision span as parent, sampled.
+    let upstream = set_header(common, "traceparent").expect("traceparent passed upstream");
+    let parts: Vec<&str> = upstream.split('-').collect();
+    assert_eq!(parts.len(), 4, "{upstream}");
+    assert_eq!((parts[0], parts[1], parts[3]), ("00", trace_id, "01"), "{upstream}");
+    assert_ne!(parts[2], parent_span, "the upstream parent must be the picker's span");
+    assert_eq!(set_header(common, "tracestate").as_deref(), Some("vendor=1"));
+    let decision_span_id = parts[2].to_owned();
+
+    // The spans reach the receiver (batch delay 100 ms).
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let deadline = Instant::now() + TIMEOUT;
+    let spans = loop {
+        let spans = receiver.spans.lock().unwrap().clone();
+        let names: BTreeSet<_> =
+            spans.iter().filter(|(_, s)| hex(&s.trace_id) == trace_id).map(|(_, s)| s.name.clone()).collect();
+        if ["epp.decision", "epp.parse", "epp.tokenize", "epp.hash", "epp.score"].iter().all(|n| names.contains(*n)) {
+            break spans;
+        }
+        assert!(Instant::now() < deadline, "spans never arrived; got {names:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let ours: Vec<_> = spans.iter().filter(|(_, s)| hex(&s.trace_id) == trace_id).collect();
+    let (service, decision) = ours.iter().find(|(_, s)| s.name == "epp.decision").unwrap();
+    assert_eq!(service, "kvroute-picker");
+    assert_eq!(hex(&decision.parent_span_id), parent_span, "decision span continues the request's trace");
+    assert_eq!(hex(&decision.span_id), decision_span_id, "upstream traceparent names the decision span");
+    let attr = |s: &opentelemetry_proto::tonic::trace::v1::Span, k: &str| {
+        s.attributes.iter().find(|kv| kv.key == k).and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
+            any_value::Value::StringValue(v) => Some(v.clone()),
+            _ => None,
+        })
+    };
+    assert_eq!(attr(decision, "request_id").as_deref(), Some(request_id));
+    assert_eq!(attr(decision, "pod").as_deref(), Some("pod-b"));
+    assert_eq!(attr(decision, "model").as_deref(), Some(MODEL));
+    for step in ["epp.parse", "epp.tokenize", "epp.hash", "epp.score"] {
+        let (_, s) = ours.iter().find(|(_, s)| s.name == step).unwrap();
+        assert_eq!(s.parent_span_id, decision.span_id, "{step} is a step of the decision");
+        assert!(
+            s.start_time_unix_nano >= decision.start_time_unix_nano
+                && s.end_time_unix_nano <= decision.end_time_unix_nano
+        );
+    }
+
+    // Stop the picker (flushes), then read every log line.
+    let _ = Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status();
+    let deadline = Instant::now() + TIMEOUT;
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "picker did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    log_reader.join().unwrap();
+    let lines = log_lines.lock().unwrap().clone();
+    let mut about_request = 0;
+    let mut messages = BTreeSet::new();
+    for line in &lines {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        let target = v["target"].as_str().unwrap_or_default();
+        if !target.starts_with("kvroute_picker::ext_proc") {
+            continue;
+        }
+        about_request += 1;
+        assert_eq!(v["fields"]["request_id"].as_str(), Some(request_id), "log line without the request id: {line}");
+        messages.insert(v["fields"]["message"].as_str().unwrap_or_default().to_owned());
+    }
+    for m in
+        ["request received", "request scored", "pod selected", "candidate", "timings", "block walk", "block hashes"]
+    {
+        assert!(messages.contains(m), "no `{m}` line among {messages:?}");
+    }
+    assert!(about_request >= 6, "{about_request} request lines: {lines:?}");
+}
