@@ -197,3 +197,27 @@ async fn stuck_engine_with_healthy_endpoint_falls_below_exclusion() {
         .expect("recovers once unstuck");
     fleet.shutdown().await;
 }
+
+/// The restarted engine's sequence need not visibly go back: the old engine sent one batch and
+/// the new one publishes several at once, some before the SUB reconnected. The agent treats the
+/// reconnect itself as a possible restart (clear, then rebuild from the engine's replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_restart_seen_only_as_a_reconnect_still_resyncs() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let mut fleet = Fleet::start(spec("agent-engine-reconnect", 1)).await.expect("fleet starts");
+    let old = body("kilo");
+    send_to_engine(&fleet, 0, &old).await;
+    wait_matched(&fleet, &old, "engine-0", "indexed before the engine restart", fully).await;
+
+    fleet.restart_engine(0).await.expect("engine restarts");
+    let new: Vec<Value> = ["lima", "mike", "november"].iter().map(|t| body(t)).collect();
+    for b in &new {
+        send_to_engine(&fleet, 0, b).await;
+    }
+    for b in &new {
+        wait_matched(&fleet, b, "engine-0", "new engine's blocks indexed (live or replayed)", fully).await;
+    }
+    wait_matched(&fleet, &old, "engine-0", "old blocks forgotten", |m, _| m == 0).await;
+    assert!(agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0").await >= 1.0);
+    fleet.shutdown().await;
+}
