@@ -4,7 +4,8 @@
 //!
 //! Concurrency: tasks share only the [`Hub`] (per-pod mutexes, broadcast channel) and the
 //! metric handles. Engine tasks are the only writers of their pod. Shutdown: a watch channel for
-//! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms).
+//! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms); picker streams send
+//! what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
 
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::scrape::EngineClient;
