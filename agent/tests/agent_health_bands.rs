@@ -158,3 +158,24 @@ async fn failing_engine_health_scores_zero() {
     }
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_annotations_are_reported_in_pod_info() {
+    let http = fake_engine(Arc::new(AtomicBool::new(false))).await;
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+    let yaml = format!(
+        "pickers: [\"http://{nobody}\"]\nmetrics_addr: 127.0.0.1:0\n\
+         engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    gpus: [0]\n\
+         \x20   annotations: {{\"kvroute.io/cost-per-hour\": \"3.67\", zone: b}}\n"
+    );
+    let config: AgentConfig = serde_norway::from_str(&yaml).expect("config");
+    let path = format!("{}/scenarios/healthy.yaml", env!("CARGO_MANIFEST_DIR"));
+    let agent = app::start(config, Arc::new(MockGpuSource::from_file(&path).expect("scenario"))).await.expect("starts");
+    let pod = agent.hub.pod("engine-0").expect("pod");
+    // Hello and every snapshot carry this PodInfo.
+    let info = pod.snapshot().info.expect("info");
+    assert_eq!(info.annotations.get("kvroute.io/cost-per-hour").map(String::as_str), Some("3.67"));
+    assert_eq!(info.annotations.get("zone").map(String::as_str), Some("b"));
+    assert_eq!(info.annotations.len(), 2);
+    agent.shutdown().await;
+}
