@@ -128,6 +128,7 @@ async fn picker_restart_is_followed_by_a_resync_restoring_the_same_index() {
         metric_value(t, "epp_prefix_index_entries", "").or_else(|| gauge_plain(t, "epp_prefix_index_entries"))
     };
     let entries_before = entries(&fleet.picker_metrics().await.expect("metrics"));
+    assert!(entries_before.is_some_and(|e| e > 0.0), "index entries exported: {entries_before:?}");
 
     fleet.restart_picker().await.expect("picker restarts");
     let pods = vec!["engine-0".to_string(), "engine-1".to_string()];
