@@ -4,7 +4,8 @@
 //!
 //! Concurrency: tasks share only the [`Hub`] (per-pod mutexes, broadcast channel) and the
 //! metric handles. Engine tasks are the only writers of their pod. Shutdown: a watch channel for
-//! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms).
+//! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms); picker streams send
+//! what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
 
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::scrape::EngineClient;
@@ -59,14 +60,28 @@ pub struct RunningAgent {
 }
 
 impl RunningAgent {
-    /// Stops every task and thread.
+    /// Graceful stop (SIGTERM): stops the KV-event threads and scrapes, flushes every pod's
+    /// pending block changes, lets each picker stream send what is queued and close its side
+    /// (bounded by [`crate::report::stream::CLOSE_GRACE`]), then waits at most
+    /// [`SHUTDOWN_GRACE`] for the tasks before aborting the rest.
     pub async fn shutdown(mut self) {
-        let _ = self.stop_tx.send(true);
         self.stop_threads.store(true, Ordering::Relaxed);
+        for p in self.hub.pods() {
+            p.flush_blocks();
+        }
+        let _ = self.stop_tx.send(true);
+        let all_done = async { while self.tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(SHUTDOWN_GRACE, all_done).await.is_err() {
+            tracing::warn!("tasks still running after the shutdown grace; aborting them");
+        }
         self.tasks.abort_all();
         while self.tasks.join_next().await.is_some() {}
+        tracing::info!("agent stopped");
     }
 }
+
+/// Longest graceful shutdown before remaining tasks are aborted.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 
 fn now_unix_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
@@ -88,7 +103,7 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
             endpoint: e.endpoint.clone(),
             model: e.model.clone().unwrap_or_default(),
             block_size: e.block_size,
-            annotations: Default::default(),
+            annotations: e.annotations.clone().into_iter().collect(),
         })
         .collect();
     let hub = Hub::new(infos, 4096);
@@ -125,11 +140,15 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
 
     let tick_hub = hub.clone();
     let report_every = Duration::from_millis(config.report_interval_ms);
+    let mut tick_stop = stop_rx.clone();
     tasks.spawn(async move {
         let mut iv = tokio::time::interval(report_every);
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            iv.tick().await;
+            tokio::select! {
+                _ = iv.tick() => {}
+                _ = tick_stop.wait_for(|s| *s) => return,
+            }
             for p in tick_hub.pods() {
                 p.tick();
             }

@@ -112,6 +112,10 @@ pub struct EngineConfig {
     /// Tokens per block when `/metrics` does not say (vLLM `--block-size`). Default 16.
     #[serde(default = "d16")]
     pub block_size: u32,
+    /// Operator annotations of the pod (as on the Kubernetes Pod), reported in `PodInfo` for
+    /// custom scorers, e.g. `kvroute.io/cost-per-hour: "3.67"`. Default none.
+    #[serde(default)]
+    pub annotations: std::collections::BTreeMap<String, String>,
 }
 
 fn default_gpu_source() -> String {
@@ -226,6 +230,12 @@ mod tests {
                 .expect("minimal parses");
         assert_eq!((min.scrape_interval_ms, min.report_interval_ms, min.probe_timeout_ms), (200, 2000, 2000));
         assert_eq!(min.gpu_source.parse::<GpuSourceSpec>().expect("spec"), GpuSourceSpec::Nvml);
+        assert!(min.engines[0].annotations.is_empty());
+        assert_eq!(
+            cfg.engines[0].annotations.get("kvroute.io/cost-per-hour").map(String::as_str),
+            Some("3.67"),
+            "annotations are read from the example"
+        );
     }
 
     #[test]

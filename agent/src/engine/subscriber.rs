@@ -8,6 +8,14 @@
 //! sends [`SubscriberEvent::Reset`] so the pod's record is cleared and rebuilt from new events
 //! (under-claim rather than over-claim).
 //!
+//! Engine restarts whose new sequence does not visibly go back (the old engine had sent few
+//! batches, or the new one sent several before the SUB reconnected, so the first seq seen looks
+//! like a gap or even the next one) are caught by a ZeroMQ socket monitor: when the SUB
+//! reconnects after a disconnect, the publisher may be a new process, so the thread sends
+//! [`SubscriberEvent::Reset`] and rebuilds from the engine's replay history (seq ≥ 0). A network
+//! blip to the same engine costs the same clear-and-replay: never wrong, at worst under-claiming
+//! blocks older than the replay buffer.
+//!
 //! `connect()` returns at once even when the engine is not up; libzmq reconnects by itself
 //! (0.2–0.3 s after a publisher restart). The thread exits when the channel closes or `stop` is set.
 
@@ -88,21 +96,34 @@ fn run(
     sub.set_subscribe(b"").map_err(zerr("subscribe", &cfg.kv_events))?;
     sub.set_rcvtimeo(100).map_err(zerr("rcvtimeo", &cfg.kv_events))?;
     sub.set_linger(0).map_err(zerr("linger", &cfg.kv_events))?;
+    // Monitor before connect, so the first CONNECTED is seen too.
+    let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
+    sub.monitor(MONITOR_ENDPOINT, i32::from(events)).map_err(zerr("monitor", &cfg.kv_events))?;
+    let monitor = ctx.socket(zmq::PAIR).map_err(zerr("socket", MONITOR_ENDPOINT))?;
+    monitor.set_linger(0).map_err(zerr("linger", MONITOR_ENDPOINT))?;
+    monitor.connect(MONITOR_ENDPOINT).map_err(zerr("connect", MONITOR_ENDPOINT))?;
     sub.connect(&cfg.kv_events).map_err(zerr("connect", &cfg.kv_events))?;
     let labels = pod_label(&cfg.pod);
-    let mut st = SeqState { last: None };
+    let mut st = SeqState { last: None, dup_upto: None };
+    let mut link = LinkState::default();
     // History the engine still buffers (we may have started after it).
-    if cfg.kv_replay.is_some() {
-        let msgs = replay(&ctx, cfg, 0);
-        for m in msgs.into_iter().flatten() {
-            metrics.kv_events_replayed.get_or_create(&labels).inc();
-            if !forward(tx, &mut st, m) {
+    if !replay_all(&ctx, cfg, tx, metrics, &mut st) {
+        return Ok(());
+    }
+    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+        let received = sub.recv_multipart(0);
+        if link.poll(&monitor) {
+            tracing::warn!(pod = %cfg.pod, "KV-event publisher reconnected (engine may have restarted): clearing, replaying");
+            metrics.kv_resyncs.get_or_create(&labels).inc();
+            if tx.blocking_send(SubscriberEvent::Reset { reason: "publisher reconnected".into() }).is_err() {
+                return Ok(());
+            }
+            st.last = None;
+            if !replay_all(&ctx, cfg, tx, metrics, &mut st) {
                 return Ok(());
             }
         }
-    }
-    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
-        let frames = match sub.recv_multipart(0) {
+        let frames = match received {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) => continue,
             Err(zmq::Error::ETERM) => return Ok(()),
@@ -117,6 +138,13 @@ fn run(
             }
         };
         metrics.kv_events_received.get_or_create(&labels).inc();
+        // Live batches that a replay already delivered are duplicates, not an engine restart.
+        if let Some(upto) = st.dup_upto {
+            if msg.seq <= upto {
+                continue;
+            }
+            st.dup_upto = None;
+        }
         match st.last {
             Some(last) if msg.seq <= last => {
                 tracing::warn!(pod = %cfg.pod, last, seq = msg.seq, "KV-event seq went back: engine restart, clearing");
@@ -158,7 +186,61 @@ fn run(
 }
 
 struct SeqState {
+    /// Last seq forwarded.
     last: Option<u64>,
+    /// Highest seq a replay delivered, until a live batch goes past it.
+    dup_upto: Option<u64>,
+}
+
+/// In-process endpoint of the SUB socket's monitor (one context per subscriber thread).
+const MONITOR_ENDPOINT: &str = "inproc://kv-sub-monitor";
+
+/// Connection history of the SUB socket, from its monitor events.
+#[derive(Default)]
+struct LinkState {
+    disconnected: bool,
+}
+
+impl LinkState {
+    /// Reads pending monitor events; true when the SUB connected again after a disconnect.
+    fn poll(&mut self, monitor: &zmq::Socket) -> bool {
+        let mut reconnected = false;
+        while let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
+            // Frame 0: event id (u16, native endian) and value (u32); frame 1: the endpoint.
+            let Some(id) = frames.first().and_then(|f| f.get(..2)).map(|b| u16::from_ne_bytes([b[0], b[1]])) else {
+                continue;
+            };
+            if id == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                self.disconnected = true;
+            } else if id == zmq::SocketEvent::CONNECTED.to_raw() && self.disconnected {
+                self.disconnected = false;
+                reconnected = true;
+            }
+        }
+        reconnected
+    }
+}
+
+/// Forwards the engine's whole replay history (seq ≥ 0); false when the receiver is gone.
+fn replay_all(
+    ctx: &zmq::Context,
+    cfg: &SubscriberConfig,
+    tx: &mpsc::Sender<SubscriberEvent>,
+    metrics: &AgentMetrics,
+    st: &mut SeqState,
+) -> bool {
+    if cfg.kv_replay.is_none() {
+        return true;
+    }
+    let labels = pod_label(&cfg.pod);
+    for m in replay(ctx, cfg, 0).into_iter().flatten() {
+        metrics.kv_events_replayed.get_or_create(&labels).inc();
+        if !forward(tx, st, m) {
+            return false;
+        }
+    }
+    st.dup_upto = st.last;
+    true
 }
 
 /// Sends `m` unless it is a duplicate; false when the receiver is gone.

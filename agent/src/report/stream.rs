@@ -1,7 +1,9 @@
 //! One task per picker: connect (jittered exponential backoff 100 ms → 5 s), open `Report`,
 //! send `Hello` and a `PodSnapshot` per pod, then forward every pod's deltas. A `ResyncRequest`
 //! gets fresh snapshots; a broadcast lag (this stream fell too far behind) resends all snapshots;
-//! a stream error reconnects and starts over with snapshots.
+//! a stream error reconnects and starts over with snapshots. On shutdown the stream sends the
+//! deltas already queued for it, ends its request stream (an orderly HTTP/2 close the picker
+//! sees as the agent leaving) and waits up to [`CLOSE_GRACE`] for the picker to end its side.
 //!
 //! Concurrency: the task owns its stream; it reads pod state only through [`Hub`] snapshots
 //! (short mutex sections, never across an await).
@@ -53,6 +55,8 @@ pub struct AgentIdentity {
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How long a closing stream waits for the picker to end its side after ours ended.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Runs until `shutdown` becomes true.
 pub async fn run_picker_stream(
@@ -65,11 +69,12 @@ pub async fn run_picker_stream(
     let mut backoff = BACKOFF_MIN;
     loop {
         let started = Instant::now();
-        tokio::select! {
-            r = stream_once(&endpoint, &hub, &id, &metrics) => {
-                if let Err(e) = r { tracing::warn!(picker = %endpoint, error = %e, "picker stream ended"); }
-            }
-            _ = shutdown.wait_for(|s| *s) => return,
+        // stream_once watches `shutdown` itself, to close an open stream cleanly.
+        if let Err(e) = stream_once(&endpoint, &hub, &id, &metrics, shutdown.clone()).await {
+            tracing::warn!(picker = %endpoint, error = %e, "picker stream ended");
+        }
+        if *shutdown.borrow() {
+            return;
         }
         if started.elapsed() > Duration::from_secs(10) {
             backoff = BACKOFF_MIN;
@@ -103,10 +108,13 @@ async fn stream_once(
     hub: &Arc<Hub>,
     id: &AgentIdentity,
     metrics: &AgentMetrics,
+    mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), ReportError> {
-    let mut client = AgentIngestClient::connect(endpoint.to_string())
-        .await
-        .map_err(|source| ReportError::Connect { endpoint: endpoint.into(), source })?;
+    let connect = AgentIngestClient::connect(endpoint.to_string());
+    let mut client = tokio::select! {
+        c = connect => c.map_err(|source| ReportError::Connect { endpoint: endpoint.into(), source })?,
+        () = stopped(&mut shutdown) => return Ok(()),
+    };
     let picker_label = vec![("picker".to_string(), endpoint.to_string())];
     metrics.picker_connects.get_or_create(&picker_label).inc();
     // Subscribe before the snapshots: deltas numbered after a snapshot are then never missed.
@@ -125,11 +133,33 @@ async fn stream_once(
         out.send(m).await.map_err(|_| closed())?;
     }
     let rpc = |source| ReportError::Rpc { endpoint: endpoint.into(), source };
-    let mut inbound = client.report(ReceiverStream::new(out_rx)).await.map_err(rpc)?.into_inner();
+    let mut inbound = tokio::select! {
+        r = client.report(ReceiverStream::new(out_rx)) => r.map_err(rpc)?.into_inner(),
+        () = stopped(&mut shutdown) => return Ok(()),
+    };
     tracing::info!(picker = %endpoint, pods = hub.pods().len(), "picker stream open, snapshots sent");
     let mut in_flight: HashMap<String, (u64, Instant)> = HashMap::new();
     loop {
         tokio::select! {
+            () = stopped(&mut shutdown) => {
+                // Send what is already queued for this picker, then end our side cleanly.
+                while let Ok(o) = deltas.try_recv() {
+                    if snap_seq.get(&o.delta.pod).is_some_and(|s| o.delta.seq <= *s) {
+                        continue;
+                    }
+                    let msg = AgentMessage { msg: Some(agent_message::Msg::Delta(o.delta.clone())) };
+                    if out.send(msg).await.is_err() {
+                        break;
+                    }
+                }
+                drop(out);
+                let _ = tokio::time::timeout(CLOSE_GRACE, async {
+                    while let Ok(Some(_)) = inbound.message().await {}
+                })
+                .await;
+                tracing::info!(picker = %endpoint, "picker stream closed for shutdown");
+                return Ok(());
+            }
             d = deltas.recv() => match d {
                 Ok(o) => {
                     let o: &Outgoing = &o;
@@ -167,4 +197,9 @@ async fn stream_once(
             },
         }
     }
+}
+
+/// Resolves once shutdown is requested (or its sender is gone); holds no guard across awaits.
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
 }

@@ -93,7 +93,10 @@ pub struct Fleet {
     pub round_robin_gateway: Option<String>,
     /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
     pub picker_admin: String,
+    /// `http://127.0.0.1:<port>` of each agent's own `/metrics`, in agent order.
+    pub agent_admins: Vec<String>,
     agents: Vec<ManagedProcess>,
+    picker_args: Vec<String>,
     picker: ManagedProcess,
     envoys: Vec<ManagedProcess>,
     http: reqwest::Client,
@@ -125,10 +128,12 @@ impl Fleet {
         let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
         let picker_cfg = work.join("picker.yaml");
         write_yaml(&picker_cfg, &picker_config(&spec, ext_proc_port, ingest_port, admin_port))?;
+        let picker_args =
+            vec!["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()];
         let picker = ManagedProcess::spawn(
             "picker",
             &paths::binary("kvroute-picker")?,
-            &["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()],
+            &picker_args,
             &work,
             "READY",
             READY_TIMEOUT,
@@ -136,9 +141,12 @@ impl Fleet {
         .await?;
 
         let mut agents = Vec::new();
+        let mut agent_admins = Vec::new();
         for (a, chunk) in engines.chunks(spec.engines_per_agent.max(1)).enumerate() {
             let cfg_path = work.join(format!("agent-{a}.yaml"));
-            write_yaml(&cfg_path, &agent_config(&spec, a, chunk, ingest_port)?)?;
+            let metrics_port = free_port()?;
+            agent_admins.push(format!("http://127.0.0.1:{metrics_port}"));
+            write_yaml(&cfg_path, &agent_config(&spec, a, chunk, ingest_port, metrics_port))?;
             let scenario = spec.agent_scenarios.get(a).cloned().unwrap_or_else(|| "healthy.yaml".into());
             let scenario_path = paths::repo_root().join("agent/scenarios").join(scenario);
             let args = vec![
@@ -180,7 +188,9 @@ impl Fleet {
             gateway: format!("http://127.0.0.1:{gateway_port}"),
             round_robin_gateway,
             picker_admin: format!("http://127.0.0.1:{admin_port}"),
+            agent_admins,
             agents,
+            picker_args,
             picker,
             envoys,
             http,
@@ -254,6 +264,68 @@ impl Fleet {
         if let Some(mut p) = self.engines.get_mut(i).and_then(|e| e.process.take()) {
             p.kill().await;
         }
+    }
+
+    /// Restarts engine `i` on the same ports (killing it first if it runs): a fresh engine with an
+    /// empty cache whose KV-event sequence starts again at 0, as after a crash and pod restart.
+    pub async fn restart_engine(&mut self, i: usize) -> Result<()> {
+        self.kill_engine(i).await;
+        let e = self.engines.get(i).context("no such engine")?;
+        let args = emulator_args(&self.spec, &e.pod, e.port, e.kv_events_port, e.kv_replay_port);
+        let name = format!("{}-restarted", e.pod);
+        let p = ManagedProcess::spawn(
+            &name,
+            &paths::binary("kvroute-emulator")?,
+            &args,
+            &self.work,
+            "READY",
+            READY_TIMEOUT,
+        )
+        .await?;
+        if let Some(e) = self.engines.get_mut(i) {
+            e.process = Some(p);
+        }
+        Ok(())
+    }
+
+    /// Kills the picker and starts it again with the same config and ports (empty index; the
+    /// agents reconnect and resend snapshots). Returns once it printed READY.
+    pub async fn restart_picker(&mut self) -> Result<()> {
+        self.picker.kill().await;
+        self.picker = ManagedProcess::spawn(
+            "picker-restarted",
+            &paths::binary("kvroute-picker")?,
+            &self.picker_args,
+            &self.work,
+            "READY",
+            READY_TIMEOUT,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The picker's `POST /explain` for a chat body (every candidate's factors, no routing).
+    pub async fn explain_chat(&self, body: &Value) -> Result<Value> {
+        let url = format!("{}/explain?path=/v1/chat/completions", self.picker_admin);
+        let r = self.http.post(url).json(body).send().await?;
+        Ok(r.error_for_status()?.json().await?)
+    }
+
+    /// Agent `a`'s own Prometheus text.
+    pub async fn agent_metrics(&self, a: usize) -> Result<String> {
+        let url = self.agent_admins.get(a).context("no such agent")?;
+        let r = self.http.get(format!("{url}/metrics")).send().await?;
+        Ok(r.error_for_status()?.text().await?)
+    }
+
+    /// OS process id of agent `a`, if running.
+    pub fn agent_pid(&self, a: usize) -> Option<u32> {
+        self.agents.get(a).and_then(ManagedProcess::pid)
+    }
+
+    /// The tail of agent `a`'s log, for failure messages.
+    pub fn agent_log_tail(&self, a: usize, n: usize) -> String {
+        self.agents.get(a).map(|p| p.log_tail(n)).unwrap_or_default()
     }
 
     /// Empties every engine's prefix cache (vLLM's `POST /reset_prefix_cache`).
@@ -337,7 +409,7 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
     })
 }
 
-fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16) -> Result<Value> {
+fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16, metrics_port: u16) -> Value {
     let engines: Vec<Value> = engines
         .iter()
         .enumerate()
@@ -353,13 +425,13 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16)
             })
         })
         .collect();
-    Ok(json!({
+    json!({
         "node_name": format!("node-{index}"),
         "pickers": [format!("http://127.0.0.1:{ingest}")],
-        "metrics_addr": format!("127.0.0.1:{}", free_port()?),
+        "metrics_addr": format!("127.0.0.1:{metrics_port}"),
         "report_interval_ms": spec.report_interval_ms,
         "engines": engines,
-    }))
+    })
 }
 
 /// `deploy/envoy/envoy.yaml` with the fleet's ports: listener, admin, picker cluster.
