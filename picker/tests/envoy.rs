@@ -538,3 +538,57 @@ async fn fail_closed_answers_5xx_without_the_picker() {
     }
     assert_eq!(seen.lock().len(), 1, "a request reached the pod with the picker down");
 }
+
+/// The SSE stream an engine sends for a streamed completion with `include_usage`: the usage says
+/// nothing was cached.
+const SSE: &str = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"ok\"}]}\n\n\
+data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"completion_tokens\":1,\"total_tokens\":65,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n\
+data: [DONE]\n\n";
+
+/// A streamed response passes through Envoy byte for byte; its final usage chunk (0 cached tokens
+/// where the picker predicted 64) counts one stale routing, and the in-flight slot is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_response_untouched_and_usage_judged_through_real_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(|| async { ([(axum::http::header::CONTENT_TYPE, "text/event-stream")], SSE) }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let prompt: Vec<u32> = (0..64).map(|i| 300 + i).collect();
+    let _agent = report_pods(&picker, &[FakePod::new("hot", engine, hashes(&prompt))]).await;
+    let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "stream": true,
+        "stream_options": {"include_usage": true}})
+    .to_string();
+    assert_eq!(picker.gateway.metrics.stale_cache_routing.get(), 0);
+    let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "x-request-id: sse-1\r\n").await;
+    assert_eq!(status, 200, "{head}\n{resp}");
+    assert_eq!(header_of(&head, "x-request-id").as_deref(), Some("sse-1"));
+    // Envoy re-chunks HTTP/1.1 (transfer-encoding: chunked): strip the chunk framing.
+    let payload = if head.contains("transfer-encoding: chunked") {
+        let mut out = String::new();
+        let mut rest = resp.as_str();
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap();
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        resp
+    };
+    assert_eq!(payload, SSE, "the stream was altered");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while picker.gateway.metrics.stale_cache_routing.get() != 1 {
+        assert!(Instant::now() < deadline, "stale routing not counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_slots_released(&picker).await;
+    picker.shutdown();
+}
