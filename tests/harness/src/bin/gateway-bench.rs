@@ -148,6 +148,16 @@ async fn main() -> Result<()> {
         p[0][2] - p[1][2],
         p[0][2] / p[1][2]
     );
+    // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.
+    let metrics = fleet.picker_metrics().await?;
+    let value = |name: &str| -> Option<f64> {
+        metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+    };
+    if let (Some(sum), Some(count)) = (value("epp_decision_latency_us_sum "), value("epp_decision_latency_us_count "))
+        && count > 0.0
+    {
+        println!("picker decision time (in the added latency): mean {:.0} µs over {count} decisions", sum / count);
+    }
     println!("logs: {}", fleet.work.display());
     Ok(())
 }
