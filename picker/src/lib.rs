@@ -193,7 +193,12 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
         tonic::transport::Server::builder()
             .add_service(health)
             .add_service(ext)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(ext_l), ext_stop)
+            // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
+            // (measured: +40-50 ms at p90 through Envoy, gateway-bench).
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(ext_l).with_nodelay(Some(true)),
+                ext_stop,
+            )
             .await
             .map_err(|e| StartError::Serve { what: "ext_proc", message: e.to_string() })
     });

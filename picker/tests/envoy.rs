@@ -1,7 +1,10 @@
-//! The picker behind a real Envoy 1.40 with the repository's own `deploy/envoy/envoy.yaml` (ports
-//! rewritten): requests reach the pod the picker chose, errors come back as the picker's JSON, and
-//! 5 MB prompts pass. Skipped (with a message) when Envoy is not installed: `scripts/install-envoy`
-//! puts it in `.tools/envoy`, or set `KVROUTE_ENVOY` to a binary.
+//! The picker behind a real Envoy 1.40 running the repository's own `deploy/envoy/` files (ports,
+//! addresses and the fail-open pod list rewritten, nothing else): both request-body modes
+//! (`envoy.yaml` BUFFERED, `envoy-full-duplex.yaml` FULL_DUPLEX_STREAMED) with bodies from 0 B to
+//! 8 MB, prompts tokenized like the reference, every SPEC §5 error as JSON, the subset hint,
+//! request ids, and the picker killed under fail-open (`envoy-fail-open.yaml`, still serves) and
+//! fail-closed (`envoy.yaml`, 5xx). A missing Envoy fails the tests: `scripts/install-envoy` puts
+//! it in `.tools/envoy`, or set `KVROUTE_ENVOY` to a binary.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -46,10 +49,50 @@ impl Drop for EnvoyProcess {
     }
 }
 
-fn start_envoy(bin: &PathBuf, listener: u16, ext_proc: u16) -> EnvoyProcess {
-    let template =
-        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml")).unwrap();
-    let config = template
+/// One of the repository's `deploy/envoy/` files.
+fn deploy_file(name: &str) -> String {
+    std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy").join(name)).unwrap()
+}
+
+/// The fail-open file's static pod list (one example endpoint), as written in deploy/.
+const EXAMPLE_POD: &str = "              - endpoint:
+                  address:
+                    socket_address: { address: 127.0.0.1, port_value: 8000 }
+";
+
+/// Rewrites the fail-open file's example pod into `pods`.
+fn with_pods(config: String, pods: &[SocketAddr]) -> String {
+    assert!(config.contains(EXAMPLE_POD), "deploy file changed: the example pod entry is gone");
+    let list: String = pods
+        .iter()
+        .map(|p| EXAMPLE_POD.replace("127.0.0.1, port_value: 8000", &format!("{}, port_value: {}", p.ip(), p.port())))
+        .collect();
+    config.replace(EXAMPLE_POD, &list)
+}
+
+/// Adds an `envoy.filters.http.set_metadata` filter before ext_proc that sets the GIE subset hint.
+fn with_subset_hint(config: String, allowed: &[String]) -> String {
+    let anchor = "                  - name: envoy.filters.http.ext_proc\n";
+    assert!(config.contains(anchor));
+    let list = allowed.iter().map(|a| format!("\"{a}\"")).collect::<Vec<_>>().join(", ");
+    let filter = format!(
+        "                  - name: envoy.filters.http.set_metadata
+                    typed_config:
+                      \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config
+                      metadata:
+                        - metadata_namespace: envoy.lb.subset_hint
+                          value:
+                            x-gateway-destination-endpoint-subset: [{list}]
+{anchor}"
+    );
+    config.replace(anchor, &filter)
+}
+
+/// Starts Envoy on `config` (a deploy file's text) with its ports rewritten; waits until it listens.
+async fn start_envoy(config: &str, ext_proc: u16) -> (EnvoyProcess, SocketAddr) {
+    let bin = envoy_binary().expect("Envoy not installed: run scripts/install-envoy (scripts/test does)");
+    let listener = free_port();
+    let config = config
         .replace("port_value: 9901", &format!("port_value: {}", free_port()))
         .replace("{ address: 0.0.0.0, port_value: 8081 }", &format!("{{ address: 127.0.0.1, port_value: {listener} }}"))
         .replace("port_value: 9002", &format!("port_value: {ext_proc}"));
@@ -65,20 +108,39 @@ fn start_envoy(bin: &PathBuf, listener: u16, ext_proc: u16) -> EnvoyProcess {
         .stderr(std::fs::File::create(dir.join("envoy.log")).unwrap())
         .spawn()
         .unwrap();
-    EnvoyProcess(child)
+    let envoy = EnvoyProcess(child);
+    let gw: SocketAddr = format!("127.0.0.1:{listener}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(gw).await.is_err() {
+        assert!(Instant::now() < deadline, "Envoy did not start listening: {}", dir.join("envoy.log").display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (envoy, gw)
 }
 
-/// What a fake engine saw: (x-request-id, x-gateway-destination-endpoint) per request.
-type Seen = Arc<Mutex<Vec<(String, String)>>>;
+/// What a fake engine saw per request.
+#[derive(Debug, Clone)]
+struct SeenRequest {
+    request_id: String,
+    destination: String,
+    body: Vec<u8>,
+}
 
+type Seen = Arc<Mutex<Vec<SeenRequest>>>;
+
+/// An OpenAI-shaped engine stand-in that records what reached it and answers with usage.
 async fn fake_engine() -> (SocketAddr, Seen) {
-    async fn completions(
+    async fn answer(
         State(seen): State<Seen>,
         headers: HeaderMap,
         body: axum::body::Bytes,
     ) -> axum::Json<serde_json::Value> {
         let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
-        seen.lock().push((h("x-request-id"), h("x-gateway-destination-endpoint")));
+        seen.lock().push(SeenRequest {
+            request_id: h("x-request-id"),
+            destination: h("x-gateway-destination-endpoint"),
+            body: body.to_vec(),
+        });
         axum::Json(serde_json::json!({
             "id": "cmpl-1", "object": "text_completion", "model": MODEL,
             "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
@@ -89,7 +151,8 @@ async fn fake_engine() -> (SocketAddr, Seen) {
     }
     let seen: Seen = Arc::default();
     let app = axum::Router::new()
-        .route("/v1/completions", axum::routing::post(completions))
+        .route("/v1/completions", axum::routing::post(answer))
+        .route("/v1/chat/completions", axum::routing::post(answer))
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(seen.clone());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -98,14 +161,29 @@ async fn fake_engine() -> (SocketAddr, Seen) {
     (addr, seen)
 }
 
-async fn report_pods(picker: &RunningPicker, pods: &[(&str, String, Vec<BlockHash>)]) -> mpsc::Sender<AgentMessage> {
+/// One pod as an agent reports it.
+struct FakePod {
+    name: &'static str,
+    endpoint: SocketAddr,
+    blocks: Vec<BlockHash>,
+    gpu_utilization: f64,
+    waiting: u32,
+}
+
+impl FakePod {
+    fn new(name: &'static str, endpoint: SocketAddr, blocks: Vec<BlockHash>) -> Self {
+        Self { name, endpoint, blocks, gpu_utilization: 0.0, waiting: 0 }
+    }
+}
+
+async fn report_pods(picker: &RunningPicker, pods: &[FakePod]) -> mpsc::Sender<AgentMessage> {
     let mut client = AgentIngestClient::connect(format!("http://{}", picker.ingest_addr)).await.unwrap();
     let (tx, rx) = mpsc::channel(16);
     let infos: Vec<PodInfo> = pods
         .iter()
-        .map(|(n, e, _)| PodInfo {
-            pod: (*n).into(),
-            endpoint: e.clone(),
+        .map(|p| PodInfo {
+            pod: p.name.into(),
+            endpoint: p.endpoint.to_string(),
             model: MODEL.into(),
             block_size: 16,
             annotations: Default::default(),
@@ -114,9 +192,16 @@ async fn report_pods(picker: &RunningPicker, pods: &[(&str, String, Vec<BlockHas
     let hello = Hello { agent_id: "t".into(), node_name: "n".into(), protocol_version: 1, pods: infos.clone() };
     tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.unwrap();
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
-    for ((_, _, blocks), info) in pods.iter().zip(infos) {
-        let stats = PodStats { observed_at_unix_ms: now, health_score: 1.0, ready: true, ..Default::default() };
-        let blocks = vec![BlockRun { parent: 0, hashes: blocks.iter().map(|h| h.0).collect() }];
+    for (p, info) in pods.iter().zip(infos) {
+        let stats = PodStats {
+            observed_at_unix_ms: now,
+            health_score: 1.0,
+            ready: true,
+            gpu_utilization: p.gpu_utilization,
+            num_requests_waiting: p.waiting,
+            ..Default::default()
+        };
+        let blocks = vec![BlockRun { parent: 0, hashes: p.blocks.iter().map(|h| h.0).collect() }];
         let snap = PodSnapshot { info: Some(info), seq: 1, stats: Some(stats), blocks };
         tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snap)) }).await.unwrap();
     }
@@ -130,6 +215,24 @@ async fn report_pods(picker: &RunningPicker, pods: &[(&str, String, Vec<BlockHas
     tx
 }
 
+async fn start_picker(extra_yaml: &str) -> RunningPicker {
+    let config = PickerConfig::from_yaml(&format!(
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n{extra_yaml}"
+    ))
+    .unwrap();
+    kvroute_picker::start(&config).await.unwrap()
+}
+
+fn simple_models() -> String {
+    format!("models: [{{name: {MODEL}}}]\n")
+}
+
+fn hashes(tokens: &[u32]) -> Vec<BlockHash> {
+    let mut out = Vec::new();
+    BlockHasher::new(MODEL, None, 16).hash_prompt(tokens, &mut out);
+    out
+}
+
 /// One HTTP/1.1 POST through Envoy: (status, lower-cased head, body).
 async fn post(addr: SocketAddr, path: &str, body: &[u8], extra: &str) -> (u16, String, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -140,77 +243,352 @@ async fn post(addr: SocketAddr, path: &str, body: &[u8], extra: &str) -> (u16, S
     s.write_all(head.as_bytes()).await.unwrap();
     s.write_all(body).await.unwrap();
     let mut out = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out)).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await.unwrap().unwrap();
     let text = String::from_utf8_lossy(&out).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (status, head.to_ascii_lowercase(), body.to_owned())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn through_real_envoy() {
-    // scripts/test installs Envoy; a missing one is a failure, not a skip.
-    let envoy_bin = envoy_binary().expect("Envoy not installed: run scripts/install-envoy (scripts/test does)");
-    let config = PickerConfig::from_yaml(&format!(
-        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\nmodels: [{{name: {MODEL}}}]\n"
-    ))
-    .unwrap();
-    let picker = kvroute_picker::start(&config).await.unwrap();
-    let (cold_addr, cold_seen) = fake_engine().await;
-    let (hot_addr, hot_seen) = fake_engine().await;
-    let prompt: Vec<u32> = (0..64).map(|i| 500 + i).collect();
-    let mut hot_blocks = Vec::new();
-    BlockHasher::new(MODEL, None, 16).hash_prompt(&prompt, &mut hot_blocks);
-    let _agent =
-        report_pods(&picker, &[("cold", cold_addr.to_string(), vec![]), ("hot", hot_addr.to_string(), hot_blocks)])
-            .await;
+/// The value of a header in a lower-cased response head.
+fn header_of(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| l.strip_prefix(&format!("{name}: ")).map(|v| v.trim().to_owned()))
+}
 
-    let listener = free_port();
-    let _envoy = start_envoy(&envoy_bin, listener, picker.ext_proc_addr.port());
-    let gw: SocketAddr = format!("127.0.0.1:{listener}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(gw).await.is_err() {
-        assert!(Instant::now() < deadline, "Envoy did not start listening");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-
-    // A client-supplied destination is ignored; the prefix holder gets the request.
-    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
-    let (status, head, resp) = post(
-        gw,
-        "/v1/completions",
-        body.as_bytes(),
-        &format!("x-request-id: e2e-1\r\nx-gateway-destination-endpoint: {cold_addr}\r\n"),
-    )
-    .await;
-    assert_eq!(status, 200, "{head}\n{resp}");
-    assert!(head.contains("x-request-id: e2e-1"), "{head}");
-    assert_eq!(hot_seen.lock().as_slice(), &[("e2e-1".to_owned(), hot_addr.to_string())]);
-    assert!(cold_seen.lock().is_empty());
-
-    // Picker errors arrive as its JSON.
-    let (status, _, resp) = post(gw, "/v1/completions", br#"{"model":"nope","prompt":"x"}"#, "").await;
-    assert_eq!(status, 404, "{resp}");
-    let v: serde_json::Value = serde_json::from_str(&resp).unwrap();
-    assert_eq!(v["error"]["type"], "not_found_error");
-
-    // A 5 MB prompt passes Envoy's buffer and the gRPC limits and is routed.
-    let big = serde_json::json!({"model": MODEL, "prompt": prompt, "user": "z".repeat(5 << 20)}).to_string();
-    let (status, _, resp) = post(gw, "/v1/completions", big.as_bytes(), "").await;
-    assert_eq!(status, 200, "{}", &resp[..resp.len().min(500)]);
-    assert_eq!(hot_seen.lock().len(), 2);
-
-    // 9 MB: above the picker's 8 MiB limit, below Envoy's 16 MiB buffer: the picker's 413.
-    let huge = serde_json::json!({"model": MODEL, "prompt": "z".repeat(9 << 20)}).to_string();
-    let (status, _, resp) = post(gw, "/v1/completions", huge.as_bytes(), "").await;
-    assert_eq!(status, 413, "{}", &resp[..resp.len().min(500)]);
-    assert!(resp.contains("request_too_large"), "{resp}");
-
-    // Every slot was released once the responses ended.
+/// Waits until every in-flight slot is released.
+async fn assert_slots_released(picker: &RunningPicker) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while picker.gateway.pool.pods().iter().any(|p| p.in_flight > 0) {
         assert!(Instant::now() < deadline, "in-flight slots leaked: {:?}", picker.gateway.pool.pods());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5")
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
+
+/// Both body modes through the deploy files: bodies from 0 B to just under the 8 MiB limit reach
+/// the chosen pod byte for byte, a client-sent destination is ignored, request ids are kept or
+/// made and returned, 9 MB is the picker's 413, and every in-flight slot is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_in_both_modes_through_real_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let (cold_addr, cold_seen) = fake_engine().await;
+    let (hot_addr, hot_seen) = fake_engine().await;
+    let prompt: Vec<u32> = (0..64).map(|i| 500 + i).collect();
+    let _agent = report_pods(
+        &picker,
+        &[FakePod::new("cold", cold_addr, vec![]), FakePod::new("hot", hot_addr, hashes(&prompt))],
+    )
+    .await;
+    let port = picker.ext_proc_addr.port();
+    let (_b, buffered) = start_envoy(&deploy_file("envoy.yaml"), port).await;
+    let (_f, full_duplex) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
+
+    for (mode, gw) in [("BUFFERED", buffered), ("FULL_DUPLEX_STREAMED", full_duplex)] {
+        // 0 B: routed on the headers (by load, default model) and answered, not hung.
+        let before = hot_seen.lock().len() + cold_seen.lock().len();
+        let (status, head, resp) = post(gw, "/v1/completions", b"", "").await;
+        assert_eq!(status, 200, "{mode}: {head}\n{resp}");
+        let seen: Vec<SeenRequest> = hot_seen.lock().iter().chain(cold_seen.lock().iter()).cloned().collect();
+        assert_eq!(seen.len(), before + 1, "{mode}");
+        // No x-request-id from the client: one is made (Envoy's or the picker's UUID v4), sent
+        // upstream and returned.
+        let rid = header_of(&head, "x-request-id").unwrap_or_else(|| panic!("{mode}: no request id\n{head}"));
+        assert_eq!(uuid::Uuid::parse_str(&rid).unwrap().get_version_num(), 4, "{rid}");
+        assert!(seen.iter().any(|r| r.request_id == rid && r.body.is_empty()), "{mode}: {rid} not seen upstream");
+
+        // Token-array prompts of growing size, padded with a field the picker ignores.
+        let sizes = [0usize, 64 << 10, 1 << 20, 5 << 20, 8_000_000];
+        for (i, pad) in sizes.into_iter().enumerate() {
+            let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "user": "z".repeat(pad)})
+                .to_string();
+            let rid = format!("{}-{i}", mode.to_ascii_lowercase());
+            let (status, head, resp) = post(
+                gw,
+                "/v1/completions",
+                body.as_bytes(),
+                &format!("x-request-id: {rid}\r\nx-gateway-destination-endpoint: {cold_addr}\r\n"),
+            )
+            .await;
+            assert_eq!(status, 200, "{mode} {} B: {head}\n{}", body.len(), &resp[..resp.len().min(300)]);
+            assert_eq!(header_of(&head, "x-request-id").as_deref(), Some(rid.as_str()), "{head}");
+            let last = hot_seen.lock().last().cloned().unwrap();
+            assert_eq!(last.request_id, rid, "{mode} {} B went elsewhere", body.len());
+            assert_eq!(last.destination, hot_addr.to_string());
+            assert!(
+                last.body == body.as_bytes(),
+                "{mode}: body of {} B altered ({} B arrived)",
+                body.len(),
+                last.body.len()
+            );
+        }
+        assert!(cold_seen.lock().iter().all(|r| r.body.is_empty()), "{mode}: the spoofed destination was obeyed");
+
+        // 9 MB: over the picker's 8 MiB limit, under Envoy's 16 MiB buffer: the picker's 413.
+        let huge = serde_json::json!({"model": MODEL, "prompt": "z".repeat(9 << 20)}).to_string();
+        let (status, _, resp) = post(gw, "/v1/completions", huge.as_bytes(), "").await;
+        assert_eq!(status, 413, "{mode}: {}", &resp[..resp.len().min(300)]);
+        let v: serde_json::Value = serde_json::from_str(&resp).unwrap();
+        assert_eq!(v["error"]["type"], "request_too_large", "{resp}");
+        assert_eq!(v["error"]["code"], 413, "{resp}");
+    }
+    assert_slots_released(&picker).await;
+    picker.shutdown();
+}
+
+/// SPEC §5 errors come back through Envoy as OpenAI-style JSON with the request id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_as_openai_json_through_real_envoy() {
+    let picker = start_picker(&format!(
+        "models: [{{name: {MODEL}}}, {{name: orphan, target_model: nobody/serves-this}}]\n\
+         scoring: {{max_queue: 4, shed_when_saturated: true}}\n"
+    ))
+    .await;
+    let (a, _) = fake_engine().await;
+    let (b, seen_b) = fake_engine().await;
+    let mut busy = [FakePod::new("a", a, vec![]), FakePod::new("b", b, vec![])];
+    for p in &mut busy {
+        p.waiting = 10;
+    }
+    let _agent = report_pods(&picker, &busy).await;
+    let port = picker.ext_proc_addr.port();
+    let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), port).await;
+    let (_f, gw_fd) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
+
+    let cases: [(&str, &[u8], u16, &str); 6] = [
+        ("/v1/completions", b"{not json", 400, "invalid_request_error"),
+        ("/v1/completions", br#"{"prompt":"no model"}"#, 400, "invalid_request_error"),
+        (
+            "/v1/chat/completions",
+            br#"{"model":"nope","messages":[{"role":"user","content":"hi"}]}"#,
+            404,
+            "not_found_error",
+        ),
+        ("/v1/completions", br#"{"model":"orphan","prompt":"x"}"#, 503, "service_unavailable"),
+        ("/v1/completions", br#"{"model":"Qwen/Qwen2.5-7B-Instruct","prompt":"x"}"#, 429, "rate_limit_exceeded"),
+        ("/v1/completions", br#"{"model":"Qwen/Qwen2.5-7B-Instruct","prompt":[1,2,3]}"#, 429, "rate_limit_exceeded"),
+    ];
+    for (mode, gw) in [("BUFFERED", gw), ("FULL_DUPLEX_STREAMED", gw_fd)] {
+        for (i, (path, body, status, kind)) in cases.iter().enumerate() {
+            let rid = format!("err-{i}");
+            let (got, head, resp) = post(gw, path, body, &format!("x-request-id: {rid}\r\n")).await;
+            assert_eq!(got, *status, "{mode} {}: {resp}", String::from_utf8_lossy(body));
+            assert!(head.contains("content-type: application/json"), "{head}");
+            assert_eq!(header_of(&head, "x-request-id").as_deref(), Some(rid.as_str()), "{head}");
+            let v: serde_json::Value = serde_json::from_str(&resp).unwrap_or_else(|e| panic!("{e}: {resp}"));
+            assert_eq!(v["error"]["type"], *kind, "{resp}");
+            assert_eq!(v["error"]["code"], *status, "{resp}");
+            assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{resp}");
+        }
+    }
+    assert!(seen_b.lock().is_empty());
+    assert_slots_released(&picker).await;
+    picker.shutdown();
+}
+
+/// Completions (string prompts) and chat requests (system/user/assistant/tool messages, array
+/// content parts, tool calls, unicode) are tokenized by the picker exactly as the reference ids in
+/// the Qwen2.5 fixture (computed by HuggingFace transformers): the pod holding those ids' blocks
+/// wins over an idler pod, in both body modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_tokenized_like_the_reference_through_real_envoy() {
+    let read = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join(f)).unwrap()).unwrap()
+    };
+    let (chat, text) = (read("expected-chat.json"), read("expected-text.json"));
+    let mut requests = Vec::new();
+    let mut blocks = Vec::new();
+    for (name, case) in chat.as_object().unwrap() {
+        let ids = ids_of(&case["token_ids"]);
+        assert!(ids.len() >= 16, "{name}: no full block");
+        blocks.extend(hashes(&ids));
+        let mut r = case["request"].clone();
+        r["model"] = MODEL.into();
+        requests.push((format!("chat/{name}"), "/v1/chat/completions", r));
+    }
+    for (name, case) in text.as_object().unwrap() {
+        let ids = ids_of(&case["token_ids"]);
+        if ids.len() < 16 {
+            continue;
+        }
+        blocks.extend(hashes(&ids));
+        let r = serde_json::json!({"model": MODEL, "prompt": case["text"], "max_tokens": 1});
+        requests.push((format!("text/{name}"), "/v1/completions", r));
+    }
+    assert!(requests.len() >= 6);
+    let picker = start_picker(&format!("models: [{{name: {MODEL}, tokenizer: {}}}]\n", fixtures().display())).await;
+    let (idle_addr, idle_seen) = fake_engine().await;
+    let (hot_addr, hot_seen) = fake_engine().await;
+    let mut hot = FakePod::new("hot", hot_addr, blocks);
+    // Busier: without an exact match the idle pod wins, so a wrong tokenization fails the test.
+    hot.gpu_utilization = 0.5;
+    let _agent = report_pods(&picker, &[FakePod::new("idle", idle_addr, vec![]), hot]).await;
+    let port = picker.ext_proc_addr.port();
+    let (_b, buffered) = start_envoy(&deploy_file("envoy.yaml"), port).await;
+    let (_f, full_duplex) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
+    for (mode, gw) in [("BUFFERED", buffered), ("FULL_DUPLEX_STREAMED", full_duplex)] {
+        for (name, path, body) in &requests {
+            let rid = format!("{mode}-{name}");
+            let (status, _, resp) =
+                post(gw, path, body.to_string().as_bytes(), &format!("x-request-id: {rid}\r\n")).await;
+            assert_eq!(status, 200, "{rid}: {resp}");
+            assert_eq!(
+                hot_seen.lock().last().map(|r| r.request_id.clone()),
+                Some(rid.clone()),
+                "{rid} not on the prefix holder"
+            );
+        }
+    }
+    assert!(idle_seen.lock().is_empty());
+    picker.shutdown();
+}
+
+/// Envoy's subset hint (`envoy.lb.subset_hint`, set here by a set_metadata filter and forwarded by
+/// the deploy file's `forwarding_namespaces`) restricts the candidates: the prefix holder outside
+/// the subset is not chosen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subset_hint_through_real_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let (cold_addr, cold_seen) = fake_engine().await;
+    let (hot_addr, hot_seen) = fake_engine().await;
+    let prompt: Vec<u32> = (0..64).map(|i| 900 + i).collect();
+    let _agent = report_pods(
+        &picker,
+        &[FakePod::new("cold", cold_addr, vec![]), FakePod::new("hot", hot_addr, hashes(&prompt))],
+    )
+    .await;
+    let config = with_subset_hint(deploy_file("envoy.yaml"), &[cold_addr.to_string()]);
+    let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(cold_seen.lock().len(), 1, "the subset hint was not honoured");
+    assert!(hot_seen.lock().is_empty());
+    picker.shutdown();
+}
+
+/// Waits until nothing accepts connections on the picker's ext_proc port.
+async fn wait_picker_down(picker: &RunningPicker) {
+    picker.shutdown();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(picker.ext_proc_addr).await.is_ok() {
+        assert!(Instant::now() < deadline, "the picker kept listening after shutdown");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// deploy/envoy/envoy-fail-open.yaml: with the picker up its choice (metadata, override_host) is
+/// obeyed; with the picker killed Envoy still serves through round robin over the pod list, and a
+/// client-sent destination header is still ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_serves_without_the_picker() {
+    let picker = start_picker(&simple_models()).await;
+    let (cold_addr, cold_seen) = fake_engine().await;
+    let (hot_addr, hot_seen) = fake_engine().await;
+    let prompt: Vec<u32> = (0..64).map(|i| 700 + i).collect();
+    let _agent = report_pods(
+        &picker,
+        &[FakePod::new("cold", cold_addr, vec![]), FakePod::new("hot", hot_addr, hashes(&prompt))],
+    )
+    .await;
+    let config = with_pods(deploy_file("envoy-fail-open.yaml"), &[cold_addr, hot_addr]);
+    let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
+    for _ in 0..4 {
+        let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+        assert_eq!(status, 200, "{resp}");
+    }
+    assert_eq!(hot_seen.lock().len(), 4, "the picker's choice was not obeyed");
+    assert!(cold_seen.lock().is_empty());
+
+    wait_picker_down(&picker).await;
+    let spoof = format!("x-gateway-destination-endpoint: {hot_addr}\r\n");
+    for _ in 0..6 {
+        let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), &spoof).await;
+        assert_eq!(status, 200, "fail-open did not serve: {head}\n{resp}");
+    }
+    // Round robin over both pods despite the header naming one; the header never reached a pod.
+    assert_eq!(hot_seen.lock().len() + cold_seen.lock().len(), 10);
+    assert!(cold_seen.lock().len() >= 2, "not round robin: cold got {}", cold_seen.lock().len());
+    assert!(hot_seen.lock().iter().skip(4).chain(cold_seen.lock().iter()).all(|r| r.destination.is_empty()));
+}
+
+/// deploy/envoy/envoy.yaml (fail closed): with the picker killed Envoy answers 5xx and no pod is
+/// reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_answers_5xx_without_the_picker() {
+    let picker = start_picker(&simple_models()).await;
+    let (addr, seen) = fake_engine().await;
+    let _agent = report_pods(&picker, &[FakePod::new("only", addr, vec![])]).await;
+    let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3]}).to_string();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "{resp}");
+    wait_picker_down(&picker).await;
+    let spoof = format!("x-gateway-destination-endpoint: {addr}\r\n");
+    for _ in 0..3 {
+        let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), &spoof).await;
+        assert!((500..600).contains(&status), "fail-closed answered {status}: {head}\n{resp}");
+    }
+    assert_eq!(seen.lock().len(), 1, "a request reached the pod with the picker down");
+}
+
+/// The SSE stream an engine sends for a streamed completion with `include_usage`: the usage says
+/// nothing was cached.
+const SSE: &str = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"ok\"}]}\n\n\
+data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"completion_tokens\":1,\"total_tokens\":65,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n\
+data: [DONE]\n\n";
+
+/// A streamed response passes through Envoy byte for byte; its final usage chunk (0 cached tokens
+/// where the picker predicted 64) counts one stale routing, and the in-flight slot is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_response_untouched_and_usage_judged_through_real_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(|| async { ([(axum::http::header::CONTENT_TYPE, "text/event-stream")], SSE) }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let prompt: Vec<u32> = (0..64).map(|i| 300 + i).collect();
+    let _agent = report_pods(&picker, &[FakePod::new("hot", engine, hashes(&prompt))]).await;
+    let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "stream": true,
+        "stream_options": {"include_usage": true}})
+    .to_string();
+    assert_eq!(picker.gateway.metrics.stale_cache_routing.get(), 0);
+    let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "x-request-id: sse-1\r\n").await;
+    assert_eq!(status, 200, "{head}\n{resp}");
+    assert_eq!(header_of(&head, "x-request-id").as_deref(), Some("sse-1"));
+    // Envoy re-chunks HTTP/1.1 (transfer-encoding: chunked): strip the chunk framing.
+    let payload = if head.contains("transfer-encoding: chunked") {
+        let mut out = String::new();
+        let mut rest = resp.as_str();
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap();
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        resp
+    };
+    assert_eq!(payload, SSE, "the stream was altered");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while picker.gateway.metrics.stale_cache_routing.get() != 1 {
+        assert!(Instant::now() < deadline, "stale routing not counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_slots_released(&picker).await;
     picker.shutdown();
 }

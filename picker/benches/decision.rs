@@ -1,0 +1,186 @@
+//! One full routing decision for a 4096-token chat prompt (SPEC §10: p99 ≤ 1 ms when earlier turns
+//! were seen before), and each of its steps on the same request: parse the JSON body, render the
+//! chat template, tokenize (segment cache warm, and cold with the cache off), hash the blocks,
+//! look up + score (the router, 8 pods, the prompt's prefix held by one of them).
+//!
+//! Real functions only: `parse_body`, `ModelTokenizer::{render_chat, encode_chat}`,
+//! `BlockHasher::hash_prompt`, `Router::route`, `ext_proc::decide::decide`. After criterion's
+//! groups, a percentile pass (2 000 timed full decisions, warm) prints p50/p99 per step, since
+//! criterion reports means and medians only. Run: `cargo bench -p kvroute-picker --bench decision`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use kvroute_common::BlockHash;
+use kvroute_picker::Gateway;
+use kvroute_picker::config::PickerConfig;
+use kvroute_picker::ext_proc::decide::{DecisionInput, decide};
+use kvroute_picker::model::{PromptInput, parse_body};
+use kvroute_picker::pool::PoolUpdate;
+use kvroute_picker::score::RouteRequest;
+use kvroute_proto::agent::v1::{PodInfo, PodStats};
+use kvroute_tokenize::{ModelTokenizer, SegmentCacheConfig, TokenizerOptions};
+
+const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+const PATH: &str = "/v1/chat/completions";
+const TARGET_TOKENS: usize = 4096;
+
+fn tokenizer_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5")
+}
+
+/// A multi-turn chat body of at least 4096 tokens built from the fixture's text, and its ids.
+fn chat_body(tok: &ModelTokenizer) -> (Vec<u8>, Vec<u32>) {
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tokenizer_dir().join("expected-text.json")).unwrap()).unwrap();
+    let text = expected["seed_first_2000_chars"]["text"].as_str().unwrap().to_owned();
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are a routing expert. Answer briefly."})];
+    for turn in 0.. {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        let chunk: String = text.chars().skip((turn * 97) % 1500).take(400 + turn % 7 * 50).collect();
+        messages.push(serde_json::json!({"role": role, "content": format!("Turn {turn}: {chunk}")}));
+        if role == "user" {
+            let body = serde_json::json!({"model": MODEL, "messages": messages, "max_tokens": 64});
+            let bytes = body.to_string().into_bytes();
+            let chat = match parse_body(PATH, &bytes).unwrap().prompt {
+                PromptInput::Chat(c) => c,
+                _ => unreachable!("a chat body"),
+            };
+            let ids = tok.encode_chat(&chat).unwrap();
+            if ids.len() >= TARGET_TOKENS {
+                return (bytes, ids);
+            }
+        }
+    }
+    unreachable!()
+}
+
+/// A gateway with the Qwen tokenizer and 8 ready pods; `pod-3` holds every block of `ids` but the
+/// last turn's (the earlier turns were seen before), the others hold unrelated blocks.
+fn gateway(rt: &tokio::runtime::Runtime, ids: &[u32]) -> Arc<Gateway> {
+    let config = PickerConfig::from_yaml(&format!(
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+         models: [{{name: {MODEL}, tokenizer: {}}}]\n",
+        tokenizer_dir().display()
+    ))
+    .unwrap();
+    let gw = Arc::new(Gateway::new(&config).unwrap());
+    let model = gw.models.resolve(MODEL).unwrap().clone();
+    let mut blocks = Vec::new();
+    model.hasher.hash_prompt(ids, &mut blocks);
+    let seen = blocks.len() * 7 / 8;
+    rt.block_on(async {
+        for p in 0..8u64 {
+            let pod = format!("pod-{p}");
+            let info = PodInfo {
+                pod: pod.clone(),
+                endpoint: format!("10.0.0.{p}:8000"),
+                model: MODEL.into(),
+                block_size: 16,
+                annotations: Default::default(),
+            };
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+            let stats = PodStats {
+                observed_at_unix_ms: now,
+                health_score: 1.0,
+                ready: true,
+                gpu_utilization: 0.1 * p as f64,
+                ..Default::default()
+            };
+            let held: Vec<BlockHash> = if p == 3 {
+                blocks[..seen].to_vec()
+            } else {
+                (0..2000u64).map(|i| BlockHash((p << 40 | i).wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect()
+            };
+            let u = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats), blocks: held };
+            gw.pool.update(u).await.unwrap();
+        }
+        gw.pool.sync().await.unwrap();
+    });
+    gw
+}
+
+fn percentiles(name: &str, mut samples: Vec<Duration>) {
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize].as_secs_f64() * 1e6;
+    println!("{name:<28} n={:<5} p50 {:>9.1} µs  p99 {:>9.1} µs", samples.len(), at(0.50), at(0.99));
+}
+
+fn time<R>(n: usize, mut f: impl FnMut() -> R) -> Vec<Duration> {
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            black_box(f());
+            t.elapsed()
+        })
+        .collect()
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let warm = ModelTokenizer::from_dir(&tokenizer_dir()).unwrap();
+    let (body, ids) = chat_body(&warm);
+    let gw = gateway(&rt, &ids);
+    let model = gw.models.resolve(MODEL).unwrap().clone();
+    let tok = model.tokenizer.clone().unwrap();
+    let cold = ModelTokenizer::from_dir_with(
+        &tokenizer_dir(),
+        TokenizerOptions { segment_cache: SegmentCacheConfig { max_bytes: 0, ..Default::default() } },
+    )
+    .unwrap();
+    let chat = match parse_body(PATH, &body).unwrap().prompt {
+        PromptInput::Chat(c) => c,
+        _ => unreachable!("a chat body"),
+    };
+    assert_eq!(tok.encode_chat(&chat).unwrap(), ids, "segment-cached ids differ from whole-text ids");
+    assert_eq!(cold.encode_chat(&chat).unwrap(), ids);
+    let rendered = tok.render_chat(&chat).unwrap();
+    let mut hashes = Vec::with_capacity(ids.len() / 16);
+    model.hasher.hash_prompt(&ids, &mut hashes);
+    let route_req = RouteRequest { model: &model.target_model, adapter: None, block_hashes: &hashes, subset: None };
+    let d = gw.router.route(&route_req).unwrap();
+    println!(
+        "request: {} body bytes, {} tokens, {} blocks; chosen {} with {} matched blocks",
+        body.len(),
+        ids.len(),
+        hashes.len(),
+        d.pod,
+        d.matched_blocks
+    );
+    drop(d);
+    let input = DecisionInput { request_id: "bench", path: PATH, body: Some(&body), subset: None };
+
+    let mut c = Criterion::default().configure_from_args().sample_size(50).measurement_time(Duration::from_secs(3));
+    let mut g = c.benchmark_group("decision_4096_token_chat");
+    g.bench_function("full_decide", |b| b.iter(|| decide(&gw, black_box(&input)).unwrap()));
+    g.bench_function("1_parse_body", |b| b.iter(|| parse_body(PATH, black_box(&body)).unwrap()));
+    g.bench_function("2_render_template", |b| b.iter(|| tok.render_chat(black_box(&chat)).unwrap()));
+    g.bench_function("3_template_and_tokenize_warm", |b| b.iter(|| tok.encode_chat(black_box(&chat)).unwrap()));
+    g.bench_function("4_hash_blocks", |b| {
+        let mut out = Vec::with_capacity(hashes.len());
+        b.iter(|| model.hasher.hash_prompt(black_box(&ids), &mut out))
+    });
+    g.bench_function("5_lookup_and_score", |b| b.iter(|| gw.router.route(black_box(&route_req)).unwrap()));
+    g.sample_size(10);
+    g.bench_function("3c_template_and_tokenize_cold", |b| b.iter(|| cold.encode_chat(black_box(&chat)).unwrap()));
+    g.finish();
+
+    println!("\npercentiles (timed one by one, same process):");
+    let n = 2000;
+    percentiles("full_decide", time(n, || decide(&gw, &input).unwrap()));
+    percentiles("1_parse_body", time(n, || parse_body(PATH, &body).unwrap()));
+    percentiles("2_render_template", time(n, || tok.render_chat(&chat).unwrap()));
+    percentiles("3_template+tokenize_warm", time(n, || tok.encode_chat(&chat).unwrap()));
+    let mut out = Vec::with_capacity(hashes.len());
+    percentiles("4_hash_blocks", time(n, || model.hasher.hash_prompt(&ids, &mut out)));
+    percentiles("5_lookup_and_score", time(n, || gw.router.route(&route_req).unwrap()));
+    percentiles("3c_template+tokenize_cold", time(50, || cold.encode_chat(&chat).unwrap()));
+    black_box(rendered);
+    c.final_summary();
+}
