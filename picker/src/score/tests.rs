@@ -9,7 +9,7 @@ use super::{PodFacts, RouteError, RouteRequest, Router, ScoreContext, ScoringCon
 use crate::pool::tests::{chain, put, stats};
 use crate::pool::{Pool, PoolConfig};
 
-fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -> PodFacts<'_> {
+pub(super) fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -> PodFacts<'_> {
     PodFacts {
         name: "p",
         endpoint: "p:1",
@@ -20,10 +20,12 @@ fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -
         health_reason: "",
         kv_cache_usage: 0.0,
         running_adapters: adapters,
+        cost_per_hour: None,
+        annotations: &[],
     }
 }
 
-fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
+pub(super) fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
     let pool = Pool::new(PoolConfig::default());
     let r = Router::new(pool.clone(), config);
     assert!(r.is_ok());
@@ -31,7 +33,7 @@ fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
     (pool, r)
 }
 
-fn req<'a>(blocks: &'a [kvroute_common::BlockHash]) -> RouteRequest<'a> {
+pub(super) fn req<'a>(blocks: &'a [kvroute_common::BlockHash]) -> RouteRequest<'a> {
     RouteRequest { model: "m", adapter: None, block_hashes: blocks, subset: None }
 }
 
