@@ -34,7 +34,7 @@ pub use cost::{COST_ANNOTATION, CostAwareScorer};
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
 pub use queue::QueueDepthScorer;
-pub use router::{InFlightSlot, Router};
+pub use router::{InFlightSlot, ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
 
@@ -299,7 +299,8 @@ pub struct Decision {
     pub matched_blocks: u32,
     /// Full blocks in the request.
     pub total_blocks: u32,
-    /// Every candidate, best first (the chosen pod first).
+    /// Every candidate: the chosen pod first, then the next best in selection order up to
+    /// [`ORDERED_CANDIDATES`] in all, then the rest unordered.
     pub candidates: Vec<CandidateScore>,
     /// The in-flight reservation: keep it for the life of the request.
     pub slot: InFlightSlot,

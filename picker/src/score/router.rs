@@ -169,7 +169,7 @@ impl Router {
             block_size,
         };
         let best = scored.candidates[choice].clone();
-        let candidates = sort_best_first(scored.candidates, &scored.ranked, choice);
+        let candidates = sort_best_first(scored.candidates, &scored.ranked, choice, ORDERED_CANDIDATES);
         trace!(pod = %best.pod, score = best.score, matched = best.matched_blocks, total_blocks, "routed");
         Ok(Decision {
             pod: best.pod,
@@ -199,7 +199,7 @@ impl Router {
                 excluded.extend(spilled.into_iter().map(|(n, why)| (n.to_string(), why.to_string())));
                 let choice_name = scored.choice.map(|c| scored.candidates[c].pod.clone());
                 let candidates = match scored.choice {
-                    Some(c) => sort_best_first(scored.candidates, &scored.ranked, c),
+                    Some(c) => sort_best_first(scored.candidates, &scored.ranked, c, usize::MAX),
                     None => scored.candidates,
                 };
                 Explanation { candidates, excluded, choice: choice_name }
@@ -393,10 +393,30 @@ fn clamp_factor(v: f64) -> f64 {
     if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) }
 }
 
-/// Candidates sorted best first by the selection order, with `choice` first.
-fn sort_best_first(candidates: Vec<CandidateScore>, ranked: &[Ranked], choice: usize) -> Vec<CandidateScore> {
+/// How many candidates a routing [`Decision`] lists in selection order (the rest follow
+/// unordered): sorting all of a 1000-pod fleet on every request costs more than scoring it.
+pub const ORDERED_CANDIDATES: usize = 16;
+
+/// Candidates with `choice` first, then the best `ordered − 1` others in selection order, then
+/// the rest in no particular order (`usize::MAX`: all ordered).
+fn sort_best_first(
+    candidates: Vec<CandidateScore>,
+    ranked: &[Ranked],
+    choice: usize,
+    ordered: usize,
+) -> Vec<CandidateScore> {
     let mut order: Vec<usize> = (0..candidates.len()).filter(|i| *i != choice).collect();
-    order.sort_by(|a, b| select::better(&ranked[*a], &ranked[*b]));
+    let cmp = |a: &usize, b: &usize| select::better(&ranked[*a], &ranked[*b]);
+    let k = ordered.saturating_sub(1);
+    if k < order.len() {
+        if k > 0 {
+            order.select_nth_unstable_by(k - 1, cmp);
+            order[..k].sort_unstable_by(cmp);
+        }
+    } else {
+        // Keys are unique (the random tie key decides last), so unstable is deterministic.
+        order.sort_unstable_by(cmp);
+    }
     let mut slots: Vec<Option<CandidateScore>> = candidates.into_iter().map(Some).collect();
     std::iter::once(choice).chain(order).filter_map(|i| slots.get_mut(i).and_then(Option::take)).collect()
 }

@@ -297,3 +297,18 @@ fn config_parses_with_defaults_and_rejects_unknown_fields() {
     let c: Result<ScoringConfig, _> = serde_norway::from_str("max_queu: 10");
     assert!(c.is_err());
 }
+
+#[tokio::test]
+async fn decision_lists_every_candidate_with_the_best_sixteen_in_order() {
+    let (pool, r) = router(ScoringConfig { max_queue: 1000, ..ScoringConfig::default() });
+    for k in 0..40u32 {
+        put(&pool, &format!("p{k}"), "m", stats(f64::from((k * 17) % 40) / 40.0, 0, 1.0), &[]).await;
+    }
+    let Ok(d) = r.route(&req(&[])) else { panic!() };
+    assert_eq!(d.candidates.len(), 40);
+    let n = super::ORDERED_CANDIDATES;
+    assert!(d.candidates[..n].windows(2).all(|w| w[0].score > w[1].score), "{:?}", &d.candidates[..n]);
+    assert!(d.candidates[n..].iter().all(|c| c.score < d.candidates[n - 1].score));
+    let e = r.explain(&req(&[]));
+    assert!(e.candidates.windows(2).all(|w| w[0].score > w[1].score), "explain orders all");
+}
