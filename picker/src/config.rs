@@ -19,6 +19,11 @@
 //!     tokenizer: tests/fixtures/tokenizer-qwen2.5   # dir; relative to the config file's dir
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
+//! # or a preset (README "Tuning guide") with overrides and custom scorers:
+//! # scoring:
+//! #   preset: latency-api
+//! #   weights: {cache: 0.40, load: 0.15, queue: 0.25, health: 0.05, adapter: 0.05}
+//! #   custom: [{scorer: cost, weight: 0.10, margin: 0.20}]
 //! ```
 //!
 //! Concurrency: built once at start-up, then shared read-only.
@@ -29,7 +34,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::score::{ScoringConfig, Weights};
+use crate::score::{CustomScorerConfig, ScoringConfig, ScoringConfigError, Weights};
 
 /// Errors from reading or validating the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -127,10 +132,16 @@ impl ModelConfig {
     }
 }
 
-/// The `scoring:` section. Each absent field takes `ScoringConfig::default()`'s value.
+/// The `scoring:` section: an optional preset, then per-field overrides. Each absent field takes
+/// the preset's value, or `ScoringConfig::default()`'s (the `chatbot` preset) without one. Mirrors
+/// [`ScoringConfig`] field for field (plus `preset`).
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScoringSection {
+    /// Named preset (SPEC §4, seed §13): `chatbot`, `latency-api`, `batch`, `multi-lora`.
+    /// Default none (= `chatbot`).
+    #[serde(default)]
+    pub preset: Option<String>,
     /// Factor weights, each in [0,1], summing to 1 (default 0.60/0.20/0.10/0.05/0.05).
     #[serde(default)]
     pub weights: Option<Weights>,
@@ -149,12 +160,33 @@ pub struct ScoringSection {
     /// Seed of the tie-break random choice. Default 0.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// Custom scorers with their weights, e.g. `[{scorer: cost, weight: 0.15, margin: 0.20}]`;
+    /// the built-in weights must leave room for them (sum 1.0). Default none.
+    #[serde(default)]
+    pub custom: Option<Vec<CustomScorerConfig>>,
 }
 
 impl ScoringSection {
-    /// The section applied over the defaults.
+    /// The section applied over its preset (or the defaults); fails on an unknown preset.
+    pub fn resolve(&self) -> Result<ScoringConfig, ScoringConfigError> {
+        let base = match &self.preset {
+            None => ScoringConfig::default(),
+            Some(name) => ScoringConfig::preset(name).ok_or_else(|| ScoringConfigError::UnknownPreset(name.clone()))?,
+        };
+        Ok(self.apply(base))
+    }
+
+    /// The section applied over its preset or the defaults. An unknown preset (which
+    /// [`PickerConfig::validate`] refuses) falls back to the defaults here.
     pub fn to_scoring_config(&self) -> ScoringConfig {
-        let mut c = ScoringConfig::default();
+        self.resolve().unwrap_or_else(|_| self.apply(ScoringConfig::default()))
+    }
+
+    fn apply(&self, base: ScoringConfig) -> ScoringConfig {
+        let mut c = base;
+        if let Some(v) = &self.custom {
+            c.custom.clone_from(v);
+        }
         if let Some(w) = &self.weights {
             c.weights = *w;
         }
@@ -262,7 +294,7 @@ impl PickerConfig {
                 )));
             }
         }
-        self.scoring.to_scoring_config().validate().map_err(|e| ConfigError::Invalid(format!("scoring: {e}")))?;
+        self.scoring.resolve().and_then(|c| c.validate()).map_err(|e| ConfigError::Invalid(format!("scoring: {e}")))?;
         Ok(())
     }
 }
@@ -325,6 +357,28 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         .unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("scoring"), "{err}");
+    }
+
+    #[test]
+    fn preset_custom_scorer_and_overrides() {
+        let c = PickerConfig::from_yaml(
+            "scoring: {preset: latency-api, seed: 7,\n  \
+             weights: {cache: 0.40, load: 0.15, queue: 0.25, health: 0.05, adapter: 0.05},\n  \
+             custom: [{scorer: cost, weight: 0.10}]}",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let s = c.scoring.to_scoring_config();
+        assert_eq!((s.max_queue, s.seed), (10, 7), "preset's maxQueue, own seed");
+        assert_eq!(s.custom, vec![CustomScorerConfig::Cost { weight: 0.10, margin: 0.20 }]);
+        // A custom weight on top of full built-in weights breaks the sum rule, naming it.
+        let c = PickerConfig::from_yaml("scoring: {custom: [{scorer: cost, weight: 0.15, margin: 0.1}]}").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cost=0.15") && err.contains("sum 1.15"), "{err}");
+        let c = PickerConfig::from_yaml("scoring: {preset: fastest}").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("fastest"));
+        assert!(PickerConfig::from_yaml("scoring: {custom: [{scorer: cost, weight: 0.1, bogus: 1}]}").is_err());
+        assert!(PickerConfig::from_yaml("scoring: {custom: [{scorer: nope, weight: 0.1}]}").is_err());
     }
 
     #[test]

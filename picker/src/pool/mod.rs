@@ -108,6 +108,26 @@ pub(crate) struct PodStatus {
     /// When the agent stream ended (monotonic), if disconnected.
     pub(crate) disconnected_at: Option<Instant>,
     pub(crate) seq: u64,
+    /// Operator annotations from `PodInfo`, sorted by key (for custom scorers).
+    pub(crate) annotations: Vec<(String, String)>,
+    /// `kvroute.io/cost-per-hour` parsed ($/hour, finite and > 0), if present and valid.
+    pub(crate) cost_per_hour: Option<f64>,
+}
+
+/// The sorted annotations of `info` and its parsed price (seed §12 cost awareness). An invalid
+/// price is logged and ignored (the pod then counts as unpriced).
+pub(crate) fn annotations_of(info: &PodInfo) -> (Vec<(String, String)>, Option<f64>) {
+    let mut annotations: Vec<(String, String)> = info.annotations.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    annotations.sort();
+    let cost = info.annotations.get(crate::score::COST_ANNOTATION).and_then(|v| match v.trim().parse::<f64>() {
+        Ok(c) if c.is_finite() && c > 0.0 => Some(c),
+        _ => {
+            tracing::warn!(pod = %info.pod, value = %v, annotation = crate::score::COST_ANNOTATION,
+                "pod price is not a positive number of $/hour: ignored");
+            None
+        }
+    });
+    (annotations, cost)
 }
 
 /// A live pod: immutable identity plus the cells readers load.
@@ -167,6 +187,8 @@ pub struct PodView {
     pub running_adapters: Vec<String>,
     /// Blocks the pod holds in the index.
     pub blocks: u64,
+    /// Price in $/hour from the `kvroute.io/cost-per-hour` annotation, if valid.
+    pub cost_per_hour: Option<f64>,
 }
 
 /// Wall clock in ms since the Unix epoch (0 if the clock is before 1970).
@@ -235,6 +257,7 @@ impl Pool {
                     kv_cache_usage: stats.kv_cache_usage,
                     running_adapters: stats.running_adapters,
                     blocks: rec.blocks.load(Ordering::Relaxed),
+                    cost_per_hour: st.cost_per_hour,
                 }
             })
             .collect()

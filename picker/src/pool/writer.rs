@@ -154,6 +154,7 @@ impl Writer {
                 p.status.endpoint.clone_from(&info.endpoint);
                 p.status.model.clone_from(&info.model);
                 p.status.block_size = info.block_size;
+                (p.status.annotations, p.status.cost_per_hour) = super::annotations_of(info);
                 p.status.connected = true;
                 p.status.disconnected_at = None;
                 p.owner = stream;
@@ -165,7 +166,10 @@ impl Writer {
             error!(pod = %info.pod, "pool full (65536 pods): pod ignored");
             return None;
         };
+        let (annotations, cost_per_hour) = super::annotations_of(info);
         let status = PodStatus {
+            annotations,
+            cost_per_hour,
             endpoint: info.endpoint.clone(),
             model: info.model.clone(),
             block_size: info.block_size,

@@ -1,7 +1,7 @@
 //! Health factor (SPEC §4, §7; seed §2): the agent's continuous health score in [0,1]. Pods below
 //! the exclusion threshold never reach a scorer (see `filter`).
 
-use super::{PodFacts, ScoreContext, Scorer};
+use super::{PodFacts, Prepared, ScoreContext, Scorer};
 
 /// Shifts traffic gradually away from degraded pods.
 #[derive(Debug, Default, Clone, Copy)]
@@ -12,11 +12,11 @@ impl Scorer for HealthScorer {
         "health"
     }
 
-    fn score(&self, _ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> f64 {
+    fn score(&self, _ctx: &ScoreContext<'_>, _prep: &Prepared, pod: &PodFacts<'_>) -> f64 {
         if pod.health_score.is_nan() { 0.0 } else { pod.health_score.clamp(0.0, 1.0) }
     }
 
-    fn explain(&self, _ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> String {
+    fn explain(&self, _ctx: &ScoreContext<'_>, _prep: &Prepared, pod: &PodFacts<'_>) -> String {
         if pod.health_reason.is_empty() {
             format!("health {:.2}", pod.health_score)
         } else {

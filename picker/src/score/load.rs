@@ -1,7 +1,7 @@
 //! Load factor (SPEC §4; seed §2): `1 − loadRatio`, loadRatio = GPU utilization /
 //! `max_utilization`, clamped to [0,1].
 
-use super::{PodFacts, ScoreContext, Scorer};
+use super::{PodFacts, Prepared, ScoreContext, Scorer};
 
 /// Prefers pods with idle GPUs.
 #[derive(Debug, Default, Clone, Copy)]
@@ -18,11 +18,11 @@ impl Scorer for LoadScorer {
         "load"
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> f64 {
+    fn score(&self, ctx: &ScoreContext<'_>, _prep: &Prepared, pod: &PodFacts<'_>) -> f64 {
         1.0 - load_ratio(pod.gpu_utilization, ctx.config.max_utilization)
     }
 
-    fn explain(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> String {
+    fn explain(&self, ctx: &ScoreContext<'_>, _prep: &Prepared, pod: &PodFacts<'_>) -> String {
         format!("gpu {:.0}% of {:.0}%", pod.gpu_utilization * 100.0, ctx.config.max_utilization * 100.0)
     }
 }

@@ -9,11 +9,18 @@
 //! (microseconds), so concurrent decisions see each other's reservations (SPEC §4). A decision's
 //! [`InFlightSlot`] releases the reservation when dropped.
 //!
-//! Invariants: weights each in [0,1] and summing to 1 (checked by [`ScoringConfig::validate`] and
-//! [`Router::new`]), every factor in [0,1], hence S in [0,1].
+//! Custom scorers (seed §12) add terms `w_i·factor_i` to S. They register with their weight:
+//! from config (`scoring.custom`, e.g. the shipped [`CostAwareScorer`]) or in code through
+//! [`Router::with_scorers`]. The sum rule covers every registered scorer: the built-in weights
+//! plus the custom ones must sum to 1.0, and names must be unique.
+//!
+//! Invariants: weights each in [0,1], names unique, summing to 1 (checked by
+//! [`ScoringConfig::validate`] and [`Router::new`] / [`Router::with_scorers`]), every factor in
+//! [0,1] (clamped; NaN counts 0), hence S in [0,1].
 
 mod adapter;
 mod cache;
+mod cost;
 mod filter;
 mod health;
 mod load;
@@ -23,10 +30,11 @@ mod select;
 
 pub use adapter::AdapterAffinityScorer;
 pub use cache::PrefixCacheScorer;
+pub use cost::{COST_ANNOTATION, CostAwareScorer};
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
 pub use queue::QueueDepthScorer;
-pub use router::{InFlightSlot, Router};
+pub use router::{InFlightSlot, ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
 
@@ -83,6 +91,52 @@ pub struct ScoringConfig {
     pub shed_when_saturated: bool,
     /// Seed of the random tie-break. Default 0.
     pub seed: u64,
+    /// Custom scorers from config, each with its weight (seed §12). Default none.
+    pub custom: Vec<CustomScorerConfig>,
+}
+
+/// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "scorer", rename_all = "kebab-case", deny_unknown_fields)]
+#[non_exhaustive]
+pub enum CustomScorerConfig {
+    /// [`CostAwareScorer`]: prefer cheaper pods (annotation `kvroute.io/cost-per-hour`, $/hour)
+    /// among those whose cacheMatchRatio is within `margin` of the best candidate's.
+    Cost {
+        /// Weight in S, in [0,1].
+        weight: f64,
+        /// Cache-match gap (fraction, in [0,1]) under which the cheaper pod is preferred.
+        /// Default 0.20 (seed §12).
+        #[serde(default = "default_cost_margin")]
+        margin: f64,
+    },
+}
+
+fn default_cost_margin() -> f64 {
+    cost::DEFAULT_MARGIN
+}
+
+impl CustomScorerConfig {
+    /// The scorer's name (as in explanations and validation messages).
+    pub fn name(&self) -> &'static str {
+        match self {
+            CustomScorerConfig::Cost { .. } => "cost",
+        }
+    }
+
+    /// Its weight in S.
+    pub fn weight(&self) -> f64 {
+        match self {
+            CustomScorerConfig::Cost { weight, .. } => *weight,
+        }
+    }
+
+    /// Builds the scorer.
+    pub fn build(&self) -> Box<dyn Scorer> {
+        match self {
+            CustomScorerConfig::Cost { margin, .. } => Box::new(CostAwareScorer { margin: *margin }),
+        }
+    }
 }
 
 impl Default for ScoringConfig {
@@ -94,6 +148,7 @@ impl Default for ScoringConfig {
             health_exclusion_threshold: 0.3,
             shed_when_saturated: false,
             seed: 0,
+            custom: Vec::new(),
         }
     }
 }
@@ -116,16 +171,23 @@ impl ScoringConfig {
         })
     }
 
-    /// Checks weights (each in [0,1], sum 1.0 ± 1e-6), `max_queue ≥ 1`, `max_utilization` in
-    /// (0,1] and the threshold in [0,1].
+    /// Every registered weight as `(name, weight)`: the five built-ins, then `custom` in order.
+    pub fn named_weights(&self) -> Vec<(&'static str, f64)> {
+        let mut named = self.weights.named().to_vec();
+        named.extend(self.custom.iter().map(|c| (c.name(), c.weight())));
+        named
+    }
+
+    /// Checks weights ([`validate_weights`] over [`ScoringConfig::named_weights`]),
+    /// `max_queue ≥ 1`, `max_utilization` in (0,1], the threshold in [0,1] and custom scorers'
+    /// own settings.
     pub fn validate(&self) -> Result<(), ScoringConfigError> {
-        let named = self.weights.named();
-        let sum: f64 = named.iter().map(|(_, w)| w).sum();
-        let each_ok = named.iter().all(|(_, w)| w.is_finite() && (0.0..=1.0).contains(w));
-        if !each_ok || !sum.is_finite() || (sum - 1.0).abs() > 1e-6 {
-            let list = named.iter().map(|(n, w)| format!("{n}={w}")).collect::<Vec<_>>().join(", ");
-            return Err(ScoringConfigError::Weights { weights: list, sum });
-        }
+        validate_weights(&self.named_weights())?;
+        self.validate_settings()
+    }
+
+    /// Everything [`ScoringConfig::validate`] checks except the weights.
+    pub(crate) fn validate_settings(&self) -> Result<(), ScoringConfigError> {
         if self.max_queue == 0 {
             return Err(ScoringConfigError::MaxQueue);
         }
@@ -135,8 +197,36 @@ impl ScoringConfig {
         if !(0.0..=1.0).contains(&self.health_exclusion_threshold) {
             return Err(ScoringConfigError::HealthThreshold(self.health_exclusion_threshold));
         }
+        for c in &self.custom {
+            match c {
+                CustomScorerConfig::Cost { margin, .. } if !(0.0..=1.0).contains(margin) => {
+                    return Err(ScoringConfigError::CustomSetting {
+                        scorer: c.name(),
+                        message: format!("margin must be in [0, 1] (a cacheMatchRatio gap), got {margin}"),
+                    });
+                }
+                CustomScorerConfig::Cost { .. } => {}
+            }
+        }
         Ok(())
     }
+}
+
+/// The registration rule (SPEC §4; seed §12): every weight finite and in [0,1], names unique, and
+/// the sum 1.0 within 1e-6. The error names every weight and the sum.
+pub fn validate_weights<N: AsRef<str>>(named: &[(N, f64)]) -> Result<(), ScoringConfigError> {
+    let list = || named.iter().map(|(n, w)| format!("{}={w}", n.as_ref())).collect::<Vec<_>>().join(", ");
+    for (i, (n, _)) in named.iter().enumerate() {
+        if named[..i].iter().any(|(m, _)| m.as_ref() == n.as_ref()) {
+            return Err(ScoringConfigError::DuplicateScorer { name: n.as_ref().to_string(), weights: list() });
+        }
+    }
+    let sum: f64 = named.iter().map(|(_, w)| w).sum();
+    let each_ok = named.iter().all(|(_, w)| w.is_finite() && (0.0..=1.0).contains(w));
+    if !each_ok || !sum.is_finite() || (sum - 1.0).abs() > 1e-6 {
+        return Err(ScoringConfigError::Weights { weights: list(), sum });
+    }
+    Ok(())
 }
 
 /// Invalid scoring configuration.
@@ -160,6 +250,25 @@ pub enum ScoringConfigError {
     /// Threshold outside [0,1].
     #[error("scoring.health_exclusion_threshold must be in [0, 1], got {0}")]
     HealthThreshold(f64),
+    /// Two scorers registered under one name.
+    #[error("scorer '{name}' is registered twice ({weights}): scorer names must be unique")]
+    DuplicateScorer {
+        /// The repeated name.
+        name: String,
+        /// Every weight as `name=value`.
+        weights: String,
+    },
+    /// A custom scorer's own setting is out of range.
+    #[error("scoring.custom[{scorer}]: {message}")]
+    CustomSetting {
+        /// The scorer's name.
+        scorer: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// `preset` names no preset.
+    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora")]
+    UnknownPreset(String),
 }
 
 /// One routing question.
@@ -190,7 +299,8 @@ pub struct Decision {
     pub matched_blocks: u32,
     /// Full blocks in the request.
     pub total_blocks: u32,
-    /// Every candidate, best first (the chosen pod first).
+    /// Every candidate: the chosen pod first, then the next best in selection order up to
+    /// [`ORDERED_CANDIDATES`] in all, then the rest unordered.
     pub candidates: Vec<CandidateScore>,
     /// The in-flight reservation: keep it for the life of the request.
     pub slot: InFlightSlot,
@@ -215,6 +325,9 @@ pub struct CandidateScore {
     pub health: f64,
     /// adapterMatch.
     pub adapter: f64,
+    /// Custom scorers' factors `(name, factor)` in registration order (empty without any).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub custom: Vec<(&'static str, f64)>,
     /// Consecutive matched blocks from the start.
     pub matched_blocks: u32,
 }
@@ -269,6 +382,11 @@ pub struct PodFacts<'a> {
     pub kv_cache_usage: f64,
     /// LoRA adapters running on the pod.
     pub running_adapters: &'a [String],
+    /// Price of the pod in $/hour, from its `kvroute.io/cost-per-hour` annotation (`None` when
+    /// absent or invalid).
+    pub cost_per_hour: Option<f64>,
+    /// The pod's operator annotations `(key, value)`, sorted by key, for custom scorers.
+    pub annotations: &'a [(String, String)],
 }
 
 /// The request context every scorer sees, including every candidate's match result.
@@ -284,18 +402,31 @@ pub struct ScoreContext<'a> {
     pub candidates: &'a [PodFacts<'a>],
 }
 
-/// A scoring factor: request context + pod state → score in [0,1]. Implementations must return a
-/// value in [0,1] for every input (NaN-free), and must not allocate in `score` (hot path).
+/// What a scorer derives once per decision from the whole candidate set before scoring each pod
+/// (e.g. the best match ratio among candidates), so per-pod scoring stays O(1). Four numbers,
+/// meaning private to the scorer; `Copy`, no allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Prepared(pub [f64; 4]);
+
+/// A scoring factor (seed §12): request context + pod state → score in [0,1] + explanation.
+/// Implementations must return a value in [0,1] for every input (the router clamps, and counts
+/// NaN as 0, anyway) and must not allocate in `prepare` or `score` (hot path).
 pub trait Scorer: Send + Sync + std::fmt::Debug {
-    /// Short name, as used in config weights and explanations.
+    /// Short name, as used in config weights and explanations; unique among registered scorers.
     fn name(&self) -> &'static str;
-    /// The factor in [0,1].
-    fn score(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> f64;
+    /// Once per decision, over every candidate (`ctx.candidates`). Default: nothing.
+    fn prepare(&self, _ctx: &ScoreContext<'_>) -> Prepared {
+        Prepared::default()
+    }
+    /// The factor in [0,1]; `prep` is what [`Scorer::prepare`] returned for this decision.
+    fn score(&self, ctx: &ScoreContext<'_>, prep: &Prepared, pod: &PodFacts<'_>) -> f64;
     /// A short human explanation of the factor for this pod (explain endpoint, DEBUG logs).
-    fn explain(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> String {
-        format!("{:.3}", self.score(ctx, pod))
+    fn explain(&self, ctx: &ScoreContext<'_>, prep: &Prepared, pod: &PodFacts<'_>) -> String {
+        format!("{:.3}", self.score(ctx, prep, pod))
     }
 }
 
+#[cfg(test)]
+mod seed_tests;
 #[cfg(test)]
 mod tests;

@@ -18,8 +18,8 @@ use super::filter::{self, Exclusion, Spill};
 use super::select::{self, Ranked};
 use super::{
     AdapterAffinityScorer, CandidateScore, Decision, Explanation, HealthScorer, LoadScorer, PodFacts,
-    PrefixCacheScorer, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer, ScoringConfig,
-    ScoringConfigError, load_ratio,
+    PrefixCacheScorer, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer, ScoringConfig,
+    ScoringConfigError, load_ratio, validate_weights,
 };
 use crate::index::MatchScratch;
 use crate::pool::{PodRecord, PodStatus, Pool, now_unix_ms};
@@ -33,7 +33,7 @@ thread_local! {
 pub struct Router {
     pool: Arc<Pool>,
     config: ScoringConfig,
-    /// The five built-ins, in `Weights::named` order, with their weights.
+    /// The five built-ins, in `Weights::named` order, then the custom scorers, with weights.
     scorers: Vec<(Box<dyn Scorer>, f64)>,
     /// Decisions made; mixed with the seed for the random tie-break.
     decisions: AtomicU64,
@@ -95,18 +95,40 @@ struct Scored {
 }
 
 impl Router {
-    /// A router over `pool` with the five built-in scorers. Fails when `config` is invalid.
+    /// A router over `pool` with the five built-in scorers and the custom scorers of
+    /// `config.custom`. Fails when `config` is invalid.
     pub fn new(pool: Arc<Pool>, config: ScoringConfig) -> Result<Router, ScoringConfigError> {
-        config.validate()?;
+        Router::with_scorers(pool, config, Vec::new())
+    }
+
+    /// Like [`Router::new`], plus `extra` custom scorers registered in code with their weights
+    /// (seed §12). The sum rule covers all of them: built-in + `config.custom` + `extra` weights
+    /// must sum to 1.0 (±1e-6), each in [0,1], names unique; otherwise the error names every
+    /// weight and the sum.
+    pub fn with_scorers(
+        pool: Arc<Pool>,
+        config: ScoringConfig,
+        extra: Vec<(Box<dyn Scorer>, f64)>,
+    ) -> Result<Router, ScoringConfigError> {
+        config.validate_settings()?;
         let w = config.weights;
-        let scorers: Vec<(Box<dyn Scorer>, f64)> = vec![
+        let mut scorers: Vec<(Box<dyn Scorer>, f64)> = vec![
             (Box::new(PrefixCacheScorer), w.cache),
             (Box::new(LoadScorer), w.load),
             (Box::new(QueueDepthScorer), w.queue),
             (Box::new(HealthScorer), w.health),
             (Box::new(AdapterAffinityScorer), w.adapter),
         ];
+        scorers.extend(config.custom.iter().map(|c| (c.build(), c.weight())));
+        scorers.extend(extra);
+        let named: Vec<(&str, f64)> = scorers.iter().map(|(s, w)| (s.name(), *w)).collect();
+        validate_weights(&named)?;
         Ok(Router { pool, config, scorers, decisions: AtomicU64::new(0) })
+    }
+
+    /// Names and weights of every registered scorer, built-ins first.
+    pub fn weights(&self) -> Vec<(&'static str, f64)> {
+        self.scorers.iter().map(|(s, w)| (s.name(), *w)).collect()
     }
 
     /// The scoring settings in use.
@@ -147,7 +169,7 @@ impl Router {
             block_size,
         };
         let best = scored.candidates[choice].clone();
-        let candidates = sort_best_first(scored.candidates, &scored.ranked, choice);
+        let candidates = sort_best_first(scored.candidates, &scored.ranked, choice, ORDERED_CANDIDATES);
         trace!(pod = %best.pod, score = best.score, matched = best.matched_blocks, total_blocks, "routed");
         Ok(Decision {
             pod: best.pod,
@@ -177,7 +199,7 @@ impl Router {
                 excluded.extend(spilled.into_iter().map(|(n, why)| (n.to_string(), why.to_string())));
                 let choice_name = scored.choice.map(|c| scored.candidates[c].pod.clone());
                 let candidates = match scored.choice {
-                    Some(c) => sort_best_first(scored.candidates, &scored.ranked, c),
+                    Some(c) => sort_best_first(scored.candidates, &scored.ranked, c, usize::MAX),
                     None => scored.candidates,
                 };
                 Explanation { candidates, excluded, choice: choice_name }
@@ -233,19 +255,46 @@ impl Router {
         (pre, excluded, model_pods)
     }
 
-    /// Each built-in factor (unweighted, in [0,1]) and the composite S in [0,1] for `pod`.
-    pub fn composite(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> ([f64; 5], f64) {
-        let mut factors = [0.0f64; 5];
+    /// Every scorer's `prepare` for this decision, in registration order.
+    pub fn prepare(&self, ctx: &ScoreContext<'_>) -> Vec<Prepared> {
+        self.scorers.iter().map(|(s, _)| s.prepare(ctx)).collect()
+    }
+
+    /// Each factor (unweighted, in [0,1]; built-ins first, in `Weights::named` order, then the
+    /// custom ones) and the composite S in [0,1] for `pod`. Runs every scorer's `prepare` over
+    /// `ctx.candidates` first: for tests and tools; `route` prepares once per decision.
+    pub fn composite(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> (Vec<f64>, f64) {
+        let preps = self.prepare(ctx);
+        let mut factors = vec![0.0; self.scorers.len()];
+        let s = self.composite_into(ctx, &preps, pod, &mut factors);
+        (factors, s)
+    }
+
+    /// Per-scorer explanations for `pod`: `(name, weight, factor, text)`.
+    pub fn explain_factors(&self, ctx: &ScoreContext<'_>, pod: &PodFacts<'_>) -> Vec<(&'static str, f64, f64, String)> {
+        let preps = self.prepare(ctx);
+        self.scorers
+            .iter()
+            .zip(&preps)
+            .map(|((s, w), p)| (s.name(), *w, clamp_factor(s.score(ctx, p, pod)), s.explain(ctx, p, pod)))
+            .collect()
+    }
+
+    /// S for `pod`, writing each factor into `factors` (one slot per scorer).
+    fn composite_into(
+        &self,
+        ctx: &ScoreContext<'_>,
+        preps: &[Prepared],
+        pod: &PodFacts<'_>,
+        factors: &mut [f64],
+    ) -> f64 {
         let mut s = 0.0;
-        for (k, (scorer, w)) in self.scorers.iter().enumerate() {
-            let v = scorer.score(ctx, pod);
-            let v = if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) };
-            if let Some(slot) = factors.get_mut(k) {
-                *slot = v;
-            }
+        for (((scorer, w), prep), slot) in self.scorers.iter().zip(preps).zip(factors.iter_mut()) {
+            let v = clamp_factor(scorer.score(ctx, prep, pod));
+            *slot = v;
             s += w * v;
         }
-        (factors, s.clamp(0.0, 1.0))
+        s.clamp(0.0, 1.0)
     }
 
     /// Spill, factor scores, composite, choice. Call under the selection lock when reserving.
@@ -296,15 +345,25 @@ impl Router {
                     health_reason: stats.map_or("", |s| s.health_reason.as_str()),
                     kv_cache_usage: stats.map_or(0.0, |s| s.kv_cache_usage),
                     running_adapters: stats.map_or(&[], |s| s.running_adapters.as_slice()),
+                    cost_per_hour: p.status.cost_per_hour,
+                    annotations: &p.status.annotations,
                 }
             })
             .collect();
         let ctx = ScoreContext { adapter: req.adapter, total_blocks, config: &self.config, candidates: &facts };
         let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
+        let preps = self.prepare(&ctx);
+        let mut factors = vec![0.0; self.scorers.len()];
         let mut candidates = Vec::with_capacity(facts.len());
         let mut ranked = Vec::with_capacity(facts.len());
         for (i, f) in facts.iter().enumerate() {
-            let (factors, s) = self.composite(&ctx, f);
+            let s = self.composite_into(&ctx, &preps, f, &mut factors);
+            let custom = match factors.get(5..) {
+                Some(rest) if !rest.is_empty() => {
+                    self.scorers[5..].iter().zip(rest).map(|((sc, _), v)| (sc.name(), *v)).collect()
+                }
+                _ => Vec::new(),
+            };
             ranked.push(Ranked {
                 score: s,
                 load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),
@@ -320,6 +379,7 @@ impl Router {
                 queue: factors[2],
                 health: factors[3],
                 adapter: factors[4],
+                custom,
                 matched_blocks: f.matched_blocks,
             });
         }
@@ -328,10 +388,35 @@ impl Router {
     }
 }
 
-/// Candidates sorted best first by the selection order, with `choice` first.
-fn sort_best_first(candidates: Vec<CandidateScore>, ranked: &[Ranked], choice: usize) -> Vec<CandidateScore> {
+/// A factor clamped to [0,1], NaN → 0.
+fn clamp_factor(v: f64) -> f64 {
+    if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) }
+}
+
+/// How many candidates a routing [`Decision`] lists in selection order (the rest follow
+/// unordered): sorting all of a 1000-pod fleet on every request costs more than scoring it.
+pub const ORDERED_CANDIDATES: usize = 16;
+
+/// Candidates with `choice` first, then the best `ordered − 1` others in selection order, then
+/// the rest in no particular order (`usize::MAX`: all ordered).
+fn sort_best_first(
+    candidates: Vec<CandidateScore>,
+    ranked: &[Ranked],
+    choice: usize,
+    ordered: usize,
+) -> Vec<CandidateScore> {
     let mut order: Vec<usize> = (0..candidates.len()).filter(|i| *i != choice).collect();
-    order.sort_by(|a, b| select::better(&ranked[*a], &ranked[*b]));
+    let cmp = |a: &usize, b: &usize| select::better(&ranked[*a], &ranked[*b]);
+    let k = ordered.saturating_sub(1);
+    if k < order.len() {
+        if k > 0 {
+            order.select_nth_unstable_by(k - 1, cmp);
+            order[..k].sort_unstable_by(cmp);
+        }
+    } else {
+        // Keys are unique (the random tie key decides last), so unstable is deterministic.
+        order.sort_unstable_by(cmp);
+    }
     let mut slots: Vec<Option<CandidateScore>> = candidates.into_iter().map(Some).collect();
     std::iter::once(choice).chain(order).filter_map(|i| slots.get_mut(i).and_then(Option::take)).collect()
 }

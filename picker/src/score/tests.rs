@@ -9,7 +9,7 @@ use super::{PodFacts, RouteError, RouteRequest, Router, ScoreContext, ScoringCon
 use crate::pool::tests::{chain, put, stats};
 use crate::pool::{Pool, PoolConfig};
 
-fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -> PodFacts<'_> {
+pub(super) fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -> PodFacts<'_> {
     PodFacts {
         name: "p",
         endpoint: "p:1",
@@ -20,10 +20,12 @@ fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -
         health_reason: "",
         kv_cache_usage: 0.0,
         running_adapters: adapters,
+        cost_per_hour: None,
+        annotations: &[],
     }
 }
 
-fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
+pub(super) fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
     let pool = Pool::new(PoolConfig::default());
     let r = Router::new(pool.clone(), config);
     assert!(r.is_ok());
@@ -31,7 +33,7 @@ fn router(config: ScoringConfig) -> (Arc<Pool>, Router) {
     (pool, r)
 }
 
-fn req<'a>(blocks: &'a [kvroute_common::BlockHash]) -> RouteRequest<'a> {
+pub(super) fn req<'a>(blocks: &'a [kvroute_common::BlockHash]) -> RouteRequest<'a> {
     RouteRequest { model: "m", adapter: None, block_hashes: blocks, subset: None }
 }
 
@@ -294,4 +296,19 @@ fn config_parses_with_defaults_and_rejects_unknown_fields() {
     assert!(matches!(c, Ok(ref c) if c.max_queue == 10 && c.weights == Weights::default()), "{c:?}");
     let c: Result<ScoringConfig, _> = serde_norway::from_str("max_queu: 10");
     assert!(c.is_err());
+}
+
+#[tokio::test]
+async fn decision_lists_every_candidate_with_the_best_sixteen_in_order() {
+    let (pool, r) = router(ScoringConfig { max_queue: 1000, ..ScoringConfig::default() });
+    for k in 0..40u32 {
+        put(&pool, &format!("p{k}"), "m", stats(f64::from((k * 17) % 40) / 40.0, 0, 1.0), &[]).await;
+    }
+    let Ok(d) = r.route(&req(&[])) else { panic!() };
+    assert_eq!(d.candidates.len(), 40);
+    let n = super::ORDERED_CANDIDATES;
+    assert!(d.candidates[..n].windows(2).all(|w| w[0].score > w[1].score), "{:?}", &d.candidates[..n]);
+    assert!(d.candidates[n..].iter().all(|c| c.score < d.candidates[n - 1].score));
+    let e = r.explain(&req(&[]));
+    assert!(e.candidates.windows(2).all(|w| w[0].score > w[1].score), "explain orders all");
 }

@@ -1,0 +1,133 @@
+//! One routing decision (`Router::route`: 256-block prefix walk, filters, five scorers, choice,
+//! in-flight reservation and its release) over 64 and 1000 pods; SPEC §10 targets ≤ 5 µs / ≤ 50 µs
+//! for scoring. Baselines in the same run: the bare formula over the same pods' numbers in a flat
+//! array (`naive_formula`: the floor any scorer pays), and 64 pods vs 1000 (scaling).
+//!
+//! Fleet: every pod holds 2,000 blocks of its own; GPU load and queue depth vary by pod; all
+//! healthy. `route`: 8 pods hold the request's 256-block chain to staggered depths (one full hit),
+//! as when a prefix lives on a few replicas. `route_all_share`: every pod holds a staggered part of
+//! the chain (pod k the first `256·(k+1)/N` blocks): the prefix walk's worst case, since each of
+//! the 256 steps intersects with every pod. `route_no_prefix`: an empty chain (filters, scoring,
+//! choice and reservation only). Run: `cargo bench -p kvroute-picker --bench route`.
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kvroute_common::BlockHash;
+use kvroute_picker::pool::{Pool, PoolConfig, PoolUpdate};
+use kvroute_picker::score::{CustomScorerConfig, RouteRequest, Router, ScoringConfig, Weights};
+use kvroute_proto::agent::v1::{PodInfo, PodStats};
+
+const PREFIX_BLOCKS: u64 = 256;
+const OWN_BLOCKS: u64 = 2_000;
+
+fn block(x: u64) -> BlockHash {
+    BlockHash(x.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555)
+}
+
+fn gpu(k: usize) -> f64 {
+    (k % 10) as f64 / 10.0
+}
+
+fn queue(k: usize) -> u32 {
+    (k % 7) as u32
+}
+
+/// A pool of `n` pods as described in the module docs (`holders` of them share the chain), and
+/// the request chain.
+fn fleet(n: usize, holders: usize) -> (Arc<Pool>, Vec<BlockHash>) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+    let Ok(rt) = rt else { panic!("tokio runtime") };
+    let pool = Pool::new(PoolConfig::default());
+    let chain: Vec<BlockHash> = (0..PREFIX_BLOCKS).map(block).collect();
+    rt.block_on(async {
+        for k in 0..n {
+            let shared = if k < holders { (PREFIX_BLOCKS as usize * (k + 1) / holders) as u64 } else { 0 };
+            let mut blocks: Vec<BlockHash> = chain[..shared as usize].to_vec();
+            let base = 1_000_000 + k as u64 * OWN_BLOCKS;
+            blocks.extend((base..base + OWN_BLOCKS).map(block));
+            let info = PodInfo {
+                pod: format!("pod-{k}"),
+                endpoint: format!("10.0.{}.{}:8000", k / 250, k % 250),
+                model: "m".into(),
+                block_size: 16,
+                annotations: [("kvroute.io/cost-per-hour".to_string(), format!("{}", 0.5 + (k % 4) as f64))]
+                    .into_iter()
+                    .collect(),
+            };
+            let stats = PodStats {
+                observed_at_unix_ms: 0,
+                num_requests_waiting: queue(k),
+                gpu_utilization: gpu(k),
+                health_score: 1.0,
+                ready: true,
+                ..PodStats::default()
+            };
+            let u = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats), blocks };
+            if pool.update(u).await.is_err() {
+                panic!("pool writer gone");
+            }
+        }
+        if pool.sync().await.is_err() {
+            panic!("pool writer gone");
+        }
+    });
+    (pool, chain)
+}
+
+/// The formula alone over flat arrays (cache ratio, gpu, queue, health, adapter): the baseline.
+fn naive_formula(rows: &[[f64; 5]], max_queue: f64) -> usize {
+    let mut best = (f64::MIN, 0);
+    for (i, r) in rows.iter().enumerate() {
+        let s =
+            0.60 * r[0] + 0.20 * (1.0 - r[1]) + 0.10 * (1.0 - (r[2] / max_queue).min(1.0)) + 0.05 * r[3] + 0.05 * r[4];
+        if s > best.0 {
+            best = (s, i);
+        }
+    }
+    best.1
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision");
+    for n in [64usize, 1000] {
+        let (pool, chain) = fleet(n, 8);
+        let Ok(router) = Router::new(pool.clone(), ScoringConfig::default()) else { panic!("router") };
+        let rq = RouteRequest { model: "m", adapter: None, block_hashes: &chain, subset: None };
+        let route = |b: &mut criterion::Bencher<'_>, router: &Router, rq: &RouteRequest<'_>| {
+            b.iter(|| {
+                let d = router.route(black_box(rq));
+                black_box(d.map(|d| d.score).unwrap_or(0.0))
+            });
+        };
+        g.bench_with_input(BenchmarkId::new("route", n), &n, |b, _| route(b, &router, &rq));
+        let empty = RouteRequest { block_hashes: &[], ..rq };
+        g.bench_with_input(BenchmarkId::new("route_no_prefix", n), &n, |b, _| route(b, &router, &empty));
+        let cost = ScoringConfig {
+            weights: Weights { cache: 0.50, load: 0.15, queue: 0.10, health: 0.05, adapter: 0.05 },
+            custom: vec![CustomScorerConfig::Cost { weight: 0.15, margin: 0.20 }],
+            ..ScoringConfig::default()
+        };
+        let Ok(router_cost) = Router::new(pool.clone(), cost) else { panic!("router") };
+        g.bench_with_input(BenchmarkId::new("route_with_cost_scorer", n), &n, |b, _| route(b, &router_cost, &rq));
+        let rows: Vec<[f64; 5]> = (0..n)
+            .map(|k| {
+                let shared = if k < 8 { (PREFIX_BLOCKS as usize * (k + 1) / 8) as f64 } else { 0.0 };
+                [shared / PREFIX_BLOCKS as f64, gpu(k), f64::from(queue(k)), 1.0, 1.0]
+            })
+            .collect();
+        g.bench_with_input(BenchmarkId::new("naive_formula", n), &n, |b, _| {
+            b.iter(|| naive_formula(black_box(&rows), 20.0));
+        });
+        drop((router, router_cost, pool));
+        let (pool, chain) = fleet(n, n);
+        let Ok(router) = Router::new(pool, ScoringConfig::default()) else { panic!("router") };
+        let rq = RouteRequest { model: "m", adapter: None, block_hashes: &chain, subset: None };
+        g.bench_with_input(BenchmarkId::new("route_all_share", n), &n, |b, _| route(b, &router, &rq));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
