@@ -363,7 +363,9 @@ where
     }
     done.store(true, std::sync::atomic::Ordering::Release);
     for r in readers {
-        let (seen, last) = r.join().expect("reader thread panicked");
+        let Ok((seen, last)) = r.join() else {
+            panic!("a reader thread panicked (see its message above)");
+        };
         assert!(seen > 0);
         assert_eq!(last, BATCHES, "the last load after the writer finished sees the last batch");
     }

@@ -7,12 +7,15 @@
 //! agree again. Publishing therefore costs O(1) and writing O(changes), never O(index) — unlike
 //! design A, whose batches of random blocks copy every shard.
 //!
-//! A reader that keeps an old snapshot for long (a held `load_full()`) is never waited on past
-//! [`RECLAIM_SPINS`] yields: the writer deep-copies the current snapshot instead (counted in
-//! [`DoubleBackend::clones`]), so a published snapshot is never mutated.
+//! Readers leave a snapshot within one lookup (~1 µs), or one scheduler time slice when preempted
+//! mid-lookup on an oversubscribed box. The writer waits for that (yields, then short sleeps) at
+//! most [`RECLAIM_WAIT`], about the cost of copying a 1M-entry map; a reader that keeps an old
+//! snapshot longer (a held `load_full()`) makes the writer deep-copy the current snapshot instead
+//! (counted in [`DoubleBackend::clones`]), so a published snapshot is never mutated.
 //! Cost: two copies of the map (about twice design A's map bytes per entry).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
@@ -22,8 +25,12 @@ use crate::walk::{BlockPods, match_prefix};
 use crate::writer::{Backend, Writer};
 use crate::{IndexStats, MatchScratch, PodIdx};
 
-/// Yields the writer waits for readers to leave the previous snapshot before copying it instead.
-pub const RECLAIM_SPINS: u32 = 64;
+/// Longest the writer waits for readers to leave the previous snapshot before copying instead.
+pub const RECLAIM_WAIT: Duration = Duration::from_millis(10);
+/// Yields before the writer starts sleeping between reclaim attempts.
+const RECLAIM_SPINS: u32 = 64;
+/// Sleep between reclaim attempts after the spins.
+const RECLAIM_NAP: Duration = Duration::from_micros(50);
 
 /// Op-log capacity kept between batches (16 bytes per op).
 const LOG_KEEP_OPS: usize = 1 << 16;
@@ -106,7 +113,9 @@ impl DoubleBackend {
     /// Gets exclusive use of `behind` and replays the log onto it; copies the published map when
     /// readers hold `behind` too long.
     fn reclaim(&mut self, mut behind: Arc<DoubleSnapshot>) -> DoubleSnapshot {
-        for _ in 0..RECLAIM_SPINS {
+        let start = Instant::now();
+        let mut attempt: u32 = 0;
+        loop {
             match Arc::try_unwrap(behind) {
                 Ok(mut copy) => {
                     for op in self.log.drain(..) {
@@ -125,7 +134,14 @@ impl DoubleBackend {
                 }
                 Err(shared) => behind = shared,
             }
-            std::thread::yield_now();
+            attempt += 1;
+            if attempt <= RECLAIM_SPINS {
+                std::thread::yield_now();
+            } else if start.elapsed() < RECLAIM_WAIT {
+                std::thread::sleep(RECLAIM_NAP);
+            } else {
+                break;
+            }
         }
         self.clones += 1;
         self.log.clear();

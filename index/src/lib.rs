@@ -43,10 +43,11 @@ impl PodIdx {
     }
 }
 
-/// The index design in use (writer side).
-pub type IndexWriter = ShardedWriter;
+/// The index design in use (writer side): design B, chosen by `benches/index.rs` (see
+/// `docs/index.md`: faster lookups, publish in microseconds instead of milliseconds).
+pub type IndexWriter = DoubleWriter;
 /// The index design in use (published, immutable, lock-free to read).
-pub type IndexSnapshot = ShardedSnapshot;
+pub type IndexSnapshot = DoubleSnapshot;
 
 /// Size of the index, for metrics (`epp_prefix_tree_nodes`) and `/explain`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -67,6 +67,11 @@ impl<B: Backend> Writer<B> {
         &mut self.pod_blocks[i]
     }
 
+    /// The snapshot design's writer side (for its own counters, e.g. [`crate::DoubleBackend::clones`]).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Number of blocks `pod` holds in the working copy (the per-pod entry count metric).
     pub fn pod_blocks(&self, pod: PodIdx) -> u64 {
         self.pod_blocks.get(pod.as_usize()).map_or(0, |s| s.len() as u64)
