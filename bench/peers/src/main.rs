@@ -1,5 +1,6 @@
 //! One run, one workload, three indexes: kvroute's (design B, the one in use), SGLang's
-//! `kv-index` 2.0.0 `ChainIndex`, and the naive `std` HashMap model is in `index/benches/`.
+//! `kv-index` 2.0.0 `ChainIndex`, and with `--features dynamo` NVIDIA's dynamo-kv-router 1.6.1
+//! `RadixTree` (the naive `std` HashMap model is in `index/benches/`).
 //! Prints lookup p50/p99 (each lookup timed alone, 20,000 runs: hit, partial, miss, and hits over
 //! 600 chains in turn), load throughput (block events/s) and heap bytes per (block, pod) entry.
 //! Run: `cargo run --release` in `bench/peers/`.
@@ -8,6 +9,9 @@
 
 #[path = "../../../index/tests/workload/mod.rs"]
 mod workload;
+
+#[cfg(feature = "dynamo")]
+mod dynamo;
 
 use std::alloc::System;
 use std::hint::black_box;
@@ -167,4 +171,6 @@ fn main() {
     );
     kvroute(&w);
     kv_index(&w);
+    #[cfg(feature = "dynamo")]
+    dynamo::run(&w);
 }
