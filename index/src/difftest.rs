@@ -1,6 +1,6 @@
-//! Differential test: the sharded index against a naive `HashMap<BlockHash, BTreeSet<pod>>`
-//! model, on seeded random op streams (proptest), including the per-pod cap and snapshot
-//! immutability.
+//! Differential test: both index designs against a naive `HashMap<BlockHash, BTreeSet<pod>>`
+//! model, on seeded random op streams (proptest), including the per-pod cap, snapshot
+//! immutability, and readers walking snapshots on other threads while the writer runs.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -9,7 +9,10 @@ use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
 use proptest::prelude::*;
 
-use super::{IndexSnapshot, IndexWriter, MatchScratch, PodIdx};
+use super::{
+    Backend, BlockPods, DoubleBackend, IndexSnapshot, IndexStats, IndexWriter, MatchScratch, PodIdx, ShardedBackend,
+    Writer, match_prefix,
+};
 
 const PODS: u16 = 10;
 const CAP: usize = 12;
@@ -74,17 +77,17 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn check(snap: &IndexSnapshot, model: &Model, chains: &[Vec<BlockHash>]) {
+fn check<S: BlockPods + Stats>(snap: &S, model: &Model, chains: &[Vec<BlockHash>]) {
     let mut scratch = MatchScratch::default();
     let idx = model.index();
     assert_eq!(snap.stats().nodes, idx.len() as u64, "nodes");
     assert_eq!(snap.stats().entries, idx.values().map(|s| s.len() as u64).sum::<u64>(), "entries");
     for (b, pods) in &idx {
-        let got: BTreeSet<u16> = snap.pods_of(*b).iter().map(|p| p.0).collect();
+        let got: BTreeSet<u16> = BlockPods::pods_of(snap, *b).iter().map(|p| p.0).collect();
         assert_eq!(&got, pods, "pods of {b}");
     }
     for chain in chains {
-        let longest = snap.match_prefix(chain, &mut scratch);
+        let longest = match_prefix(snap, chain, &mut scratch);
         let mut want_longest = 0;
         for p in 0..PODS {
             let want = model.matched(chain, p);
@@ -95,6 +98,85 @@ fn check(snap: &IndexSnapshot, model: &Model, chains: &[Vec<BlockHash>]) {
     }
 }
 
+/// Stats access common to both snapshot types (test-only).
+trait Stats {
+    fn stats(&self) -> IndexStats;
+}
+impl Stats for super::ShardedSnapshot {
+    fn stats(&self) -> IndexStats {
+        super::ShardedSnapshot::stats(self)
+    }
+}
+impl Stats for super::DoubleSnapshot {
+    fn stats(&self) -> IndexStats {
+        super::DoubleSnapshot::stats(self)
+    }
+}
+
+fn apply<B: Backend>(w: &mut Writer<B>, model: &mut Model, op: &Op) {
+    match op {
+        Op::Store(p, b) => {
+            let bs: Vec<BlockHash> = b.iter().copied().map(BlockHash).collect();
+            w.store(PodIdx(*p), &bs);
+            model.store(*p, b);
+        }
+        Op::Remove(p, b) => {
+            let bs: Vec<BlockHash> = b.iter().copied().map(BlockHash).collect();
+            w.remove(PodIdx(*p), &bs);
+            if let Some(v) = model.pods.get_mut(p) {
+                v.retain(|x| !b.contains(x));
+            }
+        }
+        Op::Clear(p) => {
+            w.clear_pod(PodIdx(*p));
+            model.pods.remove(p);
+        }
+        Op::Drop(p) => {
+            w.drop_pod(PodIdx(*p));
+            model.pods.remove(p);
+        }
+        Op::Replace(p, b) => {
+            let bs: Vec<BlockHash> = b.iter().copied().map(BlockHash).collect();
+            w.replace_pod(PodIdx(*p), &bs);
+            model.pods.remove(p);
+            model.store(*p, b);
+        }
+        Op::Publish => w.publish(),
+    }
+}
+
+fn run_against_model<B>(ops: &[Op], chains: &[Vec<BlockHash>]) -> Result<(), TestCaseError>
+where
+    B: Backend,
+    B::Snapshot: BlockPods + Stats + Default + Send + Sync,
+{
+    let published = Arc::new(ArcSwap::from_pointee(B::Snapshot::default()));
+    let mut w = Writer::<B>::new(published.clone(), CAP);
+    let mut model = Model::default();
+    let mut frozen: Option<(Arc<B::Snapshot>, NaiveIndex)> = None;
+    for op in ops {
+        apply(&mut w, &mut model, op);
+        if matches!(op, Op::Publish) {
+            check(&**published.load(), &model, chains);
+            // A snapshot taken now must not change under later writes.
+            if frozen.is_none() {
+                frozen = Some((published.load_full(), model.index()));
+            }
+        }
+        prop_assert!(w.stats().entries <= u64::from(PODS) * CAP as u64);
+    }
+    w.publish();
+    check(&**published.load(), &model, chains);
+    if let Some((snap, idx)) = frozen {
+        for (b, pods) in &idx {
+            let got: BTreeSet<u16> = BlockPods::pods_of(&*snap, *b).iter().map(|p| p.0).collect();
+            prop_assert_eq!(&got, pods);
+        }
+        prop_assert_eq!(snap.stats().nodes, idx.len() as u64);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
 
@@ -103,50 +185,15 @@ proptest! {
         ops in prop::collection::vec(op(), 1..80),
         chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
     ) {
-        let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
-        let mut w = IndexWriter::new(published.clone(), CAP);
-        let mut model = Model::default();
-        let mut frozen: Option<(Arc<IndexSnapshot>, NaiveIndex)> = None;
-        for op in ops {
-            match op {
-                Op::Store(p, b) => {
-                    let bs: Vec<BlockHash> = b.iter().copied().map(BlockHash).collect();
-                    w.store(PodIdx(p), &bs);
-                    model.store(p, &b);
-                }
-                Op::Remove(p, b) => {
-                    let bs: Vec<BlockHash> = b.iter().copied().map(BlockHash).collect();
-                    w.remove(PodIdx(p), &bs);
-                    if let Some(v) = model.pods.get_mut(&p) { v.retain(|x| !b.contains(x)); }
-                }
-                Op::Clear(p) | Op::Drop(p) => {
-                    if matches!(op, Op::Clear(_)) { w.clear_pod(PodIdx(p)) } else { w.drop_pod(PodIdx(p)) }
-                    model.pods.remove(&p);
-                }
-                Op::Replace(p, b) => {
-                    let bs: Vec<BlockHash> = b.iter().copied().map(BlockHash).collect();
-                    w.replace_pod(PodIdx(p), &bs);
-                    model.pods.remove(&p);
-                    model.store(p, &b);
-                }
-                Op::Publish => {
-                    w.publish();
-                    check(&published.load(), &model, &chains);
-                    // A snapshot taken now must not change under later writes.
-                    if frozen.is_none() { frozen = Some((published.load_full(), model.index())); }
-                }
-            }
-            prop_assert!(w.stats().entries <= u64::from(PODS) * CAP as u64);
-        }
-        w.publish();
-        check(&published.load(), &model, &chains);
-        if let Some((snap, idx)) = frozen {
-            for (b, pods) in &idx {
-                let got: BTreeSet<u16> = snap.pods_of(*b).iter().map(|p| p.0).collect();
-                prop_assert_eq!(&got, pods);
-            }
-            prop_assert_eq!(snap.stats().nodes, idx.len() as u64);
-        }
+        run_against_model::<ShardedBackend>(&ops, &chains)?;
+    }
+
+    #[test]
+    fn double_buffered_index_matches_naive_model(
+        ops in prop::collection::vec(op(), 1..80),
+        chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
+    ) {
+        run_against_model::<DoubleBackend>(&ops, &chains)?;
     }
 }
 
@@ -182,4 +229,158 @@ fn walk_stops_when_no_pod_remains_and_counts_from_start() {
     // Scratch reuse resets earlier results.
     assert_eq!(snap.match_prefix(&chain[..0], &mut scratch), 0);
     assert_eq!(scratch.matched(PodIdx(1)), 0);
+}
+
+/// SplitMix64: a seeded, dependency-free RNG for the concurrent test's op stream.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn random_batch(rng: &mut SplitMix) -> Vec<Op> {
+    let blocks = |rng: &mut SplitMix| -> Vec<u64> {
+        let n = rng.below(10);
+        (0..n).map(|_| rng.below(24).wrapping_mul(0x0123_4567_89ab_cdef)).collect()
+    };
+    let n = 1 + rng.below(6);
+    (0..n)
+        .map(|_| {
+            let p = rng.below(u64::from(PODS)) as u16;
+            match rng.below(9) {
+                0..=3 => Op::Store(p, blocks(rng)),
+                4 | 5 => Op::Remove(p, blocks(rng)),
+                6 => Op::Clear(p),
+                7 => Op::Replace(p, blocks(rng)),
+                _ => Op::Drop(p),
+            }
+        })
+        .collect()
+}
+
+/// The pod that carries the version marker (outside the ops' pods).
+const VERSION_POD: PodIdx = PodIdx(PODS);
+
+fn marker(version: usize) -> BlockHash {
+    BlockHash((1 << 62) | version as u64)
+}
+
+/// Readers on two threads walk whatever snapshot is current while the writer applies seeded
+/// batches; every snapshot they see must equal the model after some whole batch (never a torn
+/// one), and versions never go backwards for a reader.
+fn concurrent_readers_see_whole_batches<B>(seed: u64)
+where
+    B: Backend,
+    B::Snapshot: BlockPods + Default + Send + Sync + 'static,
+{
+    const BATCHES: usize = 200;
+    let mut rng = SplitMix(seed);
+    let batches: Vec<Vec<Op>> = (0..BATCHES).map(|_| random_batch(&mut rng)).collect();
+    let chains: Vec<Vec<BlockHash>> = (0..8)
+        .map(|_| (0..6).map(|_| BlockHash(rng.below(24).wrapping_mul(0x0123_4567_89ab_cdef))).collect())
+        .collect();
+    // Expected per-pod match counts for each chain after each batch (version k = after batch k).
+    let mut model = Model::default();
+    let mut expected: Vec<Vec<Vec<u32>>> = Vec::with_capacity(BATCHES + 1);
+    let expect = |model: &Model| -> Vec<Vec<u32>> {
+        chains.iter().map(|c| (0..PODS).map(|p| model.matched(c, p)).collect()).collect()
+    };
+    expected.push(expect(&model));
+    for batch in &batches {
+        for op in batch {
+            match op {
+                Op::Store(p, b) => model.store(*p, b),
+                Op::Remove(p, b) => {
+                    if let Some(v) = model.pods.get_mut(p) {
+                        v.retain(|x| !b.contains(x));
+                    }
+                }
+                Op::Clear(p) | Op::Drop(p) => drop(model.pods.remove(p)),
+                Op::Replace(p, b) => {
+                    model.pods.remove(p);
+                    model.store(*p, b);
+                }
+                Op::Publish => {}
+            }
+        }
+        expected.push(expect(&model));
+    }
+    let expected = Arc::new(expected);
+    let chains = Arc::new(chains);
+
+    let published = Arc::new(ArcSwap::from_pointee(B::Snapshot::default()));
+    let mut w = Writer::<B>::new(published.clone(), CAP);
+    w.store(VERSION_POD, &[marker(0)]);
+    w.publish();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (published, done, expected, chains) =
+                (published.clone(), done.clone(), expected.clone(), chains.clone());
+            std::thread::spawn(move || {
+                let mut scratch = MatchScratch::default();
+                let (mut last, mut seen) = (0usize, 0u64);
+                loop {
+                    let finished = done.load(std::sync::atomic::Ordering::Acquire);
+                    let snap = published.load();
+                    let version = (last..=BATCHES).find(|v| !BlockPods::pods_of(&**snap, marker(*v)).is_empty());
+                    let Some(version) = version else {
+                        panic!("snapshot has no marker at or after version {last}");
+                    };
+                    for (c, chain) in chains.iter().enumerate() {
+                        match_prefix(&**snap, chain, &mut scratch);
+                        let got: Vec<u32> = (0..PODS).map(|p| scratch.matched(PodIdx(p))).collect();
+                        assert_eq!(got, expected[version][c], "version {version} chain {c}");
+                    }
+                    last = version;
+                    seen += 1;
+                    if finished {
+                        return (seen, last);
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut model = Model::default();
+    for (k, batch) in batches.iter().enumerate() {
+        for op in batch {
+            apply(&mut w, &mut model, op);
+        }
+        w.replace_pod(VERSION_POD, &[marker(k + 1)]);
+        w.publish();
+        if k % 50 == 0 {
+            std::thread::yield_now();
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Release);
+    for r in readers {
+        let Ok((seen, last)) = r.join() else {
+            panic!("a reader thread panicked (see its message above)");
+        };
+        assert!(seen > 0);
+        assert_eq!(last, BATCHES, "the last load after the writer finished sees the last batch");
+    }
+}
+
+#[test]
+fn sharded_concurrent_readers_see_whole_batches() {
+    for seed in [1, 2] {
+        concurrent_readers_see_whole_batches::<ShardedBackend>(seed);
+    }
+}
+
+#[test]
+fn double_buffered_concurrent_readers_see_whole_batches() {
+    for seed in [1, 2] {
+        concurrent_readers_see_whole_batches::<DoubleBackend>(seed);
+    }
 }

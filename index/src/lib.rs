@@ -7,16 +7,29 @@
 //!
 //! Invariants: pods are interned as [`PodIdx`] (small integers, assigned by the pool); a pod's
 //! entries never exceed its cap (excess stores are dropped and counted); a published snapshot is
-//! never mutated (shards are copy-on-write: `Arc::make_mut`).
+//! never mutated.
 //!
-//! This module has no tokio/tonic dependency so its tests and benches build fast. The design is
-//! behind the [`IndexWriter`]/[`IndexSnapshot`] aliases so another one can be swapped in.
+//! Two snapshot designs share the writer logic ([`Writer`]) and the walk ([`match_prefix`]):
+//! - [`sharded`] (design A): 64 copy-on-write shards (`Arc::make_mut`);
+//! - [`double`] (design B): two copies of one map, left-right style, kept in step by an op log.
+//!
+//! `docs/index.md` records the benchmark that chose between them; the winner sits behind the
+//! [`IndexWriter`]/[`IndexSnapshot`] aliases. This crate has no tokio/tonic dependency so its
+//! tests and benches build fast.
 
+pub mod double;
+mod hasher;
 mod podset;
-mod sharded;
+pub mod sharded;
+mod walk;
+mod writer;
 
+pub use double::{DoubleBackend, DoubleSnapshot, DoubleWriter};
+pub use hasher::{MixBuild, MixHasher};
 pub use podset::{INLINE_PODS, PodSet};
-pub use sharded::{SHARDS, ShardedSnapshot, ShardedWriter};
+pub use sharded::{SHARDS, ShardedBackend, ShardedSnapshot, ShardedWriter};
+pub use walk::{BlockPods, match_prefix};
+pub use writer::{Backend, Writer};
 
 /// Interned pod id on the hot path (index into the pool's pod table). At most 65 536 pods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -30,10 +43,11 @@ impl PodIdx {
     }
 }
 
-/// The index design in use (writer side).
-pub type IndexWriter = ShardedWriter;
+/// The index design in use (writer side): design B, chosen by `benches/index.rs` (see
+/// `docs/index.md`: faster lookups, publish in microseconds instead of milliseconds).
+pub type IndexWriter = DoubleWriter;
 /// The index design in use (published, immutable, lock-free to read).
-pub type IndexSnapshot = ShardedSnapshot;
+pub type IndexSnapshot = DoubleSnapshot;
 
 /// Size of the index, for metrics (`epp_prefix_tree_nodes`) and `/explain`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,0 +1,395 @@
+//! Index benchmarks (issue 4, SPEC §10): hashing a 4096-token prompt; lookup of a 256-block
+//! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss); ingest throughput
+//! with 2 concurrent readers; publish latency. Each measured for both snapshot designs and the
+//! naive `std::collections::HashMap` model in the same run, so results read as ratios.
+//!
+//! Criterion reports medians of batched iterations; per-lookup p50/p99 come from the
+//! `percentiles` pass printed first (each lookup timed alone over 20,000 runs).
+//! Run: `cargo bench -p kvroute-index --bench index -- --warm-up-time 1 --measurement-time 3`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../tests/workload/mod.rs"]
+mod workload;
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use criterion::{BenchmarkId, Criterion, Throughput};
+use kvroute_common::{BlockHash, BlockHasher};
+use kvroute_index::{Backend, BlockPods, DoubleBackend, MatchScratch, PodIdx, ShardedBackend, Writer, match_prefix};
+use workload::{CHAIN_BLOCKS, SplitMix, Workload};
+
+/// Entries in the lookup/ingest index (SPEC §10: ~1.04M).
+const ENTRIES: usize = 1_040_000;
+/// Block events per published ingest batch (half stores, half removes).
+const BATCH_BLOCKS: usize = 4096;
+
+/// The naive model (SPEC §10's "std HashMap of chained hashes"): SipHash map of block → pods,
+/// the walk keeps a `Vec` of active pods and allocates its result.
+#[derive(Default)]
+struct Naive {
+    map: HashMap<BlockHash, Vec<PodIdx>>,
+}
+
+impl Naive {
+    fn store(&mut self, pod: PodIdx, blocks: &[BlockHash]) {
+        for b in blocks {
+            let v = self.map.entry(*b).or_default();
+            if !v.contains(&pod) {
+                v.push(pod);
+            }
+        }
+    }
+    fn remove(&mut self, pod: PodIdx, blocks: &[BlockHash]) {
+        for b in blocks {
+            if let Some(v) = self.map.get_mut(b) {
+                v.retain(|p| *p != pod);
+                if v.is_empty() {
+                    self.map.remove(b);
+                }
+            }
+        }
+    }
+    fn lookup(&self, chain: &[BlockHash]) -> Vec<(PodIdx, u32)> {
+        let mut out = Vec::new();
+        let Some(first) = chain.first().and_then(|b| self.map.get(b)) else {
+            return out;
+        };
+        let mut active = first.clone();
+        for (depth, b) in chain.iter().enumerate().skip(1) {
+            let holders = self.map.get(b).map(Vec::as_slice).unwrap_or(&[]);
+            active.retain(|p| {
+                let keep = holders.contains(p);
+                if !keep {
+                    out.push((*p, depth as u32));
+                }
+                keep
+            });
+            if active.is_empty() {
+                return out;
+            }
+        }
+        out.extend(active.iter().map(|p| (*p, chain.len() as u32)));
+        out
+    }
+}
+
+fn build<B: Backend>(w: &Workload) -> (Arc<ArcSwap<B::Snapshot>>, Writer<B>)
+where
+    B::Snapshot: Default,
+{
+    let published = Arc::new(ArcSwap::from_pointee(B::Snapshot::default()));
+    let mut writer = Writer::<B>::new(published.clone(), usize::MAX);
+    for (pod, chain) in w.stores() {
+        writer.store(pod, chain);
+    }
+    writer.publish();
+    (published, writer)
+}
+
+fn build_naive(w: &Workload) -> Naive {
+    let mut n = Naive::default();
+    for (pod, chain) in w.stores() {
+        n.store(pod, chain);
+    }
+    n
+}
+
+fn queries(w: &Workload) -> [(&'static str, Vec<BlockHash>); 3] {
+    let mut rng = SplitMix(99);
+    [("hit", w.hit()), ("partial", w.partial(&mut rng)), ("miss", w.miss(&mut rng))]
+}
+
+fn hashing(c: &mut Criterion) {
+    let hasher = BlockHasher::new("Qwen/Qwen2.5-7B-Instruct", None, 16);
+    let tokens: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_000).collect();
+    let mut out = Vec::with_capacity(CHAIN_BLOCKS);
+    let mut g = c.benchmark_group("hash");
+    g.throughput(Throughput::Elements(4096));
+    g.bench_function("4096_tokens", |b| {
+        b.iter(|| {
+            out.clear();
+            hasher.hash_prompt(black_box(&tokens), &mut out);
+            black_box(out.len())
+        })
+    });
+    g.finish();
+}
+
+fn lookup_design<B: Backend>(c: &mut Criterion, name: &str, w: &Workload)
+where
+    B::Snapshot: BlockPods + Default + Send + Sync,
+{
+    let (published, _writer) = build::<B>(w);
+    let snap = published.load_full();
+    let mut scratch = MatchScratch::default();
+    let mut g = c.benchmark_group("lookup");
+    for (case, q) in queries(w) {
+        g.bench_with_input(BenchmarkId::new(name, case), &q, |b, q| {
+            b.iter(|| match_prefix(&*snap, black_box(q), &mut scratch))
+        });
+    }
+    g.finish();
+}
+
+fn lookups(c: &mut Criterion) {
+    let w = Workload::new(ENTRIES, 1);
+    lookup_design::<ShardedBackend>(c, "sharded", &w);
+    lookup_design::<DoubleBackend>(c, "double", &w);
+    let naive = build_naive(&w);
+    let mut g = c.benchmark_group("lookup");
+    for (case, q) in queries(&w) {
+        g.bench_with_input(BenchmarkId::new("naive", case), &q, |b, q| b.iter(|| naive.lookup(black_box(q))));
+    }
+    g.finish();
+}
+
+/// Spawns 2 readers looking up `q` on the current snapshot until `stop`.
+fn readers<S: BlockPods + Send + Sync + 'static>(
+    published: &Arc<ArcSwap<S>>,
+    q: &[BlockHash],
+    stop: &Arc<AtomicBool>,
+) -> Vec<std::thread::JoinHandle<u64>> {
+    (0..2)
+        .map(|_| {
+            let (published, stop, q) = (published.clone(), stop.clone(), q.to_vec());
+            std::thread::spawn(move || {
+                let mut scratch = MatchScratch::default();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    black_box(match_prefix(&**published.load(), &q, &mut scratch));
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect()
+}
+
+/// One ingest iteration: store `BATCH_BLOCKS / 2` fresh blocks on a pod, publish, remove them,
+/// publish. Returns the elapsed time.
+fn ingest_round<B: Backend>(writer: &mut Writer<B>, fresh: &[Vec<BlockHash>], i: u64) -> Duration {
+    let pod = PodIdx((i % 64) as u16);
+    let start = Instant::now();
+    for c in fresh {
+        writer.store(pod, c);
+    }
+    writer.publish();
+    for c in fresh {
+        writer.remove(pod, c);
+    }
+    writer.publish();
+    start.elapsed()
+}
+
+fn ingest_design<B: Backend>(c: &mut Criterion, name: &str, w: &Workload, with_readers: bool)
+where
+    B::Snapshot: BlockPods + Default + Send + Sync + 'static,
+{
+    let (published, mut writer) = build::<B>(w);
+    let mut rng = SplitMix(7);
+    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = if with_readers { readers(&published, &w.hit(), &stop) } else { Vec::new() };
+    let mut g = c.benchmark_group("ingest");
+    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
+    let id = if with_readers { format!("{name}/2_readers") } else { format!("{name}/no_readers") };
+    g.bench_function(id, |b| b.iter_custom(|iters| (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()));
+    g.finish();
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    if with_readers {
+        println!("ingest/{name}: readers did {reads} lookups meanwhile");
+    }
+}
+
+/// Design B with readers, also reporting how often readers held the old copy past
+/// `RECLAIM_WAIT` so the writer had to copy the map.
+fn ingest_double(c: &mut Criterion, w: &Workload, with_readers: bool) {
+    let (published, mut writer) = build::<DoubleBackend>(w);
+    let mut rng = SplitMix(7);
+    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = if with_readers { readers(&published, &w.hit(), &stop) } else { Vec::new() };
+    let mut rounds = 0u64;
+    let mut g = c.benchmark_group("ingest");
+    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
+    g.bench_function("double/2_readers", |b| {
+        b.iter_custom(|iters| {
+            rounds += iters;
+            (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()
+        })
+    });
+    g.finish();
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    println!(
+        "ingest/double: {} publishes, {} map copies (readers held the old copy > RECLAIM_WAIT), readers did {reads} lookups",
+        2 * rounds,
+        writer.backend().clones()
+    );
+}
+
+fn ingest(c: &mut Criterion) {
+    let w = Workload::new(ENTRIES, 1);
+    ingest_design::<ShardedBackend>(c, "sharded", &w, true);
+    ingest_design::<ShardedBackend>(c, "sharded", &w, false);
+    ingest_double(c, &w, true);
+    ingest_design::<DoubleBackend>(c, "double", &w, false);
+    // Naive: no snapshots at all (a reader would need a lock), so no readers: an upper bound.
+    let mut naive = build_naive(&w);
+    let mut rng = SplitMix(7);
+    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
+    let mut g = c.benchmark_group("ingest");
+    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
+    g.bench_function("naive/no_readers", |b| {
+        b.iter(|| {
+            for c in &fresh {
+                naive.store(PodIdx(1), c);
+            }
+            for c in &fresh {
+                naive.remove(PodIdx(1), c);
+            }
+        })
+    });
+    g.finish();
+}
+
+/// Publish latency: after a batch of 256 stores, the `publish()` call alone, and the batch plus
+/// publish (what an agent event waits for before readers see it).
+fn publish_design<B: Backend>(c: &mut Criterion, name: &str, w: &Workload)
+where
+    B::Snapshot: Default,
+{
+    let (_published, mut writer) = build::<B>(w);
+    let mut rng = SplitMix(8);
+    let fresh = rng.chain(CHAIN_BLOCKS);
+    let mut g = c.benchmark_group("publish");
+    g.bench_function(BenchmarkId::new(name, "publish_only"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for i in 0..iters {
+                if i % 2 == 0 {
+                    writer.store(PodIdx(3), &fresh);
+                } else {
+                    writer.remove(PodIdx(3), &fresh);
+                }
+                let start = Instant::now();
+                writer.publish();
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    g.bench_function(BenchmarkId::new(name, "batch_256_and_publish"), |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for i in 0..iters {
+                if i % 2 == 0 {
+                    writer.store(PodIdx(3), &fresh);
+                } else {
+                    writer.remove(PodIdx(3), &fresh);
+                }
+                writer.publish();
+            }
+            start.elapsed()
+        })
+    });
+    g.finish();
+}
+
+fn publish(c: &mut Criterion) {
+    let w = Workload::new(ENTRIES, 1);
+    publish_design::<ShardedBackend>(c, "sharded", &w);
+    publish_design::<DoubleBackend>(c, "double", &w);
+}
+
+fn pct(mut ns: Vec<u64>) -> (f64, f64) {
+    ns.sort_unstable();
+    let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+    (at(0.5), at(0.99))
+}
+
+fn percentiles_of(name: &str, w: &Workload, mut lookup: impl FnMut(&[BlockHash]) -> u64) {
+    for (case, q) in queries(w) {
+        for _ in 0..1000 {
+            black_box(lookup(&q));
+        }
+        let ns: Vec<u64> = (0..20_000)
+            .map(|_| {
+                let t = Instant::now();
+                black_box(lookup(&q));
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        let (p50, p99) = pct(ns);
+        println!("percentiles lookup/{name}/{case}: p50 {p50:.2} µs, p99 {p99:.2} µs");
+    }
+    // Full hits over 600 different 3-pod chains in turn: the map is not cache-hot for the query.
+    let hits: Vec<&Vec<BlockHash>> = w.chains.iter().skip(2).step_by(3).take(600).collect();
+    let ns: Vec<u64> = (0..20_000)
+        .map(|i| {
+            let q = hits[i % hits.len()];
+            let t = Instant::now();
+            black_box(lookup(q));
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    let (p50, p99) = pct(ns);
+    println!("percentiles lookup/{name}/hit_rotating_600: p50 {p50:.2} µs, p99 {p99:.2} µs");
+}
+
+/// Per-lookup p50/p99 (each lookup timed alone; `Instant` adds ~20-30 ns to each).
+fn percentiles(filter: &str) {
+    if !filter.is_empty() && !"percentiles".contains(filter) && !filter.contains("percentiles") {
+        return;
+    }
+    let w = Workload::new(ENTRIES, 1);
+    {
+        let (p, _w) = build::<ShardedBackend>(&w);
+        let snap = p.load_full();
+        let mut s = MatchScratch::default();
+        percentiles_of("sharded", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    }
+    {
+        let (p, _w) = build::<DoubleBackend>(&w);
+        let snap = p.load_full();
+        let mut s = MatchScratch::default();
+        percentiles_of("double", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    }
+    let naive = build_naive(&w);
+    percentiles_of("naive", &w, |q| naive.lookup(q).len() as u64);
+}
+
+fn main() {
+    // The first free argument (not a flag or a flag's value) is criterion's filter.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut filter = String::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        if a.starts_with("--") {
+            if matches!(
+                a.as_str(),
+                "--warm-up-time" | "--measurement-time" | "--sample-size" | "--save-baseline" | "--baseline"
+            ) {
+                i += 1;
+            }
+        } else {
+            filter = a.clone();
+        }
+        i += 1;
+    }
+    percentiles(&filter);
+    let mut c = Criterion::default().configure_from_args();
+    hashing(&mut c);
+    lookups(&mut c);
+    ingest(&mut c);
+    publish(&mut c);
+    c.final_summary();
+}

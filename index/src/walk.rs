@@ -1,0 +1,70 @@
+//! The prefix walk (SPEC §3, seed §4), shared by every snapshot design.
+//!
+//! Walks the request's chain from block 0 and keeps the pods that held every block so far
+//! (`active`, sorted). A pod leaving `active` at depth d matched d blocks. Stops at the first block
+//! no remaining pod holds. No allocation once `scratch` has grown to the pod count.
+
+use kvroute_common::BlockHash;
+
+use crate::{MatchScratch, PodIdx};
+
+/// Read access to a block → pods map: what the walk needs from a snapshot.
+pub trait BlockPods {
+    /// Pods holding `block`, sorted ascending, empty when none.
+    fn pods_of(&self, block: BlockHash) -> &[PodIdx];
+}
+
+/// Records in `scratch`, per pod, how many consecutive blocks of `chain` from the start it holds
+/// (the numerator of SPEC §2's match ratio); returns the longest such run.
+pub fn match_prefix<I: BlockPods + ?Sized>(index: &I, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
+    scratch.reset();
+    let Some((first, rest)) = chain.split_first() else {
+        return 0;
+    };
+    scratch.active.extend_from_slice(index.pods_of(*first));
+    if scratch.active.is_empty() {
+        return 0;
+    }
+    let mut depth: u32 = 1;
+    for block in rest {
+        let holders = index.pods_of(*block);
+        // Common case on a cached prefix: the same pods hold the next block too.
+        if holders == scratch.active.as_slice() {
+            depth += 1;
+            continue;
+        }
+        // Sorted-merge intersection of `active` with `holders` into `next`.
+        scratch.next.clear();
+        let (mut i, mut j) = (0, 0);
+        while i < scratch.active.len() && j < holders.len() {
+            let (a, h) = (scratch.active[i], holders[j]);
+            if a == h {
+                scratch.next.push(a);
+                i += 1;
+                j += 1;
+            } else if a < h {
+                // `a` stops matching here: its count is `depth`.
+                scratch.set(a, depth);
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        while i < scratch.active.len() {
+            let a = scratch.active[i];
+            scratch.set(a, depth);
+            i += 1;
+        }
+        std::mem::swap(&mut scratch.active, &mut scratch.next);
+        if scratch.active.is_empty() {
+            return depth;
+        }
+        depth += 1;
+    }
+    let active = std::mem::take(&mut scratch.active);
+    for &a in &active {
+        scratch.set(a, depth);
+    }
+    scratch.active = active;
+    depth
+}
