@@ -146,7 +146,14 @@ async fn main() -> Result<()> {
     println!(
         "shared prefix through Envoy: {} groups × {} words + {} questions × {} words, {} output tokens, {} req/s Poisson, \
          {} engines × {} KV blocks, max {} running each\n",
-        a.groups, a.prefix_words, a.questions, a.question_words, a.max_tokens, a.rate, a.engines, a.num_gpu_blocks,
+        a.groups,
+        a.prefix_words,
+        a.questions,
+        a.question_words,
+        a.max_tokens,
+        a.rate,
+        a.engines,
+        a.num_gpu_blocks,
         a.max_num_seqs
     );
     println!("| gateway | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
