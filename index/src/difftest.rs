@@ -1,4 +1,4 @@
-//! Differential test: both index designs against a naive `HashMap<BlockHash, BTreeSet<pod>>`
+//! Differential test: every index design against a naive `HashMap<BlockHash, BTreeSet<pod>>`
 //! model, on seeded random op streams (proptest), including the per-pod cap, snapshot
 //! immutability, and readers walking snapshots on other threads while the writer runs.
 
@@ -10,8 +10,8 @@ use kvroute_common::BlockHash;
 use proptest::prelude::*;
 
 use super::{
-    Backend, BlockPods, DoubleBackend, IndexSnapshot, IndexStats, IndexWriter, MatchScratch, PodIdx, ShardedBackend,
-    Writer, match_prefix,
+    Backend, BlockPods, DoubleBackend, IndexSnapshot, IndexStats, IndexWriter, MatchScratch, PodIdx, PooledBackend,
+    ShardedBackend, Writer, match_prefix,
 };
 
 const PODS: u16 = 10;
@@ -194,6 +194,14 @@ proptest! {
         chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
     ) {
         run_against_model::<DoubleBackend>(&ops, &chains)?;
+    }
+
+    #[test]
+    fn pooled_index_matches_naive_model(
+        ops in prop::collection::vec(op(), 1..80),
+        chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
+    ) {
+        run_against_model::<PooledBackend>(&ops, &chains)?;
     }
 }
 
@@ -383,4 +391,47 @@ fn double_buffered_concurrent_readers_see_whole_batches() {
     for seed in [1, 2] {
         concurrent_readers_see_whole_batches::<DoubleBackend>(seed);
     }
+}
+
+#[test]
+fn pooled_concurrent_readers_see_whole_batches() {
+    for seed in [1, 2] {
+        concurrent_readers_see_whole_batches::<PooledBackend>(seed);
+    }
+}
+
+/// Readers holding old snapshots (`load_full`) pin them: the pool grows to `MAX_COPIES`, no held
+/// snapshot ever changes, and the log stays bounded once holders let go.
+#[test]
+fn pooled_never_mutates_held_snapshots() {
+    let published = Arc::new(ArcSwap::from_pointee(super::DoubleSnapshot::default()));
+    let mut w = Writer::<PooledBackend>::new(published.clone(), usize::MAX);
+    let mut held: Vec<(Arc<super::DoubleSnapshot>, Vec<u64>)> = Vec::new();
+    let mut model: BTreeSet<u64> = BTreeSet::new();
+    for k in 0..40u64 {
+        let blocks: Vec<BlockHash> = (0..6).map(|i| BlockHash(k * 100 + i)).collect();
+        w.store(PodIdx(1), &blocks);
+        model.extend(blocks.iter().map(|b| b.0));
+        if k % 3 == 0 {
+            let gone: Vec<BlockHash> = model.iter().take(4).map(|h| BlockHash(*h)).collect();
+            w.remove(PodIdx(1), &gone);
+            for g in &gone {
+                model.remove(&g.0);
+            }
+        }
+        w.publish();
+        held.push((published.load_full(), model.iter().copied().collect()));
+        assert!(w.backend().copies_held() <= crate::pooled::MAX_COPIES);
+        // Hold the last two snapshots, as two preempted readers would.
+        if held.len() > 2 {
+            held.remove(0);
+        }
+        for (snap, want) in &held {
+            let got: Vec<u64> =
+                (0..4000u64).filter(|h| !BlockPods::pods_of(&**snap, BlockHash(*h)).is_empty()).collect();
+            assert_eq!(&got, want, "a held snapshot changed");
+        }
+    }
+    assert!(w.backend().copies() >= 1, "holding two old copies must have grown the pool");
+    assert_eq!(w.backend().waits(), 0, "three copies cover two held snapshots without waiting");
 }

@@ -33,16 +33,16 @@ const RECLAIM_SPINS: u32 = 64;
 const RECLAIM_NAP: Duration = Duration::from_micros(50);
 
 /// Op-log capacity kept between batches (16 bytes per op).
-const LOG_KEEP_OPS: usize = 1 << 16;
+pub(crate) const LOG_KEEP_OPS: usize = 1 << 16;
 
 /// Bytes per map slot: 8-byte key + 16-byte `PodSet` + 1 control byte.
-const SLOT_BYTES: u64 = 25;
+pub(crate) const SLOT_BYTES: u64 = 25;
 
 /// Published, immutable index state: one block map.
 #[derive(Clone, Debug, Default)]
 pub struct DoubleSnapshot {
-    map: BlockMap,
-    stats: IndexStats,
+    pub(crate) map: BlockMap,
+    pub(crate) stats: IndexStats,
 }
 
 impl BlockPods for DoubleSnapshot {
@@ -74,10 +74,25 @@ impl DoubleSnapshot {
     }
 }
 
+/// One primitive change to a block map, logged so another copy can replay it.
 #[derive(Clone, Copy, Debug)]
-enum LogOp {
+pub(crate) enum LogOp {
     Link(PodIdx, u64),
     Unlink(PodIdx, u64),
+}
+
+/// Applies `ops` in order to `map` (bringing a copy that lacks them up to date).
+pub(crate) fn replay(map: &mut BlockMap, ops: &[LogOp]) {
+    for op in ops {
+        match *op {
+            LogOp::Link(p, h) => {
+                let _ = map_link(map, p, h);
+            }
+            LogOp::Unlink(p, h) => {
+                let _ = map_unlink(map, p, h);
+            }
+        }
+    }
 }
 
 /// Writer side of design B.
@@ -118,16 +133,8 @@ impl DoubleBackend {
         loop {
             match Arc::try_unwrap(behind) {
                 Ok(mut copy) => {
-                    for op in self.log.drain(..) {
-                        match op {
-                            LogOp::Link(p, h) => {
-                                let _ = map_link(&mut copy.map, p, h);
-                            }
-                            LogOp::Unlink(p, h) => {
-                                let _ = map_unlink(&mut copy.map, p, h);
-                            }
-                        }
-                    }
+                    replay(&mut copy.map, &self.log);
+                    self.log.clear();
                     // A resync or start-up batch can grow the log to the index size: give it back.
                     self.log.shrink_to(LOG_KEEP_OPS);
                     return copy;

@@ -11,7 +11,9 @@
 //!
 //! Two snapshot designs share the writer logic ([`Writer`]) and the walk ([`match_prefix`]):
 //! - [`sharded`] (design A): 64 copy-on-write shards (`Arc::make_mut`);
-//! - [`double`] (design B): two copies of one map, left-right style, kept in step by an op log.
+//! - [`double`] (design B): two copies of one map, left-right style, kept in step by an op log;
+//! - [`pooled`] (design C): B's snapshot with a pool of up to three copies, so the writer reuses
+//!   whichever old copy no reader holds instead of waiting for one.
 //!
 //! `docs/index.md` records the benchmark that chose between them; the winner sits behind the
 //! [`IndexWriter`]/[`IndexSnapshot`] aliases. This crate has no tokio/tonic dependency so its
@@ -20,6 +22,7 @@
 pub mod double;
 mod hasher;
 mod podset;
+pub mod pooled;
 pub mod sharded;
 mod walk;
 mod writer;
@@ -27,6 +30,7 @@ mod writer;
 pub use double::{DoubleBackend, DoubleSnapshot, DoubleWriter};
 pub use hasher::{MixBuild, MixHasher};
 pub use podset::{INLINE_PODS, PodSet};
+pub use pooled::{PooledBackend, PooledWriter};
 pub use sharded::{SHARDS, ShardedBackend, ShardedSnapshot, ShardedWriter};
 pub use walk::{BlockPods, match_prefix};
 pub use writer::{Backend, Writer};

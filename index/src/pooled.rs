@@ -1,0 +1,234 @@
+//! Design C, a small pool of map copies kept in step by one op log: design B that never waits for
+//! a reader.
+//!
+//! Same snapshot as design B ([`DoubleSnapshot`], one block map), same walk, same writer logic.
+//! B keeps exactly two copies, so after a publish the writer needs back the copy readers were
+//! using, and on an oversubscribed box it waits for a reader preempted mid-lookup (B ingests
+//! 121–201K events/s with two readers spinning; see `docs/index.md`). Here every previously
+//! published copy becomes a *spare* tagged with the log position it reflects. Before the next
+//! write the writer takes the freshest spare no reader holds (`Arc::try_unwrap` succeeds: refcount
+//! 1, and nobody can load it again since it is no longer published) and replays the log from its
+//! position. Only when every spare is held does it copy the published map, which adds a copy to the
+//! pool, up to [`MAX_COPIES`] in all; past that it waits as B does (at most [`RECLAIM_WAIT`]) and
+//! then replaces the laggiest held spare with a copy.
+//!
+//! With R readers each holding at most one snapshot at a time, R + 2 copies mean the writer never
+//! waits; [`MAX_COPIES`] = 3 covers the common case (one reader preempted on an old copy) at
+//! half a map more memory, and only under reader contention: without readers holding old copies
+//! the pool stays at B's two. The log is trimmed to the oldest spare's position; a spare more
+//! than [`MAX_LAG_OPS`] behind (a snapshot held for long with `load_full()`) is let go — its
+//! holder keeps it alive, the writer just stops planning to reuse it.
+//!
+//! Readers are exactly B's: `arc-swap` load, no lock; a published snapshot is never mutated.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+
+use crate::double::{DoubleSnapshot, LOG_KEEP_OPS, LogOp, SLOT_BYTES, replay};
+use crate::hasher::{map_link, map_unlink};
+use crate::writer::{Backend, Writer};
+use crate::{IndexStats, PodIdx};
+
+/// Most map copies the writer keeps (writable or spare, plus the published one).
+pub const MAX_COPIES: usize = 3;
+/// Longest the writer waits, once the pool is full and every spare is held, before copying.
+pub const RECLAIM_WAIT: Duration = Duration::from_millis(10);
+/// A spare lagging the writer by more ops than this is dropped rather than kept up to date
+/// (16 bytes of log per op: 16 MiB).
+pub const MAX_LAG_OPS: u64 = 1 << 20;
+/// Yields before the writer starts sleeping between attempts when the pool is full.
+const RECLAIM_SPINS: u32 = 64;
+/// Sleep between attempts after the spins.
+const RECLAIM_NAP: Duration = Duration::from_micros(50);
+
+/// A previously published copy and the absolute log position it reflects.
+#[derive(Debug)]
+struct Spare {
+    snap: Arc<DoubleSnapshot>,
+    at: u64,
+}
+
+/// Writer side of design C.
+#[derive(Debug)]
+pub struct PooledBackend {
+    /// The copy the writer owns (refcount 1), at log position `head`. `None` after a publish.
+    writable: Option<DoubleSnapshot>,
+    /// Earlier published copies, possibly still held by readers.
+    spares: Vec<Spare>,
+    /// Ops from absolute position `log_base` to `head`.
+    log: Vec<LogOp>,
+    log_base: u64,
+    head: u64,
+    /// Log position of the published copy.
+    published_at: u64,
+    published: Arc<ArcSwap<DoubleSnapshot>>,
+    copies: u64,
+    waits: u64,
+}
+
+impl PooledBackend {
+    /// Times the writer copied the published map because readers held every spare (growing the
+    /// pool, or replacing a spare held past [`RECLAIM_WAIT`]).
+    pub fn copies(&self) -> u64 {
+        self.copies
+    }
+
+    /// Times the pool was full and every spare held, so the writer had to wait.
+    pub fn waits(&self) -> u64 {
+        self.waits
+    }
+
+    /// Map copies currently kept by the writer and the published one.
+    pub fn copies_held(&self) -> usize {
+        1 + self.spares.len() + usize::from(self.writable.is_some())
+    }
+
+    fn writable(&mut self) -> &mut DoubleSnapshot {
+        if self.writable.is_none() {
+            let copy = match self.take_spare() {
+                Some(copy) => copy,
+                None => DoubleSnapshot::clone(&self.published.load()),
+            };
+            self.writable = Some(copy);
+        }
+        self.writable.get_or_insert_with(DoubleSnapshot::default)
+    }
+
+    /// The freshest spare no reader holds, brought up to `head`; `None` when the published map must
+    /// be copied instead (no spare yet, or every spare held).
+    fn take_spare(&mut self) -> Option<DoubleSnapshot> {
+        if self.spares.is_empty() {
+            return None;
+        }
+        let start = Instant::now();
+        let mut attempt: u32 = 0;
+        loop {
+            if let Some(copy) = self.try_take_free() {
+                return Some(copy);
+            }
+            if self.copies_held() < MAX_COPIES {
+                self.copies += 1;
+                return None;
+            }
+            if attempt == 0 {
+                self.waits += 1;
+            }
+            attempt += 1;
+            if attempt <= RECLAIM_SPINS {
+                std::thread::yield_now();
+            } else if start.elapsed() < RECLAIM_WAIT {
+                std::thread::sleep(RECLAIM_NAP);
+            } else {
+                // Let the laggiest held spare go; its readers keep it alive.
+                if let Some(i) = (0..self.spares.len()).min_by_key(|&i| self.spares[i].at) {
+                    self.spares.swap_remove(i);
+                }
+                self.trim_log();
+                self.copies += 1;
+                return None;
+            }
+        }
+    }
+
+    fn try_take_free(&mut self) -> Option<DoubleSnapshot> {
+        loop {
+            let i = (0..self.spares.len())
+                .filter(|&i| Arc::strong_count(&self.spares[i].snap) == 1)
+                .max_by_key(|&i| self.spares[i].at)?;
+            let Spare { snap, at } = self.spares.swap_remove(i);
+            match Arc::try_unwrap(snap) {
+                Ok(mut copy) => {
+                    let from = usize::try_from(at.saturating_sub(self.log_base)).unwrap_or(usize::MAX);
+                    replay(&mut copy.map, self.log.get(from..).unwrap_or(&[]));
+                    self.trim_log();
+                    return Some(copy);
+                }
+                // A reader took a reference between the two checks: keep it, look again.
+                Err(snap) => self.spares.push(Spare { snap, at }),
+            }
+        }
+    }
+
+    /// Drops spares lagging more than [`MAX_LAG_OPS`], then the log before the oldest spare.
+    fn trim_log(&mut self) {
+        let head = self.head;
+        self.spares.retain(|s| head - s.at <= MAX_LAG_OPS);
+        let oldest = self.spares.iter().map(|s| s.at).min().unwrap_or(head);
+        let cut = usize::try_from(oldest.saturating_sub(self.log_base)).unwrap_or(usize::MAX).min(self.log.len());
+        if cut > 0 {
+            self.log.drain(..cut);
+            self.log_base += cut as u64;
+        }
+        if self.log.is_empty() {
+            // A resync or start-up batch can grow the log to the index size: give it back.
+            self.log.shrink_to(LOG_KEEP_OPS);
+        }
+    }
+
+    fn record(&mut self, op: LogOp) {
+        self.log.push(op);
+        self.head += 1;
+    }
+}
+
+impl Backend for PooledBackend {
+    type Snapshot = DoubleSnapshot;
+
+    fn new(published: Arc<ArcSwap<DoubleSnapshot>>) -> Self {
+        PooledBackend {
+            writable: None,
+            spares: Vec::new(),
+            log: Vec::new(),
+            log_base: 0,
+            head: 0,
+            published_at: 0,
+            published,
+            copies: 0,
+            waits: 0,
+        }
+    }
+
+    #[inline]
+    fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
+        let r = map_link(&mut self.writable().map, pod, block);
+        self.record(LogOp::Link(pod, block));
+        r
+    }
+
+    #[inline]
+    fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
+        let r = map_unlink(&mut self.writable().map, pod, block);
+        self.record(LogOp::Unlink(pod, block));
+        r
+    }
+
+    fn publish(&mut self, stats: IndexStats) {
+        if self.writable.is_none() {
+            if self.published.load().stats == stats {
+                return;
+            }
+            // Only the stats changed (e.g. stores dropped over the cap): republish them.
+            self.writable();
+        }
+        let Some(mut snap) = self.writable.take() else {
+            return;
+        };
+        snap.stats = stats;
+        let old = self.published.swap(Arc::new(snap));
+        self.spares.push(Spare { snap: old, at: self.published_at });
+        self.published_at = self.head;
+        self.trim_log();
+    }
+
+    fn map_bytes(&self) -> u64 {
+        let published = self.published.load().map.capacity();
+        let writable = self.writable.as_ref().map_or(0, |w| w.map.capacity());
+        let spares: usize = self.spares.iter().map(|s| s.snap.map.capacity()).sum();
+        (published + writable + spares) as u64 * SLOT_BYTES
+    }
+}
+
+/// The single writer of design C.
+pub type PooledWriter = Writer<PooledBackend>;
