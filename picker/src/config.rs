@@ -17,6 +17,9 @@
 //!     target_model: Qwen/Qwen2.5-7B-Instruct
 //!     adapter: null
 //!     tokenizer: tests/fixtures/tokenizer-qwen2.5   # dir; relative to the config file's dir
+//!     # mode: precise                 # default: precise with a tokenizer, approximate without
+//!   - name: other-model               # no tokenizer: approximate mode (SPEC §6)
+//!     approximate: { block_chars: 64, capacity_blocks_per_pod: 31250, max_blocks: 256 }
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
 //! # or a preset (README "Tuning guide") with overrides and custom scorers:
@@ -34,6 +37,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::approx::{ApproxConfig, RoutingMode};
 use crate::score::{CustomScorerConfig, ScoringConfig, ScoringConfigError, Weights};
 
 /// Errors from reading or validating the configuration.
@@ -119,16 +123,47 @@ pub struct ModelConfig {
     #[serde(default)]
     pub adapter: Option<String>,
     /// HuggingFace tokenizer directory (`tokenizer.json`, `tokenizer_config.json`). Relative
-    /// paths resolve against the config file's directory. Without one the model routes by load
-    /// only (no prefix matching).
+    /// paths resolve against the config file's directory. Without one the model routes in
+    /// approximate mode (unless `mode: precise`, then by load only).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    /// `precise` (token blocks against the KV-event index) or `approximate` (text blocks against
+    /// where earlier requests were routed, SPEC §6). Default: precise when `tokenizer` is set
+    /// (and loads), approximate otherwise.
+    #[serde(default)]
+    pub mode: Option<RoutingMode>,
+    /// Approximate-mode settings; defaults (GIE's prefix plugin): `block_chars` 64 characters,
+    /// `capacity_blocks_per_pod` 31 250 blocks, `max_blocks` 256 blocks per request.
+    #[serde(default)]
+    pub approximate: ApproxConfig,
 }
 
 impl ModelConfig {
+    /// A model named `name` with every other field at its default (no tokenizer: approximate).
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            target_model: None,
+            adapter: None,
+            tokenizer: None,
+            mode: None,
+            approximate: ApproxConfig::default(),
+        }
+    }
+
     /// The base model: `target_model`, or `name` when absent.
     pub fn target(&self) -> &str {
         self.target_model.as_deref().unwrap_or(&self.name)
+    }
+
+    /// The mode in effect given whether a tokenizer loaded: `mode` when set, otherwise precise
+    /// with a tokenizer and approximate without one.
+    pub fn effective_mode(&self, tokenizer_loaded: bool) -> RoutingMode {
+        match self.mode {
+            Some(m) => m,
+            None if tokenizer_loaded => RoutingMode::Precise,
+            None => RoutingMode::Approximate,
+        }
     }
 }
 
@@ -276,6 +311,18 @@ impl PickerConfig {
             if m.target().trim().is_empty() {
                 return Err(ConfigError::Invalid(format!("model {:?}: target_model must not be empty", m.name)));
             }
+            if let Some(field) = m.approximate.invalid_field() {
+                return Err(ConfigError::Invalid(format!(
+                    "model {:?}: approximate.{field} must be >= 1 (omit it for the default)",
+                    m.name
+                )));
+            }
+            if m.mode == Some(RoutingMode::Precise) && m.tokenizer.is_none() {
+                return Err(ConfigError::Invalid(format!(
+                    "model {:?}: mode precise needs a tokenizer directory; set tokenizer or use mode approximate",
+                    m.name
+                )));
+            }
             if let Some(a) = &m.adapter
                 && a.trim().is_empty()
             {
@@ -341,6 +388,32 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert_eq!(c.block_size, 16);
         assert_eq!(c.pod_grace_ttl_ms, 10_000);
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn approximate_mode_settings() {
+        let c = PickerConfig::from_yaml(
+            "models: [{name: a}, {name: b, mode: approximate, approximate: {block_chars: 32}}]",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let (a, b) = (&c.models[0], &c.models[1]);
+        assert_eq!(a.effective_mode(false), RoutingMode::Approximate);
+        assert_eq!(a.effective_mode(true), RoutingMode::Precise);
+        assert_eq!(b.effective_mode(true), RoutingMode::Approximate);
+        assert_eq!(a.approximate, ApproxConfig::default());
+        assert_eq!(a.approximate.capacity_blocks_per_pod, 31_250);
+        assert_eq!((b.approximate.block_chars, b.approximate.max_blocks), (32, 256));
+        let err = PickerConfig::from_yaml("models: [{name: a, approximate: {block_chars: 0}}]")
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("approximate.block_chars"), "{err}");
+        let err = PickerConfig::from_yaml("models: [{name: a, mode: precise}]").unwrap().validate().unwrap_err();
+        assert!(err.to_string().contains("needs a tokenizer"), "{err}");
+        assert!(PickerConfig::from_yaml("models: [{name: a, mode: fuzzy}]").is_err());
+        assert!(PickerConfig::from_yaml("models: [{name: a, approximate: {bogus: 1}}]").is_err());
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! model is described in [`pool`]. Shutdown is cooperative through [`RunningPicker::shutdown`].
 
 pub mod admin;
+pub mod approx;
 pub mod config;
 pub mod ext_proc;
 pub mod ingest;

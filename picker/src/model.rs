@@ -10,6 +10,12 @@
 //! failure yields no tokens and a warning: the request is then routed by load alone. Requests with
 //! `cache_salt` are never prefix-matched (SPEC §2).
 //!
+//! Mode (SPEC §6): precise models hash token blocks and match the KV-event index; approximate
+//! models (default without a tokenizer, or when it fails to load) hash text blocks
+//! ([`crate::approx`]) and match the [`ApproxStore`] of their base model, shared by every model
+//! with the same `target_model` (a pod's cache holds all its adapters' blocks; the per-pod bound
+//! and block settings are those of the first such model).
+//!
 //! Concurrency: the registry is immutable after start-up and shared by `Arc`; tokenization is
 //! CPU-bound and is run by callers off the async workers (`spawn_blocking`).
 
@@ -17,10 +23,11 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvroute_common::BlockHasher;
+use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
 use serde_json::Value;
 
+use crate::approx::{ApproxStore, RoutingMode, TextHasher, prompt_text};
 use crate::config::ModelConfig;
 
 /// Errors turning a request body into a routing input. Each maps to one HTTP status.
@@ -51,6 +58,17 @@ pub struct ResolvedModel {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     /// Block hasher rooted at (target_model, adapter).
     pub hasher: BlockHasher,
+    /// Approximate mode's text hasher and store; `None` in precise mode.
+    pub approx: Option<ApproxModel>,
+}
+
+/// A model in approximate mode: its text-chain hasher and the store of where chains went.
+#[derive(Debug)]
+pub struct ApproxModel {
+    /// Text blocks chained from (target_model, adapter).
+    pub hasher: TextHasher,
+    /// Shared by every model with the same `target_model`.
+    pub store: Arc<ApproxStore>,
 }
 
 /// Every configured model by client-facing name.
@@ -87,6 +105,7 @@ impl ModelRegistry {
     pub fn load(models: &[ModelConfig], block_size: usize) -> Self {
         let mut tokenizers: HashMap<PathBuf, Option<Arc<ModelTokenizer>>> = HashMap::new();
         let mut out = HashMap::new();
+        let mut stores: HashMap<String, Arc<ApproxStore>> = HashMap::new();
         for m in models {
             let tokenizer = m.tokenizer.as_ref().and_then(|dir| {
                 tokenizers
@@ -103,12 +122,23 @@ impl ModelRegistry {
             });
             let target = m.target().to_owned();
             let hasher = BlockHasher::new(&target, m.adapter.as_deref(), block_size);
+            let approx = (m.effective_mode(tokenizer.is_some()) == RoutingMode::Approximate).then(|| {
+                let cfg = &m.approximate;
+                let store = stores.entry(target.clone()).or_insert_with(|| Arc::new(ApproxStore::new(cfg))).clone();
+                tracing::info!(model = %m.name, block_chars = cfg.block_chars,
+                    capacity_blocks_per_pod = cfg.capacity_blocks_per_pod, "approximate prefix matching");
+                ApproxModel {
+                    hasher: TextHasher::new(&target, m.adapter.as_deref(), cfg.block_chars, cfg.max_blocks),
+                    store,
+                }
+            });
             let resolved = ResolvedModel {
                 name: m.name.clone(),
                 target_model: target,
                 adapter: m.adapter.clone(),
                 tokenizer,
                 hasher,
+                approx,
             };
             out.insert(m.name.clone(), Arc::new(resolved));
         }
@@ -203,6 +233,30 @@ fn tokens_of(a: &[Value]) -> PromptInput {
 }
 
 impl ResolvedModel {
+    /// Approximate mode: clears `out` and writes the prompt's chain, text blocks for text and
+    /// chat prompts, token blocks (capped like text) for token-id prompts, nothing otherwise.
+    /// `codepoints` is scratch. Returns false (and writes nothing) in precise mode.
+    pub fn approx_chain(&self, prompt: &PromptInput, codepoints: &mut Vec<u32>, out: &mut Vec<BlockHash>) -> bool {
+        let Some(a) = &self.approx else { return false };
+        out.clear();
+        match prompt {
+            PromptInput::Tokens(t) => {
+                self.hasher.hash_prompt(t, out);
+                out.truncate(self.approx_max_blocks());
+            }
+            other => {
+                if let Some(text) = prompt_text(other) {
+                    a.hasher.hash_text(&text, codepoints, out);
+                }
+            }
+        }
+        true
+    }
+
+    fn approx_max_blocks(&self) -> usize {
+        self.approx.as_ref().map_or(usize::MAX, |a| a.hasher.max_blocks())
+    }
+
     /// Token ids of the prompt; empty (with a warning) when it cannot be tokenized.
     pub fn tokens(&self, prompt: &PromptInput, request_id: &str) -> Vec<u32> {
         let res = match (prompt, &self.tokenizer) {
@@ -272,13 +326,8 @@ mod tests {
     #[test]
     fn registry_resolves_and_hashes_under_adapter_root() {
         let cfg = vec![
-            ModelConfig { name: "a".into(), target_model: Some("base".into()), adapter: None, tokenizer: None },
-            ModelConfig {
-                name: "b".into(),
-                target_model: Some("base".into()),
-                adapter: Some("l".into()),
-                tokenizer: None,
-            },
+            ModelConfig { target_model: Some("base".into()), ..ModelConfig::named("a") },
+            ModelConfig { target_model: Some("base".into()), adapter: Some("l".into()), ..ModelConfig::named("b") },
         ];
         let r = ModelRegistry::load(&cfg, 16);
         let a = r.resolve("a").unwrap();
@@ -290,5 +339,29 @@ mod tests {
         // No tokenizer: text prompts give no tokens, token prompts pass through.
         assert!(a.tokens(&PromptInput::Text("x".into()), "r").is_empty());
         assert_eq!(a.tokens(&PromptInput::Tokens(vec![7; 3]), "r"), vec![7; 3]);
+    }
+
+    #[test]
+    fn approximate_by_default_without_tokenizer_store_shared_per_base_model() {
+        let cfg = vec![
+            ModelConfig { target_model: Some("base".into()), ..ModelConfig::named("a") },
+            ModelConfig { target_model: Some("base".into()), adapter: Some("l".into()), ..ModelConfig::named("b") },
+            ModelConfig::named("other"),
+        ];
+        let r = ModelRegistry::load(&cfg, 16);
+        let (a, b, o) = (r.resolve("a").unwrap(), r.resolve("b").unwrap(), r.resolve("other").unwrap());
+        let (aa, ba, oa) = (a.approx.as_ref().unwrap(), b.approx.as_ref().unwrap(), o.approx.as_ref().unwrap());
+        assert!(Arc::ptr_eq(&aa.store, &ba.store));
+        assert!(!Arc::ptr_eq(&aa.store, &oa.store));
+        let (mut cp, mut ca, mut cb) = (Vec::new(), Vec::new(), Vec::new());
+        let text = PromptInput::Text("x".repeat(200));
+        assert!(a.approx_chain(&text, &mut cp, &mut ca));
+        assert!(b.approx_chain(&text, &mut cp, &mut cb));
+        assert_eq!(ca.len(), 3, "200 characters: three full 64-character blocks");
+        assert_ne!(ca, cb, "adapters root their own chains");
+        assert!(a.approx_chain(&PromptInput::Tokens(vec![1; 40]), &mut cp, &mut ca));
+        assert_eq!(ca.len(), 2, "token prompts: 16-token blocks");
+        assert!(a.approx_chain(&PromptInput::None("salt"), &mut cp, &mut ca));
+        assert!(ca.is_empty());
     }
 }

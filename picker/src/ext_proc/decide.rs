@@ -1,4 +1,6 @@
-//! One routing decision: body → model → token ids → block hashes → `Router::route`.
+//! One routing decision: body → model → token ids → block hashes → `Router::route`; in
+//! approximate mode (SPEC §6) body → model → text blocks → the model's `ApproxStore` matches →
+//! `Router::route_with`, then the chosen pod is recorded as holding the chain.
 //!
 //! Synchronous and CPU-bound (JSON parse of up to `body_limit_bytes`, tokenization): the stream task
 //! runs it with `spawn_blocking`. Block hashes go into a per-thread scratch buffer reused across
@@ -13,10 +15,12 @@ use kvroute_common::BlockHash;
 
 use crate::Gateway;
 use crate::model::{ModelError, PromptInput, parse_body};
-use crate::score::{CandidateScore, Decision, RouteError, RouteRequest};
+use crate::score::{CandidateScore, Decision, PrefixMatches, RouteError, RouteRequest};
 
 thread_local! {
     static SCRATCH: RefCell<Vec<BlockHash>> = RefCell::new(Vec::with_capacity(1024));
+    /// Code points of an approximate-mode prompt.
+    static CODEPOINTS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A request the picker answers itself. `status` is the HTTP status; `kind` the error `type`.
@@ -76,11 +80,16 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
     let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(model_name.clone()))?;
     drop(parse_span);
     tracing::Span::current().record("model", model_name.as_str());
-    let tokens = tracing::info_span!("epp.tokenize").in_scope(|| model.tokens(&prompt, input.request_id));
+    let approximate = model.approx.is_some();
+    let tokens = if approximate {
+        Vec::new()
+    } else {
+        tracing::info_span!("epp.tokenize").in_scope(|| model.tokens(&prompt, input.request_id))
+    };
     // Why the prompt cannot be prefix-matched (e.g. `cache_salt`, SPEC §2); "" when it can.
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
-        _ if model.tokenizer.is_none() => "no tokenizer",
+        _ if model.tokenizer.is_none() && !approximate => "no tokenizer",
         _ => "",
     };
     tracing::info!(
@@ -89,15 +98,23 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         target_model = %model.target_model,
         adapter = model.adapter.as_deref().unwrap_or(""),
         input_tokens = tokens.len(),
+        mode = if approximate { "approximate" } else { "precise" },
         unmatched_reason,
         "request received"
     );
     SCRATCH.with(|scratch| {
         let mut hashes = scratch.borrow_mut();
         tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
-            model.hasher.hash_prompt(&tokens, &mut hashes);
+            let done = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
+                Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes),
+                Err(_) => model.approx_chain(&prompt, &mut Vec::new(), &mut hashes),
+            });
+            if !done {
+                model.hasher.hash_prompt(&tokens, &mut hashes);
+            }
             tracing::Span::current().record("blocks", hashes.len());
         });
+        let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes));
         let req = RouteRequest {
             model: &model.target_model,
             adapter: model.adapter.as_deref(),
@@ -105,11 +122,19 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
             subset: input.subset,
         };
         let t_route = Instant::now();
-        let result = tracing::info_span!("epp.score").in_scope(|| gw.router.route(&req));
+        let result = tracing::info_span!("epp.score").in_scope(|| {
+            gw.router.route_with(&req, approx_matches.as_ref().map(|m| m as &dyn PrefixMatches))
+        });
         let route_elapsed = t_route.elapsed();
         gw.metrics.scoring_latency_us.observe(route_elapsed.as_secs_f64() * 1e6);
         let decision = match result {
-            Ok(d) => d,
+            Ok(d) => {
+                // Approximate mode: the chosen pod will hold this chain once it has served it.
+                if let Some(a) = &model.approx {
+                    a.store.record(&d.pod, &hashes);
+                }
+                d
+            }
             Err(e) => {
                 let (status, kind) = match &e {
                     RouteError::Shed { .. } => (429, "rate_limit_exceeded"),

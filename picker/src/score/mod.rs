@@ -271,6 +271,13 @@ pub enum ScoringConfigError {
     UnknownPreset(String),
 }
 
+/// Where a decision's per-pod matched blocks come from when not from the precise KV-event index:
+/// approximate mode's record of earlier routing (SPEC §6). Given to [`Router::route_with`].
+pub trait PrefixMatches: Sync {
+    /// Consecutive blocks of the request's chain, from the first, that `pod` is taken to hold.
+    fn matched_blocks(&self, pod: &str) -> u32;
+}
+
 /// One routing question.
 #[derive(Debug, Clone, Copy)]
 pub struct RouteRequest<'a> {

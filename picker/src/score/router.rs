@@ -18,8 +18,8 @@ use super::filter::{self, Exclusion, Spill};
 use super::select::{self, Ranked};
 use super::{
     AdapterAffinityScorer, CandidateScore, Decision, Explanation, HealthScorer, LoadScorer, PodFacts,
-    PrefixCacheScorer, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer, ScoringConfig,
-    ScoringConfigError, load_ratio, validate_weights,
+    PrefixCacheScorer, PrefixMatches, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer,
+    ScoringConfig, ScoringConfigError, load_ratio, validate_weights,
 };
 use crate::index::MatchScratch;
 use crate::pool::{PodRecord, PodStatus, Pool, now_unix_ms};
@@ -137,10 +137,22 @@ impl Router {
     }
 
     /// Scores every candidate pod and reserves an in-flight slot on the chosen one atomically.
+    /// Matched blocks come from the precise KV-event index.
     pub fn route(&self, req: &RouteRequest<'_>) -> Result<Decision, RouteError> {
+        self.route_with(req, None)
+    }
+
+    /// Like [`Router::route`], with the matched blocks from `matches` instead of the index when
+    /// given (approximate mode, SPEC §6; `req.block_hashes` is then the text chain and only its
+    /// length is used).
+    pub fn route_with(
+        &self,
+        req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
+    ) -> Result<Decision, RouteError> {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         let table = self.pool.table.load();
-        let (pre, excluded, model_pods) = self.prefilter(&table.pods, req);
+        let (pre, excluded, model_pods) = self.prefilter(&table.pods, req, matches);
         if pre.is_empty() {
             return Err(no_candidate(req.model, model_pods, &excluded));
         }
@@ -187,7 +199,7 @@ impl Router {
     pub fn explain(&self, req: &RouteRequest<'_>) -> Explanation {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         let table = self.pool.table.load();
-        let (pre, excluded, _) = self.prefilter(&table.pods, req);
+        let (pre, excluded, _) = self.prefilter(&table.pods, req, None);
         let mut excluded: Vec<(String, String)> =
             excluded.into_iter().map(|(name, why)| (name.to_string(), why.to_string())).collect();
         if pre.is_empty() {
@@ -221,6 +233,7 @@ impl Router {
         &self,
         pods: &'t [Arc<PodRecord>],
         req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
     ) -> (Vec<Pre<'t>>, Vec<(&'t str, Exclusion)>, usize) {
         let index = self.pool.index.load();
         let grace = Duration::from_millis(self.pool.config().grace_ttl_ms);
@@ -229,7 +242,9 @@ impl Router {
         let mut excluded = Vec::new();
         let mut model_pods = 0;
         let mut walk = |scratch: &mut MatchScratch| {
-            index.match_prefix(req.block_hashes, scratch);
+            if matches.is_none() {
+                index.match_prefix(req.block_hashes, scratch);
+            }
             for rec in pods {
                 let status = rec.status.load_full();
                 if status.model != req.model {
@@ -238,7 +253,13 @@ impl Router {
                 model_pods += 1;
                 match filter::exclusion(&status, req.subset, self.config.health_exclusion_threshold, grace, now) {
                     Some(why) => excluded.push((rec.name.as_str(), why)),
-                    None => pre.push(Pre { rec, status, matched: scratch.matched(rec.idx) }),
+                    None => {
+                        let matched = match matches {
+                            Some(m) => m.matched_blocks(&rec.name),
+                            None => scratch.matched(rec.idx),
+                        };
+                        pre.push(Pre { rec, status, matched });
+                    }
                 }
             }
         };
