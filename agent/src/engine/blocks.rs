@@ -15,6 +15,10 @@
 //! (a block stored then removed inside one flush window is not announced as stored), so the
 //! `stored` and `removed` of one `BlockChanges` are disjoint and their order does not matter.
 //!
+//! Media are interned to small ids (GPU = 0, CPU = 1, others in order of first sight), so the
+//! engine → kvroute map is keyed by `(u16, u64)`: no allocation per lookup, and a parent is
+//! looked up once per medium seen (GPU first, then CPU, then the others), never by a scan.
+//!
 //! Concurrency: plain data, owned by one pod's state behind its mutex; no locking here.
 
 use super::kv_events::{BlockStored, KvEvent, KvEventBatch, Medium};
@@ -43,13 +47,20 @@ struct GpuBlock {
     refs: u32,
 }
 
+/// Interned medium (index into [`BlockRecord`]'s media list).
+type MediumId = u16;
+const GPU: MediumId = 0;
+
 /// One engine's blocks. `model` is the base model id used as the hash root.
 #[derive(Debug)]
 pub struct BlockRecord {
     model: String,
-    engine_to_kv: HashMap<(Medium, EngineBlockHash), BlockHash>,
+    /// Interned media: index = medium id used in `engine_to_kv` keys.
+    media: Vec<Medium>,
+    engine_to_kv: HashMap<(MediumId, EngineBlockHash), BlockHash>,
     gpu: HashMap<BlockHash, GpuBlock>,
-    hashers: HashMap<(Option<String>, u32), BlockHasher>,
+    /// One hasher per (LoRA name, block size): few, so a vector searched in order.
+    hashers: Vec<(Option<String>, u32, BlockHasher)>,
     pending_cleared: bool,
     pending_stored: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
     pending_removed: Vec<BlockHash>,
@@ -61,9 +72,10 @@ impl BlockRecord {
     pub fn new(model: &str) -> Self {
         Self {
             model: model.to_string(),
+            media: vec![Medium::Gpu, Medium::Cpu],
             engine_to_kv: HashMap::new(),
             gpu: HashMap::new(),
-            hashers: HashMap::new(),
+            hashers: Vec::new(),
             pending_cleared: false,
             pending_stored: Vec::new(),
             pending_removed: Vec::new(),
@@ -113,9 +125,11 @@ impl BlockRecord {
             match event {
                 KvEvent::Stored(s) => self.stored(s, &mut out),
                 KvEvent::Removed { block_hashes, medium } => {
+                    // A medium never stored on holds nothing to remove.
+                    let Some(m) = self.find_medium(medium) else { continue };
                     for h in block_hashes {
-                        if let Some(kv) = self.engine_to_kv.remove(&(medium.clone(), *h))
-                            && *medium == Medium::Gpu
+                        if let Some(kv) = self.engine_to_kv.remove(&(m, *h))
+                            && m == GPU
                         {
                             self.unref_gpu(kv);
                         }
@@ -127,12 +141,32 @@ impl BlockRecord {
         out
     }
 
+    /// Id of an already interned medium.
+    fn find_medium(&self, medium: &Medium) -> Option<MediumId> {
+        match medium {
+            Medium::Gpu => Some(GPU),
+            Medium::Cpu => Some(1),
+            other => self.media.iter().position(|m| m == other).and_then(|i| MediumId::try_from(i).ok()),
+        }
+    }
+
+    /// Id of `medium`, interning it on first sight; `None` only past 65 536 distinct media.
+    fn intern_medium(&mut self, medium: &Medium) -> Option<MediumId> {
+        if let Some(id) = self.find_medium(medium) {
+            return Some(id);
+        }
+        let id = MediumId::try_from(self.media.len()).ok()?;
+        self.media.push(medium.clone());
+        Some(id)
+    }
+
+    /// kvroute hash of engine block `parent` on any medium: GPU first, then CPU, then the others
+    /// in order of first sight (one hash lookup per medium, never a scan of the map).
     fn lookup_parent(&self, parent: EngineBlockHash) -> Option<BlockHash> {
-        self.engine_to_kv
-            .get(&(Medium::Gpu, parent))
-            .or_else(|| self.engine_to_kv.get(&(Medium::Cpu, parent)))
-            .or_else(|| self.engine_to_kv.iter().find(|((_, h), _)| *h == parent).map(|(_, kv)| kv))
-            .copied()
+        (0..self.media.len()).find_map(|m| {
+            let m = MediumId::try_from(m).ok()?;
+            self.engine_to_kv.get(&(m, parent)).copied()
+        })
     }
 
     fn stored(&mut self, s: &BlockStored, out: &mut ApplyOutcome) {
@@ -147,11 +181,18 @@ impl BlockRecord {
                 }
             },
         };
-        let key = (s.lora_name.clone(), s.block_size);
-        let hasher = self
-            .hashers
-            .entry(key)
-            .or_insert_with(|| BlockHasher::new(&self.model, s.lora_name.as_deref(), s.block_size as usize));
+        let Some(medium) = self.intern_medium(&s.medium) else {
+            out.dropped_unknown_parent += n;
+            return;
+        };
+        let found =
+            self.hashers.iter().position(|(l, b, _)| *b == s.block_size && l.as_deref() == s.lora_name.as_deref());
+        let idx = found.unwrap_or_else(|| {
+            let h = BlockHasher::new(&self.model, s.lora_name.as_deref(), s.block_size as usize);
+            self.hashers.push((s.lora_name.clone(), s.block_size, h));
+            self.hashers.len() - 1
+        });
+        let Some((_, _, hasher)) = self.hashers.get(idx) else { return };
         let start = parent.unwrap_or_else(|| hasher.root());
         // Only the blocks before the first opaque one are plain text.
         let plain = s.opaque_extra_keys.iter().position(|o| *o).unwrap_or(s.block_hashes.len());
@@ -166,8 +207,8 @@ impl BlockRecord {
         let mut run_parent = parent;
         let hashes = std::mem::take(&mut self.scratch);
         for (engine_hash, kv) in s.block_hashes.iter().zip(hashes.iter().copied()).take(placed) {
-            let old = self.engine_to_kv.insert((s.medium.clone(), *engine_hash), kv);
-            if s.medium == Medium::Gpu {
+            let old = self.engine_to_kv.insert((medium, *engine_hash), kv);
+            if medium == GPU {
                 match old {
                     // Re-store of a known engine block: nothing new on GPU.
                     Some(old) if old == kv => {}

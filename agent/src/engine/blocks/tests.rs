@@ -169,3 +169,57 @@ fn set_model_clears() {
     assert_eq!(rec.gpu_len(), 0);
     assert!(rec.take_changes().cleared);
 }
+
+fn one_block(hash: u64, parent: Option<u64>, tokens: &[u32], medium: Medium) -> KvEventBatch {
+    KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineBlockHash(hash)],
+            parent: parent.map(EngineBlockHash),
+            token_ids: tokens.to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium,
+            lora_name: None,
+            opaque_extra_keys: vec![false],
+        })],
+        dp_rank: None,
+    }
+}
+
+#[test]
+fn block_on_another_medium_can_parent_a_gpu_block() {
+    let (a, _) = prompts();
+    let ca = chain(None, &a);
+    let mut rec = BlockRecord::new(MODEL);
+    let disk = Medium::Other("disk".into());
+    rec.apply(&one_block(1, None, &a[..16], disk.clone()));
+    assert!(!rec.has_changes());
+    // Its parent lives only on "disk": found there, the GPU block chains from it.
+    let out = rec.apply(&one_block(2, Some(1), &a[16..32], Medium::Gpu));
+    assert_eq!((out.stored_gpu, out.dropped_unknown_parent), (1, 0));
+    assert_eq!(rec.take_changes().stored, vec![BlockRun { parent: ca[0].0, hashes: vec![ca[1].0] }]);
+    // Removed from "disk": a later child of it is an unknown parent again.
+    rec.apply(&KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Removed { block_hashes: vec![EngineBlockHash(1)], medium: disk }],
+        dp_rank: None,
+    });
+    let out = rec.apply(&one_block(3, Some(1), &a[16..32], Medium::Gpu));
+    assert_eq!(out.dropped_unknown_parent, 1);
+}
+
+#[test]
+fn removal_from_a_medium_never_seen_changes_nothing() {
+    let (a, _) = prompts();
+    let mut rec = BlockRecord::new(MODEL);
+    rec.apply(&one_block(1, None, &a[..16], Medium::Gpu));
+    rec.take_changes();
+    rec.apply(&KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Removed { block_hashes: vec![EngineBlockHash(1)], medium: Medium::Other("nvme".into()) }],
+        dp_rank: None,
+    });
+    assert!(!rec.has_changes());
+    assert_eq!(rec.gpu_len(), 1);
+}
