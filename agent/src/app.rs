@@ -1,15 +1,22 @@
 //! The agent's library entry point: builds the per-pod state, starts one KV-event subscriber
-//! thread, one event task and one scrape task per engine, a report ticker, one stream task per
-//! picker and the metrics listener.
+//! thread, one block-flush task and one scrape task per engine, a report ticker, one stream task
+//! per picker and the metrics listener.
 //!
-//! Concurrency: tasks share only the [`Hub`] (per-pod mutexes, broadcast channel) and the
-//! metric handles. Engine tasks are the only writers of their pod. Shutdown: a watch channel for
+//! KV events: the subscriber thread decodes each batch and applies it to the pod's record itself
+//! ([`PodSink`]); the first batch of a flush window wakes the pod's flush task, which waits
+//! `block_flush_ms` and sends everything applied meanwhile as one delta. So the tokio side wakes
+//! once per flush window, not once per batch.
+//!
+//! Concurrency: tasks and subscriber threads share only the [`Hub`] (per-pod mutexes, broadcast
+//! channel) and the metric handles. A pod is written by its engine's subscriber thread (blocks)
+//! and scrape task (stats, model), each under the pod's mutex. Shutdown: a watch channel for
 //! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms); picker streams send
 //! what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
 
 use crate::config::{AgentConfig, EngineConfig};
+use crate::engine::kv_events::KvMessage;
 use crate::engine::scrape::EngineClient;
-use crate::engine::subscriber::{self, SubscriberConfig, SubscriberEvent};
+use crate::engine::subscriber::{self, EventSink, SubscriberConfig};
 use crate::gpu::GpuSource;
 use crate::health::{HealthInputs, ProbeOutcome, health_score};
 use crate::report::hub::{Hub, Pod};
@@ -18,10 +25,10 @@ use crate::telemetry::{AgentMetrics, pod_label};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
 /// Start-up errors.
@@ -124,16 +131,21 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
 
     for (engine, pod) in config.engines.iter().zip(hub.pods().iter().cloned()) {
         if let Some(kv_events) = &engine.kv_events {
-            let (tx, rx) = mpsc::channel(1024);
+            let flush = Arc::new(FlushSignal::default());
+            // The flush task holds the only strong `alive`: when it ends (or is aborted with the
+            // task set), the subscriber thread sees its sink closed and exits.
+            let alive = Arc::new(());
+            let sink = PodSink::new(pod.clone(), flush.clone(), Arc::downgrade(&alive), &metrics);
             let sub_cfg = SubscriberConfig {
                 pod: engine.pod.clone(),
                 kv_events: kv_events.clone(),
                 kv_replay: engine.kv_replay.clone(),
                 replay_timeout: Duration::from_secs(1),
             };
-            subscriber::spawn(sub_cfg, tx, metrics.clone(), stop_threads.clone())
+            subscriber::spawn(sub_cfg, sink, metrics.clone(), stop_threads.clone())
                 .map_err(|source| AgentError::Thread { pod: engine.pod.clone(), source })?;
-            tasks.spawn(event_task(pod.clone(), rx, Duration::from_millis(config.block_flush_ms), metrics.clone()));
+            let window = Duration::from_millis(config.block_flush_ms);
+            tasks.spawn(flush_task(pod.clone(), flush, window, alive, stop_rx.clone()));
         }
         tasks.spawn(scrape_task(engine.clone(), config.clone(), pod, gpu.clone(), metrics.clone(), stop_rx.clone()));
     }
@@ -164,34 +176,79 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
     Ok(RunningAgent { metrics_addr, hub, metrics, stop_tx, stop_threads, tasks })
 }
 
-/// Applies KV events to the pod and flushes block changes, coalescing for at most `flush`.
-async fn event_task(
+/// Wake-up from the subscriber thread to the pod's flush task, at most one per flush window.
+#[derive(Default)]
+struct FlushSignal {
+    /// True from the first batch of a window until the flush task starts sending it.
+    armed: AtomicBool,
+    notify: Notify,
+}
+
+impl FlushSignal {
+    /// Called after applying changes: wakes the flush task unless a window is already open.
+    fn changed(&self) {
+        if !self.armed.swap(true, Ordering::AcqRel) {
+            self.notify.notify_one();
+        }
+    }
+}
+
+/// The agent's [`EventSink`]: applies batches to the pod's record on the subscriber thread and
+/// signals the flush task.
+struct PodSink {
     pod: Arc<Pod>,
-    mut rx: mpsc::Receiver<SubscriberEvent>,
-    flush: Duration,
-    metrics: Arc<AgentMetrics>,
+    flush: Arc<FlushSignal>,
+    alive: Weak<()>,
+    dropped: prometheus_client::metrics::counter::Counter,
+}
+
+impl PodSink {
+    fn new(pod: Arc<Pod>, flush: Arc<FlushSignal>, alive: Weak<()>, metrics: &AgentMetrics) -> Self {
+        let dropped = metrics.kv_blocks_dropped.get_or_create(&pod_label(pod.name())).clone();
+        Self { pod, flush, alive, dropped }
+    }
+}
+
+impl EventSink for PodSink {
+    fn batch(&mut self, msg: KvMessage) {
+        let out = self.pod.apply_batch(&msg.batch);
+        let dropped = out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens;
+        if dropped > 0 {
+            self.dropped.inc_by(dropped);
+            tracing::debug!(pod = %self.pod.name(), seq = msg.seq, ?out, "blocks dropped");
+        }
+        self.flush.changed();
+    }
+
+    fn reset(&mut self, reason: &str) {
+        tracing::warn!(pod = %self.pod.name(), %reason, "clearing pod blocks");
+        self.pod.clear_blocks();
+        self.flush.changed();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.alive.strong_count() == 0
+    }
+}
+
+/// Sends the pod's block changes once per flush window: woken by the first change of a window,
+/// waits `window` so later batches coalesce, then sends them all as one delta.
+async fn flush_task(
+    pod: Arc<Pod>,
+    flush: Arc<FlushSignal>,
+    window: Duration,
+    _alive: Arc<()>,
+    mut stop: watch::Receiver<bool>,
 ) {
-    let labels = pod_label(pod.name());
-    let handle = |ev: SubscriberEvent| match ev {
-        SubscriberEvent::Batch(m) => {
-            let out = pod.apply_batch(&m.batch);
-            let dropped = out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens;
-            if dropped > 0 {
-                metrics.kv_blocks_dropped.get_or_create(&labels).inc_by(dropped);
-                tracing::debug!(pod = %pod.name(), seq = m.seq, ?out, "blocks dropped");
-            }
+    loop {
+        tokio::select! {
+            _ = flush.notify.notified() => {}
+            _ = stop.wait_for(|s| *s) => return,
         }
-        SubscriberEvent::Reset { reason } => {
-            tracing::warn!(pod = %pod.name(), %reason, "clearing pod blocks");
-            pod.clear_blocks();
-        }
-    };
-    while let Some(first) = rx.recv().await {
-        handle(first);
-        let deadline = tokio::time::Instant::now() + flush;
-        while let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-            handle(ev);
-        }
+        tokio::time::sleep(window).await;
+        // Disarm before taking the changes: a batch applied from here on opens the next window
+        // (at worst that window finds nothing left and sends nothing).
+        flush.armed.store(false, Ordering::Release);
         pod.flush_blocks();
     }
 }
