@@ -36,6 +36,9 @@ pub struct FleetSpec {
     pub round_robin_baseline: bool,
     /// Picker log level.
     pub picker_log_level: String,
+    /// Start the picker without a tokenizer for the model, in approximate mode (SPEC §6: text
+    /// blocks matched against where earlier requests went; the KV-event index is not consulted).
+    pub picker_approximate: bool,
 }
 
 impl Default for FleetSpec {
@@ -54,6 +57,7 @@ impl Default for FleetSpec {
             report_interval_ms: 500,
             round_robin_baseline: false,
             picker_log_level: "info".into(),
+            picker_approximate: false,
         }
     }
 }
@@ -395,17 +399,22 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
 }
 
 fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Value {
+    let model = if spec.picker_approximate {
+        json!({"name": spec.model, "target_model": spec.model, "adapter": null, "mode": "approximate"})
+    } else {
+        json!({
+            "name": spec.model,
+            "target_model": spec.model,
+            "adapter": null,
+            "tokenizer": path_arg(&paths::tokenizer_dir()),
+        })
+    };
     json!({
         "ext_proc_addr": format!("127.0.0.1:{ext_proc}"),
         "ingest_addr": format!("127.0.0.1:{ingest}"),
         "admin_addr": format!("127.0.0.1:{admin}"),
         "block_size": 16,
-        "models": [{
-            "name": spec.model,
-            "target_model": spec.model,
-            "adapter": null,
-            "tokenizer": path_arg(&paths::tokenizer_dir()),
-        }],
+        "models": [model],
     })
 }
 
