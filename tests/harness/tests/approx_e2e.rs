@@ -5,6 +5,8 @@
 //!
 //! Needs the workspace binaries (`cargo build --bins`) and Envoy (`scripts/install-envoy`).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use kvroute_harness::{ChatOutcome, Fleet, FleetSpec, GatewayClient, Workload};
 use serde_json::Value;
 
