@@ -20,7 +20,10 @@ struct Cli {
     log_level: String,
 }
 
-#[tokio::main]
+// One thread runs every task (scrapes, flushes, picker streams, metrics: light, mostly idle);
+// KV events are decoded and applied on their own subscriber threads. A multi-thread runtime would
+// start one worker per core (dozens on a GPU node) and pay cross-worker wake-ups (issue 5).
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
     match run(Cli::parse()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
