@@ -1,6 +1,7 @@
 //! Fixture tests: every captured vLLM message decodes to what `expected.json` says.
 
 use super::*;
+use rmpv::Value;
 use serde_json::{Value as Json, json};
 
 const FOLDERS: [&str; 2] = ["v0.33", "legacy-array"];
@@ -110,9 +111,9 @@ fn lora_block_extra_keys_are_not_opaque_but_multimodal_are() {
         assert_eq!(lora.opaque_extra_keys, vec![false]);
     }
     let mm = Value::Array(vec![Value::Array(vec![Value::from("3f2a…mmhash"), Value::from(0)])]);
-    assert_eq!(extra_keys(Some(&mm), 1, None), vec![true]);
+    assert_eq!(extra_keys(Some(&mm.as_ref()), 1, None), vec![true]);
     let salted = Value::Array(vec![Value::Nil, Value::Array(vec![Value::from("sql-lora"), Value::from("salt")])]);
-    assert_eq!(extra_keys(Some(&salted), 2, Some("sql-lora")), vec![false, true]);
+    assert_eq!(extra_keys(Some(&salted.as_ref()), 2, Some("sql-lora")), vec![false, true]);
 }
 
 fn hex(s: &str) -> Vec<u8> {
