@@ -154,9 +154,10 @@ fn seq_u64(frame: &[u8]) -> Result<u64, KvEventError> {
 }
 
 /// Decodes one SUB message: `[topic, seq, payload]` (or `[seq, payload]` without a topic frame).
-pub fn decode_message(frames: &[Vec<u8>]) -> Result<KvMessage, KvEventError> {
-    let (topic, seq, payload) = match frames {
-        [topic, seq, payload] => (topic.as_slice(), seq, payload),
+/// Frames are anything that derefs to bytes (`Vec<u8>`, `zmq::Message`).
+pub fn decode_message<F: std::ops::Deref<Target = [u8]>>(frames: &[F]) -> Result<KvMessage, KvEventError> {
+    let (topic, seq, payload): (&[u8], &[u8], &[u8]) = match frames {
+        [topic, seq, payload] => (topic, seq, payload),
         [seq, payload] => (&[][..], seq, payload),
         _ => return Err(KvEventError::Frames { expected: "2 or 3", got: frames.len() }),
     };

@@ -118,8 +118,10 @@ fn run(
     if !replay_all(&ctx, cfg, tx, metrics, &mut st) {
         return Ok(());
     }
+    // Frames of the current message, reused: no allocation or copy per frame on our side.
+    let mut parts: Vec<zmq::Message> = Vec::new();
     while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
-        let received = sub.recv_multipart(0);
+        let received = recv_parts(&sub, &mut parts);
         if link.poll(&monitor) {
             tracing::warn!(pod = %cfg.pod, "KV-event publisher reconnected (engine may have restarted): clearing, replaying");
             metrics.kv_resyncs.get_or_create(&labels).inc();
@@ -130,12 +132,12 @@ fn run(
             }
         }
         let frames = match received {
-            Ok(f) => f,
+            Ok(n) => parts.get(..n).unwrap_or_default(),
             Err(zmq::Error::EAGAIN) => continue,
             Err(zmq::Error::ETERM) => return Ok(()),
             Err(e) => return Err(zerr("recv", &cfg.kv_events)(e)),
         };
-        let msg = match decode_message(&frames) {
+        let msg = match decode_message(frames) {
             Ok(m) => m,
             Err(e) => {
                 malformed_ctr.inc();
@@ -181,6 +183,23 @@ fn run(
         forward(tx, &mut st, msg);
     }
     Ok(())
+}
+
+/// Receives one multipart message into `parts` (grown as needed, messages reused); returns
+/// its frame count.
+fn recv_parts(sock: &zmq::Socket, parts: &mut Vec<zmq::Message>) -> Result<usize, zmq::Error> {
+    let mut n = 0;
+    loop {
+        if parts.len() == n {
+            parts.push(zmq::Message::new());
+        }
+        let Some(part) = parts.get_mut(n) else { return Ok(n) };
+        sock.recv(part, 0)?;
+        n += 1;
+        if !part.get_more() {
+            return Ok(n);
+        }
+    }
 }
 
 struct SeqState {
