@@ -382,3 +382,83 @@ fn scrape_err(metrics: &AgentMetrics, labels: &crate::telemetry::Labels, pod: &s
     metrics.scrape_errors.get_or_create(labels).inc();
     tracing::debug!(pod, error = %e, "engine scrape failed");
 }
+
+#[cfg(test)]
+mod tests {
+    //! The subscriber-thread sink and the flush task: batches of several pods applied inside one
+    //! window go out as one delta per pod, after one wake-up; a closed flush task closes the sinks.
+    use super::*;
+    use crate::engine::kv_events::decode_message;
+
+    const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+    fn message(n: usize) -> KvMessage {
+        let dir = format!("{}/../tests/fixtures/vllm-kv-events/v0.33", env!("CARGO_MANIFEST_DIR"));
+        let frames: Vec<Vec<u8>> = ["topic", "seq", "msgpack"]
+            .iter()
+            .map(|e| std::fs::read(format!("{dir}/batch-{n}.{e}")).expect("fixture"))
+            .collect();
+        decode_message(&frames).expect("decodes")
+    }
+
+    fn info(pod: &str) -> PodInfo {
+        PodInfo { pod: pod.into(), model: MODEL.into(), block_size: 16, ..Default::default() }
+    }
+
+    #[tokio::test]
+    async fn one_window_sends_one_delta_per_pod_with_every_batch() {
+        let hub = Hub::new(vec![info("a"), info("b")], 64);
+        let mut deltas = hub.subscribe();
+        let metrics = AgentMetrics::new();
+        let flush = Arc::new(FlushSignal::default());
+        let alive = Arc::new(());
+        let sinks: Vec<PodSink> = hub
+            .pods()
+            .iter()
+            .map(|p| PodSink::new(p.clone(), flush.clone(), Arc::downgrade(&alive), &metrics))
+            .collect();
+        let (_stop_tx, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(flush_task(hub.clone(), flush.clone(), Duration::from_millis(200), alive, stop_rx));
+        // Both pods get two batches from their own threads, well inside one 200 ms window.
+        let threads: Vec<_> = sinks
+            .into_iter()
+            .map(|mut sink| {
+                std::thread::spawn(move || {
+                    sink.batch(message(0));
+                    sink.batch(message(1));
+                    sink
+                })
+            })
+            .collect();
+        let sinks: Vec<PodSink> = threads.into_iter().map(|t| t.join().expect("sink thread")).collect();
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
+            got.push(o);
+        }
+        let mut pods: Vec<&str> = got.iter().map(|o| o.delta.pod.as_str()).collect();
+        pods.sort_unstable();
+        assert_eq!(pods, ["a", "b"]);
+        for o in &got {
+            let blocks = o.delta.blocks.as_ref().expect("block changes");
+            let stored: usize = blocks.stored.iter().map(|r| r.hashes.len()).sum();
+            // Batch 0 stores A's 3 blocks, batch 1 B's 2 new ones: both in the one delta.
+            assert_eq!((o.delta.seq, stored), (1, 5), "{:?}", o.delta);
+        }
+        // Nothing else in that window, and the window is closed again.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(deltas.try_recv().is_err());
+        assert!(!flush.armed.load(Ordering::Acquire));
+        // A later batch opens a new window.
+        let mut sinks = sinks;
+        sinks[0].batch(message(2));
+        let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
+        assert_eq!((o.delta.pod.as_str(), o.delta.seq), ("a", 2));
+        assert_eq!(o.delta.blocks.as_ref().map(|b| b.removed.len()), Some(1));
+        // The flush task gone, the sinks report closed (their subscriber threads then exit).
+        assert!(!sinks[0].is_closed());
+        task.abort();
+        let _ = task.await;
+        assert!(sinks.iter().all(PodSink::is_closed));
+    }
+}
