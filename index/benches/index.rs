@@ -1,6 +1,6 @@
 //! Index benchmarks (issue 4, SPEC §10): hashing a 4096-token prompt; lookup of a 256-block
 //! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss); ingest throughput
-//! with 2 concurrent readers; publish latency. Each measured for both snapshot designs and the
+//! with 2 concurrent readers; publish latency. Each measured for every snapshot design and the
 //! naive `std::collections::HashMap` model in the same run, so results read as ratios.
 //!
 //! Criterion reports medians of batched iterations; per-lookup p50/p99 come from the
@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvroute_common::{BlockHash, BlockHasher};
-use kvroute_index::{Backend, BlockPods, DoubleBackend, MatchScratch, PodIdx, ShardedBackend, Writer, match_prefix};
+use kvroute_index::{
+    Backend, BlockPods, DoubleBackend, MatchScratch, PodIdx, PooledBackend, ShardedBackend, Writer, match_prefix,
+};
 use workload::{CHAIN_BLOCKS, SplitMix, Workload};
 
 /// Entries in the lookup/ingest index (SPEC §10: ~1.04M).
@@ -235,12 +237,45 @@ fn ingest_double(c: &mut Criterion, w: &Workload, with_readers: bool) {
     );
 }
 
+/// Design C with readers, also reporting how often readers held every spare copy (the pool grew,
+/// or the writer waited).
+fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
+    let (published, mut writer) = build::<PooledBackend<MAX>>(w);
+    let mut rng = SplitMix(7);
+    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = readers(&published, &w.hit(), &stop);
+    let mut rounds = 0u64;
+    let mut g = c.benchmark_group("ingest");
+    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
+    g.bench_function(format!("pooled{MAX}/2_readers"), |b| {
+        b.iter_custom(|iters| {
+            rounds += iters;
+            (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()
+        })
+    });
+    g.finish();
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let b = writer.backend();
+    println!(
+        "ingest/pooled{MAX}: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
+        2 * rounds,
+        b.copies(),
+        b.waits(),
+        b.copies_held()
+    );
+}
+
 fn ingest(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
     ingest_design::<ShardedBackend>(c, "sharded", &w, true);
     ingest_design::<ShardedBackend>(c, "sharded", &w, false);
     ingest_double(c, &w, true);
     ingest_design::<DoubleBackend>(c, "double", &w, false);
+    ingest_pooled::<3>(c, &w);
+    ingest_design::<PooledBackend<3>>(c, "pooled3", &w, false);
+    ingest_pooled::<4>(c, &w);
     // Naive: no snapshots at all (a reader would need a lock), so no readers: an upper bound.
     let mut naive = build_naive(&w);
     let mut rng = SplitMix(7);
@@ -307,6 +342,7 @@ fn publish(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
     publish_design::<ShardedBackend>(c, "sharded", &w);
     publish_design::<DoubleBackend>(c, "double", &w);
+    publish_design::<PooledBackend<3>>(c, "pooled3", &w);
 }
 
 fn pct(mut ns: Vec<u64>) -> (f64, f64) {

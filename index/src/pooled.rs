@@ -31,13 +31,15 @@ use crate::hasher::{map_link, map_unlink};
 use crate::writer::{Backend, Writer};
 use crate::{IndexStats, PodIdx};
 
-/// Most map copies the writer keeps (writable or spare, plus the published one).
+/// Most map copies the writer keeps (writable or spare, plus the published one), by default.
 pub const MAX_COPIES: usize = 3;
 /// Longest the writer waits, once the pool is full and every spare is held, before copying.
 pub const RECLAIM_WAIT: Duration = Duration::from_millis(10);
 /// A spare lagging the writer by more ops than this is dropped rather than kept up to date
-/// (16 bytes of log per op: 16 MiB).
-pub const MAX_LAG_OPS: u64 = 1 << 20;
+/// (16 bytes of log per op: 4 MiB). A spare no write needed for that long (a fresher one was
+/// always free, or a reader holds it) is not worth its memory; replaying that many ops costs
+/// about as much as copying a 1M-entry map.
+pub const MAX_LAG_OPS: u64 = 1 << 18;
 /// Yields before the writer starts sleeping between attempts when the pool is full.
 const RECLAIM_SPINS: u32 = 64;
 /// Sleep between attempts after the spins.
@@ -50,9 +52,9 @@ struct Spare {
     at: u64,
 }
 
-/// Writer side of design C.
+/// Writer side of design C, keeping at most `MAX` map copies (at least 2).
 #[derive(Debug)]
-pub struct PooledBackend {
+pub struct PooledBackend<const MAX: usize = MAX_COPIES> {
     /// The copy the writer owns (refcount 1), at log position `head`. `None` after a publish.
     writable: Option<DoubleSnapshot>,
     /// Earlier published copies, possibly still held by readers.
@@ -68,7 +70,7 @@ pub struct PooledBackend {
     waits: u64,
 }
 
-impl PooledBackend {
+impl<const MAX: usize> PooledBackend<MAX> {
     /// Times the writer copied the published map because readers held every spare (growing the
     /// pool, or replacing a spare held past [`RECLAIM_WAIT`]).
     pub fn copies(&self) -> u64 {
@@ -108,7 +110,7 @@ impl PooledBackend {
             if let Some(copy) = self.try_take_free() {
                 return Some(copy);
             }
-            if self.copies_held() < MAX_COPIES {
+            if self.copies_held() < MAX.max(2) {
                 self.copies += 1;
                 return None;
             }
@@ -173,7 +175,7 @@ impl PooledBackend {
     }
 }
 
-impl Backend for PooledBackend {
+impl<const MAX: usize> Backend for PooledBackend<MAX> {
     type Snapshot = DoubleSnapshot;
 
     fn new(published: Arc<ArcSwap<DoubleSnapshot>>) -> Self {

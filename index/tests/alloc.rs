@@ -12,7 +12,9 @@ use std::alloc::System;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
-use kvroute_index::{Backend, BlockPods, DoubleBackend, MatchScratch, ShardedBackend, Writer, match_prefix};
+use kvroute_index::{
+    Backend, BlockPods, DoubleBackend, MatchScratch, PooledBackend, ShardedBackend, Writer, match_prefix,
+};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use workload::{SplitMix, Workload};
 
@@ -81,6 +83,11 @@ fn double_buffered_lookup_allocates_nothing() {
     lookups_do_not_allocate::<DoubleBackend>();
 }
 
+#[test]
+fn pooled_lookup_allocates_nothing() {
+    lookups_do_not_allocate::<PooledBackend>();
+}
+
 /// Net heap bytes per (block, pod) entry of the writer plus everything it published.
 fn bytes_per_entry<B: Backend>(entries: usize) -> f64
 where
@@ -113,9 +120,48 @@ where
 
 #[test]
 fn bytes_per_entry_at_1m_within_spec() {
-    for per in [bytes_per_entry::<ShardedBackend>(1_000_000), bytes_per_entry::<DoubleBackend>(1_000_000)] {
+    for per in [
+        bytes_per_entry::<ShardedBackend>(1_000_000),
+        bytes_per_entry::<DoubleBackend>(1_000_000),
+        bytes_per_entry::<PooledBackend>(1_000_000),
+    ] {
         assert!(per <= 100.0, "{per:.1} B/entry over SPEC §10's 100");
     }
+}
+
+/// Design C at its worst: readers hold the two previous snapshots, so the pool grows to three
+/// map copies. Measured for `docs/index.md`; bound: three copies of B's map, under 1.5× B.
+#[test]
+fn pooled_bytes_per_entry_with_held_snapshots() {
+    let base = bytes_per_entry::<PooledBackend>(1_000_000);
+    let _turn = serial();
+    let w = Workload::new(1_000_000, 3);
+    let region = Region::new(GLOBAL);
+    let (published, mut writer) = build::<PooledBackend>(&w);
+    let mut held = Vec::new();
+    for k in 0..4 {
+        let (pod, chain) = (w.placement[k][0], &w.chains[k][..1]);
+        writer.remove(pod, chain);
+        writer.publish();
+        held.push(published.load_full());
+        writer.store(pod, chain);
+        writer.publish();
+        held.push(published.load_full());
+        if held.len() > 2 {
+            held.drain(..held.len() - 2);
+        }
+    }
+    writer.remove(w.placement[0][0], &w.chains[0][..1]);
+    let c = region.change();
+    let bytes = c.bytes_allocated as i64 - c.bytes_deallocated as i64 + c.bytes_reallocated as i64;
+    let per = bytes as f64 / w.entries() as f64;
+    println!(
+        "pooled with 2 held snapshots: {} copies, {per:.1} B/entry measured (unheld: {base:.1})",
+        writer.backend().copies_held()
+    );
+    assert_eq!(writer.backend().copies_held(), 3);
+    assert!(per < 1.5 * base, "{per:.1} B/entry with three copies, {base:.1} with two");
+    drop((held, published, writer));
 }
 
 #[test]
