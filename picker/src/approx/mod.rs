@@ -18,7 +18,9 @@
 //! Chat requests hash the concatenated message roles and contents (and the tools, first, when
 //! present); completions hash the prompt; token-id prompts use the token chain (block size of the
 //! config) recorded in the same store. 64 characters ≈ 16 tokens, so matched-block counts are on
-//! the same scale as vLLM's 16-token blocks.
+//! the same scale as vLLM's 16-token blocks. The router still walks the KV-event index and takes,
+//! per pod, the larger of the two counts (`Router::route_with`): where engines do send KV events,
+//! a token-id prompt keeps its exact match; a text chain never matches the index.
 //!
 //! Concurrency: the store is shared by `Arc` between request tasks; lookups take a read lock,
 //! recording a decision a write lock (`parking_lot::RwLock`, never held across an await).

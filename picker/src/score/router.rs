@@ -142,9 +142,10 @@ impl Router {
         self.route_with(req, None)
     }
 
-    /// Like [`Router::route`], with the matched blocks from `matches` instead of the index when
-    /// given (approximate mode, SPEC §6; `req.block_hashes` is then the text chain and only its
-    /// length is used).
+    /// Like [`Router::route`], with a second source of matched blocks (approximate mode, SPEC §6):
+    /// a pod's count is the larger of the index walk's (what KV events proved) and `matches`' (what
+    /// earlier routing suggests). A text chain never matches the index (its own hash domain), so
+    /// that walk ends at the first block; token-id prompts keep the index's exact answer.
     pub fn route_with(
         &self,
         req: &RouteRequest<'_>,
@@ -242,9 +243,7 @@ impl Router {
         let mut excluded = Vec::new();
         let mut model_pods = 0;
         let mut walk = |scratch: &mut MatchScratch| {
-            if matches.is_none() {
-                index.match_prefix(req.block_hashes, scratch);
-            }
+            index.match_prefix(req.block_hashes, scratch);
             for rec in pods {
                 let status = rec.status.load_full();
                 if status.model != req.model {
@@ -254,10 +253,8 @@ impl Router {
                 match filter::exclusion(&status, req.subset, self.config.health_exclusion_threshold, grace, now) {
                     Some(why) => excluded.push((rec.name.as_str(), why)),
                     None => {
-                        let matched = match matches {
-                            Some(m) => m.matched_blocks(&rec.name),
-                            None => scratch.matched(rec.idx),
-                        };
+                        let indexed = scratch.matched(rec.idx);
+                        let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
                         pre.push(Pre { rec, status, matched });
                     }
                 }
