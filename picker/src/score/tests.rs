@@ -119,6 +119,31 @@ async fn partial_prefix_counts_consecutive_blocks_from_the_start() {
     assert!((d.match_ratio - 0.4).abs() < 1e-12);
 }
 
+/// `route_with`: per pod the larger of the index's and the alternative source's matched blocks.
+#[tokio::test]
+async fn route_with_takes_the_larger_of_index_and_alternative_matches() {
+    struct Fixed(&'static str, u32);
+    impl super::PrefixMatches for Fixed {
+        fn matched_blocks(&self, pod: &str) -> u32 {
+            if pod == self.0 { self.1 } else { 0 }
+        }
+    }
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 10);
+    put(&pool, "indexed", "m", stats(0.5, 0, 1.0), &c[..4]).await;
+    put(&pool, "guessed", "m", stats(0.5, 0, 1.0), &[]).await;
+    let Ok(d) = r.route_with(&req(&c), Some(&Fixed("guessed", 8))) else { panic!("no decision") };
+    assert_eq!((d.pod.as_str(), d.matched_blocks), ("guessed", 8));
+    let m = |name: &str| d.candidates.iter().find(|c| c.pod == name).map(|c| c.matched_blocks);
+    assert_eq!(m("indexed"), Some(4), "the index still counts");
+    drop(d);
+    let Ok(d) = r.route_with(&req(&c), Some(&Fixed("indexed", 2))) else { panic!("no decision") };
+    assert_eq!((d.pod.as_str(), d.matched_blocks), ("indexed", 4), "a smaller guess never lowers the index");
+    drop(d);
+    let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+    assert_eq!((d.pod.as_str(), d.matched_blocks), ("indexed", 4));
+}
+
 #[tokio::test]
 async fn full_queue_spills_then_degrades_or_sheds() {
     let (pool, r) = router(ScoringConfig::default());
