@@ -167,7 +167,11 @@ fn pooled_bytes_per_entry_with_held_snapshots() {
 #[test]
 #[ignore = "10M entries: run in release (`cargo test --release -p kvroute-index --test alloc -- --ignored --nocapture`)"]
 fn bytes_per_entry_at_10m() {
-    for per in [bytes_per_entry::<ShardedBackend>(10_000_000), bytes_per_entry::<DoubleBackend>(10_000_000)] {
+    for per in [
+        bytes_per_entry::<ShardedBackend>(10_000_000),
+        bytes_per_entry::<DoubleBackend>(10_000_000),
+        bytes_per_entry::<PooledBackend>(10_000_000),
+    ] {
         assert!(per <= 100.0, "{per:.1} B/entry over SPEC §10's 100");
     }
 }
