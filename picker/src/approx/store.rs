@@ -275,6 +275,68 @@ mod tests {
         assert_eq!(s.match_chain(&chain(&[1, 2, 3, 4])).matched("a"), 2);
     }
 
+    /// The naive model: per pod a recency list (most recent last), capacity-bounded.
+    #[derive(Default)]
+    struct Naive {
+        pods: std::collections::BTreeMap<String, Vec<BlockHash>>,
+    }
+
+    impl Naive {
+        fn record(&mut self, pod: &str, chain: &[BlockHash], capacity: usize) {
+            let list = self.pods.entry(pod.to_owned()).or_default();
+            for h in chain.iter().rev() {
+                list.retain(|x| x != h);
+                list.push(*h);
+            }
+            let excess = list.len().saturating_sub(capacity);
+            list.drain(..excess);
+        }
+        fn matched(&self, pod: &str, chain: &[BlockHash]) -> u32 {
+            let Some(list) = self.pods.get(pod) else { return 0 };
+            chain.iter().take_while(|h| list.contains(h)).count() as u32
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 300,
+            rng_seed: proptest::test_runner::RngSeed::Fixed(6),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Differential: random recordings (chains that branch from a few shared prefixes) on
+        /// three pods, then every query's per-pod match equals the naive model's.
+        #[test]
+        fn store_matches_the_naive_model(
+            capacity in 1usize..12,
+            ops in proptest::collection::vec((0usize..3, 0u64..3, 0usize..6, 0u64..4), 1..40),
+            queries in proptest::collection::vec((0u64..3, 0usize..8, 0u64..4), 1..10),
+        ) {
+            // Chain = `len` blocks under prefix family `fam`, the last one varied by `tail`.
+            let make = |fam: u64, len: usize, tail: u64| -> Vec<BlockHash> {
+                (0..len as u64).map(|i| BlockHash(fam * 1000 + i * 10 + if i + 1 == len as u64 { tail } else { 0 })).collect()
+            };
+            let s = store(capacity);
+            let mut naive = Naive::default();
+            let pods = ["a", "b", "c"];
+            for (p, fam, len, tail) in ops {
+                let c = make(fam, len, tail);
+                s.record(pods[p], &c);
+                naive.record(pods[p], &c, capacity);
+            }
+            for (fam, len, tail) in queries {
+                let q = make(fam, len, tail);
+                let m = s.match_chain(&q);
+                for p in pods {
+                    proptest::prop_assert_eq!(m.matched(p), naive.matched(p, &q), "pod {} query {:?}", p, q);
+                }
+            }
+            for p in pods {
+                proptest::prop_assert_eq!(s.pod_blocks(p), naive.pods.get(p).map_or(0, Vec::len));
+            }
+        }
+    }
+
     #[test]
     fn pods_past_the_cap_forget_the_least_recently_routed() {
         let s = store(4);
