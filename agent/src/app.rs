@@ -135,6 +135,8 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
     // The flush task holds the only strong `alive`: when it ends (or is aborted with the task
     // set), the subscriber threads see their sinks closed and exit.
     let alive = Arc::new(());
+    // One ZeroMQ context (one I/O thread) for every subscriber.
+    let zmq_ctx = zmq::Context::new();
     for (engine, pod) in config.engines.iter().zip(hub.pods().iter().cloned()) {
         if let Some(kv_events) = &engine.kv_events {
             let sink = PodSink::new(pod.clone(), flush.clone(), Arc::downgrade(&alive), &metrics);
@@ -144,7 +146,7 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
                 kv_replay: engine.kv_replay.clone(),
                 replay_timeout: Duration::from_secs(1),
             };
-            subscriber::spawn(sub_cfg, sink, metrics.clone(), stop_threads.clone())
+            subscriber::spawn(zmq_ctx.clone(), sub_cfg, sink, metrics.clone(), stop_threads.clone())
                 .map_err(|source| AgentError::Thread { pod: engine.pod.clone(), source })?;
         }
         tasks.spawn(scrape_task(engine.clone(), config.clone(), pod, gpu.clone(), metrics.clone(), stop_rx.clone()));

@@ -22,6 +22,9 @@
 //! blip to the same engine costs the same clear-and-replay: never wrong, at worst under-claiming
 //! blocks older than the replay buffer.
 //!
+//! All subscribers of an agent share one ZeroMQ context (one libzmq I/O thread and one reaper
+//! for every engine, instead of two threads per engine); each has its own monitor endpoint.
+//!
 //! `connect()` returns at once even when the engine is not up; libzmq reconnects by itself
 //! (0.2–0.3 s after a publisher restart). The thread exits when the sink reports itself closed or
 //! `stop` is set.
@@ -29,7 +32,7 @@
 use super::kv_events::{KvMessage, ReplayFrame, decode_message, decode_replay};
 use crate::telemetry::{AgentMetrics, pod_label};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Receives what the subscriber thread decodes, in seq order, on the subscriber's own thread
@@ -74,13 +77,14 @@ pub enum SubscriberError {
 
 /// Starts the subscriber thread.
 pub fn spawn<S: EventSink>(
+    ctx: zmq::Context,
     cfg: SubscriberConfig,
     mut sink: S,
     metrics: Arc<AgentMetrics>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name(format!("kv-sub-{}", cfg.pod)).spawn(move || {
-        if let Err(e) = run(&cfg, &mut sink, &metrics, &stop) {
+        if let Err(e) = run(&ctx, &cfg, &mut sink, &metrics, &stop) {
             tracing::error!(pod = %cfg.pod, error = %e, "KV-event subscriber stopped");
         }
     })
@@ -91,22 +95,24 @@ fn zerr<'a>(what: &'static str, endpoint: &'a str) -> impl FnOnce(zmq::Error) ->
 }
 
 fn run(
+    ctx: &zmq::Context,
     cfg: &SubscriberConfig,
     tx: &mut dyn EventSink,
     metrics: &AgentMetrics,
     stop: &AtomicBool,
 ) -> Result<(), SubscriberError> {
-    let ctx = zmq::Context::new();
+    let monitor_endpoint = format!("inproc://kv-sub-monitor-{}", MONITOR_IDS.fetch_add(1, Ordering::Relaxed));
+    let monitor_endpoint = monitor_endpoint.as_str();
     let sub = ctx.socket(zmq::SUB).map_err(zerr("socket", &cfg.kv_events))?;
     sub.set_subscribe(b"").map_err(zerr("subscribe", &cfg.kv_events))?;
     sub.set_rcvtimeo(100).map_err(zerr("rcvtimeo", &cfg.kv_events))?;
     sub.set_linger(0).map_err(zerr("linger", &cfg.kv_events))?;
     // Monitor before connect, so the first CONNECTED is seen too.
     let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
-    sub.monitor(MONITOR_ENDPOINT, i32::from(events)).map_err(zerr("monitor", &cfg.kv_events))?;
-    let monitor = ctx.socket(zmq::PAIR).map_err(zerr("socket", MONITOR_ENDPOINT))?;
-    monitor.set_linger(0).map_err(zerr("linger", MONITOR_ENDPOINT))?;
-    monitor.connect(MONITOR_ENDPOINT).map_err(zerr("connect", MONITOR_ENDPOINT))?;
+    sub.monitor(monitor_endpoint, i32::from(events)).map_err(zerr("monitor", &cfg.kv_events))?;
+    let monitor = ctx.socket(zmq::PAIR).map_err(zerr("socket", monitor_endpoint))?;
+    monitor.set_linger(0).map_err(zerr("linger", monitor_endpoint))?;
+    monitor.connect(monitor_endpoint).map_err(zerr("connect", monitor_endpoint))?;
     sub.connect(&cfg.kv_events).map_err(zerr("connect", &cfg.kv_events))?;
     let labels = pod_label(&cfg.pod);
     // Hot-path counters resolved once (a family lookup hashes the labels under a lock).
@@ -115,7 +121,7 @@ fn run(
     let mut st = SeqState { last: None, dup_upto: None };
     let mut link = LinkState::default();
     // History the engine still buffers (we may have started after it).
-    if !replay_all(&ctx, cfg, tx, metrics, &mut st) {
+    if !replay_all(ctx, cfg, tx, metrics, &mut st) {
         return Ok(());
     }
     // Frames of the current message, reused: no allocation or copy per frame on our side.
@@ -127,7 +133,7 @@ fn run(
             metrics.kv_resyncs.get_or_create(&labels).inc();
             tx.reset("publisher reconnected");
             st.last = None;
-            if !replay_all(&ctx, cfg, tx, metrics, &mut st) {
+            if !replay_all(ctx, cfg, tx, metrics, &mut st) {
                 return Ok(());
             }
         }
@@ -162,7 +168,7 @@ fn run(
             }
             Some(last) if msg.seq > last + 1 => {
                 let from = last + 1;
-                let got = replay(&ctx, cfg, from).unwrap_or_default();
+                let got = replay(ctx, cfg, from).unwrap_or_default();
                 let filled: Vec<KvMessage> = got.into_iter().filter(|m| m.seq >= from && m.seq < msg.seq).collect();
                 let contiguous = filled.iter().enumerate().all(|(i, m)| m.seq == from + i as u64)
                     && filled.len() as u64 == msg.seq - from;
@@ -209,8 +215,9 @@ struct SeqState {
     dup_upto: Option<u64>,
 }
 
-/// In-process endpoint of the SUB socket's monitor (one context per subscriber thread).
-const MONITOR_ENDPOINT: &str = "inproc://kv-sub-monitor";
+/// Numbers the in-process monitor endpoints (`inproc://kv-sub-monitor-<n>`), unique within the
+/// shared context.
+static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
 
 /// Connection history of the SUB socket, from its monitor events.
 #[derive(Default)]
