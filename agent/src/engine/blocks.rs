@@ -22,9 +22,11 @@
 //! Concurrency: plain data, owned by one pod's state behind its mutex; no locking here.
 
 use super::kv_events::{BlockStored, KvEvent, KvEventBatch, Medium};
+use fold_hash::{FoldMap, FoldSet, FoldState};
 use kvroute_common::{BlockHash, BlockHasher, EngineBlockHash};
 use kvroute_proto::agent::v1::{BlockChanges, BlockRun};
-use std::collections::{HashMap, HashSet};
+
+mod fold_hash;
 
 /// Counters of what [`BlockRecord::apply`] could not place.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -57,8 +59,8 @@ pub struct BlockRecord {
     model: String,
     /// Interned media: index = medium id used in `engine_to_kv` keys.
     media: Vec<Medium>,
-    engine_to_kv: HashMap<(MediumId, EngineBlockHash), BlockHash>,
-    gpu: HashMap<BlockHash, GpuBlock>,
+    engine_to_kv: FoldMap<(MediumId, EngineBlockHash), BlockHash>,
+    gpu: FoldMap<BlockHash, GpuBlock>,
     /// One hasher per (LoRA name, block size): few, so a vector searched in order.
     hashers: Vec<(Option<String>, u32, BlockHasher)>,
     pending_cleared: bool,
@@ -73,8 +75,8 @@ impl BlockRecord {
         Self {
             model: model.to_string(),
             media: vec![Medium::Gpu, Medium::Cpu],
-            engine_to_kv: HashMap::new(),
-            gpu: HashMap::new(),
+            engine_to_kv: FoldMap::default(),
+            gpu: FoldMap::default(),
             hashers: Vec::new(),
             pending_cleared: false,
             pending_stored: Vec::new(),
@@ -256,7 +258,7 @@ impl BlockRecord {
     /// Takes the changes since the previous call, netted against the current state.
     pub fn take_changes(&mut self) -> BlockChanges {
         let mut changes = BlockChanges { cleared: std::mem::take(&mut self.pending_cleared), ..Default::default() };
-        let mut announced = HashSet::new();
+        let mut announced = FoldSet::default();
         for (parent, hashes) in std::mem::take(&mut self.pending_stored) {
             let mut prev = parent;
             let mut cur: Option<BlockRun> = None;
@@ -272,7 +274,7 @@ impl BlockRecord {
             }
             changes.stored.extend(cur);
         }
-        let mut removed_seen = HashSet::new();
+        let mut removed_seen = FoldSet::default();
         for h in std::mem::take(&mut self.pending_removed) {
             if !self.gpu.contains_key(&h) && removed_seen.insert(h) {
                 changes.removed.push(h.0);
@@ -283,7 +285,7 @@ impl BlockRecord {
 
     /// The whole GPU set as runs (each block exactly once), for a `PodSnapshot`.
     pub fn snapshot_runs(&self) -> Vec<BlockRun> {
-        let mut children: HashMap<BlockHash, Vec<BlockHash>> = HashMap::new();
+        let mut children: FoldMap<BlockHash, Vec<BlockHash>> = FoldMap::default();
         let mut starts = Vec::new();
         for (h, b) in &self.gpu {
             match b.parent {
@@ -293,7 +295,7 @@ impl BlockRecord {
         }
         starts.sort_unstable();
         let mut runs = Vec::new();
-        let mut visited = HashSet::with_capacity(self.gpu.len());
+        let mut visited = FoldSet::with_capacity_and_hasher(self.gpu.len(), FoldState::default());
         let mut stack: Vec<BlockHash> = starts;
         while let Some(first) = stack.pop() {
             if !visited.insert(first) {
