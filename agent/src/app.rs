@@ -137,6 +137,7 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
     let alive = Arc::new(());
     // One ZeroMQ context (one I/O thread) for every subscriber.
     let zmq_ctx = zmq::Context::new();
+    let host_memory = Arc::new(HostMemory::new());
     for (engine, pod) in config.engines.iter().zip(hub.pods().iter().cloned()) {
         if let Some(kv_events) = &engine.kv_events {
             let sink = PodSink::new(pod.clone(), flush.clone(), Arc::downgrade(&alive), &metrics);
@@ -149,7 +150,15 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
             subscriber::spawn(zmq_ctx.clone(), sub_cfg, sink, metrics.clone(), stop_threads.clone())
                 .map_err(|source| AgentError::Thread { pod: engine.pod.clone(), source })?;
         }
-        tasks.spawn(scrape_task(engine.clone(), config.clone(), pod, gpu.clone(), metrics.clone(), stop_rx.clone()));
+        tasks.spawn(scrape_task(
+            engine.clone(),
+            config.clone(),
+            pod,
+            gpu.clone(),
+            metrics.clone(),
+            host_memory.clone(),
+            stop_rx.clone(),
+        ));
     }
 
     let window = Duration::from_millis(config.block_flush_ms);
@@ -260,6 +269,41 @@ async fn flush_task(
     }
 }
 
+/// The host's memory use, read at most once per `max_age` for all engines (one host: reading
+/// `/proc/meminfo` once per engine per scrape was ~2 % of the agent's CPU under load, issue 5).
+struct HostMemory {
+    state: parking_lot::Mutex<HostMemoryState>,
+}
+
+/// The reader (absent where sysinfo cannot read the host) and the last reading (when, used).
+type HostMemoryState = (Option<sysinfo::System>, Option<(Instant, f64)>);
+
+impl HostMemory {
+    fn new() -> Self {
+        Self { state: parking_lot::Mutex::new((sysinfo::System::new().ok(), None)) }
+    }
+
+    /// Used fraction of host memory (1 − available / total), at most `max_age` old; `None` when
+    /// unknown.
+    fn used(&self, max_age: Duration) -> Option<f64> {
+        let mut g = self.state.lock();
+        if let Some((at, used)) = g.1
+            && at.elapsed() < max_age
+        {
+            return Some(used);
+        }
+        let sys = g.0.as_mut()?;
+        sys.refresh_memory();
+        let total = sys.total_memory();
+        if total == 0 {
+            return None;
+        }
+        let used = 1.0 - sys.available_memory() as f64 / total as f64;
+        g.1 = Some((Instant::now(), used));
+        Some(used)
+    }
+}
+
 /// Scrapes the engine, samples its GPUs and the host, computes health and updates the pod.
 async fn scrape_task(
     engine: EngineConfig,
@@ -267,12 +311,12 @@ async fn scrape_task(
     pod: Arc<Pod>,
     gpu: Arc<dyn GpuSource>,
     metrics: Arc<AgentMetrics>,
+    host_memory: Arc<HostMemory>,
     mut stop: watch::Receiver<bool>,
 ) {
     let labels = pod_label(&engine.pod);
     let probe_timeout = Duration::from_millis(config.probe_timeout_ms);
     let client = EngineClient::new(&engine.endpoint, probe_timeout);
-    let mut sys = sysinfo::System::new().ok();
     let mut scrape = tokio::time::interval(Duration::from_millis(config.scrape_interval_ms));
     scrape.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let probe_every = Duration::from_millis(config.probe_interval_ms);
@@ -354,12 +398,8 @@ async fn scrape_task(
             ecc_window.pop_front();
         }
         inputs.ecc_corrected_per_min = ecc_window.front().map_or(0, |(_, c)| corrected.saturating_sub(*c)) as f64;
-        if let Some(sys) = sys.as_mut() {
-            sys.refresh_memory();
-            let total = sys.total_memory();
-            if total > 0 {
-                inputs.host_memory_used = 1.0 - sys.available_memory() as f64 / total as f64;
-            }
+        if let Some(used) = host_memory.used(Duration::from_millis(config.scrape_interval_ms)) {
+            inputs.host_memory_used = used;
         }
         let health = health_score(&inputs);
         metrics.health_score.get_or_create(&labels).set(health.score);
@@ -405,6 +445,20 @@ mod tests {
 
     fn info(pod: &str) -> PodInfo {
         PodInfo { pod: pod.into(), model: MODEL.into(), block_size: 16, ..Default::default() }
+    }
+
+    #[test]
+    fn host_memory_is_read_once_per_max_age() {
+        let host = HostMemory::new();
+        let Some(first) = host.used(Duration::from_secs(3600)) else { return }; // no /proc here
+        assert!((0.0..=1.0).contains(&first), "{first}");
+        let at = host.state.lock().1.map(|(t, _)| t);
+        // Within max_age: the same reading, not a new one.
+        assert_eq!(host.used(Duration::from_secs(3600)), Some(first));
+        assert_eq!(host.state.lock().1.map(|(t, _)| t), at);
+        // Past max_age (zero): a fresh reading.
+        host.used(Duration::ZERO);
+        assert_ne!(host.state.lock().1.map(|(t, _)| t), at);
     }
 
     #[tokio::test]
