@@ -3,11 +3,11 @@
 //! per picker and the metrics listener.
 //!
 //! KV events: the subscriber thread decodes each batch and applies it to the pod's record itself
-//! ([`PodSink`]); the first batch of a flush window, from any engine, wakes the agent's one flush
-//! task, which waits `block_flush_ms` and sends what every pod applied meanwhile (one delta per
-//! pod with changes). So the tokio side wakes once per flush window, not once per batch: at
-//! ~22 batches/s per engine a 10 ms window rarely holds two batches of one engine, but often
-//! batches of several.
+//! ([`PodSink`]). The agent's one flush task ticks every `block_flush_ms` while changes keep
+//! coming and sends what every pod applied since the last tick (one delta per pod with changes);
+//! after a tick with nothing new it parks, and the next change (any engine) wakes it. So under
+//! load the tokio side wakes once per window (no per-batch hand-off, no wake-up per batch), and
+//! a change waits at most one window.
 //!
 //! Concurrency: tasks and subscriber threads share only the [`Hub`] (per-pod mutexes, broadcast
 //! channel) and the metric handles. A pod is written by its engine's subscriber thread (blocks)
@@ -27,7 +27,7 @@ use crate::telemetry::{AgentMetrics, pod_label};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{Notify, watch};
@@ -190,18 +190,25 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
     Ok(RunningAgent { metrics_addr, hub, metrics, stop_tx, stop_threads, tasks })
 }
 
-/// Wake-up from the subscriber threads to the flush task, at most one per flush window.
+/// Flush task parked: the next change must wake it.
+const FLUSH_IDLE: u8 = 0;
+/// Flush task ticking, nothing changed since its last tick.
+const FLUSH_CLEAN: u8 = 1;
+/// Flush task ticking, changes wait for its next tick.
+const FLUSH_DIRTY: u8 = 2;
+
+/// Hand-off from the subscriber threads to the flush task: a state (`FLUSH_*`) and a wake-up,
+/// used only when the task is parked.
 #[derive(Default)]
 struct FlushSignal {
-    /// True from the first batch of a window until the flush task starts sending it.
-    armed: AtomicBool,
+    state: AtomicU8,
     notify: Notify,
 }
 
 impl FlushSignal {
-    /// Called after applying changes: wakes the flush task unless a window is already open.
+    /// Called after applying changes: marks them pending; wakes the flush task if it is parked.
     fn changed(&self) {
-        if !self.armed.swap(true, Ordering::AcqRel) {
+        if self.state.swap(FLUSH_DIRTY, Ordering::AcqRel) == FLUSH_IDLE {
             self.notify.notify_one();
         }
     }
@@ -245,8 +252,8 @@ impl EventSink for PodSink {
     }
 }
 
-/// Sends block changes once per flush window: woken by the first change of a window (any pod),
-/// waits `window` so later batches coalesce, then sends each pod's changes as one delta.
+/// Sends block changes once per `window`: parked until a change (any pod), then ticks every
+/// `window`, sending each pod's changes as one delta, until a tick finds nothing new.
 async fn flush_task(
     hub: Arc<Hub>,
     flush: Arc<FlushSignal>,
@@ -259,12 +266,21 @@ async fn flush_task(
             _ = flush.notify.notified() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        tokio::time::sleep(window).await;
-        // Disarm before taking the changes: a batch applied from here on opens the next window
-        // (at worst that window finds nothing left and sends nothing).
-        flush.armed.store(false, Ordering::Release);
-        for pod in hub.pods() {
-            pod.flush_blocks();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(window) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            // Mark clean before taking the changes: a batch applied from here on is sent at the
+            // next tick (at worst that tick finds it already sent and sends nothing).
+            if flush.state.swap(FLUSH_CLEAN, Ordering::AcqRel) == FLUSH_DIRTY {
+                for pod in hub.pods() {
+                    pod.flush_blocks();
+                }
+            } else if flush.state.compare_exchange(FLUSH_CLEAN, FLUSH_IDLE, Ordering::AcqRel, Ordering::Acquire).is_ok()
+            {
+                break;
+            }
         }
     }
 }
@@ -501,10 +517,10 @@ mod tests {
             // Batch 0 stores A's 3 blocks, batch 1 B's 2 new ones: both in the one delta.
             assert_eq!((o.delta.seq, stored), (1, 5), "{:?}", o.delta);
         }
-        // Nothing else in that window, and the window is closed again.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Nothing else in that window; the next tick finds nothing new and parks the task.
+        tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(deltas.try_recv().is_err());
-        assert!(!flush.armed.load(Ordering::Acquire));
+        assert_eq!(flush.state.load(Ordering::Acquire), FLUSH_IDLE);
         // A later batch opens a new window.
         let mut sinks = sinks;
         sinks[0].batch(message(2));
