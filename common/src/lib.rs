@@ -7,6 +7,7 @@
 
 pub mod hash;
 pub mod ids;
+#[cfg(feature = "telemetry")]
 pub mod telemetry;
 
 pub use hash::{BlockHasher, DEFAULT_BLOCK_SIZE};
