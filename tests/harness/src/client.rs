@@ -2,7 +2,7 @@
 //! (first streamed chunk with non-empty text, as inference-perf counts it), which pod served the
 //! request (the engine's `x-served-by` header) and the cached tokens the engine reported.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -52,6 +52,19 @@ impl GatewayClient {
             c["choices"][0]["delta"]["content"].as_str().map(str::to_string)
         })
         .await
+    }
+
+    /// [`chat`](Self::chat) for callers that expect success: an error names the status and body
+    /// when the request failed or never reached an engine (no `x-served-by` header).
+    pub async fn chat_served(&self, model: &str, messages: &[Value], max_tokens: u32) -> Result<ChatOutcome> {
+        let out = self.chat(model, messages, max_tokens).await?;
+        if out.status != 200 {
+            bail!("request failed with {}: {:?}", out.status, out.error);
+        }
+        if out.served_by.is_none() {
+            bail!("no x-served-by header: the request did not reach an engine");
+        }
+        Ok(out)
     }
 
     /// Sends raw bytes to `path` with extra headers; for error-path tests.

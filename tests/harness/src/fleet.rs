@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The base model the demo fleet's engines serve (the Qwen2.5 fixture tokenizer's family).
+pub const DEFAULT_MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+
 /// What to start. `Default` is the demo's fleet: 4 engines, 2 agents, healthy GPUs.
 #[derive(Clone, Debug)]
 pub struct FleetSpec {
@@ -45,7 +48,7 @@ impl Default for FleetSpec {
     fn default() -> Self {
         Self {
             label: "fleet".into(),
-            model: "Qwen/Qwen2.5-7B-Instruct".into(),
+            model: DEFAULT_MODEL.into(),
             engines: 4,
             engines_per_agent: 2,
             agent_scenarios: Vec::new(),

@@ -17,6 +17,6 @@ pub mod run;
 pub mod workload;
 
 pub use client::{ChatOutcome, GatewayClient};
-pub use fleet::{Fleet, FleetSpec};
+pub use fleet::{DEFAULT_MODEL, Fleet, FleetSpec};
 pub use run::{Pacing, RunSummary, TurnRecord, run_chat_workload};
 pub use workload::{Conversation, Workload};

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+use kvroute_harness::DEFAULT_MODEL as MODEL;
 
 fn messages(tag: &str, words: usize) -> Vec<Value> {
     let text: Vec<String> = (0..words).map(|i| format!("{tag}w{i}")).collect();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 static ONE_FLEET_AT_A_TIME: LazyLock<tokio::sync::Mutex<()>> = LazyLock::new(|| tokio::sync::Mutex::new(()));
 
-const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+use kvroute_harness::DEFAULT_MODEL as MODEL;
 
 fn spec(label: &str, engines: usize) -> FleetSpec {
     FleetSpec { label: label.into(), engines, engines_per_agent: engines, time_scale: 0.1, ..Default::default() }

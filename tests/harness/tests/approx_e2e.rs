@@ -10,13 +10,10 @@
 use kvroute_harness::{ChatOutcome, Fleet, FleetSpec, GatewayClient, Workload};
 use serde_json::Value;
 
-const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+use kvroute_harness::DEFAULT_MODEL as MODEL;
 
 async fn chat(client: &GatewayClient, messages: &[Value]) -> ChatOutcome {
-    let out = client.chat(MODEL, messages, 8).await.expect("request through Envoy");
-    assert_eq!(out.status, 200, "request failed: {:?}", out.error);
-    assert!(out.served_by.is_some(), "no x-served-by header: the request did not reach an engine");
-    out
+    client.chat_served(MODEL, messages, 8).await.expect("request served through Envoy")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 static ONE_FLEET_AT_A_TIME: LazyLock<tokio::sync::Mutex<()>> = LazyLock::new(|| tokio::sync::Mutex::new(()));
 
-const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+use kvroute_harness::DEFAULT_MODEL as MODEL;
 /// Time for a KV event to travel engine → agent → picker (SPEC §10 target p99 ≤ 50 ms).
 const PROPAGATION: Duration = Duration::from_millis(400);
 
@@ -21,10 +21,7 @@ fn spec(label: &str) -> FleetSpec {
 }
 
 async fn chat(client: &GatewayClient, messages: &[Value]) -> ChatOutcome {
-    let out = client.chat(MODEL, messages, 8).await.expect("request through Envoy");
-    assert_eq!(out.status, 200, "request failed: {:?}", out.error);
-    assert!(out.served_by.is_some(), "no x-served-by header: the request did not reach an engine");
-    out
+    client.chat_served(MODEL, messages, 8).await.expect("request served through Envoy")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

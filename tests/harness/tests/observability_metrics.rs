@@ -13,14 +13,12 @@ use kvroute_harness::{ChatOutcome, Fleet, FleetSpec, GatewayClient, Workload};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
-const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
+use kvroute_harness::DEFAULT_MODEL as MODEL;
 /// Time for a KV event to travel engine → agent → picker (SPEC §10 target p99 ≤ 50 ms).
 const PROPAGATION: Duration = Duration::from_millis(400);
 
 async fn chat(client: &GatewayClient, messages: &[Value], max_tokens: u32) -> ChatOutcome {
-    let out = client.chat(MODEL, messages, max_tokens).await.expect("request through Envoy");
-    assert_eq!(out.status, 200, "request failed: {:?}", out.error);
-    out
+    client.chat_served(MODEL, messages, max_tokens).await.expect("request served through Envoy")
 }
 
 /// An unlabelled sample (`name value`).
