@@ -500,10 +500,10 @@ fn start_envoy(name: &str, bin: &Path, cfg: &Path, work: &Path) -> Result<Manage
 async fn wait_envoy_ready(http: &reqwest::Client, admin: &str, proc: &ManagedProcess) -> Result<()> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
-        if let Ok(r) = http.get(format!("{admin}/ready")).send().await {
-            if r.status().is_success() {
-                return Ok(());
-            }
+        if let Ok(r) = http.get(format!("{admin}/ready")).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
         }
         if Instant::now() > deadline {
             bail!("{} not ready; log:\n{}", proc.name, proc.log_tail(20));

@@ -16,10 +16,10 @@ pub fn bin_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("KVROUTE_BIN_DIR") {
         return PathBuf::from(dir);
     }
-    if let Some(dir) = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)) {
-        if dir.join("kvroute-picker").exists() {
-            return dir;
-        }
+    if let Some(dir) = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf))
+        && dir.join("kvroute-picker").exists()
+    {
+        return dir;
     }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
     target.join(if cfg!(debug_assertions) { "debug" } else { "release" })

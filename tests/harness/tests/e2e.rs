@@ -5,6 +5,8 @@
 //! `scripts/test` does both. Each test starts its own fleet; a lock runs them one at a time so
 //! the 2-core machine is not oversubscribed.
 
+#![allow(clippy::expect_used)]
+
 use kvroute_harness::{ChatOutcome, Fleet, FleetSpec, GatewayClient, Workload};
 use serde_json::{Value, json};
 use std::sync::LazyLock;
