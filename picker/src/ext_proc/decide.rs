@@ -178,7 +178,7 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         }
         tracing::info!(
             request_id = input.request_id,
-            candidates = decision.candidates.len(),
+            candidates = decision.candidate_count,
             top = %top3(&decision.candidates),
             "request scored"
         );
@@ -196,9 +196,9 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         m.routing_decisions.get_or_create(&crate::admin::metrics::ModelLabel { model: model_name.clone() }).inc();
         m.cache_match_ratio.observe(decision.match_ratio);
         m.composite_score.observe(decision.score);
-        m.candidate_pods.set(i64::try_from(decision.candidates.len()).unwrap_or(i64::MAX));
+        m.candidate_pods.set(i64::try_from(decision.candidate_count).unwrap_or(i64::MAX));
         if let Some(adapter) = &model.adapter
-            && decision.candidates.iter().find(|c| c.pod == decision.pod).is_some_and(|c| c.adapter < 0.5)
+            && decision.candidates.iter().find(|c| *c.pod == *decision.pod).is_some_and(|c| c.adapter < 0.5)
         {
             m.adapter_loads_triggered
                 .get_or_create(&crate::admin::metrics::AdapterLabel { adapter: adapter.clone() })

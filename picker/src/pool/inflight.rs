@@ -9,6 +9,8 @@
 //! remove; never across an await. Reservation happens under the pool's selection lock, so a
 //! decision and its reservation are atomic with respect to other decisions.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use parking_lot::Mutex;
 
 /// The in-flight requests of one pod.
@@ -16,6 +18,8 @@ use parking_lot::Mutex;
 pub(crate) struct InFlight {
     /// `(routed_at_unix_ms, slot id)`, sorted ascending.
     slots: Mutex<Vec<(i64, u64)>>,
+    /// `slots.len()`, written under the lock, so an idle pod's queue depth needs no lock.
+    count: AtomicU32,
 }
 
 impl InFlight {
@@ -24,6 +28,7 @@ impl InFlight {
         let mut s = self.slots.lock();
         let pos = s.partition_point(|e| *e <= (routed_ms, id));
         s.insert(pos, (routed_ms, id));
+        self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
     }
 
     /// Forgets slot `id` (request finished, any way). Unknown slots are ignored.
@@ -31,16 +36,20 @@ impl InFlight {
         let mut s = self.slots.lock();
         if let Ok(pos) = s.binary_search(&(routed_ms, id)) {
             s.remove(pos);
+            self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
         }
     }
 
     /// All requests in flight.
     pub(crate) fn len(&self) -> u32 {
-        u32::try_from(self.slots.lock().len()).unwrap_or(u32::MAX)
+        self.count.load(Ordering::Acquire)
     }
 
     /// Requests in flight routed at or after `since_ms`.
     pub(crate) fn since(&self, since_ms: i64) -> u32 {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
         let s = self.slots.lock();
         let first = s.partition_point(|e| e.0 < since_ms);
         u32::try_from(s.len() - first).unwrap_or(u32::MAX)

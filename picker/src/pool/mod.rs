@@ -99,7 +99,8 @@ enum WriterMsg {
 /// What readers know about a pod; replaced as a whole by the writer.
 #[derive(Debug, Clone)]
 pub(crate) struct PodStatus {
-    pub(crate) endpoint: String,
+    /// "ip:port" (shared with decisions' candidate lists without copying).
+    pub(crate) endpoint: Arc<str>,
     pub(crate) model: String,
     pub(crate) block_size: u32,
     /// Latest stats; `None` until the first report (the pod is then not ready).
@@ -134,16 +135,40 @@ pub(crate) fn annotations_of(info: &PodInfo) -> (Vec<(String, String)>, Option<f
 #[derive(Debug)]
 pub(crate) struct PodRecord {
     pub(crate) idx: PodIdx,
-    pub(crate) name: String,
+    /// Pod name (shared with decisions' candidate lists without copying).
+    pub(crate) name: Arc<str>,
     pub(crate) status: ArcSwap<PodStatus>,
     pub(crate) inflight: InFlight,
     pub(crate) blocks: AtomicU64,
 }
 
-/// The published list of live pods.
+/// The published list of live pods, with each pod's status as of this publication and the pods
+/// of each model, so a decision reads one snapshot: no per-pod atomic operation, no scan of other
+/// models' pods.
 #[derive(Debug, Default)]
 pub(crate) struct PodTable {
     pub(crate) pods: Vec<Arc<PodRecord>>,
+    /// `status[i]` is `pods[i]`'s status when the table was published.
+    pub(crate) status: Vec<Arc<PodStatus>>,
+    /// Model name → indices into `pods` of the pods serving it, ascending (shared between
+    /// publications while no pod comes, goes or changes model).
+    pub(crate) by_model: Arc<ModelPods>,
+}
+
+/// Model name → indices into [`PodTable::pods`] of the pods serving it.
+pub(crate) type ModelPods = std::collections::HashMap<String, Vec<u32>>;
+
+impl PodTable {
+    /// Groups `status` (one per pod, in table order) by model.
+    pub(crate) fn group_by_model(status: &[Arc<PodStatus>]) -> ModelPods {
+        let mut by_model = ModelPods::new();
+        for (i, st) in status.iter().enumerate() {
+            if let Ok(i) = u32::try_from(i) {
+                by_model.entry(st.model.clone()).or_default().push(i);
+            }
+        }
+        by_model
+    }
 }
 
 /// Shared pod pool. Cheap to share as `Arc<Pool>`; see the module docs for concurrency.
@@ -244,8 +269,8 @@ impl Pool {
                 let st = rec.status.load();
                 let stats = st.stats.clone().unwrap_or_default();
                 PodView {
-                    name: rec.name.clone(),
-                    endpoint: st.endpoint.clone(),
+                    name: rec.name.to_string(),
+                    endpoint: st.endpoint.to_string(),
                     model: st.model.clone(),
                     connected: st.connected,
                     ready: st.stats.as_ref().is_some_and(|s| s.ready),

@@ -114,19 +114,30 @@ impl Writer {
         }
     }
 
+    /// Publishes the index, then every changed pod status, then the pod table (whose status
+    /// column is what decisions read) if any pod or status changed.
     fn publish(&mut self) {
         self.index.publish();
+        let regroup = self.table_dirty;
+        let mut changed = self.table_dirty;
         for p in self.pods.iter_mut().flatten() {
             if p.dirty {
                 p.dirty = false;
+                changed = true;
                 p.rec.blocks.store(self.index.pod_blocks(p.rec.idx), Ordering::Relaxed);
                 p.rec.status.store(Arc::new(p.status.clone()));
             }
         }
-        if self.table_dirty {
+        if changed {
             self.table_dirty = false;
-            let pods = self.pods.iter().flatten().map(|p| p.rec.clone()).collect();
-            self.table.store(Arc::new(PodTable { pods }));
+            let pods: Vec<Arc<PodRecord>> = self.pods.iter().flatten().map(|p| p.rec.clone()).collect();
+            let status: Vec<Arc<PodStatus>> = pods.iter().map(|p| p.status.load_full()).collect();
+            let by_model = if regroup {
+                Arc::new(PodTable::group_by_model(&status))
+            } else {
+                self.table.load().by_model.clone()
+            };
+            self.table.store(Arc::new(PodTable { pods, status, by_model }));
         }
     }
 
@@ -151,8 +162,13 @@ impl Writer {
         }
         if let Some(&idx) = self.names.get(&info.pod) {
             if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut) {
-                p.status.endpoint.clone_from(&info.endpoint);
-                p.status.model.clone_from(&info.model);
+                if *p.status.endpoint != *info.endpoint {
+                    p.status.endpoint = Arc::from(info.endpoint.as_str());
+                }
+                if p.status.model != info.model {
+                    p.status.model.clone_from(&info.model);
+                    self.table_dirty = true;
+                }
                 p.status.block_size = info.block_size;
                 (p.status.annotations, p.status.cost_per_hour) = super::annotations_of(info);
                 p.status.connected = true;
@@ -170,7 +186,7 @@ impl Writer {
         let status = PodStatus {
             annotations,
             cost_per_hour,
-            endpoint: info.endpoint.clone(),
+            endpoint: Arc::from(info.endpoint.as_str()),
             model: info.model.clone(),
             block_size: info.block_size,
             stats: None,
@@ -180,7 +196,7 @@ impl Writer {
         };
         let rec = Arc::new(PodRecord {
             idx,
-            name: info.pod.clone(),
+            name: Arc::from(info.pod.as_str()),
             status: ArcSwap::from_pointee(status.clone()),
             inflight: InFlight::default(),
             blocks: Default::default(),
@@ -261,7 +277,7 @@ impl Writer {
             self.index.drop_pod(idx);
             if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::take) {
                 info!(pod = %p.rec.name, "grace period over: pod dropped");
-                self.names.remove(&p.rec.name);
+                self.names.remove(&*p.rec.name);
             }
             self.free.push_back(idx);
         }

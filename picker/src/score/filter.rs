@@ -66,7 +66,7 @@ pub(crate) fn exclusion(
         });
     }
     if let Some(allowed) = subset
-        && !allowed.contains(&status.endpoint)
+        && !allowed.iter().any(|e| **e == *status.endpoint)
     {
         return Some(Exclusion::NotInSubset);
     }
@@ -83,6 +83,6 @@ pub(crate) enum Spill {
 }
 
 /// Pods at or above `max_queue` leave the candidates while one is below it (SPEC §4).
-pub(crate) fn spill(depths: &[u32], max_queue: u32) -> Spill {
-    if depths.iter().any(|d| *d < max_queue) { Spill::KeepBelow } else { Spill::AllSaturated }
+pub(crate) fn spill(mut depths: impl Iterator<Item = u32>, max_queue: u32) -> Spill {
+    if depths.any(|d| d < max_queue) { Spill::KeepBelow } else { Spill::AllSaturated }
 }

@@ -306,8 +306,10 @@ pub struct Decision {
     pub matched_blocks: u32,
     /// Full blocks in the request.
     pub total_blocks: u32,
-    /// Every candidate: the chosen pod first, then the next best in selection order up to
-    /// [`ORDERED_CANDIDATES`] in all, then the rest unordered.
+    /// Candidates scored (after filters and spill).
+    pub candidate_count: usize,
+    /// The best candidates, the chosen pod first, then the next best in selection order: at most
+    /// [`ORDERED_CANDIDATES`] (see [`Router::explain`] for all of them).
     pub candidates: Vec<CandidateScore>,
     /// The in-flight reservation: keep it for the life of the request.
     pub slot: InFlightSlot,
@@ -316,10 +318,10 @@ pub struct Decision {
 /// One candidate's composite score and factors (each factor unweighted, in [0,1]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CandidateScore {
-    /// Pod name.
-    pub pod: String,
-    /// "ip:port".
-    pub endpoint: String,
+    /// Pod name (shared with the pool, not copied).
+    pub pod: std::sync::Arc<str>,
+    /// "ip:port" (shared with the pool, not copied).
+    pub endpoint: std::sync::Arc<str>,
     /// Composite S in [0,1].
     pub score: f64,
     /// cacheMatchRatio.
@@ -427,6 +429,15 @@ pub trait Scorer: Send + Sync + std::fmt::Debug {
     }
     /// The factor in [0,1]; `prep` is what [`Scorer::prepare`] returned for this decision.
     fn score(&self, ctx: &ScoreContext<'_>, prep: &Prepared, pod: &PodFacts<'_>) -> f64;
+    /// The factor of every candidate: `out[i]` for `ctx.candidates[i]` (`out` has exactly one
+    /// slot per candidate). This is what a decision calls, once per scorer, so the per-pod loop
+    /// is monomorphised (no dynamic call per pod). Default: [`Scorer::score`] per candidate;
+    /// overriding it must not change the values.
+    fn score_all(&self, ctx: &ScoreContext<'_>, prep: &Prepared, out: &mut [f64]) {
+        for (o, pod) in out.iter_mut().zip(ctx.candidates) {
+            *o = self.score(ctx, prep, pod);
+        }
+    }
     /// A short human explanation of the factor for this pod (explain endpoint, DEBUG logs).
     fn explain(&self, ctx: &ScoreContext<'_>, prep: &Prepared, pod: &PodFacts<'_>) -> String {
         format!("{:.3}", self.score(ctx, prep, pod))

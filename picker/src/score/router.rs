@@ -22,11 +22,8 @@ use super::{
     ScoringConfig, ScoringConfigError, load_ratio, validate_weights,
 };
 use crate::index::MatchScratch;
-use crate::pool::{PodRecord, PodStatus, Pool, now_unix_ms};
+use crate::pool::{PodRecord, PodTable, Pool, now_unix_ms};
 
-thread_local! {
-    static SCRATCH: RefCell<MatchScratch> = RefCell::new(MatchScratch::default());
-}
 
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
 #[derive(Debug)]
@@ -80,18 +77,113 @@ impl Drop for InFlightSlot {
     }
 }
 
-/// A pod that passed the static filters.
-struct Pre<'t> {
-    rec: &'t Arc<PodRecord>,
-    status: Arc<PodStatus>,
+/// A pod of the requested model that passed the static filters, for one decision.
+struct Row {
+    /// Index into the pod table the decision loaded.
+    pod: u32,
     matched: u32,
+    /// queueDepth, read under the selection lock.
+    depth: u32,
 }
 
+/// What scoring computed for one [`Row`] (no borrows, so its buffer outlives a decision).
+#[derive(Clone, Copy)]
 struct Scored {
-    candidates: Vec<CandidateScore>,
-    /// Index into `candidates` of the choice (before sorting).
-    ranked: Vec<Ranked>,
-    choice: Option<usize>,
+    score: f64,
+    /// The built-in factors in `Weights::named` order.
+    factors: [f64; BUILTINS],
+    ranked: Ranked,
+}
+
+/// The five built-in scorers come first in `Router::scorers`.
+const BUILTINS: usize = 5;
+
+/// Per-thread buffers of one decision, kept between decisions so that a decision allocates only
+/// its result (the chosen pod's names and the short candidate list).
+#[derive(Default)]
+struct Scratch {
+    walk: MatchScratch,
+    rows: Vec<Row>,
+    scored: Vec<Scored>,
+    /// Custom scorers' factors, `scorers − 5` per row, row-major.
+    custom: Vec<f64>,
+    /// `(pod table index, why)`: static exclusions first, then spilled pods.
+    excluded: Vec<(u32, Exclusion)>,
+    preps: Vec<Prepared>,
+    /// Factor columns, one per scorer, `rows.len()` each.
+    columns: Vec<f64>,
+    order: Vec<u32>,
+    /// Always empty between decisions: only its allocation is kept (see [`recycle`]).
+    facts: Vec<PodFacts<'static>>,
+}
+
+impl Scratch {
+    /// Forgets the last decision, keeping the allocations.
+    fn clear(&mut self) {
+        self.rows.clear();
+        self.scored.clear();
+        self.custom.clear();
+        self.excluded.clear();
+        self.order.clear();
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` on this thread's buffers (fresh ones if a scorer re-enters the router), cleared after.
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut sc) => {
+            sc.clear();
+            let r = f(&mut sc);
+            sc.clear();
+            r
+        }
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
+/// An empty vector of another lifetime that keeps `v`'s allocation (an in-place collect that
+/// moves no element), so the per-decision `PodFacts` list needs no allocation.
+#[allow(clippy::unnecessary_filter_map)] // `filter` would keep the old lifetime: the point is to change it
+fn recycle<'b>(mut v: Vec<PodFacts<'_>>) -> Vec<PodFacts<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+/// Whether `a` ranks before `b` (see [`select::better`]).
+fn ahead(scored: &[Scored], a: u32, b: u32) -> bool {
+    select::better(&scored[a as usize].ranked, &scored[b as usize].ranked) == std::cmp::Ordering::Less
+}
+
+/// Fills `order` with `choice`, then the best `ordered − 1` other candidates in selection order
+/// (`usize::MAX`: every candidate). The short list is kept by insertion (one comparison for most
+/// pods), so a 1000-pod decision does not sort its fleet.
+fn rank(scored: &[Scored], order: &mut Vec<u32>, choice: usize, ordered: usize) {
+    order.clear();
+    let k = ordered.saturating_sub(1);
+    let others = (0..scored.len()).filter(|i| *i != choice).filter_map(|i| u32::try_from(i).ok());
+    if k >= scored.len() {
+        order.extend(others);
+        // Keys are unique (the random tie key decides last), so unstable is deterministic.
+        order.sort_unstable_by(|a, b| select::better(&scored[*a as usize].ranked, &scored[*b as usize].ranked));
+    } else if k > 0 {
+        for i in others {
+            if order.len() == k {
+                match order.last() {
+                    Some(&worst) if ahead(scored, i, worst) => {
+                        order.pop();
+                    }
+                    _ => continue,
+                }
+            }
+            let at = order.partition_point(|&o| ahead(scored, o, i));
+            order.insert(at, i);
+        }
+    }
+    order.insert(0, u32::try_from(choice).unwrap_or(u32::MAX));
 }
 
 impl Router {
@@ -151,46 +243,58 @@ impl Router {
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
     ) -> Result<Decision, RouteError> {
-        let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         let table = self.pool.table.load();
-        let (pre, excluded, model_pods) = self.prefilter(&table.pods, req, matches);
-        if pre.is_empty() {
-            return Err(no_candidate(req.model, model_pods, &excluded));
+        with_scratch(|sc| self.route_in(sc, &table, req, matches))
+    }
+
+    fn route_in(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
+    ) -> Result<Decision, RouteError> {
+        let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
+        let model_pods = self.prefilter(sc, table, req, matches);
+        if sc.rows.is_empty() {
+            return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         }
         let tick = self.decisions.fetch_add(1, Ordering::Relaxed);
         let guard = self.pool.select_lock.lock();
-        let (scored, pre, spilled) = self.score(pre, req, total_blocks, tick)?;
-        let Some(choice) = scored.choice else {
+        let Some(choice) = self.score(sc, table, req, total_blocks, tick)? else {
             drop(guard);
-            return Err(no_candidate(req.model, model_pods, &[excluded, spilled].concat()));
+            return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         };
-        let chosen = &pre[choice];
+        let row = &sc.rows[choice];
+        let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
         let id = self.pool.next_slot_id();
         let routed_ms = now_unix_ms();
-        chosen.rec.inflight.reserve(routed_ms, id);
+        rec.inflight.reserve(routed_ms, id);
         drop(guard);
 
-        let block_size = match chosen.status.block_size {
+        let block_size = match status.block_size {
             0 => self.pool.config().block_size as u64,
             b => u64::from(b),
         };
         let slot = InFlightSlot {
-            rec: chosen.rec.clone(),
+            rec: rec.clone(),
             id,
             routed_ms,
-            predicted_tokens: u64::from(chosen.matched) * block_size,
+            predicted_tokens: u64::from(row.matched) * block_size,
             block_size,
         };
-        let best = scored.candidates[choice].clone();
-        let candidates = sort_best_first(scored.candidates, &scored.ranked, choice, ORDERED_CANDIDATES);
-        trace!(pod = %best.pod, score = best.score, matched = best.matched_blocks, total_blocks, "routed");
+        rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
+        let candidates: Vec<CandidateScore> = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
+        let best = &sc.scored[choice];
+        trace!(pod = %rec.name, score = best.score, matched = row.matched, total_blocks, "routed");
         Ok(Decision {
-            pod: best.pod,
-            endpoint: best.endpoint,
+            pod: rec.name.to_string(),
+            endpoint: status.endpoint.to_string(),
             score: best.score,
-            match_ratio: best.cache,
-            matched_blocks: best.matched_blocks,
+            match_ratio: best.factors[0],
+            matched_blocks: row.matched,
             total_blocks,
+            candidate_count: sc.rows.len(),
             candidates,
             slot,
         })
@@ -198,79 +302,186 @@ impl Router {
 
     /// Same computation as [`Router::route`], no reservation, no state change (explain endpoint).
     pub fn explain(&self, req: &RouteRequest<'_>) -> Explanation {
-        let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         let table = self.pool.table.load();
-        let (pre, excluded, _) = self.prefilter(&table.pods, req, None);
-        let mut excluded: Vec<(String, String)> =
-            excluded.into_iter().map(|(name, why)| (name.to_string(), why.to_string())).collect();
-        if pre.is_empty() {
+        with_scratch(|sc| self.explain_in(sc, &table, req))
+    }
+
+    fn explain_in(&self, sc: &mut Scratch, table: &PodTable, req: &RouteRequest<'_>) -> Explanation {
+        let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
+        self.prefilter(sc, table, req, None);
+        let named = |sc: &Scratch, from: usize| -> Vec<(String, String)> {
+            sc.excluded[from..].iter().map(|(i, why)| (table.pods[*i as usize].name.to_string(), why.to_string())).collect()
+        };
+        let mut excluded = named(sc, 0);
+        if sc.rows.is_empty() {
             return Explanation { candidates: Vec::new(), excluded, choice: None };
         }
+        let static_excluded = sc.excluded.len();
         let tick = self.decisions.load(Ordering::Relaxed);
-        match self.score(pre, req, total_blocks, tick) {
-            Ok((scored, _pre, spilled)) => {
-                excluded.extend(spilled.into_iter().map(|(n, why)| (n.to_string(), why.to_string())));
-                let choice_name = scored.choice.map(|c| scored.candidates[c].pod.clone());
-                let candidates = match scored.choice {
-                    Some(c) => sort_best_first(scored.candidates, &scored.ranked, c, usize::MAX),
-                    None => scored.candidates,
-                };
-                Explanation { candidates, excluded, choice: choice_name }
+        match self.score(sc, table, req, total_blocks, tick) {
+            Ok(choice) => {
+                excluded.extend(named(sc, static_excluded));
+                match choice {
+                    Some(c) => rank(&sc.scored, &mut sc.order, c, usize::MAX),
+                    None => sc.order.extend((0..sc.rows.len()).filter_map(|i| u32::try_from(i).ok())),
+                }
+                let candidates = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
+                let choice = choice.map(|c| table.pods[sc.rows[c].pod as usize].name.to_string());
+                Explanation { candidates, excluded, choice }
             }
-            Err(RouteError::Shed { reason }) => {
-                excluded.push((String::new(), reason));
-                Explanation { candidates: Vec::new(), excluded, choice: None }
-            }
-            Err(RouteError::NoCandidate { reason }) => {
+            Err(RouteError::Shed { reason } | RouteError::NoCandidate { reason }) => {
                 excluded.push((String::new(), reason));
                 Explanation { candidates: Vec::new(), excluded, choice: None }
             }
         }
     }
 
-    /// Prefix walk + static filters. Returns candidates, exclusions and how many pods serve the
-    /// model at all.
-    fn prefilter<'t>(
+    /// Prefix walk + static filters: candidates into `sc.rows`, exclusions into `sc.excluded`.
+    /// Returns how many pods serve the model at all.
+    fn prefilter(
         &self,
-        pods: &'t [Arc<PodRecord>],
+        sc: &mut Scratch,
+        table: &PodTable,
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
-    ) -> (Vec<Pre<'t>>, Vec<(&'t str, Exclusion)>, usize) {
-        let index = self.pool.index.load();
+    ) -> usize {
+        self.pool.index.load().match_prefix(req.block_hashes, &mut sc.walk);
         let grace = Duration::from_millis(self.pool.config().grace_ttl_ms);
         let now = Instant::now();
-        let mut pre = Vec::with_capacity(pods.len());
-        let mut excluded = Vec::new();
-        let mut model_pods = 0;
-        let mut walk = |scratch: &mut MatchScratch| {
-            index.match_prefix(req.block_hashes, scratch);
-            for rec in pods {
-                let status = rec.status.load_full();
-                if status.model != req.model {
-                    continue;
-                }
-                model_pods += 1;
-                match filter::exclusion(&status, req.subset, self.config.health_exclusion_threshold, grace, now) {
-                    Some(why) => excluded.push((rec.name.as_str(), why)),
-                    None => {
-                        let indexed = scratch.matched(rec.idx);
-                        let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                        pre.push(Pre { rec, status, matched });
-                    }
+        let Some(model_pods) = table.by_model.get(req.model) else { return 0 };
+        for &i in model_pods {
+            let (rec, status) = (&table.pods[i as usize], &table.status[i as usize]);
+            match filter::exclusion(status, req.subset, self.config.health_exclusion_threshold, grace, now) {
+                Some(why) => sc.excluded.push((i, why)),
+                None => {
+                    let indexed = sc.walk.matched(rec.idx);
+                    let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
+                    sc.rows.push(Row { pod: i, matched, depth: 0 });
                 }
             }
-        };
-        let done = SCRATCH.with(|s| match s.try_borrow_mut() {
-            Ok(mut scratch) => {
-                walk(&mut scratch);
-                true
-            }
-            Err(_) => false,
-        });
-        if !done {
-            walk(&mut MatchScratch::default());
         }
-        (pre, excluded, model_pods)
+        model_pods.len()
+    }
+
+    /// Queue depths, spill, factor scores, composite and choice (an index into `sc.rows`); call
+    /// under the selection lock when reserving.
+    fn score(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        req: &RouteRequest<'_>,
+        total_blocks: u32,
+        tick: u64,
+    ) -> Result<Option<usize>, RouteError> {
+        for row in &mut sc.rows {
+            row.depth = table.pods[row.pod as usize].queue_depth(&table.status[row.pod as usize]);
+        }
+        let max_queue = self.config.max_queue;
+        match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
+            Spill::AllSaturated if self.config.shed_when_saturated => {
+                return Err(RouteError::Shed {
+                    reason: format!(
+                        "all {} candidate pods have queue depth >= max_queue {max_queue}",
+                        sc.rows.len()
+                    ),
+                });
+            }
+            Spill::AllSaturated => {}
+            Spill::KeepBelow => {
+                let excluded = &mut sc.excluded;
+                sc.rows.retain(|r| {
+                    if r.depth >= max_queue {
+                        excluded.push((r.pod, Exclusion::QueueFull { depth: r.depth, max: max_queue }));
+                    }
+                    r.depth < max_queue
+                });
+            }
+        }
+        let mut facts = recycle(std::mem::take(&mut sc.facts));
+        facts.extend(sc.rows.iter().map(|r| {
+            let status = &table.status[r.pod as usize];
+            let stats = status.stats.as_ref();
+            PodFacts {
+                name: &table.pods[r.pod as usize].name,
+                endpoint: &status.endpoint,
+                matched_blocks: r.matched,
+                gpu_utilization: stats.map_or(1.0, |s| s.gpu_utilization),
+                queue_depth: r.depth,
+                health_score: stats.map_or(0.0, |s| s.health_score),
+                health_reason: stats.map_or("", |s| s.health_reason.as_str()),
+                kv_cache_usage: stats.map_or(0.0, |s| s.kv_cache_usage),
+                running_adapters: stats.map_or(&[], |s| s.running_adapters.as_slice()),
+                cost_per_hour: status.cost_per_hour,
+                annotations: &status.annotations,
+            }
+        }));
+        let ctx = ScoreContext { adapter: req.adapter, total_blocks, config: &self.config, candidates: &facts };
+        let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
+        sc.preps.clear();
+        sc.preps.extend(self.scorers.iter().map(|(s, _)| s.prepare(&ctx)));
+        // Factor columns: scorer j's factors for every row at `columns[j·n ..][..n]`.
+        let n = facts.len();
+        sc.columns.clear();
+        sc.columns.resize(self.scorers.len() * n, 0.0);
+        for (((scorer, _), prep), column) in self.scorers.iter().zip(&sc.preps).zip(sc.columns.chunks_exact_mut(n.max(1))) {
+            scorer.score_all(&ctx, prep, column);
+            for v in column.iter_mut() {
+                *v = clamp_factor(*v);
+            }
+        }
+        let n_custom = self.scorers.len().saturating_sub(BUILTINS);
+        let mut choice: Option<usize> = None;
+        for (i, (row, f)) in sc.rows.iter().zip(&facts).enumerate() {
+            let mut score = 0.0;
+            for (j, (_, w)) in self.scorers.iter().enumerate() {
+                score += w * sc.columns[j * n + i];
+            }
+            let score = f64::clamp(score, 0.0, 1.0);
+            let factors: [f64; BUILTINS] = std::array::from_fn(|j| sc.columns[j * n + i]);
+            sc.custom.extend((0..n_custom).map(|c| sc.columns[(BUILTINS + c) * n + i]));
+            sc.scored.push(Scored {
+                score,
+                factors,
+                ranked: Ranked {
+                    score,
+                    load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),
+                    queue_depth: f.queue_depth,
+                    tie_key: select::splitmix64(salt ^ u64::from(table.pods[row.pod as usize].idx.0)),
+                },
+            });
+            choice = match choice {
+                Some(b) if select::better(&sc.scored[i].ranked, &sc.scored[b].ranked) != std::cmp::Ordering::Less => {
+                    Some(b)
+                }
+                _ => Some(i),
+            };
+        }
+        sc.facts = recycle(facts);
+        Ok(choice)
+    }
+
+    /// The reported [`CandidateScore`] of row `i` (names shared, not copied).
+    fn candidate(&self, sc: &Scratch, table: &PodTable, i: usize) -> CandidateScore {
+        let (row, s) = (&sc.rows[i], &sc.scored[i]);
+        let n_custom = self.scorers.len().saturating_sub(BUILTINS);
+        let custom = match sc.custom.get(i * n_custom..(i + 1) * n_custom) {
+            Some(values) if n_custom > 0 => {
+                self.scorers[BUILTINS..].iter().zip(values).map(|((scorer, _), v)| (scorer.name(), *v)).collect()
+            }
+            _ => Vec::new(),
+        };
+        CandidateScore {
+            pod: table.pods[row.pod as usize].name.clone(),
+            endpoint: table.status[row.pod as usize].endpoint.clone(),
+            score: s.score,
+            cache: s.factors[0],
+            load: s.factors[1],
+            queue: s.factors[2],
+            health: s.factors[3],
+            adapter: s.factors[4],
+            custom,
+            matched_blocks: row.matched,
+        }
     }
 
     /// Every scorer's `prepare` for this decision, in registration order.
@@ -314,96 +525,6 @@ impl Router {
         }
         s.clamp(0.0, 1.0)
     }
-
-    /// Spill, factor scores, composite, choice. Call under the selection lock when reserving.
-    #[allow(clippy::type_complexity)]
-    fn score<'t>(
-        &self,
-        pre: Vec<Pre<'t>>,
-        req: &RouteRequest<'_>,
-        total_blocks: u32,
-        tick: u64,
-    ) -> Result<(Scored, Vec<Pre<'t>>, Vec<(&'t str, Exclusion)>), RouteError> {
-        let depths: Vec<u32> = pre.iter().map(|p| p.rec.queue_depth(&p.status)).collect();
-        let max_queue = self.config.max_queue;
-        let mut spilled = Vec::new();
-        let (pre, depths): (Vec<Pre<'t>>, Vec<u32>) = match filter::spill(&depths, max_queue) {
-            Spill::AllSaturated if self.config.shed_when_saturated => {
-                return Err(RouteError::Shed {
-                    reason: format!("all {} candidate pods have queue depth >= max_queue {max_queue}", pre.len()),
-                });
-            }
-            Spill::AllSaturated => (pre, depths),
-            Spill::KeepBelow => {
-                let mut keep = Vec::with_capacity(pre.len());
-                let mut keep_d = Vec::with_capacity(pre.len());
-                for (p, d) in pre.into_iter().zip(depths) {
-                    if d < max_queue {
-                        keep.push(p);
-                        keep_d.push(d);
-                    } else {
-                        spilled.push((p.rec.name.as_str(), Exclusion::QueueFull { depth: d, max: max_queue }));
-                    }
-                }
-                (keep, keep_d)
-            }
-        };
-        let facts: Vec<PodFacts<'_>> = pre
-            .iter()
-            .zip(&depths)
-            .map(|(p, d)| {
-                let stats = p.status.stats.as_ref();
-                PodFacts {
-                    name: &p.rec.name,
-                    endpoint: &p.status.endpoint,
-                    matched_blocks: p.matched,
-                    gpu_utilization: stats.map_or(1.0, |s| s.gpu_utilization),
-                    queue_depth: *d,
-                    health_score: stats.map_or(0.0, |s| s.health_score),
-                    health_reason: stats.map_or("", |s| s.health_reason.as_str()),
-                    kv_cache_usage: stats.map_or(0.0, |s| s.kv_cache_usage),
-                    running_adapters: stats.map_or(&[], |s| s.running_adapters.as_slice()),
-                    cost_per_hour: p.status.cost_per_hour,
-                    annotations: &p.status.annotations,
-                }
-            })
-            .collect();
-        let ctx = ScoreContext { adapter: req.adapter, total_blocks, config: &self.config, candidates: &facts };
-        let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
-        let preps = self.prepare(&ctx);
-        let mut factors = vec![0.0; self.scorers.len()];
-        let mut candidates = Vec::with_capacity(facts.len());
-        let mut ranked = Vec::with_capacity(facts.len());
-        for (i, f) in facts.iter().enumerate() {
-            let s = self.composite_into(&ctx, &preps, f, &mut factors);
-            let custom = match factors.get(5..) {
-                Some(rest) if !rest.is_empty() => {
-                    self.scorers[5..].iter().zip(rest).map(|((sc, _), v)| (sc.name(), *v)).collect()
-                }
-                _ => Vec::new(),
-            };
-            ranked.push(Ranked {
-                score: s,
-                load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),
-                queue_depth: f.queue_depth,
-                tie_key: select::splitmix64(salt ^ u64::from(pre[i].rec.idx.0)),
-            });
-            candidates.push(CandidateScore {
-                pod: f.name.to_string(),
-                endpoint: f.endpoint.to_string(),
-                score: s,
-                cache: factors[0],
-                load: factors[1],
-                queue: factors[2],
-                health: factors[3],
-                adapter: factors[4],
-                custom,
-                matched_blocks: f.matched_blocks,
-            });
-        }
-        let choice = select::best(&ranked);
-        Ok((Scored { candidates, ranked, choice }, pre, spilled))
-    }
 }
 
 /// A factor clamped to [0,1], NaN → 0.
@@ -411,39 +532,20 @@ fn clamp_factor(v: f64) -> f64 {
     if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) }
 }
 
-/// How many candidates a routing [`Decision`] lists in selection order (the rest follow
-/// unordered): sorting all of a 1000-pod fleet on every request costs more than scoring it.
-pub const ORDERED_CANDIDATES: usize = 16;
+/// How many candidates a routing [`Decision`] lists, best first: ranking all of a 1000-pod fleet
+/// on every request costs more than scoring it.
+pub const ORDERED_CANDIDATES: usize = 8;
 
-/// Candidates with `choice` first, then the best `ordered − 1` others in selection order, then
-/// the rest in no particular order (`usize::MAX`: all ordered).
-fn sort_best_first(
-    candidates: Vec<CandidateScore>,
-    ranked: &[Ranked],
-    choice: usize,
-    ordered: usize,
-) -> Vec<CandidateScore> {
-    let mut order: Vec<usize> = (0..candidates.len()).filter(|i| *i != choice).collect();
-    let cmp = |a: &usize, b: &usize| select::better(&ranked[*a], &ranked[*b]);
-    let k = ordered.saturating_sub(1);
-    if k < order.len() {
-        if k > 0 {
-            order.select_nth_unstable_by(k - 1, cmp);
-            order[..k].sort_unstable_by(cmp);
-        }
-    } else {
-        // Keys are unique (the random tie key decides last), so unstable is deterministic.
-        order.sort_unstable_by(cmp);
-    }
-    let mut slots: Vec<Option<CandidateScore>> = candidates.into_iter().map(Some).collect();
-    std::iter::once(choice).chain(order).filter_map(|i| slots.get_mut(i).and_then(Option::take)).collect()
-}
-
-fn no_candidate(model: &str, model_pods: usize, excluded: &[(&str, Exclusion)]) -> RouteError {
+fn no_candidate(model: &str, model_pods: usize, table: &PodTable, excluded: &[(u32, Exclusion)]) -> RouteError {
     if model_pods == 0 {
         return RouteError::NoCandidate { reason: format!("no pod serves model '{model}'") };
     }
-    let list = excluded.iter().take(8).map(|(n, why)| format!("{n}: {why}")).collect::<Vec<_>>().join("; ");
+    let list = excluded
+        .iter()
+        .take(8)
+        .map(|(i, why)| format!("{}: {why}", table.pods[*i as usize].name))
+        .collect::<Vec<_>>()
+        .join("; ");
     let more = excluded.len().saturating_sub(8);
     let tail = if more > 0 { format!("; and {more} more") } else { String::new() };
     RouteError::NoCandidate { reason: format!("all {model_pods} pods of model '{model}' are excluded ({list}{tail})") }

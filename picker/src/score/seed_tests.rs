@@ -127,7 +127,7 @@ async fn counterintuitive_case_is_b_under_defaults_and_a_under_latency_api() {
     };
     let (choice, cands) = pick(ScoringConfig::default()).await;
     assert_eq!(choice.as_deref(), Some("b"));
-    let by = |n: &str| cands.iter().find(|c| c.pod == n).map(|c| 0.2 * c.load + 0.1 * c.queue);
+    let by = |n: &str| cands.iter().find(|c| &*c.pod == n).map(|c| 0.2 * c.load + 0.1 * c.queue);
     assert!(by("a").is_some_and(|v| close(v, 0.14)) && by("b").is_some_and(|v| close(v, 0.17)), "{cands:?}");
     for (preset, want) in [("chatbot", "b"), ("latency-api", "a"), ("batch", "b"), ("multi-lora", "b")] {
         let Some(cfg) = ScoringConfig::preset(preset) else { panic!("{preset}") };
@@ -204,7 +204,7 @@ async fn chosen_candidate_reports_adapter_match_for_the_load_metric() {
     put(&pool, "hot", "m", stats(0.2, 0, 1.0), &c).await;
     let rq = RouteRequest { adapter: Some("sql-lora"), ..req(&c) };
     let Ok(d) = r.route(&rq) else { panic!() };
-    assert_eq!((d.pod.as_str(), d.candidates[0].pod.as_str(), d.candidates[0].adapter), ("hot", "hot", 0.0));
+    assert_eq!((d.pod.as_str(), &*d.candidates[0].pod, d.candidates[0].adapter), ("hot", "hot", 0.0));
     let Ok(d2) = r.route(&RouteRequest { block_hashes: &[], ..rq }) else { panic!() };
     assert_eq!((d2.pod.as_str(), d2.candidates[0].adapter), ("with", 1.0));
 }

@@ -24,18 +24,6 @@ pub(crate) fn better(a: &Ranked, b: &Ranked) -> Ordering {
     a.load_ratio.total_cmp(&b.load_ratio).then(a.queue_depth.cmp(&b.queue_depth)).then(a.tie_key.cmp(&b.tie_key))
 }
 
-/// Index of the best candidate, `None` when empty.
-pub(crate) fn best(items: &[Ranked]) -> Option<usize> {
-    let mut best: Option<usize> = None;
-    for (i, r) in items.iter().enumerate() {
-        match best {
-            Some(b) if better(r, &items[b]) != Ordering::Less => {}
-            _ => best = Some(i),
-        }
-    }
-    best
-}
-
 /// splitmix64 finaliser: a well-mixed 64-bit value from `x`.
 pub(crate) fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);

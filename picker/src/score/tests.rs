@@ -134,7 +134,7 @@ async fn route_with_takes_the_larger_of_index_and_alternative_matches() {
     put(&pool, "guessed", "m", stats(0.5, 0, 1.0), &[]).await;
     let Ok(d) = r.route_with(&req(&c), Some(&Fixed("guessed", 8))) else { panic!("no decision") };
     assert_eq!((d.pod.as_str(), d.matched_blocks), ("guessed", 8));
-    let m = |name: &str| d.candidates.iter().find(|c| c.pod == name).map(|c| c.matched_blocks);
+    let m = |name: &str| d.candidates.iter().find(|c| &*c.pod == name).map(|c| c.matched_blocks);
     assert_eq!(m("indexed"), Some(4), "the index still counts");
     drop(d);
     let Ok(d) = r.route_with(&req(&c), Some(&Fixed("indexed", 2))) else { panic!("no decision") };
@@ -324,16 +324,19 @@ fn config_parses_with_defaults_and_rejects_unknown_fields() {
 }
 
 #[tokio::test]
-async fn decision_lists_every_candidate_with_the_best_sixteen_in_order() {
+async fn decision_lists_the_best_few_in_order_and_explain_all() {
     let (pool, r) = router(ScoringConfig { max_queue: 1000, ..ScoringConfig::default() });
     for k in 0..40u32 {
         put(&pool, &format!("p{k}"), "m", stats(f64::from((k * 17) % 40) / 40.0, 0, 1.0), &[]).await;
     }
-    let Ok(d) = r.route(&req(&[])) else { panic!() };
-    assert_eq!(d.candidates.len(), 40);
-    let n = super::ORDERED_CANDIDATES;
-    assert!(d.candidates[..n].windows(2).all(|w| w[0].score > w[1].score), "{:?}", &d.candidates[..n]);
-    assert!(d.candidates[n..].iter().all(|c| c.score < d.candidates[n - 1].score));
     let e = r.explain(&req(&[]));
+    let Ok(d) = r.route(&req(&[])) else { panic!() };
+    let n = super::ORDERED_CANDIDATES;
+    assert_eq!((d.candidate_count, d.candidates.len(), e.candidates.len()), (40, n, 40));
+    assert!(d.candidates.windows(2).all(|w| w[0].score > w[1].score), "{:?}", d.candidates);
+    // The short list is exactly explain's first ORDERED_CANDIDATES.
+    let names = |c: &[super::CandidateScore]| c.iter().map(|c| c.pod.to_string()).collect::<Vec<_>>();
+    assert_eq!(names(&d.candidates), names(&e.candidates[..n]));
+    assert_eq!(e.choice.as_deref(), Some(&*d.pod));
     assert!(e.candidates.windows(2).all(|w| w[0].score > w[1].score), "explain orders all");
 }
