@@ -1,12 +1,11 @@
 //! End-to-end shared-prefix benchmark (issue 9; SPEC §10's routing-quality shape, scaled down to
 //! what emulated engines on this machine sustain): the same open-loop Poisson stream of
 //! `/v1/completions` requests (G groups × a shared prefix × Q questions) goes through real Envoy +
-//! picker + agents + emulated engines, then — prefix caches emptied — through an Envoy doing plain
-//! round robin over the same engines. TTFT (first streamed chunk with text) is measured by the
-//! client, as inference-perf does.
-//!
-//! Approximate-prefix mode is not compared here yet (the harness starts the picker in precise mode
-//! only); `kvroute-sim` covers it.
+//! picker + agents + emulated engines (precise mode: KV events), then — prefix caches emptied —
+//! through an Envoy doing plain round robin over the same engines, then through a second fleet
+//! whose picker runs in approximate mode (no tokenizer: SPEC §6's text blocks and per-pod LRU of
+//! its own routing, GIE's estimated prefix cache). TTFT (first streamed chunk with text) is
+//! measured by the client, as inference-perf does.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -57,6 +56,9 @@ struct Args {
     /// Workload seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Skip the approximate-mode fleet (precise kvroute and round robin only).
+    #[arg(long)]
+    no_approximate: bool,
 }
 
 const WORDS: &[&str] = &[
@@ -143,6 +145,26 @@ async fn main() -> Result<()> {
     fleet.reset_prefix_caches().await?;
     let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
     let rr = run(&rr_gateway, &model, &a).await?;
+    fleet.shutdown().await;
+    let approx = if a.no_approximate {
+        None
+    } else {
+        eprintln!("starting a second fleet whose picker runs in approximate mode ...");
+        let spec = FleetSpec {
+            label: "shared-prefix-bench-approx".into(),
+            engines: a.engines,
+            num_gpu_blocks: a.num_gpu_blocks,
+            time_scale: a.time_scale,
+            max_num_seqs: a.max_num_seqs,
+            picker_approximate: true,
+            picker_log_level: "warn".into(),
+            ..FleetSpec::default()
+        };
+        let fleet = Fleet::start(spec).await?;
+        let samples = run(&fleet.gateway, &model, &a).await?;
+        fleet.shutdown().await;
+        Some(samples)
+    };
     println!(
         "shared prefix through Envoy: {} groups × {} words + {} questions × {} words, {} output tokens, {} req/s Poisson, \
          {} engines × {} KV blocks, max {} running each\n",
@@ -160,7 +182,10 @@ async fn main() -> Result<()> {
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     let (k50, k90) = summary("Envoy + kvroute", &kv);
     let (r50, r90) = summary("Envoy round robin", &rr);
+    let approx = approx.as_deref().map(|s| summary("Envoy + kvroute, approximate mode", s));
     println!("\nround robin ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", r50 / k50, r90 / k90);
-    fleet.shutdown().await;
+    if let Some((a50, a90)) = approx {
+        println!("approximate mode ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", a50 / k50, a90 / k90);
+    }
     Ok(())
 }
