@@ -74,6 +74,30 @@ impl DoubleSnapshot {
     }
 }
 
+impl crate::pooled::PoolMap for DoubleSnapshot {
+    #[inline]
+    fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
+        map_link(&mut self.map, pod, block)
+    }
+
+    #[inline]
+    fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
+        map_unlink(&mut self.map, pod, block)
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.stats
+    }
+
+    fn set_stats(&mut self, stats: IndexStats) {
+        self.stats = stats;
+    }
+
+    fn heap_bytes(&self) -> u64 {
+        self.map.capacity() as u64 * SLOT_BYTES
+    }
+}
+
 /// One primitive change to a block map, logged so another copy can replay it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum LogOp {

@@ -3,6 +3,11 @@
 //! Walks the request's chain from block 0 and keeps the pods that held every block so far
 //! (`active`, sorted). A pod leaving `active` at depth d matched d blocks. Stops at the first block
 //! no remaining pod holds. No allocation once `scratch` has grown to the pod count.
+//!
+//! Before walking a stretch of the chain it asks the map to [`BlockPods::touch`] that stretch, so
+//! a map whose slot addresses follow from the hash alone fetches their cache lines in parallel;
+//! the stretch starts at [`FIRST_TOUCH`] blocks (a miss stops at block 0 and should not pay for
+//! 256 loads) and doubles up to [`MAX_TOUCH`] while the walk goes on.
 
 use kvroute_common::BlockHash;
 
@@ -12,7 +17,17 @@ use crate::{MatchScratch, PodIdx};
 pub trait BlockPods {
     /// Pods holding `block`, sorted ascending, empty when none.
     fn pods_of(&self, block: BlockHash) -> &[PodIdx];
+
+    /// Starts loading whatever [`BlockPods::pods_of`] will read for `blocks`, without waiting on
+    /// it (a hint: the default does nothing).
+    #[inline]
+    fn touch(&self, _blocks: &[BlockHash]) {}
 }
+
+/// Blocks touched ahead before the walk's first probe.
+pub const FIRST_TOUCH: usize = 8;
+/// Largest stretch touched ahead at once.
+pub const MAX_TOUCH: usize = 64;
 
 /// Records in `scratch`, per pod, how many consecutive blocks of `chain` from the start it holds
 /// (the numerator of SPEC §2's match ratio); returns the longest such run.
@@ -21,12 +36,22 @@ pub fn match_prefix<I: BlockPods + ?Sized>(index: &I, chain: &[BlockHash], scrat
     let Some((first, rest)) = chain.split_first() else {
         return 0;
     };
+    let mut touched = chain.len().min(FIRST_TOUCH);
+    index.touch(&chain[..touched]);
     scratch.active.extend_from_slice(index.pods_of(*first));
     if scratch.active.is_empty() {
         return 0;
     }
+    let mut stretch = FIRST_TOUCH;
     let mut depth: u32 = 1;
-    for block in rest {
+    for (i, block) in rest.iter().enumerate() {
+        // `i + 1` is `block`'s position in `chain`.
+        if i + 1 == touched {
+            stretch = (stretch * 2).min(MAX_TOUCH);
+            let end = chain.len().min(touched + stretch);
+            index.touch(&chain[touched..end]);
+            touched = end;
+        }
         let holders = index.pods_of(*block);
         // Common case on a cached prefix: the same pods hold the next block too.
         if holders == scratch.active.as_slice() {
