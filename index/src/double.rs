@@ -103,6 +103,9 @@ impl crate::pooled::PoolMap for DoubleSnapshot {
 pub(crate) enum LogOp {
     Link(PodIdx, u64),
     Unlink(PodIdx, u64),
+    /// One block of a store call's blocks to make runs of ([`crate::PoolMap::seal`]); `first`
+    /// starts a new call's list.
+    Seal { block: u64, first: bool },
 }
 
 /// Applies `ops` in order to `map` (bringing a copy that lacks them up to date).
@@ -115,6 +118,8 @@ pub(crate) fn replay(map: &mut BlockMap, ops: &[LogOp]) {
             LogOp::Unlink(p, h) => {
                 let _ = map_unlink(map, p, h);
             }
+            // B's map keeps no runs (and B never logs this).
+            LogOp::Seal { .. } => {}
         }
     }
 }

@@ -1,73 +1,112 @@
-//! [`FlatSnapshot`]: the block map as one open-addressing table of 16-byte slots, laid out so a
-//! cold walk costs one cache line per block and the lines for a stretch of the chain are fetched
-//! in parallel.
+//! [`FlatSnapshot`]: the block map as one open-addressing table of 16-byte slots, pod sets
+//! interned, and *runs*: consecutive blocks stored together with the same pods, kept contiguous
+//! so a walk verifies them by comparing hashes in sequence instead of probing each one.
 //!
-//! Why not hashbrown here: a hashbrown probe reads a control-byte group, then a bucket whose
-//! address depends on that read, in another region: two dependent DRAM misses per block when the
-//! map is not in cache (~110 ns per block measured, 27.8 µs p99 for a 256-block walk). Here a slot
-//! holds the key and up to [`INLINE`] pods inline in 16 bytes (four per cache line, never
-//! straddling one), so a block whose slot is its home slot costs one line, and the line's address
-//! is known from the hash alone. [`FlatSnapshot::touch`] loads the home slots of a stretch of the
-//! chain in a tight loop with no data-dependent branches, so the CPU keeps many of those misses in
-//! flight at once instead of one per walk step (no `unsafe` prefetch: the workspace forbids it).
+//! Why: a hashbrown probe reads a control-byte group, then a bucket whose address depends on it,
+//! in another region: two dependent DRAM misses per block when the map is cold (27.8 µs p99 for a
+//! cold 256-block walk). Here a slot is 16 bytes (key, interned pod-set id, run reference; four
+//! per cache line, none straddling two), and a chain the index received in one
+//! [`crate::Writer::store`] call is also kept as a run: the walk probes the first block, finds
+//! (run, offset) in its slot, and compares the request's following hashes with the run's
+//! (2 KB for 256 blocks, read sequentially) — one random access per run instead of per block.
+//!
+//! Exactness (the walk's per-pod counts equal the naive map's, whatever the op order):
+//! - a run `r` lists distinct blocks; for every offset `k < runs[r].len()`, the slot of
+//!   `runs[r][k]` holds the reference `(r, k)`, and all those slots hold the same pod-set id;
+//! - interning makes set ids and pod sets one-to-one within a copy, so equal ids mean equal pods;
+//! - any change to a block's pods (link, unlink) first cuts every run it belongs to at that block
+//!   ([`FlatMap::cut`]), so the invariant holds after it; the blocks after the cut lose run
+//!   coverage (the walk probes them one by one) until a later store covers them again;
+//! - a slot's reference may be stale (its run was cut or freed and reused): the walk trusts it
+//!   only when `runs[r][k]` is the slot's own key, which by the invariant means it is current.
+//!
+//! Runs are made by [`FlatMap::seal`] over a store call's blocks (after the writer links them):
+//! stretches of ≥ 2 present blocks with one pod-set id, not already covered by a run that goes
+//! the same way, at most [`MAX_RUN`] blocks each. Removing a block from the middle of a run cuts it
+//! there (the remainder walks block by block until stored again).
 //!
 //! Table: linear probing, Fibonacci (multiply-shift) home slot, load kept ≤ [`MAX_LOAD_PCT`]%,
-//! backward-shift deletion (no tombstones, so probe lengths never degrade with churn). A block
-//! on more than [`INLINE`] pods keeps its sorted pods in a side vector (`spill`), indexed from
-//! the slot; freed indices are reused.
-//!
-//! Invariants: a slot with `len == 0` is empty (an occupied slot has ≥ 1 pod, so key 0 is a valid
-//! key); pods are sorted and duplicate-free; every key sits at or after its home slot with no
-//! empty slot in between (cyclically). A published snapshot is never mutated (`Arc` + the pool's
-//! ownership rules in [`crate::pooled`]).
+//! backward-shift deletion (no tombstones, so probe lengths never degrade with churn).
+//! A published snapshot is never mutated (`Arc` + the pool's ownership rules in [`crate::pooled`]).
 
 use std::hint::black_box;
 
+use hashbrown::HashMap;
 use kvroute_common::BlockHash;
 
+use crate::hasher::MixBuild;
 use crate::pooled::PoolMap;
-use crate::walk::{BlockPods, match_prefix};
+use crate::walk::{BlockPods, finish, narrow};
 use crate::{IndexStats, MatchScratch, PodIdx};
 
-/// Pods stored in the slot itself; a block on more pods spills to a side vector.
-pub const INLINE: usize = 3;
 /// Most occupied slots, in percent of the table, before it doubles.
 pub const MAX_LOAD_PCT: usize = 70;
+/// Longest run (the offset in a slot's run reference is 8 bits).
+pub const MAX_RUN: usize = 256;
 /// Smallest non-empty table.
 const MIN_SLOTS: usize = 16;
-/// `len` of a slot whose pods are in `spill` (index in `pods[0..2]`).
-const SPILLED: u16 = u16::MAX;
 /// Fibonacci hashing multiplier (2^64 / φ).
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
+/// Run reference of a slot in no run.
+const NO_RUN: u32 = u32::MAX;
+/// Run reference marking a slot while [`FlatMap::seal`] gathers a run (never left behind).
+const GATHERING: u32 = u32::MAX - 1;
+/// Run ids below this fit the reference's top 24 bits without meeting the two markers.
+const MAX_RUNS: usize = (1 << 24) - 1;
 
 /// One table slot: 16 bytes, 16-aligned, so four share a cache line and none straddles two.
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C, align(16))]
 struct Slot {
     key: u64,
-    /// 0: empty; 1..=INLINE: that many pods in `pods`; [`SPILLED`]: pods in `spill`.
-    len: u16,
-    pods: [PodIdx; INLINE],
+    /// Interned pod set; 0 = empty slot.
+    set: u32,
+    /// `run id << 8 | offset`, or [`NO_RUN`]; trusted only after checking (see module docs).
+    run: u32,
 }
 
-impl Slot {
-    fn spill_index(&self) -> usize {
-        (usize::from(self.pods[0].0) << 16) | usize::from(self.pods[1].0)
-    }
-}
-
-/// Block hash → sorted pods, open addressing. See the module docs.
+/// An interned pod set and how many slots use it.
 #[derive(Clone, Debug, Default)]
+struct PodSetEntry {
+    pods: Box<[PodIdx]>,
+    refs: u32,
+}
+
+/// Block hash → sorted pods, open addressing, with runs. See the module docs.
+#[derive(Clone, Debug)]
 pub struct FlatMap {
     slots: Vec<Slot>,
     /// `64 - log2(slots.len())`: the home slot is the top bits of `key * FIB`.
     shift: u32,
     /// Occupied slots.
     len: usize,
-    /// Pod sets of blocks on more than [`INLINE`] pods.
-    spill: Vec<Vec<PodIdx>>,
-    /// Unused `spill` indices.
-    free: Vec<u32>,
+    /// Interned pod sets by id (id 0 unused: it marks an empty slot).
+    sets: Vec<PodSetEntry>,
+    set_ids: HashMap<Box<[PodIdx]>, u32, MixBuild>,
+    free_sets: Vec<u32>,
+    /// Runs by id: blocks in chain order; an empty vector is a free id.
+    runs: Vec<Vec<u64>>,
+    free_runs: Vec<u32>,
+    /// Scratch for building a pod set or gathering a run (empty between calls).
+    scratch_pods: Vec<PodIdx>,
+    scratch_slots: Vec<usize>,
+}
+
+impl Default for FlatMap {
+    fn default() -> Self {
+        FlatMap {
+            slots: Vec::new(),
+            shift: 0,
+            len: 0,
+            sets: vec![PodSetEntry::default()],
+            set_ids: HashMap::default(),
+            free_sets: Vec::new(),
+            runs: Vec::new(),
+            free_runs: Vec::new(),
+            scratch_pods: Vec::new(),
+            scratch_slots: Vec::new(),
+        }
+    }
 }
 
 impl FlatMap {
@@ -102,7 +141,7 @@ impl FlatMap {
         let mut i = self.home(key);
         loop {
             let s = self.slots.get(i)?;
-            if s.len == 0 {
+            if s.set == 0 {
                 return None;
             }
             if s.key == key {
@@ -113,22 +152,29 @@ impl FlatMap {
     }
 
     #[inline]
-    fn pods_at(&self, i: usize) -> &[PodIdx] {
-        let Some(s) = self.slots.get(i) else {
-            return &[];
-        };
-        if s.len == SPILLED {
-            return self.spill.get(s.spill_index()).map_or(&[], Vec::as_slice);
-        }
-        s.pods.get(..usize::from(s.len)).unwrap_or(&[])
+    fn pods_of_set(&self, set: u32) -> &[PodIdx] {
+        self.sets.get(set as usize).map_or(&[], |e| &e.pods)
     }
 
     /// Pods holding `key`, sorted, empty when none.
     #[inline]
     pub fn get(&self, key: u64) -> &[PodIdx] {
         match self.find(key) {
-            Some(i) => self.pods_at(i),
+            Some(i) => self.pods_of_set(self.slots[i].set),
             None => &[],
+        }
+    }
+
+    /// The run blocks that follow `slot`'s block, when its run reference is current.
+    #[inline]
+    fn run_after(&self, slot: &Slot) -> &[u64] {
+        if slot.run >= GATHERING {
+            return &[];
+        }
+        let (r, k) = ((slot.run >> 8) as usize, (slot.run & 0xFF) as usize);
+        match self.runs.get(r) {
+            Some(run) if run.get(k) == Some(&slot.key) => &run[k + 1..],
+            _ => &[],
         }
     }
 
@@ -144,13 +190,17 @@ impl FlatMap {
         black_box(acc);
     }
 
-    /// Table bytes plus spilled pod sets (allocated capacity).
+    /// Table, pod sets and runs (allocated capacity; the set map's entries counted as a key box
+    /// plus id, hashbrown's control bytes ignored).
     pub fn heap_bytes(&self) -> u64 {
-        let spilled: usize = self.spill.iter().map(|v| v.capacity() * size_of::<PodIdx>()).sum();
+        let set_pods: usize = self.sets.iter().map(|e| e.pods.len() * size_of::<PodIdx>()).sum();
+        let runs: usize = self.runs.iter().map(|r| r.capacity() * 8).sum();
         (self.slots.capacity() * size_of::<Slot>()
-            + self.spill.capacity() * size_of::<Vec<PodIdx>>()
-            + spilled
-            + self.free.capacity() * 4) as u64
+            + self.sets.capacity() * size_of::<PodSetEntry>()
+            + 2 * set_pods
+            + self.set_ids.capacity() * (size_of::<Box<[PodIdx]>>() + 4)
+            + self.runs.capacity() * size_of::<Vec<u64>>()
+            + runs) as u64
     }
 
     fn grow(&mut self) {
@@ -158,31 +208,104 @@ impl FlatMap {
         let old = std::mem::replace(&mut self.slots, vec![Slot::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
-        for s in old.into_iter().filter(|s| s.len != 0) {
+        for s in old.into_iter().filter(|s| s.set != 0) {
             let mut i = self.home(s.key);
-            while self.slots[i].len != 0 {
+            while self.slots[i].set != 0 {
                 i = (i + 1) & mask;
             }
             self.slots[i] = s;
         }
     }
 
+    /// The id of the pod set in `scratch_pods`, interning it if new; takes one reference.
+    fn intern(&mut self) -> u32 {
+        if let Some(&id) = self.set_ids.get(self.scratch_pods.as_slice()) {
+            self.sets[id as usize].refs += 1;
+            return id;
+        }
+        let pods: Box<[PodIdx]> = self.scratch_pods.as_slice().into();
+        let entry = PodSetEntry { pods: pods.clone(), refs: 1 };
+        let id = match self.free_sets.pop() {
+            Some(id) => {
+                self.sets[id as usize] = entry;
+                id
+            }
+            None => {
+                self.sets.push(entry);
+                // Distinct pod sets are bounded by occupied slots, which a `u32` counts.
+                (self.sets.len() - 1) as u32
+            }
+        };
+        self.set_ids.insert(pods, id);
+        id
+    }
+
+    /// Drops one reference to set `id`; frees it with the last.
+    fn release(&mut self, id: u32) {
+        let e = &mut self.sets[id as usize];
+        e.refs -= 1;
+        if e.refs == 0 {
+            let pods = std::mem::take(&mut e.pods);
+            self.set_ids.remove(&pods);
+            self.free_sets.push(id);
+        }
+    }
+
+    /// Cuts the run slot `i` belongs to (if current) just before its block, so no run claims a
+    /// block whose pods are about to change; a run left under 2 blocks is freed.
+    fn cut(&mut self, i: usize) {
+        let s = self.slots[i];
+        self.slots[i].run = NO_RUN;
+        if s.run >= GATHERING {
+            return;
+        }
+        let (r, k) = ((s.run >> 8) as usize, (s.run & 0xFF) as usize);
+        let Some(run) = self.runs.get_mut(r) else {
+            return;
+        };
+        if run.get(k) != Some(&s.key) {
+            return;
+        }
+        if k < 2 {
+            *run = Vec::new();
+            self.free_runs.push(r as u32);
+        } else {
+            run.truncate(k);
+            if run.capacity() > 2 * k {
+                run.shrink_to_fit();
+            }
+        }
+    }
+
     /// Adds `pod` to `key`'s set; returns (the block is new, the pair is new).
     pub fn link(&mut self, pod: PodIdx, key: u64) -> (bool, bool) {
         if let Some(i) = self.find(key) {
-            return (false, self.insert_pod(i, pod));
+            let old = self.slots[i].set;
+            let pods = &self.sets[old as usize].pods;
+            let Err(pos) = pods.binary_search(&pod) else {
+                return (false, false);
+            };
+            self.scratch_pods.clear();
+            self.scratch_pods.extend_from_slice(pods);
+            self.scratch_pods.insert(pos, pod);
+            let id = self.intern();
+            self.release(old);
+            self.cut(i);
+            self.slots[i].set = id;
+            return (false, true);
         }
         if (self.len + 1) * 100 > self.slots.len() * MAX_LOAD_PCT {
             self.grow();
         }
+        self.scratch_pods.clear();
+        self.scratch_pods.push(pod);
+        let set = self.intern();
         let mask = self.mask();
         let mut i = self.home(key);
-        while self.slots[i].len != 0 {
+        while self.slots[i].set != 0 {
             i = (i + 1) & mask;
         }
-        let mut pods = [PodIdx(0); INLINE];
-        pods[0] = pod;
-        self.slots[i] = Slot { key, len: 1, pods };
+        self.slots[i] = Slot { key, set, run: NO_RUN };
         self.len += 1;
         (true, true)
     }
@@ -192,91 +315,25 @@ impl FlatMap {
         let Some(i) = self.find(key) else {
             return (false, false);
         };
-        if !self.remove_pod(i, pod) {
+        let old = self.slots[i].set;
+        let pods = &self.sets[old as usize].pods;
+        let Ok(pos) = pods.binary_search(&pod) else {
             return (false, false);
-        }
-        if self.slots[i].len != 0 {
-            return (true, false);
-        }
-        self.delete(i);
-        (true, true)
-    }
-
-    fn insert_pod(&mut self, i: usize, pod: PodIdx) -> bool {
-        let s = self.slots[i];
-        if s.len == SPILLED {
-            let v = &mut self.spill[s.spill_index()];
-            return match v.binary_search(&pod) {
-                Ok(_) => false,
-                Err(pos) => {
-                    v.insert(pos, pod);
-                    true
-                }
-            };
-        }
-        let n = usize::from(s.len);
-        let pos = match s.pods[..n].binary_search(&pod) {
-            Ok(_) => return false,
-            Err(pos) => pos,
         };
-        if n < INLINE {
-            let slot = &mut self.slots[i];
-            slot.pods.copy_within(pos..n, pos + 1);
-            slot.pods[pos] = pod;
-            slot.len += 1;
-            return true;
+        if pods.len() == 1 {
+            self.cut(i);
+            self.release(old);
+            self.delete(i);
+            return (true, true);
         }
-        let mut v = Vec::with_capacity(INLINE * 2);
-        v.extend_from_slice(&s.pods);
-        v.insert(pos, pod);
-        let at = match self.free.pop() {
-            Some(at) => {
-                self.spill[at as usize] = v;
-                at as usize
-            }
-            None => {
-                self.spill.push(v);
-                self.spill.len() - 1
-            }
-        };
-        // At most 2^32 spilled sets: fewer than slots, which a `u32`-sized pod count bounds.
-        let slot = &mut self.slots[i];
-        slot.len = SPILLED;
-        slot.pods[0] = PodIdx((at >> 16) as u16);
-        slot.pods[1] = PodIdx(at as u16);
-        true
-    }
-
-    fn remove_pod(&mut self, i: usize, pod: PodIdx) -> bool {
-        let s = self.slots[i];
-        if s.len == SPILLED {
-            let at = s.spill_index();
-            let v = &mut self.spill[at];
-            let Ok(pos) = v.binary_search(&pod) else {
-                return false;
-            };
-            v.remove(pos);
-            if v.len() <= INLINE {
-                let mut pods = [PodIdx(0); INLINE];
-                pods[..v.len()].copy_from_slice(v);
-                // `v.len() <= INLINE` (3): the cast cannot truncate.
-                let len = v.len() as u16;
-                self.spill[at] = Vec::new();
-                self.free.push(at as u32);
-                let slot = &mut self.slots[i];
-                slot.len = len;
-                slot.pods = pods;
-            }
-            return true;
-        }
-        let n = usize::from(s.len);
-        let Ok(pos) = s.pods[..n].binary_search(&pod) else {
-            return false;
-        };
-        let slot = &mut self.slots[i];
-        slot.pods.copy_within(pos + 1..n, pos);
-        slot.len -= 1;
-        true
+        self.scratch_pods.clear();
+        self.scratch_pods.extend_from_slice(pods);
+        self.scratch_pods.remove(pos);
+        self.cut(i);
+        let id = self.intern();
+        self.release(old);
+        self.slots[i].set = id;
+        (true, false)
     }
 
     /// Empties slot `i` and shifts later keys of its probe run back (backward-shift deletion).
@@ -286,7 +343,7 @@ impl FlatMap {
         loop {
             j = (j + 1) & mask;
             let s = self.slots[j];
-            if s.len == 0 {
+            if s.set == 0 {
                 break;
             }
             let h = self.home(s.key);
@@ -299,6 +356,108 @@ impl FlatMap {
         }
         self.slots[i] = Slot::default();
         self.len -= 1;
+    }
+
+    /// Makes runs of `blocks` (one store call's blocks, in chain order, already linked): see the
+    /// module docs. Blocks absent from the map or already covered are skipped.
+    pub fn seal(&mut self, blocks: &[BlockHash]) {
+        let mut j = 0;
+        while j < blocks.len() {
+            let Some(i) = self.find(blocks[j].0) else {
+                j += 1;
+                continue;
+            };
+            // Already covered by a current run going the same way: follow it.
+            let slot = self.slots[i];
+            if self.covered(&slot) {
+                let same = self.run_after(&slot).iter().zip(&blocks[j + 1..]).take_while(|(a, b)| **a == b.0).count();
+                j += 1 + same;
+                continue;
+            }
+            let set = self.slots[i].set;
+            let mut gathered = std::mem::take(&mut self.scratch_slots);
+            gathered.clear();
+            while j < blocks.len() && gathered.len() < MAX_RUN {
+                let Some(i2) = self.find(blocks[j].0) else { break };
+                let s = self.slots[i2];
+                // Another pod set, a block gathered already (a repeat), or one a current run
+                // covers (left to it): the run ends here.
+                if s.set != set || s.run == GATHERING || (!gathered.is_empty() && self.covered(&s)) {
+                    break;
+                }
+                self.slots[i2].run = GATHERING;
+                gathered.push(i2);
+                j += 1;
+            }
+            let id = if gathered.len() >= 2 { self.new_run() } else { None };
+            match id {
+                Some(r) => {
+                    let run: Vec<u64> = gathered.iter().map(|&i2| self.slots[i2].key).collect();
+                    for (k, &i2) in gathered.iter().enumerate() {
+                        // `r < MAX_RUNS` (24 bits) and `k < MAX_RUN` (8 bits).
+                        self.slots[i2].run = (r << 8) | k as u32;
+                    }
+                    self.runs[r as usize] = run;
+                }
+                None => {
+                    for &i2 in &gathered {
+                        self.slots[i2].run = NO_RUN;
+                    }
+                }
+            }
+            gathered.clear();
+            self.scratch_slots = gathered;
+        }
+    }
+
+    /// True when `s`'s run reference is current.
+    fn covered(&self, s: &Slot) -> bool {
+        s.run < GATHERING
+            && self.runs.get((s.run >> 8) as usize).is_some_and(|r| r.get((s.run & 0xFF) as usize) == Some(&s.key))
+    }
+
+    /// A free run id, or `None` when all 2^24 - 1 are in use (the blocks then just have no run).
+    fn new_run(&mut self) -> Option<u32> {
+        if let Some(r) = self.free_runs.pop() {
+            return Some(r);
+        }
+        if self.runs.len() >= MAX_RUNS {
+            return None;
+        }
+        self.runs.push(Vec::new());
+        Some((self.runs.len() - 1) as u32)
+    }
+
+    /// The prefix walk over runs: probe a block, then follow its run while the request's hashes
+    /// match; pods change only where the pod-set id does. Same counts as
+    /// [`crate::walk::walk_blocks`] (see the module docs).
+    pub fn walk(&self, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
+        scratch.reset();
+        let mut set = 0u32;
+        let mut i = 0;
+        while i < chain.len() {
+            let Some(at) = self.find(chain[i].0) else { break };
+            let slot = &self.slots[at];
+            if slot.set != set {
+                // `i` is the number of blocks matched so far.
+                let depth = i as u32;
+                if set == 0 {
+                    scratch.active.extend_from_slice(self.pods_of_set(slot.set));
+                } else if !narrow(scratch, self.pods_of_set(slot.set), depth) {
+                    return depth;
+                }
+                set = slot.set;
+            }
+            i += 1;
+            let ahead = self.run_after(slot);
+            i += ahead.iter().zip(&chain[i..]).take_while(|(a, b)| **a == b.0).count();
+        }
+        if scratch.active.is_empty() {
+            return 0;
+        }
+        let depth = i as u32;
+        finish(scratch, depth);
+        depth
     }
 }
 
@@ -319,6 +478,11 @@ impl BlockPods for FlatSnapshot {
     fn touch(&self, blocks: &[BlockHash]) {
         self.map.touch(blocks);
     }
+
+    #[inline]
+    fn walk(&self, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
+        self.map.walk(chain, scratch)
+    }
 }
 
 impl FlatSnapshot {
@@ -328,10 +492,10 @@ impl FlatSnapshot {
         self.map.get(block.0)
     }
 
-    /// The prefix walk ([`match_prefix`]): per-pod consecutive matched blocks into `scratch`;
-    /// returns the longest match.
+    /// The prefix walk: per-pod consecutive matched blocks into `scratch`; returns the longest
+    /// match.
     pub fn match_prefix(&self, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
-        match_prefix(self, chain, scratch)
+        self.map.walk(chain, scratch)
     }
 
     /// Size figures as of this snapshot.
@@ -349,6 +513,12 @@ impl PoolMap for FlatSnapshot {
     #[inline]
     fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
         self.map.unlink(pod, block)
+    }
+
+    const SEALS: bool = true;
+
+    fn seal(&mut self, blocks: &[BlockHash]) {
+        self.map.seal(blocks);
     }
 
     fn stats(&self) -> IndexStats {
@@ -371,62 +541,124 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::walk::walk_blocks;
 
-    /// Every occupied slot is reachable from its home with no empty slot in between.
-    fn assert_probe_invariant(m: &FlatMap) {
+    /// Every occupied slot is reachable from its home with no empty slot in between; every
+    /// current run reference is consistent (module invariant); set refcounts are exact.
+    fn assert_invariants(m: &FlatMap) {
         let mask = m.mask();
         let mut occupied = 0;
+        let mut refs: HashMap<u32, u32> = HashMap::new();
         for (j, s) in m.slots.iter().enumerate() {
-            if s.len == 0 {
+            if s.set == 0 {
                 continue;
             }
             occupied += 1;
+            *refs.entry(s.set).or_default() += 1;
+            assert_ne!(s.run, GATHERING);
             let mut i = m.home(s.key);
             while i != j {
-                assert_ne!(m.slots[i].len, 0, "hole between home {} and slot {j}", m.home(s.key));
+                assert_ne!(m.slots[i].set, 0, "hole between home {} and slot {j}", m.home(s.key));
                 i = (i + 1) & mask;
             }
         }
         assert_eq!(occupied, m.len);
+        for (id, e) in m.sets.iter().enumerate().skip(1) {
+            assert_eq!(refs.get(&(id as u32)).copied().unwrap_or(0), e.refs, "refs of set {id}");
+        }
+        for (r, run) in m.runs.iter().enumerate() {
+            assert!(run.is_empty() || run.len() >= 2);
+            let sets: BTreeSet<u32> = run
+                .iter()
+                .enumerate()
+                .map(|(k, key)| {
+                    let i = m.find(*key).expect("a run's block is in the map");
+                    assert_eq!(m.slots[i].run, ((r as u32) << 8) | k as u32, "run {r} offset {k}");
+                    m.slots[i].set
+                })
+                .collect();
+            assert!(sets.len() <= 1, "run {r} spans pod sets {sets:?}");
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum MapOp {
+        Link(u16, u64),
+        Unlink(u16, u64),
+        Seal(Vec<u64>),
+    }
+
+    fn key(k: u64) -> u64 {
+        // Spread some keys over the top bits too (the home slot comes from them).
+        if k % 2 == 0 { k } else { k.wrapping_mul(0x0123_4567_89ab_cdef) }
+    }
+
+    fn map_op() -> impl Strategy<Value = MapOp> {
+        prop_oneof![
+            5 => (0u16..8, 0u64..200).prop_map(|(p, k)| MapOp::Link(p, key(k))),
+            3 => (0u16..8, 0u64..200).prop_map(|(p, k)| MapOp::Unlink(p, key(k))),
+            // Runs over a stretch of keys, sometimes with repeats or jumps.
+            1 => (0u64..200, 1u64..40, prop::collection::vec(0u64..200, 0..3)).prop_map(|(from, n, extra)| {
+                let mut v: Vec<u64> = (from..from + n).map(key).collect();
+                for e in extra {
+                    let at = (e as usize) % (v.len() + 1);
+                    v.insert(at, key(e));
+                }
+                MapOp::Seal(v)
+            }),
+        ]
     }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]
 
-        /// Links and unlinks (few keys, so probe runs collide, wrap and shift; up to 8 pods, so
-        /// sets spill and come back inline) against a `HashMap<key, BTreeSet<pod>>`.
+        /// Links, unlinks and seals (few keys, so probe runs collide, wrap and shift; runs are cut
+        /// and re-made) against a `HashMap<key, BTreeSet<pod>>`; the run walk gives the same
+        /// counts as the block-by-block walk on chains along the keys.
         #[test]
-        fn flat_map_matches_a_hash_map(ops in prop::collection::vec((any::<bool>(), 0u64..300, 0u16..8), 1..2000)) {
+        fn flat_map_matches_a_hash_map(ops in prop::collection::vec(map_op(), 1..1500)) {
             let mut m = FlatMap::default();
             let mut want: HashMap<u64, BTreeSet<u16>> = HashMap::new();
-            for (add, k, p) in ops {
-                // Spread some keys over the top bits too (the home slot comes from them).
-                let key = if k % 2 == 0 { k } else { k.wrapping_mul(0x0123_4567_89ab_cdef) };
-                if add {
-                    let set = want.entry(key).or_default();
-                    let new_block = set.is_empty();
-                    let new_pair = set.insert(p);
-                    prop_assert_eq!(m.link(PodIdx(p), key), (new_block, new_pair));
-                } else {
-                    let removed = want.get_mut(&key).is_some_and(|s| s.remove(&p));
-                    let gone = removed && want.get(&key).is_some_and(BTreeSet::is_empty);
-                    if gone {
-                        want.remove(&key);
+            for op in ops {
+                match op {
+                    MapOp::Link(p, key) => {
+                        let set = want.entry(key).or_default();
+                        let new_block = set.is_empty();
+                        let new_pair = set.insert(p);
+                        prop_assert_eq!(m.link(PodIdx(p), key), (new_block, new_pair));
                     }
-                    prop_assert_eq!(m.unlink(PodIdx(p), key), (removed, gone));
+                    MapOp::Unlink(p, key) => {
+                        let removed = want.get_mut(&key).is_some_and(|s| s.remove(&p));
+                        let gone = removed && want.get(&key).is_some_and(BTreeSet::is_empty);
+                        if gone {
+                            want.remove(&key);
+                        }
+                        prop_assert_eq!(m.unlink(PodIdx(p), key), (removed, gone));
+                    }
+                    MapOp::Seal(keys) => {
+                        let bs: Vec<BlockHash> = keys.into_iter().map(BlockHash).collect();
+                        m.seal(&bs);
+                    }
                 }
             }
-            assert_probe_invariant(&m);
+            assert_invariants(&m);
             prop_assert_eq!(m.len(), want.len());
-            for k in 0..300u64 {
-                for key in [k, k.wrapping_mul(0x0123_4567_89ab_cdef)] {
-                    let got: Vec<u16> = m.get(key).iter().map(|p| p.0).collect();
-                    let exp: Vec<u16> = want.get(&key).map(|s| s.iter().copied().collect()).unwrap_or_default();
-                    prop_assert_eq!(got, exp);
+            for k in 0..200u64 {
+                let got: Vec<u16> = m.get(key(k)).iter().map(|p| p.0).collect();
+                let exp: Vec<u16> = want.get(&key(k)).map(|s| s.iter().copied().collect()).unwrap_or_default();
+                prop_assert_eq!(got, exp);
+            }
+            let snap = FlatSnapshot { map: m, stats: IndexStats::default() };
+            let (mut a, mut b) = (MatchScratch::default(), MatchScratch::default());
+            for from in 0..200u64 {
+                let chain: Vec<BlockHash> = (from..(from + 50).min(200)).map(|k| BlockHash(key(k))).collect();
+                let runs = snap.map.walk(&chain, &mut a);
+                let blocks = walk_blocks(&snap, &chain, &mut b);
+                prop_assert_eq!(runs, blocks);
+                for p in 0..8 {
+                    prop_assert_eq!(a.matched(PodIdx(p)), b.matched(PodIdx(p)), "pod {} from {}", p, from);
                 }
             }
-            let live_spills = m.spill.iter().filter(|v| !v.is_empty()).count();
-            prop_assert_eq!(live_spills, want.values().filter(|s| s.len() > INLINE).count());
         }
     }
 
@@ -434,5 +666,32 @@ mod tests {
     fn slot_is_a_quarter_cache_line() {
         assert_eq!(size_of::<Slot>(), 16);
         assert_eq!(align_of::<Slot>(), 16);
+    }
+
+    /// One store call makes one run; a second pod storing the same chain re-makes it (the links
+    /// cut the first); removing a middle block cuts it there, and the walk stays exact.
+    #[test]
+    fn runs_follow_stores_and_cuts() {
+        let mut m = FlatMap::default();
+        let chain: Vec<BlockHash> = (1..=300u64).map(|k| BlockHash(k.wrapping_mul(FIB))).collect();
+        for b in &chain {
+            m.link(PodIdx(1), b.0);
+        }
+        m.seal(&chain);
+        assert_invariants(&m);
+        let live = |m: &FlatMap| m.runs.iter().filter(|r| !r.is_empty()).map(Vec::len).collect::<BTreeSet<_>>();
+        assert_eq!(live(&m), BTreeSet::from([256, 44]));
+        for b in &chain[..100] {
+            m.link(PodIdx(2), b.0);
+        }
+        m.seal(&chain[..100]);
+        assert_invariants(&m);
+        assert_eq!(live(&m), BTreeSet::from([44, 100]));
+        m.unlink(PodIdx(2), chain[50].0);
+        assert_invariants(&m);
+        let snap = FlatSnapshot { map: m, stats: IndexStats::default() };
+        let mut s = MatchScratch::default();
+        assert_eq!(snap.match_prefix(&chain, &mut s), 300);
+        assert_eq!((s.matched(PodIdx(1)), s.matched(PodIdx(2))), (300, 50));
     }
 }

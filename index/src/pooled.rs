@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
+use kvroute_common::BlockHash;
+
 use crate::double::{LOG_KEEP_OPS, LogOp};
 use crate::flat::FlatSnapshot;
 use crate::writer::{Backend, Writer};
@@ -38,6 +40,11 @@ pub trait PoolMap: Clone + Default {
     fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
     /// Removes `pod` from `block`; returns (the pair was present, the block is now gone).
     fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
+    /// True when [`PoolMap::seal`] does something (so the pool logs the blocks for other copies).
+    const SEALS: bool = false;
+    /// After a store call linked `blocks` (in the call's order): lets the map group them (runs).
+    /// Must not change which pods hold which block.
+    fn seal(&mut self, _blocks: &[BlockHash]) {}
     /// The stats published with this copy.
     fn stats(&self) -> IndexStats;
     /// Sets the stats published with this copy.
@@ -48,7 +55,12 @@ pub trait PoolMap: Clone + Default {
 
 /// Applies `ops` in order to `copy` (bringing a copy that lacks them up to date).
 fn replay<S: PoolMap>(copy: &mut S, ops: &[LogOp]) {
+    let mut sealing: Vec<BlockHash> = Vec::new();
     for op in ops {
+        if !sealing.is_empty() && !matches!(op, LogOp::Seal { first: false, .. }) {
+            copy.seal(&sealing);
+            sealing.clear();
+        }
         match *op {
             LogOp::Link(p, h) => {
                 let _ = copy.link(p, h);
@@ -56,7 +68,11 @@ fn replay<S: PoolMap>(copy: &mut S, ops: &[LogOp]) {
             LogOp::Unlink(p, h) => {
                 let _ = copy.unlink(p, h);
             }
+            LogOp::Seal { block, .. } => sealing.push(BlockHash(block)),
         }
+    }
+    if !sealing.is_empty() {
+        copy.seal(&sealing);
     }
 }
 
@@ -235,6 +251,16 @@ impl<const MAX: usize, S: PoolMap> Backend for PooledBackend<MAX, S> {
         let r = self.writable().unlink(pod, block);
         self.record(LogOp::Unlink(pod, block));
         r
+    }
+
+    fn seal(&mut self, blocks: &[BlockHash]) {
+        if !S::SEALS || blocks.len() < 2 {
+            return;
+        }
+        self.writable().seal(blocks);
+        for (k, b) in blocks.iter().enumerate() {
+            self.record(LogOp::Seal { block: b.0, first: k == 0 });
+        }
     }
 
     fn publish(&mut self, stats: IndexStats) {

@@ -22,6 +22,13 @@ pub trait BlockPods {
     /// it (a hint: the default does nothing).
     #[inline]
     fn touch(&self, _blocks: &[BlockHash]) {}
+
+    /// The prefix walk on this map: [`walk_blocks`] unless the map knows a faster way to the same
+    /// counts (the flat snapshot follows runs of consecutive blocks).
+    #[inline]
+    fn walk(&self, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
+        walk_blocks(self, chain, scratch)
+    }
 }
 
 /// Blocks touched ahead before the walk's first probe.
@@ -31,7 +38,52 @@ pub const MAX_TOUCH: usize = 64;
 
 /// Records in `scratch`, per pod, how many consecutive blocks of `chain` from the start it holds
 /// (the numerator of SPEC §2's match ratio); returns the longest such run.
+#[inline]
 pub fn match_prefix<I: BlockPods + ?Sized>(index: &I, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
+    index.walk(chain, scratch)
+}
+
+/// Narrows `scratch.active` to the pods also in `holders` (sorted); a pod that leaves matched
+/// `depth` blocks. Returns false when no pod remains.
+#[inline]
+pub(crate) fn narrow(scratch: &mut MatchScratch, holders: &[PodIdx], depth: u32) -> bool {
+    // Sorted-merge intersection of `active` with `holders` into `next`.
+    scratch.next.clear();
+    let (mut i, mut j) = (0, 0);
+    while i < scratch.active.len() && j < holders.len() {
+        let (a, h) = (scratch.active[i], holders[j]);
+        if a == h {
+            scratch.next.push(a);
+            i += 1;
+            j += 1;
+        } else if a < h {
+            // `a` stops matching here: its count is `depth`.
+            scratch.set(a, depth);
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    while i < scratch.active.len() {
+        let a = scratch.active[i];
+        scratch.set(a, depth);
+        i += 1;
+    }
+    std::mem::swap(&mut scratch.active, &mut scratch.next);
+    !scratch.active.is_empty()
+}
+
+/// Gives every pod still in `scratch.active` the count `depth` (the walk ended with them).
+pub(crate) fn finish(scratch: &mut MatchScratch, depth: u32) {
+    let active = std::mem::take(&mut scratch.active);
+    for &a in &active {
+        scratch.set(a, depth);
+    }
+    scratch.active = active;
+}
+
+/// The walk one block at a time through [`BlockPods::pods_of`], touching stretches ahead.
+pub fn walk_blocks<I: BlockPods + ?Sized>(index: &I, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
     scratch.reset();
     let Some((first, rest)) = chain.split_first() else {
         return 0;
@@ -58,38 +110,11 @@ pub fn match_prefix<I: BlockPods + ?Sized>(index: &I, chain: &[BlockHash], scrat
             depth += 1;
             continue;
         }
-        // Sorted-merge intersection of `active` with `holders` into `next`.
-        scratch.next.clear();
-        let (mut i, mut j) = (0, 0);
-        while i < scratch.active.len() && j < holders.len() {
-            let (a, h) = (scratch.active[i], holders[j]);
-            if a == h {
-                scratch.next.push(a);
-                i += 1;
-                j += 1;
-            } else if a < h {
-                // `a` stops matching here: its count is `depth`.
-                scratch.set(a, depth);
-                i += 1;
-            } else {
-                j += 1;
-            }
-        }
-        while i < scratch.active.len() {
-            let a = scratch.active[i];
-            scratch.set(a, depth);
-            i += 1;
-        }
-        std::mem::swap(&mut scratch.active, &mut scratch.next);
-        if scratch.active.is_empty() {
+        if !narrow(scratch, holders, depth) {
             return depth;
         }
         depth += 1;
     }
-    let active = std::mem::take(&mut scratch.active);
-    for &a in &active {
-        scratch.set(a, depth);
-    }
-    scratch.active = active;
+    finish(scratch, depth);
     depth
 }
