@@ -70,7 +70,24 @@ struct Slot {
 struct PodSetEntry {
     pods: Box<[PodIdx]>,
     refs: u32,
+    /// Bumped when the id is freed, so a cached [`Transition`] to or from it goes stale.
+    generation: u32,
 }
+
+/// A remembered set change: adding (or removing) `pod` to set `from` gives set `to`. Stores of
+/// a chain repeat the same change block after block; this skips building and hashing the set.
+#[derive(Clone, Copy, Debug, Default)]
+struct Transition {
+    from: u32,
+    to: u32,
+    from_generation: u32,
+    to_generation: u32,
+    pod: PodIdx,
+    add: bool,
+}
+
+/// Remembered set changes (direct-mapped).
+const TRANSITIONS: usize = 256;
 
 /// Block hash → sorted pods, open addressing, with runs. See the module docs.
 #[derive(Clone, Debug)]
@@ -84,6 +101,8 @@ pub struct FlatMap {
     sets: Vec<PodSetEntry>,
     set_ids: HashMap<Box<[PodIdx]>, u32, MixBuild>,
     free_sets: Vec<u32>,
+    /// [`TRANSITIONS`] entries once the first set change happened.
+    transitions: Vec<Transition>,
     /// Runs by id: blocks in chain order; an empty vector is a free id.
     runs: Vec<Vec<u64>>,
     free_runs: Vec<u32>,
@@ -101,6 +120,7 @@ impl Default for FlatMap {
             sets: vec![PodSetEntry::default()],
             set_ids: HashMap::default(),
             free_sets: Vec::new(),
+            transitions: Vec::new(),
             runs: Vec::new(),
             free_runs: Vec::new(),
             scratch_pods: Vec::new(),
@@ -217,6 +237,38 @@ impl FlatMap {
         }
     }
 
+    #[inline]
+    fn transition_slot(from: u32, pod: PodIdx, add: bool) -> usize {
+        let k = (u64::from(from) << 17) | (u64::from(pod.0) << 1) | u64::from(add);
+        (k.wrapping_mul(FIB) >> 56) as usize
+    }
+
+    /// The set that adding/removing `pod` to/from `from` gives, if remembered and still current;
+    /// takes one reference to it.
+    #[inline]
+    fn remembered(&mut self, from: u32, pod: PodIdx, add: bool) -> Option<u32> {
+        let t = *self.transitions.get(Self::transition_slot(from, pod, add))?;
+        let current = |id: u32, generation: u32| self.sets.get(id as usize).is_some_and(|e| e.generation == generation);
+        if t.from != from || t.pod != pod || t.add != add || !current(from, t.from_generation) || !current(t.to, t.to_generation) {
+            return None;
+        }
+        let to = &mut self.sets[t.to as usize];
+        if to.refs == 0 {
+            return None;
+        }
+        to.refs += 1;
+        Some(t.to)
+    }
+
+    fn remember(&mut self, from: u32, pod: PodIdx, add: bool, to: u32) {
+        if self.transitions.is_empty() {
+            self.transitions = vec![Transition::default(); TRANSITIONS];
+        }
+        let (from_generation, to_generation) = (self.sets[from as usize].generation, self.sets[to as usize].generation);
+        self.transitions[Self::transition_slot(from, pod, add)] =
+            Transition { from, to, from_generation, to_generation, pod, add };
+    }
+
     /// The id of the pod set in `scratch_pods`, interning it if new; takes one reference.
     fn intern(&mut self) -> u32 {
         if let Some(&id) = self.set_ids.get(self.scratch_pods.as_slice()) {
@@ -224,14 +276,15 @@ impl FlatMap {
             return id;
         }
         let pods: Box<[PodIdx]> = self.scratch_pods.as_slice().into();
-        let entry = PodSetEntry { pods: pods.clone(), refs: 1 };
         let id = match self.free_sets.pop() {
             Some(id) => {
-                self.sets[id as usize] = entry;
+                let e = &mut self.sets[id as usize];
+                e.pods = pods.clone();
+                e.refs = 1;
                 id
             }
             None => {
-                self.sets.push(entry);
+                self.sets.push(PodSetEntry { pods: pods.clone(), refs: 1, generation: 0 });
                 // Distinct pod sets are bounded by occupied slots, which a `u32` counts.
                 (self.sets.len() - 1) as u32
             }
@@ -245,6 +298,7 @@ impl FlatMap {
         let e = &mut self.sets[id as usize];
         e.refs -= 1;
         if e.refs == 0 {
+            e.generation = e.generation.wrapping_add(1);
             let pods = std::mem::take(&mut e.pods);
             self.set_ids.remove(&pods);
             self.free_sets.push(id);
@@ -281,14 +335,21 @@ impl FlatMap {
     pub fn link(&mut self, pod: PodIdx, key: u64) -> (bool, bool) {
         if let Some(i) = self.find(key) {
             let old = self.slots[i].set;
-            let pods = &self.sets[old as usize].pods;
-            let Err(pos) = pods.binary_search(&pod) else {
-                return (false, false);
+            let id = match self.remembered(old, pod, true) {
+                Some(id) => id,
+                None => {
+                    let pods = &self.sets[old as usize].pods;
+                    let Err(pos) = pods.binary_search(&pod) else {
+                        return (false, false);
+                    };
+                    self.scratch_pods.clear();
+                    self.scratch_pods.extend_from_slice(pods);
+                    self.scratch_pods.insert(pos, pod);
+                    let id = self.intern();
+                    self.remember(old, pod, true, id);
+                    id
+                }
             };
-            self.scratch_pods.clear();
-            self.scratch_pods.extend_from_slice(pods);
-            self.scratch_pods.insert(pos, pod);
-            let id = self.intern();
             self.release(old);
             self.cut(i);
             self.slots[i].set = id;
@@ -297,9 +358,17 @@ impl FlatMap {
         if (self.len + 1) * 100 > self.slots.len() * MAX_LOAD_PCT {
             self.grow();
         }
-        self.scratch_pods.clear();
-        self.scratch_pods.push(pod);
-        let set = self.intern();
+        // Set 0 (no pods) plus `pod`.
+        let set = match self.remembered(0, pod, true) {
+            Some(id) => id,
+            None => {
+                self.scratch_pods.clear();
+                self.scratch_pods.push(pod);
+                let id = self.intern();
+                self.remember(0, pod, true, id);
+                id
+            }
+        };
         let mask = self.mask();
         let mut i = self.home(key);
         while self.slots[i].set != 0 {
@@ -316,21 +385,28 @@ impl FlatMap {
             return (false, false);
         };
         let old = self.slots[i].set;
-        let pods = &self.sets[old as usize].pods;
-        let Ok(pos) = pods.binary_search(&pod) else {
-            return (false, false);
+        let id = match self.remembered(old, pod, false) {
+            Some(id) => id,
+            None => {
+                let pods = &self.sets[old as usize].pods;
+                let Ok(pos) = pods.binary_search(&pod) else {
+                    return (false, false);
+                };
+                if pods.len() == 1 {
+                    self.cut(i);
+                    self.release(old);
+                    self.delete(i);
+                    return (true, true);
+                }
+                self.scratch_pods.clear();
+                self.scratch_pods.extend_from_slice(pods);
+                self.scratch_pods.remove(pos);
+                let id = self.intern();
+                self.remember(old, pod, false, id);
+                id
+            }
         };
-        if pods.len() == 1 {
-            self.cut(i);
-            self.release(old);
-            self.delete(i);
-            return (true, true);
-        }
-        self.scratch_pods.clear();
-        self.scratch_pods.extend_from_slice(pods);
-        self.scratch_pods.remove(pos);
         self.cut(i);
-        let id = self.intern();
         self.release(old);
         self.slots[i].set = id;
         (true, false)
@@ -535,6 +611,7 @@ impl PoolMap for FlatSnapshot {
 }
 
 #[cfg(test)]
+#[allow(clippy::expect_used)]
 mod tests {
     use std::collections::{BTreeSet, HashMap};
 
@@ -590,7 +667,7 @@ mod tests {
 
     fn key(k: u64) -> u64 {
         // Spread some keys over the top bits too (the home slot comes from them).
-        if k % 2 == 0 { k } else { k.wrapping_mul(0x0123_4567_89ab_cdef) }
+        if k.is_multiple_of(2) { k } else { k.wrapping_mul(0x0123_4567_89ab_cdef) }
     }
 
     fn map_op() -> impl Strategy<Value = MapOp> {
