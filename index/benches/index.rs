@@ -429,6 +429,21 @@ fn percentiles(filter: &str) {
     if wanted("pooled3_flat") {
         percentiles_design::<PooledFlat>("pooled3_flat", &w);
     }
+    if wanted("pooled3_flat_blockwise") {
+        // Every block stored in its own call: the flat map makes no runs, so this is its walk
+        // one probe per block (the worst case for the layout).
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut writer = Writer::<PooledFlat>::new(published.clone(), usize::MAX);
+        for (pod, chain) in w.stores() {
+            for b in chain {
+                writer.store(pod, std::slice::from_ref(b));
+            }
+        }
+        writer.publish();
+        let snap = published.load_full();
+        let mut s = MatchScratch::default();
+        percentiles_of("pooled3_flat_blockwise", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    }
     if wanted("naive") {
         let naive = build_naive(&w);
         percentiles_of("naive", &w, |q| naive.lookup(q).len() as u64);

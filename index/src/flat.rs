@@ -36,7 +36,7 @@ use kvroute_common::BlockHash;
 
 use crate::hasher::MixBuild;
 use crate::pooled::PoolMap;
-use crate::walk::{BlockPods, finish, narrow};
+use crate::walk::{BlockPods, FIRST_TOUCH, MAX_TOUCH, finish, narrow};
 use crate::{IndexStats, MatchScratch, PodIdx};
 
 /// Most occupied slots, in percent of the table, before it doubles.
@@ -511,6 +511,9 @@ impl FlatMap {
         scratch.reset();
         let mut set = 0u32;
         let mut i = 0;
+        // Blocks not covered by runs are probed one by one: touch stretches of them ahead (as
+        // `walk_blocks` does) so their slots' lines load in parallel.
+        let (mut touched, mut stretch) = (0, FIRST_TOUCH);
         while i < chain.len() {
             let Some(at) = self.find(chain[i].0) else { break };
             let slot = &self.slots[at];
@@ -526,7 +529,13 @@ impl FlatMap {
             }
             i += 1;
             let ahead = self.run_after(slot);
-            i += ahead.iter().zip(&chain[i..]).take_while(|(a, b)| **a == b.0).count();
+            let followed = ahead.iter().zip(&chain[i..]).take_while(|(a, b)| **a == b.0).count();
+            i += followed;
+            if followed == 0 && i >= touched && i < chain.len() {
+                touched = chain.len().min(i + stretch);
+                self.touch(&chain[i..touched]);
+                stretch = (stretch * 2).min(MAX_TOUCH);
+            }
         }
         if scratch.active.is_empty() {
             return 0;
