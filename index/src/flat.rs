@@ -106,6 +106,10 @@ pub struct FlatMap {
     /// Runs by id: blocks in chain order; an empty vector is a free id.
     runs: Vec<Vec<u64>>,
     free_runs: Vec<u32>,
+    /// Σ of runs' capacities and of interned sets' lengths, kept so [`FlatMap::heap_bytes`]
+    /// (read at every publish) is O(1).
+    run_words: usize,
+    set_pods: usize,
     /// Scratch for building a pod set or gathering a run (empty between calls).
     scratch_pods: Vec<PodIdx>,
     scratch_slots: Vec<usize>,
@@ -123,6 +127,8 @@ impl Default for FlatMap {
             transitions: Vec::new(),
             runs: Vec::new(),
             free_runs: Vec::new(),
+            run_words: 0,
+            set_pods: 0,
             scratch_pods: Vec::new(),
             scratch_slots: Vec::new(),
         }
@@ -213,8 +219,7 @@ impl FlatMap {
     /// Table, pod sets and runs (allocated capacity; the set map's entries counted as a key box
     /// plus id, hashbrown's control bytes ignored).
     pub fn heap_bytes(&self) -> u64 {
-        let set_pods: usize = self.sets.iter().map(|e| e.pods.len() * size_of::<PodIdx>()).sum();
-        let runs: usize = self.runs.iter().map(|r| r.capacity() * 8).sum();
+        let (set_pods, runs) = (self.set_pods * size_of::<PodIdx>(), self.run_words * 8);
         (self.slots.capacity() * size_of::<Slot>()
             + self.sets.capacity() * size_of::<PodSetEntry>()
             + 2 * set_pods
@@ -276,6 +281,7 @@ impl FlatMap {
             return id;
         }
         let pods: Box<[PodIdx]> = self.scratch_pods.as_slice().into();
+        self.set_pods += pods.len();
         let id = match self.free_sets.pop() {
             Some(id) => {
                 let e = &mut self.sets[id as usize];
@@ -300,6 +306,7 @@ impl FlatMap {
         if e.refs == 0 {
             e.generation = e.generation.wrapping_add(1);
             let pods = std::mem::take(&mut e.pods);
+            self.set_pods -= pods.len();
             self.set_ids.remove(&pods);
             self.free_sets.push(id);
         }
@@ -320,6 +327,7 @@ impl FlatMap {
         if run.get(k) != Some(&s.key) {
             return;
         }
+        self.run_words -= run.capacity();
         if k < 2 {
             *run = Vec::new();
             self.free_runs.push(r as u32);
@@ -329,6 +337,7 @@ impl FlatMap {
                 run.shrink_to_fit();
             }
         }
+        self.run_words += run.capacity();
     }
 
     /// Adds `pod` to `key`'s set; returns (the block is new, the pair is new).
@@ -473,6 +482,7 @@ impl FlatMap {
                         // `r < MAX_RUNS` (24 bits) and `k < MAX_RUN` (8 bits).
                         self.slots[i2].run = (r << 8) | k as u32;
                     }
+                    self.run_words += run.capacity();
                     self.runs[r as usize] = run;
                 }
                 None => {
@@ -652,6 +662,8 @@ mod tests {
         for (id, e) in m.sets.iter().enumerate().skip(1) {
             assert_eq!(refs.get(&(id as u32)).copied().unwrap_or(0), e.refs, "refs of set {id}");
         }
+        assert_eq!(m.run_words, m.runs.iter().map(Vec::capacity).sum::<usize>());
+        assert_eq!(m.set_pods, m.sets.iter().map(|e| e.pods.len()).sum::<usize>());
         for (r, run) in m.runs.iter().enumerate() {
             assert!(run.is_empty() || run.len() >= 2);
             let sets: BTreeSet<u32> = run
