@@ -105,7 +105,10 @@ pub(crate) enum LogOp {
     Unlink(PodIdx, u64),
     /// One block of a store call's blocks to make runs of ([`crate::PoolMap::seal`]); `first`
     /// starts a new call's list.
-    Seal { block: u64, first: bool },
+    Seal {
+        block: u64,
+        first: bool,
+    },
 }
 
 /// Applies `ops` in order to `map` (bringing a copy that lacks them up to date).

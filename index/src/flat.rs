@@ -254,7 +254,12 @@ impl FlatMap {
     fn remembered(&mut self, from: u32, pod: PodIdx, add: bool) -> Option<u32> {
         let t = *self.transitions.get(Self::transition_slot(from, pod, add))?;
         let current = |id: u32, generation: u32| self.sets.get(id as usize).is_some_and(|e| e.generation == generation);
-        if t.from != from || t.pod != pod || t.add != add || !current(from, t.from_generation) || !current(t.to, t.to_generation) {
+        if t.from != from
+            || t.pod != pod
+            || t.add != add
+            || !current(from, t.from_generation)
+            || !current(t.to, t.to_generation)
+        {
             return None;
         }
         let to = &mut self.sets[t.to as usize];

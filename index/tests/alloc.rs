@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
 use kvroute_index::{
-    Backend, BlockPods, DoubleBackend, DoubleSnapshot, MatchScratch, PooledBackend, ShardedBackend, Writer, match_prefix,
+    Backend, BlockPods, DoubleBackend, DoubleSnapshot, MatchScratch, PooledBackend, ShardedBackend, Writer,
+    match_prefix,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use workload::{SplitMix, Workload};
