@@ -444,6 +444,22 @@ fn percentiles(filter: &str) {
         let mut s = MatchScratch::default();
         percentiles_of("pooled3_flat_blockwise", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
     }
+    if wanted("pooled3_flat_split") {
+        // Runs cut after the load: every chain's first 64 blocks also stored by another pod
+        // (a shared prefix), then one holder evicts block 160 (a removal in the middle).
+        let (published, mut writer) = build::<PooledFlat>(&w);
+        for (i, (chain, pods)) in w.chains.iter().zip(&w.placement).enumerate() {
+            let other = PodIdx(((i * 7 + 5) % usize::from(workload::PODS)) as u16);
+            if !pods.contains(&other) {
+                writer.store(other, &chain[..64]);
+            }
+            writer.remove(pods[0], &chain[160..161]);
+        }
+        writer.publish();
+        let snap = published.load_full();
+        let mut s = MatchScratch::default();
+        percentiles_of("pooled3_flat_split", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    }
     if wanted("naive") {
         let naive = build_naive(&w);
         percentiles_of("naive", &w, |q| naive.lookup(q).len() as u64);

@@ -109,6 +109,8 @@ pub(crate) enum LogOp {
         block: u64,
         first: bool,
     },
+    /// A publish point: finish pending grouping ([`crate::PoolMap::settle`]).
+    Settle,
 }
 
 /// Applies `ops` in order to `map` (bringing a copy that lacks them up to date).
@@ -122,7 +124,7 @@ pub(crate) fn replay(map: &mut BlockMap, ops: &[LogOp]) {
                 let _ = map_unlink(map, p, h);
             }
             // B's map keeps no runs (and B never logs this).
-            LogOp::Seal { .. } => {}
+            LogOp::Seal { .. } | LogOp::Settle => {}
         }
     }
 }

@@ -14,16 +14,18 @@
 //! - a run `r` lists distinct blocks; for every offset `k < runs[r].len()`, the slot of
 //!   `runs[r][k]` holds the reference `(r, k)`, and all those slots hold the same pod-set id;
 //! - interning makes set ids and pod sets one-to-one within a copy, so equal ids mean equal pods;
-//! - any change to a block's pods (link, unlink) first cuts every run it belongs to at that block
-//!   ([`FlatMap::cut`]), so the invariant holds after it; the blocks after the cut lose run
-//!   coverage (the walk probes them one by one) until a later store covers them again;
+//! - any change to a block's pods (link, unlink) first cuts the run it belongs to at that block
+//!   (`FlatMap::cut`), so the invariant holds after it; until the tail is made a run again the
+//!   walk probes those blocks one by one;
 //! - a slot's reference may be stale (its run was cut or freed and reused): the walk trusts it
 //!   only when `runs[r][k]` is the slot's own key, which by the invariant means it is current.
 //!
 //! Runs are made by [`FlatMap::seal`] over a store call's blocks (after the writer links them):
 //! stretches of ≥ 2 present blocks with one pod-set id, not already covered by a run that goes
-//! the same way, at most [`MAX_RUN`] blocks each. Removing a block from the middle of a run cuts it
-//! there (the remainder walks block by block until stored again).
+//! the same way, at most [`MAX_RUN`] blocks each. A cut queues the run's tail (the blocks after
+//! the changed one, whose pods did not change); [`FlatMap::settle`] (after each seal, and before
+//! each publish) makes them runs again, so removing a block in the middle of a run splits it in
+//! two, and a second pod storing a run's prefix leaves a shared run and a tail run.
 //!
 //! Table: linear probing, Fibonacci (multiply-shift) home slot, load kept ≤ [`MAX_LOAD_PCT`]%,
 //! backward-shift deletion (no tombstones, so probe lengths never degrade with churn).
@@ -110,6 +112,10 @@ pub struct FlatMap {
     /// (read at every publish) is O(1).
     run_words: usize,
     set_pods: usize,
+    /// Tails of runs cut since the last [`FlatMap::settle`] (blocks, then each tail's end in
+    /// `orphans`), to be made runs again.
+    orphans: Vec<BlockHash>,
+    orphan_ends: Vec<usize>,
     /// Scratch for building a pod set or gathering a run (empty between calls).
     scratch_pods: Vec<PodIdx>,
     scratch_slots: Vec<usize>,
@@ -129,6 +135,8 @@ impl Default for FlatMap {
             free_runs: Vec::new(),
             run_words: 0,
             set_pods: 0,
+            orphans: Vec::new(),
+            orphan_ends: Vec::new(),
             scratch_pods: Vec::new(),
             scratch_slots: Vec::new(),
         }
@@ -332,6 +340,11 @@ impl FlatMap {
         if run.get(k) != Some(&s.key) {
             return;
         }
+        // The blocks after the cut keep their pods: queue them to become a run again.
+        if let Some(tail) = run.get(k + 1..).filter(|t| t.len() >= 2) {
+            self.orphans.extend(tail.iter().map(|h| BlockHash(*h)));
+            self.orphan_ends.push(self.orphans.len());
+        }
         self.run_words -= run.capacity();
         if k < 2 {
             *run = Vec::new();
@@ -451,6 +464,34 @@ impl FlatMap {
     /// Makes runs of `blocks` (one store call's blocks, in chain order, already linked): see the
     /// module docs. Blocks absent from the map or already covered are skipped.
     pub fn seal(&mut self, blocks: &[BlockHash]) {
+        self.seal_one(blocks);
+        self.settle();
+    }
+
+    /// Makes runs again of the tails cut since the last call (a store's blocks first: when a
+    /// second pod stores a prefix of a run, the prefix becomes one run and the rest another).
+    pub fn settle(&mut self) {
+        if self.orphan_ends.is_empty() {
+            return;
+        }
+        let orphans = std::mem::take(&mut self.orphans);
+        let ends = std::mem::take(&mut self.orphan_ends);
+        let mut from = 0;
+        for &end in &ends {
+            self.seal_one(&orphans[from..end]);
+            from = end;
+        }
+        // Sealing never cuts a run, so nothing was queued meanwhile; keep the buffers unless a
+        // large batch of removals grew them.
+        self.orphans = orphans;
+        self.orphans.clear();
+        self.orphans.shrink_to(MAX_RUN * 64);
+        self.orphan_ends = ends;
+        self.orphan_ends.clear();
+        self.orphan_ends.shrink_to(64);
+    }
+
+    fn seal_one(&mut self, blocks: &[BlockHash]) {
         let mut j = 0;
         while j < blocks.len() {
             let Some(i) = self.find(blocks[j].0) else {
@@ -621,6 +662,10 @@ impl PoolMap for FlatSnapshot {
         self.map.seal(blocks);
     }
 
+    fn settle(&mut self) {
+        self.map.settle();
+    }
+
     fn stats(&self) -> IndexStats {
         self.stats
     }
@@ -689,6 +734,7 @@ mod tests {
         Link(u16, u64),
         Unlink(u16, u64),
         Seal(Vec<u64>),
+        Settle,
     }
 
     fn key(k: u64) -> u64 {
@@ -709,6 +755,7 @@ mod tests {
                 }
                 MapOp::Seal(v)
             }),
+            1 => Just(MapOp::Settle),
         ]
     }
 
@@ -742,6 +789,7 @@ mod tests {
                         let bs: Vec<BlockHash> = keys.into_iter().map(BlockHash).collect();
                         m.seal(&bs);
                     }
+                    MapOp::Settle => m.settle(),
                 }
             }
             assert_invariants(&m);
@@ -771,8 +819,9 @@ mod tests {
         assert_eq!(align_of::<Slot>(), 16);
     }
 
-    /// One store call makes one run; a second pod storing the same chain re-makes it (the links
-    /// cut the first); removing a middle block cuts it there, and the walk stays exact.
+    /// One store call makes one run; a second pod storing a prefix splits it into a shared run and
+    /// a tail run; removing a middle block cuts it there and settling makes the rest a run again;
+    /// the walk stays exact.
     #[test]
     fn runs_follow_stores_and_cuts() {
         let mut m = FlatMap::default();
@@ -789,9 +838,14 @@ mod tests {
         }
         m.seal(&chain[..100]);
         assert_invariants(&m);
-        assert_eq!(live(&m), BTreeSet::from([44, 100]));
+        // Pod 2's prefix is one run, pod 1's tail another (cut, then made a run again).
+        assert_eq!(live(&m), BTreeSet::from([100, 156, 44]));
         m.unlink(PodIdx(2), chain[50].0);
         assert_invariants(&m);
+        assert_eq!(live(&m), BTreeSet::from([50, 156, 44]));
+        m.settle();
+        assert_invariants(&m);
+        assert_eq!(live(&m), BTreeSet::from([50, 49, 156, 44]));
         let snap = FlatSnapshot { map: m, stats: IndexStats::default() };
         let mut s = MatchScratch::default();
         assert_eq!(snap.match_prefix(&chain, &mut s), 300);

@@ -45,6 +45,8 @@ pub trait PoolMap: Clone + Default {
     /// After a store call linked `blocks` (in the call's order): lets the map group them (runs).
     /// Must not change which pods hold which block.
     fn seal(&mut self, _blocks: &[BlockHash]) {}
+    /// Before a publish: finishes any grouping left pending by unlinks. Changes no pods.
+    fn settle(&mut self) {}
     /// The stats published with this copy.
     fn stats(&self) -> IndexStats;
     /// Sets the stats published with this copy.
@@ -69,6 +71,7 @@ fn replay<S: PoolMap>(copy: &mut S, ops: &[LogOp]) {
                 let _ = copy.unlink(p, h);
             }
             LogOp::Seal { block, .. } => sealing.push(BlockHash(block)),
+            LogOp::Settle => copy.settle(),
         }
     }
     if !sealing.is_empty() {
@@ -270,6 +273,10 @@ impl<const MAX: usize, S: PoolMap> Backend for PooledBackend<MAX, S> {
             }
             // Only the stats changed (e.g. stores dropped over the cap): republish them.
             self.writable();
+        }
+        if S::SEALS && self.writable.is_some() {
+            self.writable().settle();
+            self.record(LogOp::Settle);
         }
         let Some(mut snap) = self.writable.take() else {
             return;
