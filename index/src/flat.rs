@@ -562,7 +562,7 @@ impl FlatMap {
 
     /// The prefix walk over runs: probe a block, then follow its run while the request's hashes
     /// match; pods change only where the pod-set id does. Same counts as
-    /// [`crate::walk::walk_blocks`] (see the module docs).
+    /// [`crate::walk_blocks`] (see the module docs).
     pub fn walk(&self, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
         scratch.reset();
         let mut set = 0u32;

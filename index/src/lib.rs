@@ -37,7 +37,7 @@ pub use hasher::{MixBuild, MixHasher};
 pub use podset::{INLINE_PODS, PodSet};
 pub use pooled::{PoolMap, PooledBackend, PooledWriter};
 pub use sharded::{SHARDS, ShardedBackend, ShardedSnapshot, ShardedWriter};
-pub use walk::{BlockPods, match_prefix};
+pub use walk::{BlockPods, match_prefix, walk_blocks};
 pub use writer::{Backend, Writer};
 
 /// Interned pod id on the hot path (index into the pool's pod table). At most 65 536 pods.

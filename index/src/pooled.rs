@@ -1,7 +1,10 @@
 //! Design C, a small pool of map copies kept in step by one op log: design B that never waits for
 //! a reader.
 //!
-//! Same snapshot as design B ([`DoubleSnapshot`], one block map), same walk, same writer logic.
+//! Any snapshot type that can be copied and replayed ([`PoolMap`]): design B's
+//! ([`crate::DoubleSnapshot`], C as first built) or the flat one with runs ([`FlatSnapshot`], in
+//! use; its store calls' grouping and publish points are logged too, `LogOp::Seal`/`Settle`).
+//! Same writer logic as B.
 //! B keeps exactly two copies, so after a publish the writer needs back the copy readers were
 //! using, and on an oversubscribed box it waits for a reader preempted mid-lookup (B ingests
 //! 121–201K events/s with two readers spinning; see `docs/index.md`). Here every previously

@@ -1,7 +1,9 @@
-//! The prefix walk (SPEC §3, seed §4), shared by every snapshot design.
+//! The prefix walk (SPEC §3, seed §4): [`match_prefix`] calls the map's [`BlockPods::walk`],
+//! which is [`walk_blocks`] for every design but the flat snapshot (it follows runs to the same
+//! counts, see `flat.rs`, and shares `narrow`/`finish` with it).
 //!
-//! Walks the request's chain from block 0 and keeps the pods that held every block so far
-//! (`active`, sorted). A pod leaving `active` at depth d matched d blocks. Stops at the first block
+//! [`walk_blocks`] walks the request's chain from block 0 and keeps the pods that held every
+//! block so far (`active`, sorted). A pod leaving `active` at depth d matched d blocks. Stops at the first block
 //! no remaining pod holds. No allocation once `scratch` has grown to the pod count.
 //!
 //! Before walking a stretch of the chain it asks the map to [`BlockPods::touch`] that stretch, so
