@@ -1,7 +1,9 @@
 //! Index benchmarks (issue 4, SPEC §10): hashing a 4096-token prompt; lookup of a 256-block
-//! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss); ingest throughput
-//! with 2 concurrent readers; publish latency. Each measured for every snapshot design and the
-//! naive `std::collections::HashMap` model in the same run, so results read as ratios.
+//! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss, and hits over 600
+//! chains in turn, so the blocks are not in cache); ingest throughput with 2 concurrent readers;
+//! publish latency. Each measured for every snapshot design (design C over both snapshot layouts:
+//! `pooled3_hashbrown` as first built, `pooled3_flat` in use) and the naive
+//! `std::collections::HashMap` model in the same run, so results read as ratios.
 //!
 //! Criterion reports medians of batched iterations; per-lookup p50/p99 come from the
 //! `percentiles` pass printed first (each lookup timed alone over 20,000 runs).
@@ -22,7 +24,8 @@ use arc_swap::ArcSwap;
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_index::{
-    Backend, BlockPods, DoubleBackend, MatchScratch, PodIdx, PooledBackend, ShardedBackend, Writer, match_prefix,
+    Backend, BlockPods, DoubleBackend, DoubleSnapshot, FlatSnapshot, MatchScratch, PodIdx, PoolMap, PooledBackend,
+    ShardedBackend, Writer, match_prefix,
 };
 use workload::{CHAIN_BLOCKS, SplitMix, Workload};
 
@@ -139,10 +142,17 @@ where
     g.finish();
 }
 
+/// Design C over B's hashbrown snapshot (as first built).
+type PooledHashbrown = PooledBackend<3, DoubleSnapshot>;
+/// Design C over the flat table (in use).
+type PooledFlat = PooledBackend<3, FlatSnapshot>;
+
 fn lookups(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
     lookup_design::<ShardedBackend>(c, "sharded", &w);
     lookup_design::<DoubleBackend>(c, "double", &w);
+    lookup_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w);
+    lookup_design::<PooledFlat>(c, "pooled3_flat", &w);
     let naive = build_naive(&w);
     let mut g = c.benchmark_group("lookup");
     for (case, q) in queries(&w) {
@@ -239,8 +249,11 @@ fn ingest_double(c: &mut Criterion, w: &Workload, with_readers: bool) {
 
 /// Design C with readers, also reporting how often readers held every spare copy (the pool grew,
 /// or the writer waited).
-fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
-    let (published, mut writer) = build::<PooledBackend<MAX>>(w);
+fn ingest_pooled<const MAX: usize, S>(c: &mut Criterion, w: &Workload, layout: &str)
+where
+    S: PoolMap + BlockPods + Send + Sync + 'static,
+{
+    let (published, mut writer) = build::<PooledBackend<MAX, S>>(w);
     let mut rng = SplitMix(7);
     let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
     let stop = Arc::new(AtomicBool::new(false));
@@ -248,7 +261,7 @@ fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
     let mut rounds = 0u64;
     let mut g = c.benchmark_group("ingest");
     g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
-    g.bench_function(format!("pooled{MAX}/2_readers"), |b| {
+    g.bench_function(format!("pooled{MAX}_{layout}/2_readers"), |b| {
         b.iter_custom(|iters| {
             rounds += iters;
             (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()
@@ -259,7 +272,7 @@ fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
     let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
     let b = writer.backend();
     println!(
-        "ingest/pooled{MAX}: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
+        "ingest/pooled{MAX}_{layout}: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
         2 * rounds,
         b.copies(),
         b.waits(),
@@ -273,9 +286,11 @@ fn ingest(c: &mut Criterion) {
     ingest_design::<ShardedBackend>(c, "sharded", &w, false);
     ingest_double(c, &w, true);
     ingest_design::<DoubleBackend>(c, "double", &w, false);
-    ingest_pooled::<3>(c, &w);
-    ingest_design::<PooledBackend<3>>(c, "pooled3", &w, false);
-    ingest_pooled::<4>(c, &w);
+    ingest_pooled::<3, DoubleSnapshot>(c, &w, "hashbrown");
+    ingest_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w, false);
+    ingest_pooled::<3, FlatSnapshot>(c, &w, "flat");
+    ingest_design::<PooledFlat>(c, "pooled3_flat", &w, false);
+    ingest_pooled::<4, FlatSnapshot>(c, &w, "flat");
     // Naive: no snapshots at all (a reader would need a lock), so no readers: an upper bound.
     let mut naive = build_naive(&w);
     let mut rng = SplitMix(7);
@@ -342,7 +357,8 @@ fn publish(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
     publish_design::<ShardedBackend>(c, "sharded", &w);
     publish_design::<DoubleBackend>(c, "double", &w);
-    publish_design::<PooledBackend<3>>(c, "pooled3", &w);
+    publish_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w);
+    publish_design::<PooledFlat>(c, "pooled3_flat", &w);
 }
 
 fn pct(mut ns: Vec<u64>) -> (f64, f64) {
@@ -380,26 +396,74 @@ fn percentiles_of(name: &str, w: &Workload, mut lookup: impl FnMut(&[BlockHash])
     println!("percentiles lookup/{name}/hit_rotating_600: p50 {p50:.2} µs, p99 {p99:.2} µs");
 }
 
-/// Per-lookup p50/p99 (each lookup timed alone; `Instant` adds ~20-30 ns to each).
+/// Per-lookup percentiles of one design on `w`.
+fn percentiles_design<B: Backend>(name: &str, w: &Workload)
+where
+    B::Snapshot: BlockPods + Default,
+{
+    let (p, _w) = build::<B>(w);
+    let snap = p.load_full();
+    let mut s = MatchScratch::default();
+    percentiles_of(name, w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+}
+
+/// Per-lookup p50/p99 (each lookup timed alone; `Instant` adds ~20-30 ns to each). Runs with no
+/// filter or a filter naming `percentiles`; `percentiles/NAME` runs only designs whose name
+/// contains NAME.
 fn percentiles(filter: &str) {
     if !filter.is_empty() && !"percentiles".contains(filter) && !filter.contains("percentiles") {
         return;
     }
+    let only = filter.split_once("percentiles/").map_or("", |(_, name)| name);
     let w = Workload::new(ENTRIES, 1);
-    {
-        let (p, _w) = build::<ShardedBackend>(&w);
-        let snap = p.load_full();
-        let mut s = MatchScratch::default();
-        percentiles_of("sharded", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    let wanted = |name: &str| name.contains(only);
+    if wanted("sharded") {
+        percentiles_design::<ShardedBackend>("sharded", &w);
     }
-    {
-        let (p, _w) = build::<DoubleBackend>(&w);
-        let snap = p.load_full();
-        let mut s = MatchScratch::default();
-        percentiles_of("double", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    if wanted("double") {
+        percentiles_design::<DoubleBackend>("double", &w);
     }
-    let naive = build_naive(&w);
-    percentiles_of("naive", &w, |q| naive.lookup(q).len() as u64);
+    if wanted("pooled3_hashbrown") {
+        percentiles_design::<PooledHashbrown>("pooled3_hashbrown", &w);
+    }
+    if wanted("pooled3_flat") {
+        percentiles_design::<PooledFlat>("pooled3_flat", &w);
+    }
+    if wanted("pooled3_flat_blockwise") {
+        // Every block stored in its own call: the flat map makes no runs, so this is its walk
+        // one probe per block (the worst case for the layout).
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut writer = Writer::<PooledFlat>::new(published.clone(), usize::MAX);
+        for (pod, chain) in w.stores() {
+            for b in chain {
+                writer.store(pod, std::slice::from_ref(b));
+            }
+        }
+        writer.publish();
+        let snap = published.load_full();
+        let mut s = MatchScratch::default();
+        percentiles_of("pooled3_flat_blockwise", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    }
+    if wanted("pooled3_flat_split") {
+        // Runs cut after the load: every chain's first 64 blocks also stored by another pod
+        // (a shared prefix), then one holder evicts block 160 (a removal in the middle).
+        let (published, mut writer) = build::<PooledFlat>(&w);
+        for (i, (chain, pods)) in w.chains.iter().zip(&w.placement).enumerate() {
+            let other = PodIdx(((i * 7 + 5) % usize::from(workload::PODS)) as u16);
+            if !pods.contains(&other) {
+                writer.store(other, &chain[..64]);
+            }
+            writer.remove(pods[0], &chain[160..161]);
+        }
+        writer.publish();
+        let snap = published.load_full();
+        let mut s = MatchScratch::default();
+        percentiles_of("pooled3_flat_split", &w, |q| u64::from(match_prefix(&*snap, q, &mut s)));
+    }
+    if wanted("naive") {
+        let naive = build_naive(&w);
+        percentiles_of("naive", &w, |q| naive.lookup(q).len() as u64);
+    }
 }
 
 fn main() {

@@ -1,4 +1,4 @@
-//! Differential test: every index design against a naive `HashMap<BlockHash, BTreeSet<pod>>`
+//! Differential test: every index design (C over both snapshot layouts) against a naive `HashMap<BlockHash, BTreeSet<pod>>`
 //! model, on seeded random op streams (proptest), including the per-pod cap, snapshot
 //! immutability, and readers walking snapshots on other threads while the writer runs.
 
@@ -112,6 +112,14 @@ impl Stats for super::DoubleSnapshot {
         super::DoubleSnapshot::stats(self)
     }
 }
+impl Stats for super::FlatSnapshot {
+    fn stats(&self) -> IndexStats {
+        super::FlatSnapshot::stats(self)
+    }
+}
+
+/// Design C as first built: its pool over B's hashbrown snapshot.
+type PooledHashbrown = PooledBackend<{ crate::pooled::MAX_COPIES }, super::DoubleSnapshot>;
 
 fn apply<B: Backend>(w: &mut Writer<B>, model: &mut Model, op: &Op) {
     match op {
@@ -202,6 +210,14 @@ proptest! {
         chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
     ) {
         run_against_model::<PooledBackend>(&ops, &chains)?;
+    }
+
+    #[test]
+    fn pooled_hashbrown_index_matches_naive_model(
+        ops in prop::collection::vec(op(), 1..80),
+        chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
+    ) {
+        run_against_model::<PooledHashbrown>(&ops, &chains)?;
     }
 }
 
@@ -400,13 +416,20 @@ fn pooled_concurrent_readers_see_whole_batches() {
     }
 }
 
+#[test]
+fn pooled_hashbrown_concurrent_readers_see_whole_batches() {
+    for seed in [1, 2] {
+        concurrent_readers_see_whole_batches::<PooledHashbrown>(seed);
+    }
+}
+
 /// Readers holding old snapshots (`load_full`) pin them: the pool grows to `MAX_COPIES`, no held
 /// snapshot ever changes, and the log stays bounded once holders let go.
 #[test]
 fn pooled_never_mutates_held_snapshots() {
-    let published = Arc::new(ArcSwap::from_pointee(super::DoubleSnapshot::default()));
+    let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
     let mut w = Writer::<PooledBackend>::new(published.clone(), usize::MAX);
-    let mut held: Vec<(Arc<super::DoubleSnapshot>, Vec<u64>)> = Vec::new();
+    let mut held: Vec<(Arc<IndexSnapshot>, Vec<u64>)> = Vec::new();
     let mut model: BTreeSet<u64> = BTreeSet::new();
     for k in 0..40u64 {
         let blocks: Vec<BlockHash> = (0..6).map(|i| BlockHash(k * 100 + i)).collect();
@@ -434,4 +457,40 @@ fn pooled_never_mutates_held_snapshots() {
     }
     assert!(w.backend().copies() >= 1, "holding two old copies must have grown the pool");
     assert_eq!(w.backend().waits(), 0, "three copies cover two held snapshots without waiting");
+}
+
+/// Chains longer than the walk's touch stretches (8, 16, 32, 64, 64, …): per-pod prefixes ending
+/// on, before and after each stretch boundary, and removals in the middle of a pod's run, against
+/// the model (the short random chains above rarely walk past block 8).
+#[test]
+fn long_chains_across_touch_stretches_match_the_model() {
+    let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
+    let mut w = IndexWriter::new(published.clone(), usize::MAX);
+    let mut model = Model::default();
+    let chain: Vec<u64> = (0..300u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555).collect();
+    let ends = [1usize, 7, 8, 9, 23, 24, 25, 56, 57, 120, 121, 255, 256, 300];
+    for (p, end) in ends.iter().enumerate() {
+        let bs: Vec<BlockHash> = chain[..*end].iter().copied().map(BlockHash).collect();
+        w.store(PodIdx(p as u16), &bs);
+        model.pods.entry(p as u16).or_default().extend_from_slice(&chain[..*end]);
+    }
+    // Pods 12 and 13 lose a block in the middle of their run; pod 11 loses block 0.
+    for (p, at) in [(12u16, 100usize), (13, 200), (11, 0)] {
+        w.remove(PodIdx(p), &[BlockHash(chain[at])]);
+        model.pods.entry(p).or_default().retain(|b| *b != chain[at]);
+    }
+    w.publish();
+    let snap = published.load();
+    let mut scratch = MatchScratch::default();
+    let bs: Vec<BlockHash> = chain.iter().copied().map(BlockHash).collect();
+    for len in [0usize, 1, 8, 9, 64, 65, 200, 300] {
+        let longest = snap.match_prefix(&bs[..len], &mut scratch);
+        let mut want_longest = 0;
+        for p in 0..ends.len() as u16 {
+            let want = model.matched(&bs[..len], p);
+            want_longest = want_longest.max(want);
+            assert_eq!(scratch.matched(PodIdx(p)), want, "pod {p}, query of {len} blocks");
+        }
+        assert_eq!(longest, want_longest);
+    }
 }

@@ -74,11 +74,43 @@ impl DoubleSnapshot {
     }
 }
 
+impl crate::pooled::PoolMap for DoubleSnapshot {
+    #[inline]
+    fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
+        map_link(&mut self.map, pod, block)
+    }
+
+    #[inline]
+    fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
+        map_unlink(&mut self.map, pod, block)
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.stats
+    }
+
+    fn set_stats(&mut self, stats: IndexStats) {
+        self.stats = stats;
+    }
+
+    fn heap_bytes(&self) -> u64 {
+        self.map.capacity() as u64 * SLOT_BYTES
+    }
+}
+
 /// One primitive change to a block map, logged so another copy can replay it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum LogOp {
     Link(PodIdx, u64),
     Unlink(PodIdx, u64),
+    /// One block of a store call's blocks to make runs of ([`crate::PoolMap::seal`]); `first`
+    /// starts a new call's list.
+    Seal {
+        block: u64,
+        first: bool,
+    },
+    /// A publish point: finish pending grouping ([`crate::PoolMap::settle`]).
+    Settle,
 }
 
 /// Applies `ops` in order to `map` (bringing a copy that lacks them up to date).
@@ -91,6 +123,8 @@ pub(crate) fn replay(map: &mut BlockMap, ops: &[LogOp]) {
             LogOp::Unlink(p, h) => {
                 let _ = map_unlink(map, p, h);
             }
+            // B's map keeps no runs (and B never logs this).
+            LogOp::Seal { .. } | LogOp::Settle => {}
         }
     }
 }

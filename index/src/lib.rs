@@ -12,14 +12,18 @@
 //! Two snapshot designs share the writer logic ([`Writer`]) and the walk ([`match_prefix`]):
 //! - [`sharded`] (design A): 64 copy-on-write shards (`Arc::make_mut`);
 //! - [`double`] (design B): two copies of one map, left-right style, kept in step by an op log;
-//! - [`pooled`] (design C): B's snapshot with a pool of up to three copies, so the writer reuses
-//!   whichever old copy no reader holds instead of waiting for one.
+//! - [`pooled`] (design C): a pool of up to three copies of a snapshot, so the writer reuses
+//!   whichever old copy no reader holds instead of waiting for one. Its snapshot type is a
+//!   parameter: B's hashbrown map ([`DoubleSnapshot`], C as first built) or [`FlatSnapshot`]
+//!   (module [`flat`]: one open-addressing table of 16-byte slots whose cache lines the walk
+//!   fetches in parallel; C as used).
 //!
 //! `docs/index.md` records the benchmark that chose between them; the winner sits behind the
 //! [`IndexWriter`]/[`IndexSnapshot`] aliases. This crate has no tokio/tonic dependency so its
 //! tests and benches build fast.
 
 pub mod double;
+pub mod flat;
 mod hasher;
 mod podset;
 pub mod pooled;
@@ -28,11 +32,12 @@ mod walk;
 mod writer;
 
 pub use double::{DoubleBackend, DoubleSnapshot, DoubleWriter};
+pub use flat::{FlatMap, FlatSnapshot};
 pub use hasher::{MixBuild, MixHasher};
 pub use podset::{INLINE_PODS, PodSet};
-pub use pooled::{PooledBackend, PooledWriter};
+pub use pooled::{PoolMap, PooledBackend, PooledWriter};
 pub use sharded::{SHARDS, ShardedBackend, ShardedSnapshot, ShardedWriter};
-pub use walk::{BlockPods, match_prefix};
+pub use walk::{BlockPods, match_prefix, walk_blocks};
 pub use writer::{Backend, Writer};
 
 /// Interned pod id on the hot path (index into the pool's pod table). At most 65 536 pods.
@@ -47,12 +52,13 @@ impl PodIdx {
     }
 }
 
-/// The index design in use (writer side): design C, chosen by `benches/index.rs` (see
-/// `docs/index.md`): B's lookups and microsecond publishes, and with readers running it ingests
-/// about 10× faster than B because it never waits for a reader to leave an old copy.
+/// The index design in use (writer side): design C over the flat table, chosen by
+/// `benches/index.rs` (see `docs/index.md`): sub-µs publishes, and with readers running it
+/// ingests about 10× faster than B because it never waits for a reader to leave an old copy;
+/// the flat table makes a walk whose blocks are not in cache several times faster than B's map.
 pub type IndexWriter = PooledWriter;
-/// The index design in use (published, immutable, lock-free to read): one map, shared by B and C.
-pub type IndexSnapshot = DoubleSnapshot;
+/// The index design in use (published, immutable, lock-free to read): one flat table.
+pub type IndexSnapshot = FlatSnapshot;
 
 /// Size of the index, for metrics (`epp_prefix_tree_nodes`) and `/explain`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

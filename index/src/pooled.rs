@@ -1,7 +1,10 @@
 //! Design C, a small pool of map copies kept in step by one op log: design B that never waits for
 //! a reader.
 //!
-//! Same snapshot as design B ([`DoubleSnapshot`], one block map), same walk, same writer logic.
+//! Any snapshot type that can be copied and replayed ([`PoolMap`]): design B's
+//! ([`crate::DoubleSnapshot`], C as first built) or the flat one with runs ([`FlatSnapshot`], in
+//! use; its store calls' grouping and publish points are logged too, `LogOp::Seal`/`Settle`).
+//! Same writer logic as B.
 //! B keeps exactly two copies, so after a publish the writer needs back the copy readers were
 //! using, and on an oversubscribed box it waits for a reader preempted mid-lookup (B ingests
 //! 121–201K events/s with two readers spinning; see `docs/index.md`). Here every previously
@@ -26,10 +29,58 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
-use crate::double::{DoubleSnapshot, LOG_KEEP_OPS, LogOp, SLOT_BYTES, replay};
-use crate::hasher::{map_link, map_unlink};
+use kvroute_common::BlockHash;
+
+use crate::double::{LOG_KEEP_OPS, LogOp};
+use crate::flat::FlatSnapshot;
 use crate::writer::{Backend, Writer};
 use crate::{IndexStats, PodIdx};
+
+/// A snapshot type the pool keeps copies of: cloned to grow the pool, changed only through
+/// `link`/`unlink` (so replaying the op log brings a copy up to date).
+pub trait PoolMap: Clone + Default {
+    /// Adds `pod` to `block`; returns (the block is new, the pair is new).
+    fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
+    /// Removes `pod` from `block`; returns (the pair was present, the block is now gone).
+    fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
+    /// True when [`PoolMap::seal`] does something (so the pool logs the blocks for other copies).
+    const SEALS: bool = false;
+    /// After a store call linked `blocks` (in the call's order): lets the map group them (runs).
+    /// Must not change which pods hold which block.
+    fn seal(&mut self, _blocks: &[BlockHash]) {}
+    /// Before a publish: finishes any grouping left pending by unlinks. Changes no pods.
+    fn settle(&mut self) {}
+    /// The stats published with this copy.
+    fn stats(&self) -> IndexStats;
+    /// Sets the stats published with this copy.
+    fn set_stats(&mut self, stats: IndexStats);
+    /// Heap bytes of this copy (allocated capacity).
+    fn heap_bytes(&self) -> u64;
+}
+
+/// Applies `ops` in order to `copy` (bringing a copy that lacks them up to date).
+fn replay<S: PoolMap>(copy: &mut S, ops: &[LogOp]) {
+    let mut sealing: Vec<BlockHash> = Vec::new();
+    for op in ops {
+        if !sealing.is_empty() && !matches!(op, LogOp::Seal { first: false, .. }) {
+            copy.seal(&sealing);
+            sealing.clear();
+        }
+        match *op {
+            LogOp::Link(p, h) => {
+                let _ = copy.link(p, h);
+            }
+            LogOp::Unlink(p, h) => {
+                let _ = copy.unlink(p, h);
+            }
+            LogOp::Seal { block, .. } => sealing.push(BlockHash(block)),
+            LogOp::Settle => copy.settle(),
+        }
+    }
+    if !sealing.is_empty() {
+        copy.seal(&sealing);
+    }
+}
 
 /// Most map copies the writer keeps (writable or spare, plus the published one), by default.
 pub const MAX_COPIES: usize = 3;
@@ -47,30 +98,32 @@ const RECLAIM_NAP: Duration = Duration::from_micros(50);
 
 /// A previously published copy and the absolute log position it reflects.
 #[derive(Debug)]
-struct Spare {
-    snap: Arc<DoubleSnapshot>,
+struct Spare<S> {
+    snap: Arc<S>,
     at: u64,
 }
 
-/// Writer side of design C, keeping at most `MAX` map copies (at least 2).
+/// Writer side of design C, keeping at most `MAX` map copies (at least 2) of snapshot type `S`:
+/// [`FlatSnapshot`] (in use) or [`crate::DoubleSnapshot`] (design C as first built, hashbrown map; kept
+/// for the side-by-side benchmark).
 #[derive(Debug)]
-pub struct PooledBackend<const MAX: usize = MAX_COPIES> {
+pub struct PooledBackend<const MAX: usize = MAX_COPIES, S = FlatSnapshot> {
     /// The copy the writer owns (refcount 1), at log position `head`. `None` after a publish.
-    writable: Option<DoubleSnapshot>,
+    writable: Option<S>,
     /// Earlier published copies, possibly still held by readers.
-    spares: Vec<Spare>,
+    spares: Vec<Spare<S>>,
     /// Ops from absolute position `log_base` to `head`.
     log: Vec<LogOp>,
     log_base: u64,
     head: u64,
     /// Log position of the published copy.
     published_at: u64,
-    published: Arc<ArcSwap<DoubleSnapshot>>,
+    published: Arc<ArcSwap<S>>,
     copies: u64,
     waits: u64,
 }
 
-impl<const MAX: usize> PooledBackend<MAX> {
+impl<const MAX: usize, S: PoolMap> PooledBackend<MAX, S> {
     /// Times the writer copied the published map because readers held every spare (growing the
     /// pool, or replacing a spare held past [`RECLAIM_WAIT`]).
     pub fn copies(&self) -> u64 {
@@ -87,20 +140,20 @@ impl<const MAX: usize> PooledBackend<MAX> {
         1 + self.spares.len() + usize::from(self.writable.is_some())
     }
 
-    fn writable(&mut self) -> &mut DoubleSnapshot {
+    fn writable(&mut self) -> &mut S {
         if self.writable.is_none() {
             let copy = match self.take_spare() {
                 Some(copy) => copy,
-                None => DoubleSnapshot::clone(&self.published.load()),
+                None => S::clone(&self.published.load()),
             };
             self.writable = Some(copy);
         }
-        self.writable.get_or_insert_with(DoubleSnapshot::default)
+        self.writable.get_or_insert_with(S::default)
     }
 
     /// The freshest spare no reader holds, brought up to `head`; `None` when the published map must
     /// be copied instead (no spare yet, or every spare held).
-    fn take_spare(&mut self) -> Option<DoubleSnapshot> {
+    fn take_spare(&mut self) -> Option<S> {
         if self.spares.is_empty() {
             return None;
         }
@@ -134,7 +187,7 @@ impl<const MAX: usize> PooledBackend<MAX> {
         }
     }
 
-    fn try_take_free(&mut self) -> Option<DoubleSnapshot> {
+    fn try_take_free(&mut self) -> Option<S> {
         loop {
             let i = (0..self.spares.len())
                 .filter(|&i| Arc::strong_count(&self.spares[i].snap) == 1)
@@ -143,7 +196,7 @@ impl<const MAX: usize> PooledBackend<MAX> {
             match Arc::try_unwrap(snap) {
                 Ok(mut copy) => {
                     let from = usize::try_from(at.saturating_sub(self.log_base)).unwrap_or(usize::MAX);
-                    replay(&mut copy.map, self.log.get(from..).unwrap_or(&[]));
+                    replay(&mut copy, self.log.get(from..).unwrap_or(&[]));
                     self.trim_log();
                     return Some(copy);
                 }
@@ -175,10 +228,10 @@ impl<const MAX: usize> PooledBackend<MAX> {
     }
 }
 
-impl<const MAX: usize> Backend for PooledBackend<MAX> {
-    type Snapshot = DoubleSnapshot;
+impl<const MAX: usize, S: PoolMap> Backend for PooledBackend<MAX, S> {
+    type Snapshot = S;
 
-    fn new(published: Arc<ArcSwap<DoubleSnapshot>>) -> Self {
+    fn new(published: Arc<ArcSwap<S>>) -> Self {
         PooledBackend {
             writable: None,
             spares: Vec::new(),
@@ -194,30 +247,44 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
 
     #[inline]
     fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
-        let r = map_link(&mut self.writable().map, pod, block);
+        let r = self.writable().link(pod, block);
         self.record(LogOp::Link(pod, block));
         r
     }
 
     #[inline]
     fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
-        let r = map_unlink(&mut self.writable().map, pod, block);
+        let r = self.writable().unlink(pod, block);
         self.record(LogOp::Unlink(pod, block));
         r
     }
 
+    fn seal(&mut self, blocks: &[BlockHash]) {
+        if !S::SEALS || blocks.len() < 2 {
+            return;
+        }
+        self.writable().seal(blocks);
+        for (k, b) in blocks.iter().enumerate() {
+            self.record(LogOp::Seal { block: b.0, first: k == 0 });
+        }
+    }
+
     fn publish(&mut self, stats: IndexStats) {
         if self.writable.is_none() {
-            if self.published.load().stats == stats {
+            if self.published.load().stats() == stats {
                 return;
             }
             // Only the stats changed (e.g. stores dropped over the cap): republish them.
             self.writable();
         }
+        if S::SEALS && self.writable.is_some() {
+            self.writable().settle();
+            self.record(LogOp::Settle);
+        }
         let Some(mut snap) = self.writable.take() else {
             return;
         };
-        snap.stats = stats;
+        snap.set_stats(stats);
         let old = self.published.swap(Arc::new(snap));
         self.spares.push(Spare { snap: old, at: self.published_at });
         self.published_at = self.head;
@@ -225,12 +292,12 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
     }
 
     fn map_bytes(&self) -> u64 {
-        let published = self.published.load().map.capacity();
-        let writable = self.writable.as_ref().map_or(0, |w| w.map.capacity());
-        let spares: usize = self.spares.iter().map(|s| s.snap.map.capacity()).sum();
-        (published + writable + spares) as u64 * SLOT_BYTES
+        let published = self.published.load().heap_bytes();
+        let writable = self.writable.as_ref().map_or(0, S::heap_bytes);
+        let spares: u64 = self.spares.iter().map(|s| s.snap.heap_bytes()).sum();
+        published + writable + spares
     }
 }
 
-/// The single writer of design C.
+/// The single writer of design C (flat layout).
 pub type PooledWriter = Writer<PooledBackend>;

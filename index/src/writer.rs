@@ -27,6 +27,9 @@ pub trait Backend {
     fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
     /// Removes `pod` from `block`; returns (the pair was present, the block is now gone).
     fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
+    /// After a store call linked some of `blocks` (the call's blocks, in its order): lets the
+    /// design group them (the flat snapshot makes runs). Changes no (block, pod) pair.
+    fn seal(&mut self, _blocks: &[BlockHash]) {}
     /// Makes every change so far visible to readers, with `stats`.
     fn publish(&mut self, stats: IndexStats);
     /// Heap bytes of the shared map(s), estimated from capacities.
@@ -94,6 +97,7 @@ impl<B: Backend> Writer<B> {
     pub fn store(&mut self, pod: PodIdx, blocks: &[BlockHash]) -> u64 {
         let cap = self.max_blocks_per_pod;
         let mut dropped = 0;
+        let mut linked = false;
         for b in blocks {
             let set = self.pod_set(pod);
             if set.len() >= cap {
@@ -104,7 +108,11 @@ impl<B: Backend> Writer<B> {
             }
             if set.insert(b.0) {
                 self.link(pod, b.0);
+                linked = true;
             }
+        }
+        if linked {
+            self.backend.seal(blocks);
         }
         self.dropped_over_cap += dropped;
         dropped

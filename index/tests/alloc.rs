@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
 use kvroute_index::{
-    Backend, BlockPods, DoubleBackend, MatchScratch, PooledBackend, ShardedBackend, Writer, match_prefix,
+    Backend, BlockPods, DoubleBackend, DoubleSnapshot, MatchScratch, PooledBackend, ShardedBackend, Writer,
+    match_prefix,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use workload::{SplitMix, Workload};
@@ -88,6 +89,14 @@ fn pooled_lookup_allocates_nothing() {
     lookups_do_not_allocate::<PooledBackend>();
 }
 
+/// Design C over B's hashbrown snapshot (as first built, kept for comparison).
+type PooledHashbrown = PooledBackend<{ kvroute_index::pooled::MAX_COPIES }, DoubleSnapshot>;
+
+#[test]
+fn pooled_hashbrown_lookup_allocates_nothing() {
+    lookups_do_not_allocate::<PooledHashbrown>();
+}
+
 /// Net heap bytes per (block, pod) entry of the writer plus everything it published.
 fn bytes_per_entry<B: Backend>(entries: usize) -> f64
 where
@@ -123,6 +132,7 @@ fn bytes_per_entry_at_1m_within_spec() {
     for per in [
         bytes_per_entry::<ShardedBackend>(1_000_000),
         bytes_per_entry::<DoubleBackend>(1_000_000),
+        bytes_per_entry::<PooledHashbrown>(1_000_000),
         bytes_per_entry::<PooledBackend>(1_000_000),
     ] {
         assert!(per <= 100.0, "{per:.1} B/entry over SPEC §10's 100");
@@ -170,6 +180,7 @@ fn bytes_per_entry_at_10m() {
     for per in [
         bytes_per_entry::<ShardedBackend>(10_000_000),
         bytes_per_entry::<DoubleBackend>(10_000_000),
+        bytes_per_entry::<PooledHashbrown>(10_000_000),
         bytes_per_entry::<PooledBackend>(10_000_000),
     ] {
         assert!(per <= 100.0, "{per:.1} B/entry over SPEC §10's 100");

@@ -1,4 +1,5 @@
-//! One run, one workload, three indexes: kvroute's (design B, the one in use), SGLang's
+//! One run, one workload, the indexes side by side: kvroute's (the one in use: design C over the
+//! flat snapshot with runs; and design C over the hashbrown snapshot, as first built), SGLang's
 //! `kv-index` 2.0.0 `ChainIndex`, and with `--features dynamo` NVIDIA's dynamo-kv-router 1.6.1
 //! `RadixTree` (the naive `std` HashMap model is in `index/benches/`).
 //! Prints lookup p50/p99 (each lookup timed alone, 20,000 runs: hit, partial, miss, and hits over
@@ -21,7 +22,9 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock, chain_prefix_hash};
 use kvroute_common::BlockHash;
-use kvroute_index::{IndexSnapshot, IndexWriter, MatchScratch};
+use kvroute_index::{
+    BlockPods, DoubleSnapshot, FlatSnapshot, MatchScratch, PoolMap, PooledBackend, Writer, match_prefix,
+};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use workload::{SplitMix, Workload};
 
@@ -70,11 +73,12 @@ fn net_bytes(region: &Region<System>) -> i64 {
     c.bytes_allocated as i64 - c.bytes_deallocated as i64 + c.bytes_reallocated as i64
 }
 
-fn kvroute(w: &Workload) {
+/// kvroute's index with design C's pool over snapshot type `S`, labelled `name`.
+fn kvroute<S: PoolMap + BlockPods>(w: &Workload, name: &str) {
     let region = Region::new(GLOBAL);
     let t = Instant::now();
-    let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
-    let mut writer = IndexWriter::new(published.clone(), usize::MAX);
+    let published = Arc::new(ArcSwap::from_pointee(S::default()));
+    let mut writer = Writer::<PooledBackend<3, S>>::new(published.clone(), usize::MAX);
     for (pod, chain) in w.stores() {
         writer.store(pod, chain);
     }
@@ -82,22 +86,17 @@ fn kvroute(w: &Workload) {
     let secs = t.elapsed().as_secs_f64();
     let bytes = net_bytes(&region);
     let entries = w.entries() as f64;
-    println!(
-        "{:>10} load {:.2} M block events/s, {:.1} B/entry",
-        "kvroute",
-        entries / secs / 1e6,
-        bytes as f64 / entries
-    );
+    println!("{name:>10} load {:.2} M block events/s, {:.1} B/entry", entries / secs / 1e6, bytes as f64 / entries);
     let snap = published.load_full();
     let mut scratch = MatchScratch::default();
     let mut rng = SplitMix(99);
     for (case, q) in [("hit", w.hit()), ("partial", w.partial(&mut rng)), ("miss", w.miss(&mut rng))] {
-        snap.match_prefix(&q, &mut scratch);
+        match_prefix(&*snap, &q, &mut scratch);
         let mut got: Vec<(u16, u32)> = scratch.matched_pods().iter().map(|p| (p.0, scratch.matched(*p))).collect();
         got.sort_unstable();
-        println!("{:>10} check {case}: (pod, matched) {got:?}", "kvroute");
+        println!("{name:>10} check {case}: (pod, matched) {got:?}");
     }
-    percentiles("kvroute", w, |q| u64::from(snap.match_prefix(q, &mut scratch)));
+    percentiles(name, w, |q| u64::from(match_prefix(&*snap, q, &mut scratch)));
 }
 
 fn content(chain: &[BlockHash]) -> Vec<ContentHash> {
@@ -169,7 +168,8 @@ fn main() {
         w.entries(),
         workload::PODS
     );
-    kvroute(&w);
+    kvroute::<FlatSnapshot>(&w, "kvroute");
+    kvroute::<DoubleSnapshot>(&w, "kvroute-hb");
     kv_index(&w);
     #[cfg(feature = "dynamo")]
     dynamo::run(&w);
