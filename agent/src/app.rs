@@ -12,7 +12,7 @@
 //! Concurrency: tasks and subscriber threads share only the [`Hub`] (per-pod mutexes, broadcast
 //! channel) and the metric handles. A pod is written by its engine's subscriber thread (blocks)
 //! and scrape task (stats, model), each under the pod's mutex. Shutdown: a watch channel for
-//! tasks and an atomic flag for the ZMQ threads (they poll it every 100 ms); picker streams send
+//! tasks and an atomic flag for the ZMQ threads (they look at it at least every 500 ms); picker streams send
 //! what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
 
 use crate::config::{AgentConfig, EngineConfig};
@@ -376,7 +376,7 @@ async fn scrape_task(
         match client.metrics().await {
             Ok(m) => {
                 if let Some(b) = m.block_size
-                    && pod.info().block_size != b
+                    && pod.block_size() != b
                 {
                     pod.set_model(&pod.model(), Some(b));
                 }

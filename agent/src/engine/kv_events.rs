@@ -15,13 +15,14 @@
 //! Replay replies (ROUTER→DEALER) come in two framings: 0.33 `["", topic, seq, payload]`, ending
 //! with `["", "", i64 -1, ""]`; older `["", seq, payload]`, ending with `["", i64 -1, ""]`.
 //!
-//! Payloads are parsed into borrowed `rmpv::ValueRef`s (strings and byte hashes point into the
-//! frame, no allocation per map key or string field).
+//! Payloads are decoded in one pass with `rmp-serde` straight into the event types (see
+//! [`wire`]): no intermediate value tree, strings and byte hashes borrowed from the frame.
 //!
 //! Pure functions, no shared state. Every malformed input is a [`KvEventError`], never a panic.
 
 use kvroute_common::EngineBlockHash;
-use rmpv::ValueRef as Value;
+
+mod wire;
 
 /// Errors while decoding KV-event frames.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -46,10 +47,6 @@ pub enum KvEventError {
     Shape(String),
 }
 
-fn shape<T>(msg: impl Into<String>) -> Result<T, KvEventError> {
-    Err(KvEventError::Shape(msg.into()))
-}
-
 /// Storage tier of a block (vLLM's `medium`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Medium {
@@ -59,20 +56,6 @@ pub enum Medium {
     Cpu,
     /// Any other tier (disk, remote…), by name.
     Other(String),
-}
-
-impl Medium {
-    fn parse(v: Option<&Value<'_>>) -> Result<Medium, KvEventError> {
-        match v {
-            None | Some(Value::Nil) => Ok(Medium::Gpu),
-            Some(Value::String(s)) => Ok(match s.as_str().unwrap_or("") {
-                m if m.eq_ignore_ascii_case("gpu") => Medium::Gpu,
-                m if m.eq_ignore_ascii_case("cpu") => Medium::Cpu,
-                m => Medium::Other(m.to_string()),
-            }),
-            Some(other) => shape(format!("medium is not a string: {other}")),
-        }
-    }
 }
 
 /// A stored run of blocks (vLLM `BlockStored`).
@@ -188,162 +171,7 @@ pub fn decode_replay(frames: &[Vec<u8>]) -> Result<ReplayFrame, KvEventError> {
 
 /// Decodes a msgpack `KVEventBatch` payload.
 pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, KvEventError> {
-    let mut rd = payload;
-    let value = rmpv::decode::read_value_ref(&mut rd).map_err(|e| KvEventError::Msgpack(e.to_string()))?;
-    let (ts, events, rank) = match &value {
-        Value::Array(a) => (a.first(), a.get(1), a.get(2)),
-        Value::Map(_) => (map_get(&value, "ts"), map_get(&value, "events"), map_get(&value, "data_parallel_rank")),
-        other => return shape(format!("batch is neither array nor map: {other}")),
-    };
-    let ts = ts.and_then(as_f64).unwrap_or(0.0);
-    let events = match events {
-        Some(Value::Array(evs)) => evs.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?,
-        _ => return shape("batch has no events array"),
-    };
-    Ok(KvEventBatch { ts, events, dp_rank: rank.and_then(as_i64) })
-}
-
-/// The string in `v`, if it is valid UTF-8 (borrowed from the payload).
-fn as_str<'p>(v: &Value<'p>) -> Option<&'p str> {
-    match v {
-        Value::String(s) => s.into_str(),
-        _ => None,
-    }
-}
-
-fn as_i64(v: &Value<'_>) -> Option<i64> {
-    match v {
-        Value::Integer(i) => i.as_i64(),
-        _ => None,
-    }
-}
-
-fn as_f64(v: &Value<'_>) -> Option<f64> {
-    match v {
-        Value::Integer(i) => i.as_f64(),
-        Value::F32(f) => Some(f64::from(*f)),
-        Value::F64(f) => Some(*f),
-        _ => None,
-    }
-}
-
-fn map_get<'a, 'p>(map: &'a Value<'p>, key: &str) -> Option<&'a Value<'p>> {
-    match map {
-        Value::Map(entries) => entries.iter().find(|(k, _)| as_str(k) == Some(key)).map(|(_, v)| v),
-        _ => None,
-    }
-}
-
-/// Field names of a BlockStored in positional order (after the type name).
-const STORED_FIELDS: [&str; 8] =
-    ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"];
-const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
-
-fn decode_event<'a, 'p>(v: &'a Value<'p>) -> Result<KvEvent, KvEventError> {
-    // Normalise both shapes to a field lookup.
-    type Getter<'a, 'p> = Box<dyn Fn(&str) -> Option<&'a Value<'p>> + 'a>;
-    let (kind, get): (&str, Getter<'a, 'p>) = match v {
-        Value::Map(_) => {
-            let Some(kind) = map_get(v, "type").and_then(as_str) else {
-                return shape("event map without a string \"type\"");
-            };
-            (kind, Box::new(move |k: &str| map_get(v, k)))
-        }
-        Value::Array(a) => {
-            let Some(kind) = a.first().and_then(as_str) else {
-                return shape("event array without a type name first");
-            };
-            let fields: &[&str] = match kind {
-                "BlockStored" => &STORED_FIELDS,
-                "BlockRemoved" => &REMOVED_FIELDS,
-                _ => &[],
-            };
-            (kind, Box::new(move |k: &str| fields.iter().position(|f| *f == k).and_then(|i| a.get(i + 1))))
-        }
-        other => return shape(format!("event is neither map nor array: {other}")),
-    };
-    match kind {
-        "BlockStored" => {
-            let block_hashes = hashes(get("block_hashes"))?;
-            let parent = match get("parent_block_hash") {
-                None | Some(Value::Nil) => None,
-                Some(h) => Some(hash(h)?),
-            };
-            let token_ids = match get("token_ids") {
-                Some(Value::Array(t)) => t
-                    .iter()
-                    .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .map_or_else(|| shape("token_ids holds a non-u32"), Ok)?,
-                _ => return shape("BlockStored without token_ids"),
-            };
-            let block_size = match get("block_size").and_then(Value::as_u64).and_then(|b| u32::try_from(b).ok()) {
-                Some(b) if b > 0 => b,
-                _ => return shape("BlockStored without a positive block_size"),
-            };
-            let lora_name = get("lora_name").and_then(as_str).map(str::to_string);
-            let opaque_extra_keys = extra_keys(get("extra_keys"), block_hashes.len(), lora_name.as_deref());
-            Ok(KvEvent::Stored(BlockStored {
-                block_hashes,
-                parent,
-                token_ids,
-                block_size,
-                lora_id: get("lora_id").and_then(as_i64),
-                medium: Medium::parse(get("medium"))?,
-                lora_name,
-                opaque_extra_keys,
-            }))
-        }
-        "BlockRemoved" => {
-            Ok(KvEvent::Removed { block_hashes: hashes(get("block_hashes"))?, medium: Medium::parse(get("medium"))? })
-        }
-        "AllBlocksCleared" => Ok(KvEvent::AllCleared),
-        other => shape(format!("unknown event type {other:?}")),
-    }
-}
-
-/// Per block: does its `extra_keys` entry hold anything besides the LoRA name? vLLM sends one
-/// entry per block (nil or a list). When the list length does not match the block count, the
-/// whole event is judged by any entry.
-fn extra_keys(v: Option<&Value<'_>>, blocks: usize, lora: Option<&str>) -> Vec<bool> {
-    fn opaque(entry: &Value<'_>, lora: Option<&str>) -> bool {
-        match entry {
-            Value::Nil => false,
-            Value::Array(keys) => keys.iter().any(|k| !(as_str(k).is_some() && as_str(k) == lora)),
-            Value::String(_) => as_str(entry) != lora,
-            _ => true,
-        }
-    }
-    match v {
-        Some(Value::Array(entries)) if entries.len() == blocks => entries.iter().map(|e| opaque(e, lora)).collect(),
-        Some(Value::Array(entries)) => vec![entries.iter().any(|e| opaque(e, lora)); blocks],
-        None | Some(Value::Nil) => vec![false; blocks],
-        Some(_) => vec![true; blocks],
-    }
-}
-
-fn hashes(v: Option<&Value<'_>>) -> Result<Vec<EngineBlockHash>, KvEventError> {
-    match v {
-        Some(Value::Array(a)) => a.iter().map(hash).collect(),
-        _ => shape("block_hashes is not an array"),
-    }
-}
-
-fn hash(v: &Value<'_>) -> Result<EngineBlockHash, KvEventError> {
-    match v {
-        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
-            (Some(u), _) => Ok(EngineBlockHash(u)),
-            (None, Some(s)) => Ok(EngineBlockHash(s as u64)),
-            _ => shape("block hash integer out of range"),
-        },
-        Value::Binary(b) if !b.is_empty() => {
-            let tail = &b[b.len().saturating_sub(8)..];
-            let mut buf = [0u8; 8];
-            buf[8 - tail.len()..].copy_from_slice(tail);
-            Ok(EngineBlockHash(u64::from_be_bytes(buf)))
-        }
-        other => shape(format!("block hash is neither integer nor bytes: {other}")),
-    }
+    wire::decode_batch(payload)
 }
 
 #[cfg(test)]

@@ -75,34 +75,68 @@ pub struct EngineMetrics {
     pub lora: Option<LoraInfo>,
 }
 
-/// Parses every sample line of a text-format page. Comments and blank lines are skipped.
-pub fn parse_samples(text: &str) -> Result<Vec<Sample>, MetricsError> {
-    let mut out = Vec::new();
+/// One sample line, borrowed from the page: the labels are checked but kept raw (between the
+/// braces, values still escaped), so lines the agent does not read cost no allocation
+/// (issue 5: allocating every name and label of every line was most of a scrape's parse).
+#[derive(Debug, Clone, Copy)]
+struct LineRef<'a> {
+    name: &'a str,
+    labels: &'a str,
+    value: f64,
+}
+
+impl<'a> LineRef<'a> {
+    /// The value of label `key`, unescaped; `None` when absent.
+    fn label(&self, key: &str) -> Option<String> {
+        let mut found = None;
+        // The labels were checked when the line was parsed: this scan cannot fail.
+        let _ = scan_labels(self.labels, |k, raw| {
+            if found.is_none() && k == key {
+                found = Some(unescape(raw));
+            }
+        });
+        found
+    }
+}
+
+/// Walks every non-comment line, checking each; `each` sees the parsed lines in page order.
+fn for_each_line<'a>(text: &'a str, mut each: impl FnMut(LineRef<'a>)) -> Result<(), MetricsError> {
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        out.push(parse_line(line).map_err(|reason| MetricsError::Malformed {
+        each(parse_line(line).map_err(|reason| MetricsError::Malformed {
             line: i + 1,
             reason,
             text: line.chars().take(120).collect(),
         })?);
     }
+    Ok(())
+}
+
+/// Parses every sample line of a text-format page. Comments and blank lines are skipped.
+pub fn parse_samples(text: &str) -> Result<Vec<Sample>, MetricsError> {
+    let mut out = Vec::new();
+    for_each_line(text, |l| {
+        let mut labels = Vec::new();
+        let _ = scan_labels(l.labels, |k, raw| labels.push((k.to_string(), unescape(raw))));
+        out.push(Sample { name: l.name.to_string(), labels, value: l.value });
+    })?;
     Ok(out)
 }
 
-fn parse_line(line: &str) -> Result<Sample, &'static str> {
+fn parse_line(line: &str) -> Result<LineRef<'_>, &'static str> {
     let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).ok_or("no value")?;
     let name = &line[..name_end];
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') {
+    if name.is_empty() || !name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':') {
         return Err("bad metric name");
     }
     let mut rest = &line[name_end..];
-    let mut labels = Vec::new();
+    let mut labels = "";
     if let Some(after) = rest.strip_prefix('{') {
-        let (parsed, tail) = parse_labels(after)?;
-        labels = parsed;
+        let tail = scan_labels(after, |_, _| {})?;
+        labels = &after[..after.len() - tail.len()];
         rest = tail;
     }
     let mut fields = rest.split_whitespace();
@@ -114,7 +148,7 @@ fn parse_line(line: &str) -> Result<Sample, &'static str> {
     if fields.next().is_some() {
         return Err("trailing fields");
     }
-    Ok(Sample { name: name.to_string(), labels, value })
+    Ok(LineRef { name, labels, value })
 }
 
 fn parse_value(s: &str) -> Option<f64> {
@@ -126,37 +160,33 @@ fn parse_value(s: &str) -> Option<f64> {
     }
 }
 
-/// Parses `k="v",k2="v2"}` and returns the pairs and what follows the `}`.
-type LabelPairs = Vec<(String, String)>;
-
-fn parse_labels(mut s: &str) -> Result<(LabelPairs, &str), &'static str> {
-    let mut labels = Vec::new();
+/// Checks `k="v",k2="v2"}` and returns what follows the `}`; `each` gets every key and raw
+/// (still escaped) value, borrowed.
+fn scan_labels<'a>(mut s: &'a str, mut each: impl FnMut(&'a str, &'a str)) -> Result<&'a str, &'static str> {
     loop {
         s = s.trim_start();
         if let Some(tail) = s.strip_prefix('}') {
-            return Ok((labels, tail));
+            return Ok(tail);
         }
         let eq = s.find('=').ok_or("label without '='")?;
         let key = s[..eq].trim();
-        if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        if key.is_empty() || !key.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_') {
             return Err("bad label name");
         }
         s = s[eq + 1..].trim_start().strip_prefix('"').ok_or("label value not quoted")?;
-        let mut value = String::new();
-        let mut chars = s.char_indices();
+        let mut bytes = s.bytes().enumerate();
         let end = loop {
-            match chars.next() {
+            match bytes.next() {
                 None => return Err("unterminated label value"),
-                Some((i, '"')) => break i,
-                Some((_, '\\')) => match chars.next() {
-                    Some((_, 'n')) => value.push('\n'),
-                    Some((_, c @ ('\\' | '"'))) => value.push(c),
+                Some((i, b'"')) => break i,
+                Some((_, b'\\')) => match bytes.next() {
+                    Some((_, b'n' | b'\\' | b'"')) => {}
                     _ => return Err("bad escape in label value"),
                 },
-                Some((_, c)) => value.push(c),
+                Some(_) => {}
             }
         };
-        labels.push((key.to_string(), value));
+        each(key, &s[..end]);
         s = s[end + 1..].trim_start();
         if let Some(tail) = s.strip_prefix(',') {
             s = tail;
@@ -166,6 +196,23 @@ fn parse_labels(mut s: &str) -> Result<(LabelPairs, &str), &'static str> {
     }
 }
 
+/// A label value with its escapes (`\n`, `\\`, `\"`: checked when the line was parsed) resolved.
+fn unescape(raw: &str) -> String {
+    if !raw.contains('\\') {
+        return raw.to_string();
+    }
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+        } else if let Some(e) = chars.next() {
+            out.push(if e == 'n' { '\n' } else { e });
+        }
+    }
+    out
+}
+
 fn split_list(s: &str) -> Vec<String> {
     s.split(',').map(str::trim).filter(|x| !x.is_empty()).map(str::to_string).collect()
 }
@@ -173,36 +220,31 @@ fn split_list(s: &str) -> Vec<String> {
 /// Parses a vLLM `/metrics` page into [`EngineMetrics`]. `vllm:num_requests_running`,
 /// `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` are required.
 pub fn parse_engine_metrics(text: &str) -> Result<EngineMetrics, MetricsError> {
-    let samples = parse_samples(text)?;
     let mut m = EngineMetrics::default();
     let (mut seen_run, mut seen_wait, mut seen_kv) = (false, false, false);
-    let mut lora_best: Option<(f64, &Sample)> = None;
-    for s in &samples {
-        match s.name.as_str() {
-            "vllm:num_requests_running" => {
-                seen_run = true;
-                m.num_requests_running = m.num_requests_running.saturating_add(to_count(s.value));
-            }
-            "vllm:num_requests_waiting" => {
-                seen_wait = true;
-                m.num_requests_waiting = m.num_requests_waiting.saturating_add(to_count(s.value));
-            }
-            "vllm:kv_cache_usage_perc" => {
-                seen_kv = true;
-                if s.value.is_finite() {
-                    m.kv_cache_usage = m.kv_cache_usage.max(s.value.clamp(0.0, 1.0));
-                }
-            }
-            "vllm:cache_config_info" => {
-                m.block_size = s.label("block_size").and_then(|v| v.parse().ok()).or(m.block_size);
-                m.num_gpu_blocks = s.label("num_gpu_blocks").and_then(|v| v.parse().ok()).or(m.num_gpu_blocks);
-            }
-            "vllm:lora_requests_info" if lora_best.is_none_or(|(v, _)| s.value > v) => {
-                lora_best = Some((s.value, s));
-            }
-            _ => {}
+    let mut lora_best: Option<LineRef<'_>> = None;
+    for_each_line(text, |s| match s.name {
+        "vllm:num_requests_running" => {
+            seen_run = true;
+            m.num_requests_running = m.num_requests_running.saturating_add(to_count(s.value));
         }
-    }
+        "vllm:num_requests_waiting" => {
+            seen_wait = true;
+            m.num_requests_waiting = m.num_requests_waiting.saturating_add(to_count(s.value));
+        }
+        "vllm:kv_cache_usage_perc" => {
+            seen_kv = true;
+            if s.value.is_finite() {
+                m.kv_cache_usage = m.kv_cache_usage.max(s.value.clamp(0.0, 1.0));
+            }
+        }
+        "vllm:cache_config_info" => {
+            m.block_size = s.label("block_size").and_then(|v| v.parse().ok()).or(m.block_size);
+            m.num_gpu_blocks = s.label("num_gpu_blocks").and_then(|v| v.parse().ok()).or(m.num_gpu_blocks);
+        }
+        "vllm:lora_requests_info" if lora_best.is_none_or(|b| s.value > b.value) => lora_best = Some(s),
+        _ => {}
+    })?;
     if !seen_run {
         return Err(MetricsError::Missing("vllm:num_requests_running"));
     }
@@ -212,9 +254,9 @@ pub fn parse_engine_metrics(text: &str) -> Result<EngineMetrics, MetricsError> {
     if !seen_kv {
         return Err(MetricsError::Missing("vllm:kv_cache_usage_perc"));
     }
-    m.lora = lora_best.map(|(_, s)| LoraInfo {
-        running: split_list(s.label("running_lora_adapters").unwrap_or("")),
-        waiting: split_list(s.label("waiting_lora_adapters").unwrap_or("")),
+    m.lora = lora_best.map(|s| LoraInfo {
+        running: split_list(&s.label("running_lora_adapters").unwrap_or_default()),
+        waiting: split_list(&s.label("waiting_lora_adapters").unwrap_or_default()),
         max_lora: s.label("max_lora").and_then(|v| v.parse().ok()).unwrap_or(0),
     });
     Ok(m)

@@ -66,6 +66,11 @@ impl Pod {
         self.inner.lock().info.clone()
     }
 
+    /// Block size (tokens) currently reported; no copy of the whole info.
+    pub fn block_size(&self) -> u32 {
+        self.inner.lock().info.block_size
+    }
+
     /// Applies a KV-event batch to the record; changes wait for [`Pod::flush_blocks`].
     pub fn apply_batch(&self, batch: &KvEventBatch) -> ApplyOutcome {
         self.inner.lock().record.apply(batch)

@@ -111,9 +111,32 @@ fn lora_block_extra_keys_are_not_opaque_but_multimodal_are() {
         assert_eq!(lora.opaque_extra_keys, vec![false]);
     }
     let mm = Value::Array(vec![Value::Array(vec![Value::from("3f2a…mmhash"), Value::from(0)])]);
-    assert_eq!(extra_keys(Some(&mm.as_ref()), 1, None), vec![true]);
+    assert_eq!(opaque_of(mm, 1, None), vec![true]);
     let salted = Value::Array(vec![Value::Nil, Value::Array(vec![Value::from("sql-lora"), Value::from("salt")])]);
-    assert_eq!(extra_keys(Some(&salted.as_ref()), 2, Some("sql-lora")), vec![false, true]);
+    assert_eq!(opaque_of(salted.clone(), 2, Some("sql-lora")), vec![false, true]);
+    // A list whose length is not the block count judges every block by any entry.
+    assert_eq!(opaque_of(salted, 3, Some("sql-lora")), vec![true; 3]);
+    assert_eq!(opaque_of(Value::Nil, 2, None), vec![false; 2]);
+    assert_eq!(opaque_of(Value::from("sql-lora"), 2, Some("sql-lora")), vec![true; 2]);
+}
+
+/// `opaque_extra_keys` of a BlockStored map of `blocks` blocks with `extra_keys` LAST (after
+/// `lora_name`, which it is judged against: map fields may come in any order).
+fn opaque_of(extra_keys: Value, blocks: u64, lora: Option<&str>) -> Vec<bool> {
+    let ev = Value::Map(vec![
+        (Value::from("type"), Value::from("BlockStored")),
+        (Value::from("block_hashes"), Value::Array((1..=blocks).map(Value::from).collect())),
+        (Value::from("token_ids"), Value::Array((0..blocks * 16).map(Value::from).collect())),
+        (Value::from("block_size"), Value::from(16)),
+        (Value::from("lora_name"), lora.map_or(Value::Nil, Value::from)),
+        (Value::from("extra_keys"), extra_keys),
+    ]);
+    let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]);
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &batch).expect("encode");
+    let b = decode_batch(&buf).expect("decodes");
+    let [KvEvent::Stored(s)] = &b.events[..] else { panic!("one BlockStored expected: {b:?}") };
+    s.opaque_extra_keys.clone()
 }
 
 fn hex(s: &str) -> Vec<u8> {
@@ -163,7 +186,6 @@ fn older_replay_framing_decodes() {
 #[test]
 fn batch_as_map_and_byte_hashes() {
     let ev = Value::Map(vec![
-        (Value::from("type"), Value::from("BlockRemoved")),
         (
             Value::from("block_hashes"),
             Value::Array(vec![
@@ -172,6 +194,8 @@ fn batch_as_map_and_byte_hashes() {
             ]),
         ),
         (Value::from("future_field"), Value::from(true)),
+        // The tag need not come first.
+        (Value::from("type"), Value::from("BlockRemoved")),
     ]);
     let batch = Value::Map(vec![(Value::from("ts"), Value::F64(1.5)), (Value::from("events"), Value::Array(vec![ev]))]);
     let mut buf = Vec::new();
