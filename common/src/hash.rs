@@ -96,6 +96,7 @@ pub fn hash_block(parent: BlockHash, tokens: &[u32]) -> BlockHash {
 }
 
 #[cfg(test)]
+#[allow(clippy::expect_used)]
 mod tests {
     use super::*;
 
