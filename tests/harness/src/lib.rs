@@ -11,6 +11,7 @@
 
 pub mod client;
 pub mod fleet;
+pub mod inference_perf;
 pub mod paths;
 pub mod process;
 pub mod run;

@@ -6,16 +6,30 @@
 //! whose picker runs in approximate mode (no tokenizer: SPEC §6's text blocks and per-pod LRU of
 //! its own routing, GIE's estimated prefix cache). TTFT (first streamed chunk with text) is
 //! measured by the client, as inference-perf does.
+//!
+//! `--client inference-perf` sends the stream with inference-perf 0.7.0 instead (SPEC §13; its
+//! `shared_prefix` generator, Poisson stages of rising rate, streaming `/v1/completions`) and reads
+//! its per-stage reports; `scripts/bench-shared-prefix-inference-perf` installs it and runs this.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use clap::Parser;
-use kvroute_harness::{Fleet, FleetSpec, GatewayClient};
+use clap::{Parser, ValueEnum};
+use kvroute_harness::inference_perf::{self, LoadStage, SharedPrefixShape, StageReport};
+use kvroute_harness::{Fleet, FleetSpec, GatewayClient, paths};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
+
+/// Which load client sends the requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Client {
+    /// This binary's own open-loop Poisson client (`--rate`, `--requests`).
+    Builtin,
+    /// inference-perf 0.7.0 as a child process (`--rates`, `--stage-seconds`).
+    InferencePerf,
+}
 
 #[derive(Parser, Debug)]
 #[command(about = "Shared-prefix workload through Envoy + kvroute vs Envoy round robin; client-side TTFT p50/p90")]
@@ -59,6 +73,27 @@ struct Args {
     /// Skip the approximate-mode fleet (precise kvroute and round robin only).
     #[arg(long)]
     no_approximate: bool,
+    /// Load client.
+    #[arg(long, value_enum, default_value_t = Client::Builtin)]
+    client: Client,
+    /// inference-perf: Poisson stage rates, requests per second, in order.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
+    rates: Vec<f64>,
+    /// inference-perf: seconds per stage.
+    #[arg(long, default_value_t = 30)]
+    stage_seconds: u64,
+    /// inference-perf: tokens per shared prefix (default: `--prefix-words` × 1.2).
+    #[arg(long)]
+    prefix_tokens: Option<u64>,
+    /// inference-perf: tokens per question (default: `--question-words` × 1.2).
+    #[arg(long)]
+    question_tokens: Option<u64>,
+    /// inference-perf executable (default: `.tools/iperf-venv/bin/inference-perf` of the repo).
+    #[arg(long)]
+    inference_perf: Option<std::path::PathBuf>,
+    /// inference-perf: kill a run after this many seconds (default: the stages' total + 300).
+    #[arg(long)]
+    inference_perf_timeout_s: Option<u64>,
 }
 
 const WORDS: &[&str] = &[
@@ -125,6 +160,151 @@ fn summary(name: &str, s: &[Sample]) -> (f64, f64) {
     (pct(0.5), pct(0.9))
 }
 
+/// What one gateway's run produced.
+enum Outcome {
+    Builtin(Vec<Sample>),
+    InferencePerf(Vec<StageReport>),
+}
+
+/// Sends the workload through `gateway` with the chosen client. `name` names the inference-perf
+/// files under `work` (config, log, reports).
+async fn drive(gateway: &str, model: &str, a: &Args, name: &str, work: &std::path::Path) -> Result<Outcome> {
+    match a.client {
+        Client::Builtin => Ok(Outcome::Builtin(run(gateway, model, a).await?)),
+        Client::InferencePerf => {
+            let dir = work.join("inference-perf").join(name);
+            std::fs::create_dir_all(&dir)?;
+            let (config_path, reports) = (dir.join("config.yaml"), dir.join("reports"));
+            let stages = stages(a);
+            let config = inference_perf::config(&shape(a), &stages, gateway, model, &paths::tokenizer_dir(), &reports);
+            inference_perf::write_config(&config_path, &config)?;
+            let exe = a
+                .inference_perf
+                .clone()
+                .unwrap_or_else(|| paths::repo_root().join(".tools/iperf-venv/bin/inference-perf"));
+            let total: u64 = stages.iter().map(|s| s.duration_s).sum();
+            let timeout = Duration::from_secs(a.inference_perf_timeout_s.unwrap_or(total + 300));
+            eprintln!(
+                "{name}: inference-perf --config_file {} (log: {})",
+                config_path.display(),
+                dir.join("inference-perf.log").display()
+            );
+            inference_perf::run(&exe, &config_path, &dir.join("inference-perf.log"), timeout).await?;
+            let reports = inference_perf::read_stage_reports(&reports, stages.len())?;
+            for r in &reports {
+                if let Some(e) = &r.first_error {
+                    eprintln!("{name}: stage {}: {} requests failed, e.g. {e}", r.stage, r.failures);
+                }
+            }
+            Ok(Outcome::InferencePerf(reports))
+        }
+    }
+}
+
+fn stages(a: &Args) -> Vec<LoadStage> {
+    a.rates.iter().map(|&rate| LoadStage { rate, duration_s: a.stage_seconds }).collect()
+}
+
+/// The builtin workload in tokens: words × 1.2 (what the fixture tokenizer gives for this word list).
+fn shape(a: &Args) -> SharedPrefixShape {
+    let tokens = |words: usize| (words as u64 * 6).div_ceil(5);
+    SharedPrefixShape {
+        num_groups: a.groups,
+        num_prompts_per_group: a.questions,
+        system_prompt_len: a.prefix_tokens.unwrap_or_else(|| tokens(a.prefix_words)),
+        question_len: a.question_tokens.unwrap_or_else(|| tokens(a.question_words)),
+        output_len: u64::from(a.max_tokens),
+        seed: a.seed,
+    }
+}
+
+/// One row per stage of one gateway.
+fn stage_rows(name: &str, reports: &[StageReport]) {
+    for r in reports {
+        println!(
+            "| {name} | {:.1} | {:.2} | {} | {} | {:.1} % | {:.1} | {:.1} | {:.1} | {:.2} |",
+            r.requested_rate,
+            r.achieved_rate,
+            r.successes,
+            r.failures,
+            r.hit_rate() * 100.0,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            r.requests_per_sec
+        );
+    }
+}
+
+/// Per stage: `other ÷ kvroute` at p50 and p90.
+fn stage_ratios(label: &str, kv: &[StageReport], other: &[StageReport]) {
+    for (k, o) in kv.iter().zip(other) {
+        println!(
+            "{label} ÷ kvroute at {:.1} req/s: TTFT p50 {:.1}×, p90 {:.1}×",
+            k.requested_rate,
+            o.ttft_p50_ms / k.ttft_p50_ms,
+            o.ttft_p90_ms / k.ttft_p90_ms
+        );
+    }
+}
+
+fn print_inference_perf(a: &Args, kv: &[StageReport], rr: &[StageReport], approx: Option<&[StageReport]>) {
+    let s = shape(a);
+    println!(
+        "shared prefix through Envoy, client inference-perf 0.7.0: {} groups × {}-token prefix + {} questions × {} tokens, \
+         {} output tokens, Poisson stages {:?} req/s × {} s, {} engines × {} KV blocks, max {} running each\n",
+        s.num_groups,
+        s.system_prompt_len,
+        s.num_prompts_per_group,
+        s.question_len,
+        s.output_len,
+        a.rates,
+        a.stage_seconds,
+        a.engines,
+        a.num_gpu_blocks,
+        a.max_num_seqs
+    );
+    println!(
+        "| gateway | rate req/s | achieved | ok | failed | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | throughput req/s |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    stage_rows("Envoy + kvroute", kv);
+    stage_rows("Envoy round robin", rr);
+    if let Some(approx) = approx {
+        stage_rows("Envoy + kvroute, approximate mode", approx);
+    }
+    println!();
+    stage_ratios("round robin", kv, rr);
+    if let Some(approx) = approx {
+        stage_ratios("approximate mode", kv, approx);
+    }
+}
+
+fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample]>) {
+    println!(
+        "shared prefix through Envoy: {} groups × {} words + {} questions × {} words, {} output tokens, {} req/s Poisson, \
+         {} engines × {} KV blocks, max {} running each\n",
+        a.groups,
+        a.prefix_words,
+        a.questions,
+        a.question_words,
+        a.max_tokens,
+        a.rate,
+        a.engines,
+        a.num_gpu_blocks,
+        a.max_num_seqs
+    );
+    println!("| gateway | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let (k50, k90) = summary("Envoy + kvroute", kv);
+    let (r50, r90) = summary("Envoy round robin", rr);
+    let approx = approx.map(|s| summary("Envoy + kvroute, approximate mode", s));
+    println!("\nround robin ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", r50 / k50, r90 / k90);
+    if let Some((a50, a90)) = approx {
+        println!("approximate mode ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", a50 / k50, a90 / k90);
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
@@ -141,10 +321,10 @@ async fn main() -> Result<()> {
     let model = spec.model.clone();
     eprintln!("starting {} engines, agents, picker, Envoy (kvroute) and Envoy (round robin) ...", a.engines);
     let fleet = Fleet::start(spec).await?;
-    let kv = run(&fleet.gateway, &model, &a).await?;
+    let kv = drive(&fleet.gateway, &model, &a, "kvroute", &fleet.work).await?;
     fleet.reset_prefix_caches().await?;
     let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
-    let rr = run(&rr_gateway, &model, &a).await?;
+    let rr = drive(&rr_gateway, &model, &a, "round-robin", &fleet.work).await?;
     fleet.shutdown().await;
     let approx = if a.no_approximate {
         None
@@ -161,31 +341,26 @@ async fn main() -> Result<()> {
             ..FleetSpec::default()
         };
         let fleet = Fleet::start(spec).await?;
-        let samples = run(&fleet.gateway, &model, &a).await?;
+        let outcome = drive(&fleet.gateway, &model, &a, "approximate", &fleet.work).await?;
         fleet.shutdown().await;
-        Some(samples)
+        Some(outcome)
     };
-    println!(
-        "shared prefix through Envoy: {} groups × {} words + {} questions × {} words, {} output tokens, {} req/s Poisson, \
-         {} engines × {} KV blocks, max {} running each\n",
-        a.groups,
-        a.prefix_words,
-        a.questions,
-        a.question_words,
-        a.max_tokens,
-        a.rate,
-        a.engines,
-        a.num_gpu_blocks,
-        a.max_num_seqs
-    );
-    println!("| gateway | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    let (k50, k90) = summary("Envoy + kvroute", &kv);
-    let (r50, r90) = summary("Envoy round robin", &rr);
-    let approx = approx.as_deref().map(|s| summary("Envoy + kvroute, approximate mode", s));
-    println!("\nround robin ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", r50 / k50, r90 / k90);
-    if let Some((a50, a90)) = approx {
-        println!("approximate mode ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", a50 / k50, a90 / k90);
+    match (kv, rr, approx) {
+        (Outcome::Builtin(kv), Outcome::Builtin(rr), approx) => {
+            let approx = match approx {
+                Some(Outcome::Builtin(s)) => Some(s),
+                _ => None,
+            };
+            print_builtin(&a, &kv, &rr, approx.as_deref());
+        }
+        (Outcome::InferencePerf(kv), Outcome::InferencePerf(rr), approx) => {
+            let approx = match approx {
+                Some(Outcome::InferencePerf(s)) => Some(s),
+                _ => None,
+            };
+            print_inference_perf(&a, &kv, &rr, approx.as_deref());
+        }
+        _ => anyhow::bail!("gateways ran with different clients"),
     }
     Ok(())
 }
