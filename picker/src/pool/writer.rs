@@ -132,11 +132,8 @@ impl Writer {
             self.table_dirty = false;
             let pods: Vec<Arc<PodRecord>> = self.pods.iter().flatten().map(|p| p.rec.clone()).collect();
             let status: Vec<Arc<PodStatus>> = pods.iter().map(|p| p.status.load_full()).collect();
-            let by_model = if regroup {
-                Arc::new(PodTable::group_by_model(&status))
-            } else {
-                self.table.load().by_model.clone()
-            };
+            let by_model =
+                if regroup { Arc::new(PodTable::group_by_model(&status)) } else { self.table.load().by_model.clone() };
             self.table.store(Arc::new(PodTable { pods, status, by_model }));
         }
     }

@@ -24,7 +24,6 @@ use super::{
 use crate::index::MatchScratch;
 use crate::pool::{PodRecord, PodTable, Pool, now_unix_ms};
 
-
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
 #[derive(Debug)]
 pub struct Router {
@@ -310,7 +309,10 @@ impl Router {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         self.prefilter(sc, table, req, None);
         let named = |sc: &Scratch, from: usize| -> Vec<(String, String)> {
-            sc.excluded[from..].iter().map(|(i, why)| (table.pods[*i as usize].name.to_string(), why.to_string())).collect()
+            sc.excluded[from..]
+                .iter()
+                .map(|(i, why)| (table.pods[*i as usize].name.to_string(), why.to_string()))
+                .collect()
         };
         let mut excluded = named(sc, 0);
         if sc.rows.is_empty() {
@@ -380,10 +382,7 @@ impl Router {
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
             Spill::AllSaturated if self.config.shed_when_saturated => {
                 return Err(RouteError::Shed {
-                    reason: format!(
-                        "all {} candidate pods have queue depth >= max_queue {max_queue}",
-                        sc.rows.len()
-                    ),
+                    reason: format!("all {} candidate pods have queue depth >= max_queue {max_queue}", sc.rows.len()),
                 });
             }
             Spill::AllSaturated => {}
@@ -423,7 +422,9 @@ impl Router {
         let n = facts.len();
         sc.columns.clear();
         sc.columns.resize(self.scorers.len() * n, 0.0);
-        for (((scorer, _), prep), column) in self.scorers.iter().zip(&sc.preps).zip(sc.columns.chunks_exact_mut(n.max(1))) {
+        for (((scorer, _), prep), column) in
+            self.scorers.iter().zip(&sc.preps).zip(sc.columns.chunks_exact_mut(n.max(1)))
+        {
             scorer.score_all(&ctx, prep, column);
             for v in column.iter_mut() {
                 *v = clamp_factor(*v);
