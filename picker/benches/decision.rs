@@ -8,6 +8,7 @@
 //! `/proc/thread-self/schedstat`, read outside the timed interval, went up) and the p99 of the
 //! calls that kept it: on a shared 2-core machine a p99 of milliseconds over all calls with a
 //! sub-millisecond p99 over the undisturbed ones is the scheduler, not the decision's code.
+//! The bench links the picker binary's allocator (mimalloc) so that allocation costs are the same.
 //!
 //! Real functions only: `parse_body`, `ModelTokenizer::{render_chat, encode_chat}`,
 //! `BlockHasher::hash_prompt`, `Router::route`, `ext_proc::decide::decide`. After criterion's
@@ -32,6 +33,9 @@ use kvroute_picker::pool::PoolUpdate;
 use kvroute_picker::score::RouteRequest;
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use kvroute_tokenize::{ModelTokenizer, SegmentCacheConfig, TokenizerOptions};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
 const PATH: &str = "/v1/chat/completions";
