@@ -271,9 +271,16 @@ async fn route(
 /// is recorded).
 type Routed = (String, HashMap<String, String>);
 
-/// Runs [`decide`] off the async workers (parse + tokenize are CPU-bound) inside the request's
-/// `epp.decision` span (child of the request's `traceparent`, if any); gives the body back, with
-/// the trace headers naming that span as the upstream request's parent.
+/// Runs [`decide`] inside the request's `epp.decision` span (child of the request's `traceparent`,
+/// if any); gives the body back, with the trace headers naming that span as the upstream request's
+/// parent.
+///
+/// Parse + tokenize are CPU-bound (milliseconds for a cold 8 MiB body), so they must not stall the
+/// async workers. On the multi-thread runtime the decision runs in place with
+/// [`tokio::task::block_in_place`]: the worker's other tasks move to a fresh worker and this thread
+/// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
+/// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
+/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`.
 async fn decide_blocking(
     gw: &Arc<Gateway>,
     st: &mut StreamState,
@@ -290,20 +297,24 @@ async fn decide_blocking(
         otel.status_code = tracing::field::Empty,
     );
     kvroute_common::telemetry::extract_parent(&span, &st.trace_headers);
+    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+        let input = DecisionInput {
+            request_id: &st.request_id,
+            path: &st.path,
+            body: body.as_deref(),
+            subset: st.subset.as_deref(),
+        };
+        let result = tokio::task::block_in_place(|| decide_in_span(gw, &span, &input));
+        return (body, result);
+    }
     let gw2 = gw.clone();
     let request_id = st.request_id.clone();
     let path = st.path.clone();
     let subset = st.subset.clone();
     let joined = tokio::task::spawn_blocking(move || {
-        let _entered = span.enter();
         let input =
             DecisionInput { request_id: &request_id, path: &path, body: body.as_deref(), subset: subset.as_deref() };
-        let result = decide(&gw2, &input);
-        match &result {
-            Ok(d) => span.record("pod", d.pod.as_str()),
-            Err(_) => span.record("otel.status_code", "ERROR"),
-        };
-        let result = result.map(|d| (d, kvroute_common::telemetry::inject(&span)));
+        let result = decide_in_span(&gw2, &span, &input);
         (body, result)
     })
     .await;
@@ -313,6 +324,21 @@ async fn decide_blocking(
             (None, Err(Rejection { status: 500, kind: "internal_error", message: format!("routing task failed: {e}") }))
         }
     }
+}
+
+/// [`decide`] inside `span`, recording the pod or the error on it; the trace headers name `span`.
+fn decide_in_span(
+    gw: &Gateway,
+    span: &tracing::Span,
+    input: &DecisionInput<'_>,
+) -> Result<(crate::score::Decision, HashMap<String, String>), Rejection> {
+    let _entered = span.enter();
+    let result = decide(gw, input);
+    match &result {
+        Ok(d) => span.record("pod", d.pod.as_str()),
+        Err(_) => span.record("otel.status_code", "ERROR"),
+    };
+    result.map(|d| (d, kvroute_common::telemetry::inject(span)))
 }
 
 /// Keeps the slot of a successful decision and returns its endpoint, or the error reply.
