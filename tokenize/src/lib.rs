@@ -242,7 +242,8 @@ impl ModelTokenizer {
         let a = added.first().map_or("", String::as_str);
         let b = added.last().map_or("", String::as_str);
         // Long enough to be cut into chunks where the segmenter cuts (segment::CHUNK_BYTES).
-        let long: String = (0..60).map(|i| ["It's 12 cats, ok? ", "word ", "Grüße  x ", "a1 b\n", "don't  stop "][i % 5]).collect();
+        let long: String =
+            (0..60).map(|i| ["It's 12 cats, ok? ", "word ", "Grüße  x ", "a1 b\n", "don't  stop "][i % 5]).collect();
         let probe = format!("{a}system\nHello, world!  \n\n{b} x  y\t{a}{b}Grüße 你好 123{a}\n end {long}{long}{a}");
         let whole = self.encode_whole(&probe, false).ok()?;
         let mut pieces = Vec::new();

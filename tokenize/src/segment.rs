@@ -142,9 +142,9 @@ impl Segmenter {
         while bytes.len() - start > chunk {
             // A cut at i: bytes[i] is a space, after an ASCII letter/digit, before an ASCII letter.
             // ASCII bytes never occur inside a multi-byte UTF-8 sequence: i is a char boundary.
-            let Some(i) = (start + chunk..bytes.len() - 1)
-                .find(|&i| bytes[i] == b' ' && bytes[i - 1].is_ascii_alphanumeric() && bytes[i + 1].is_ascii_alphabetic())
-            else {
+            let Some(i) = (start + chunk..bytes.len() - 1).find(|&i| {
+                bytes[i] == b' ' && bytes[i - 1].is_ascii_alphanumeric() && bytes[i + 1].is_ascii_alphabetic()
+            }) else {
                 break;
             };
             f(Piece::Text(&text[start..i]))?;
