@@ -298,3 +298,88 @@ fn shared_prefix_prompts_reuse_chunks() {
     assert!(after.hits - before.hits >= 5, "{before:?} → {after:?}");
     assert!(after.misses - before.misses <= 2, "{before:?} → {after:?}");
 }
+
+/// splintr (used for `add_special_tokens=False` encodes once it matched at load) gives exactly
+/// `tokenizers`' ids on random texts mixing words, contractions, whitespace runs, newlines, tabs,
+/// digits, punctuation, added tokens, non-Latin scripts, combining marks and emoji.
+#[test]
+fn fast_bpe_equals_tokenizers_on_random_texts() {
+    let tok = uncached();
+    assert!(tok.fast_bpe(), "splintr loads the Qwen2.5 fixture and matches on the check texts");
+    let parts = [
+        "the",
+        " the",
+        "The",
+        " cat",
+        "'s",
+        "'T",
+        "'re",
+        " don't",
+        "I'M",
+        " x",
+        "a",
+        "7",
+        " 42",
+        "123456",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        " \n ",
+        "\r\n",
+        "\r",
+        ".",
+        ",",
+        "?!",
+        " (",
+        ")",
+        "\"",
+        "-",
+        " é",
+        "é",
+        "Grüße",
+        " 你好",
+        "世界",
+        "🙂",
+        " 🚀",
+        "👍🏽",
+        "\u{301}",
+        "\u{200b}",
+        "\u{a0}",
+        "\u{3000}",
+        "x\u{301}",
+        " ñ",
+        "ſ",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "http://a.b/c?d=e",
+        "    return x;",
+        "fn main() {",
+        "한국어",
+        " Привет",
+        "ｱｲ",
+        "१२",
+    ];
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    for round in 0..3000 {
+        let len = 1 + next(150);
+        let mut text: String = (0..len).map(|_| parts[next(parts.len())]).collect();
+        if round % 3 == 0 {
+            // Arbitrary scalar values too.
+            text.extend((0..next(20)).filter_map(|_| char::from_u32(next(0x30000) as u32)));
+        }
+        assert_eq!(
+            tok.encode_text(&text).unwrap(),
+            tok.encode_text_uncached(&text).unwrap(),
+            "round {round}: {text:?}"
+        );
+    }
+}
