@@ -17,7 +17,7 @@
 //! and block settings are those of the first such model).
 //!
 //! Concurrency: the registry is immutable after start-up and shared by `Arc`; tokenization is
-//! CPU-bound and is run by callers off the async workers (`spawn_blocking`).
+//! CPU-bound and is run by callers off the async workers (`block_in_place` / `spawn_blocking`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;

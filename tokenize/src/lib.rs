@@ -54,6 +54,9 @@ pub struct TokenizerOptions {
 pub struct ModelTokenizer {
     dir: PathBuf,
     tokenizer: Tokenizer,
+    /// The same `tokenizer.json` in splintr, used for `add_special_tokens=False` encodes when it
+    /// matched `tokenizers` on the check texts at load time ([`FAST_CHECK_TEXTS`]).
+    fast: Option<splintr::AnyTokenizer>,
     config: TokenizerConfig,
     template: Option<ChatTemplate>,
     /// Present when encoding piece by piece is exact for this tokenizer and the cache is on.
@@ -123,7 +126,12 @@ impl ModelTokenizer {
             None => None,
         };
 
-        let mut this = Self { dir: dir.to_owned(), tokenizer, config, template, segments: None, prompt_wrap: None };
+        let fast = splintr::from_json_bytes(&bytes)
+            .map_err(|e| tracing::info!(dir = %dir.display(), error = %e, "splintr cannot load this tokenizer; using tokenizers"))
+            .ok();
+        let mut this =
+            Self { dir: dir.to_owned(), tokenizer, fast, config, template, segments: None, prompt_wrap: None };
+        this.check_fast();
         this.segments = this.build_segments(options.segment_cache);
         this.prompt_wrap = this.learn_prompt_wrap();
         this.check_add_bos_token();
@@ -132,6 +140,7 @@ impl ModelTokenizer {
             vocab = this.tokenizer.get_vocab_size(true),
             chat_template = this.template.is_some(),
             segment_cache = this.segments.is_some(),
+            fast_bpe = this.fast.is_some(),
             "tokenizer loaded"
         );
         Ok(this)
@@ -170,9 +179,31 @@ impl ModelTokenizer {
         Ok(ids)
     }
 
-    /// [`encode_text`](Self::encode_text) without the segment cache: one `tokenizers` call.
+    /// [`encode_text`](Self::encode_text) without the segment cache and without splintr: one
+    /// `tokenizers` call (the reference).
     pub fn encode_text_uncached(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        self.encode_whole(text, false)
+        self.encode_reference(text, false)
+    }
+
+    /// True when `add_special_tokens=False` encodes go through splintr (it matched at load).
+    pub fn fast_bpe(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Keeps splintr only if it gives `tokenizers`' ids on every check text.
+    fn check_fast(&mut self) {
+        let Some(fast) = &self.fast else { return };
+        let mut added: Vec<_> = self.tokenizer.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
+        added.sort();
+        let mut texts: Vec<String> = FAST_CHECK_TEXTS.iter().map(|t| (*t).to_owned()).collect();
+        texts.push(added.concat());
+        texts.push(added.iter().map(|t| format!("x {t}\n y")).collect());
+        let mismatch =
+            texts.iter().find(|t| self.encode_reference(t, false).ok().as_ref() != Some(&fast.encode_raw(t)));
+        if let Some(t) = mismatch {
+            tracing::warn!(dir = %self.dir.display(), text = %t, "splintr differs from tokenizers; using tokenizers");
+            self.fast = None;
+        }
     }
 
     /// Text of token ids (special tokens kept), for the emulator's generated output.
@@ -206,6 +237,14 @@ impl ModelTokenizer {
     }
 
     fn encode_whole(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        if !add_special_tokens && let Some(fast) = &self.fast {
+            return Ok(fast.encode_raw(text));
+        }
+        self.encode_reference(text, add_special_tokens)
+    }
+
+    /// `tokenizers` itself: the reference every other path must equal.
+    fn encode_reference(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         let encoding =
             self.tokenizer.encode_fast(text, add_special_tokens).map_err(|e| TokenizeError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
@@ -241,7 +280,10 @@ impl ModelTokenizer {
         added.sort();
         let a = added.first().map_or("", String::as_str);
         let b = added.last().map_or("", String::as_str);
-        let probe = format!("{a}system\nHello, world!  \n\n{b} x  y\t{a}{b}Grüße 你好 123{a}\n end ");
+        // Long enough to be cut into chunks where the segmenter cuts (segment::CHUNK_BYTES).
+        let long: String =
+            (0..60).map(|i| ["It's 12 cats, ok? ", "word ", "Grüße  x ", "a1 b\n", "don't  stop "][i % 5]).collect();
+        let probe = format!("{a}system\nHello, world!  \n\n{b} x  y\t{a}{b}Grüße 你好 123{a}\n end {long}{long}{a}");
         let whole = self.encode_whole(&probe, false).ok()?;
         let mut pieces = Vec::new();
         let split_ok = segmenter
@@ -293,6 +335,18 @@ impl ModelTokenizer {
         }
     }
 }
+
+/// Texts on which splintr must give `tokenizers`' ids before it is used: contractions, whitespace
+/// runs around newlines and tabs, digits, punctuation, non-Latin scripts, combining marks, emoji.
+const FAST_CHECK_TEXTS: &[&str] = &[
+    "Hello, world! It's 12:30 — don't panic.\n\n  indented\tTAB's  \n \r\n end ",
+    "I'M HERE, you'RE there; we'VE, they'LL, he'D. \t's\n's  'll \n\n    \n x",
+    "fn main() {\n    let x = 1_000_000;\n    return x;\n}\n\n\n",
+    "Grüße, café, naïve, e\u{301}, ñ, ß, ſ; 你好世界，日本語のテキスト。한국어 텍스트. Привет мир! العربية עברית ελληνικά",
+    "emoji 🙂🚀👍🏽 and\u{200b}zero\u{a0}width\u{3000}spaces ｱｲｳ १२३ 123456789 3.14159 1e-9 0x1F",
+    "http://example.com/a?b=c&d=e#f <tag attr=\"v\"> {\"json\": [1, 2, {\"k\": null}]} $$x^2$$ \\n",
+    "   leading and trailing spaces   \n\n\n\t\t\n",
+];
 
 /// Shared handle, as the picker keeps one per model.
 pub type SharedTokenizer = Arc<ModelTokenizer>;

@@ -12,20 +12,41 @@
 //! which look across piece boundaries) and the pre-tokenizer not to depend on a piece's offset
 //! (Metaspace `prepend_scheme: first`). The caller also checks a probe text at load time.
 //!
+//! Long pieces are also cut into chunks of about [`CHUNK_BYTES`] when the pre-tokenizer is one
+//! whose splits are known (see [`Segmenter::new`]): a `/v1/completions` prompt is one piece, and
+//! requests that share a long prefix but end in a new question would otherwise encode it all
+//! again. A cut goes before a space that sits between an ASCII letter or digit and an ASCII letter
+//! (`…word| word…`): with the Qwen2 pre-tokenizer regex a match ends at such a position in the
+//! whole text and in the prefix alone (letter runs and single digits stop at the space; no
+//! alternative matches a letter or digit followed by a space; the only lookahead, `\s+(?!\S)`,
+//! belongs to whitespace runs that end before it; no anchors or lookbehind), ASCII
+//! is unchanged by NFC and composes with nothing across a space, and byte-level BPE works word by
+//! word: so ids(text) = ids(before) ++ ids(after). Cut positions depend only on the text up to
+//! them (the first such position after every [`CHUNK_BYTES`] bytes), so equal prefixes give
+//! equal chunks and hit the cache.
+//!
 //! Concurrency: the cache is split into shards, each a `parking_lot::Mutex` around a small LRU;
 //! a key's shard comes from its hash, locks are held only for a lookup or an insert (never
 //! while encoding), so concurrent misses of the same piece may both encode it (same result).
 //! Bounded by bytes: key length + 4 bytes per id + a fixed overhead per entry.
 
-use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use aho_corasick::{AhoCorasick, MatchKind};
-use hashbrown::HashTable;
+use hashbrown::{DefaultHashBuilder, HashTable};
 use parking_lot::Mutex;
 use tokenizers::Tokenizer;
+
+/// Target size of the chunks a long text piece is cut into, in bytes, when cutting is exact.
+pub const CHUNK_BYTES: usize = 256;
+
+/// Pre-tokenizer regexes for which a cut before `[A-Za-z0-9]| [A-Za-z]` is exact (module docs).
+/// Qwen2 / Qwen2.5 (checked against the fixture and random texts in the tests).
+const CUTTABLE_SPLIT_REGEXES: &[&str] = &[
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+];
 
 /// Finds the added tokens at which the tokenizer splits its input.
 #[derive(Debug)]
@@ -33,6 +54,8 @@ pub struct Segmenter {
     matcher: AhoCorasick,
     /// Token id per pattern index of `matcher`.
     ids: Vec<u32>,
+    /// Text pieces longer than this are cut into chunks (module docs); `None`: never cut.
+    chunk_bytes: Option<usize>,
 }
 
 /// One piece of a text: an added token (its id) or the text between two of them.
@@ -56,10 +79,12 @@ impl Segmenter {
         let has_normalizer = tokenizer.get_normalizer().is_some();
         let mut patterns = Vec::new();
         let mut ids = Vec::new();
+        let mut left_in_pieces = false;
         let mut added: Vec<_> = tokenizer.get_added_tokens_decoder().into_iter().collect();
         added.sort_by_key(|(id, _)| *id);
         for (id, token) in added {
             if token.normalized && has_normalizer {
+                left_in_pieces = true;
                 continue; // matched after normalisation, inside a piece, by the tokenizer itself
             }
             if token.content.is_empty() {
@@ -75,7 +100,21 @@ impl Segmenter {
             .match_kind(MatchKind::LeftmostLongest)
             .build(&patterns)
             .map_err(|e| format!("cannot build the added-token matcher: {e}"))?;
-        Ok(Self { matcher, ids })
+        // A cut must not split an added token that the tokenizer itself matches inside a piece.
+        let chunk_bytes = (!left_in_pieces && cuttable(tokenizer)).then_some(CHUNK_BYTES);
+        Ok(Self { matcher, ids, chunk_bytes })
+    }
+
+    /// The same splitter with chunking set to `chunk_bytes` (tests use small chunks); chunking
+    /// stays off for a tokenizer where it is not exact.
+    pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
+        self.chunk_bytes = self.chunk_bytes.map(|_| chunk_bytes.max(1));
+        self
+    }
+
+    /// True when long pieces are cut into chunks.
+    pub fn chunks(&self) -> bool {
+        self.chunk_bytes.is_some()
     }
 
     /// Calls `f` for each piece of `text` in order; returns early with `f`'s error.
@@ -83,16 +122,60 @@ impl Segmenter {
         let mut last = 0;
         for m in self.matcher.find_iter(text) {
             if m.start() > last {
-                f(Piece::Text(&text[last..m.start()]))?;
+                self.for_each_chunk(&text[last..m.start()], &mut f)?;
             }
             f(Piece::Added(self.ids[m.pattern().as_usize()]))?;
             last = m.end();
         }
         if last < text.len() {
-            f(Piece::Text(&text[last..]))?;
+            self.for_each_chunk(&text[last..], &mut f)?;
         }
         Ok(())
     }
+
+    /// `f` for each chunk of a text piece: cut at the first exact cut position after every
+    /// `chunk_bytes` bytes (module docs), or the piece whole when chunking is off.
+    fn for_each_chunk<'a, E>(&self, text: &'a str, f: &mut impl FnMut(Piece<'a>) -> Result<(), E>) -> Result<(), E> {
+        let Some(chunk) = self.chunk_bytes else { return f(Piece::Text(text)) };
+        let bytes = text.as_bytes();
+        let mut start = 0;
+        while bytes.len() - start > chunk {
+            // A cut at i: bytes[i] is a space, after an ASCII letter/digit, before an ASCII letter.
+            // ASCII bytes never occur inside a multi-byte UTF-8 sequence: i is a char boundary.
+            let Some(i) = (start + chunk..bytes.len() - 1).find(|&i| {
+                bytes[i] == b' ' && bytes[i - 1].is_ascii_alphanumeric() && bytes[i + 1].is_ascii_alphabetic()
+            }) else {
+                break;
+            };
+            f(Piece::Text(&text[start..i]))?;
+            start = i;
+        }
+        f(Piece::Text(&text[start..]))
+    }
+}
+
+/// True when the tokenizer's pipeline is one for which the chunk cuts are exact: no normalizer or
+/// NFC, pre-tokenizer `Sequence[Split(known regex, Isolated), ByteLevel(use_regex: false)]`, a BPE
+/// model without dropout.
+fn cuttable(tokenizer: &Tokenizer) -> bool {
+    let json = |v: Option<serde_json::Value>| v.unwrap_or(serde_json::Value::Null);
+    let normalizer = json(tokenizer.get_normalizer().and_then(|n| serde_json::to_value(n).ok()));
+    let normalizer_ok = normalizer.is_null() || normalizer["type"] == "NFC";
+    let pre = json(tokenizer.get_pre_tokenizer().and_then(|p| serde_json::to_value(p).ok()));
+    let steps = pre["pretokenizers"].as_array();
+    let pre_ok = pre["type"] == "Sequence"
+        && steps.is_some_and(|s| {
+            s.len() == 2
+                && s[0]["type"] == "Split"
+                && s[0]["behavior"] == "Isolated"
+                && s[0]["invert"] == false
+                && s[0]["pattern"]["Regex"].as_str().is_some_and(|r| CUTTABLE_SPLIT_REGEXES.contains(&r))
+                && s[1]["type"] == "ByteLevel"
+                && s[1]["use_regex"] == false
+        });
+    let model = json(serde_json::to_value(tokenizer.get_model()).ok());
+    let model_ok = model["type"] == "BPE" && model["dropout"].is_null();
+    normalizer_ok && pre_ok && model_ok
 }
 
 /// Sizing of a [`SegmentCache`].
@@ -129,7 +212,9 @@ const NIL: usize = usize::MAX;
 #[derive(Debug)]
 pub struct SegmentCache {
     shards: Box<[Mutex<Shard>]>,
-    hasher: RandomState,
+    /// foldhash (randomly seeded): a turn's pieces are hashed on every request, and SipHash over a
+    /// 20 kB conversation cost ~10 µs of a decision.
+    hasher: DefaultHashBuilder,
     hits: AtomicU64,
     misses: AtomicU64,
     evictions: AtomicU64,
@@ -178,7 +263,7 @@ impl SegmentCache {
             .collect();
         Self {
             shards,
-            hasher: RandomState::new(),
+            hasher: DefaultHashBuilder::default(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             evictions: AtomicU64::new(0),

@@ -61,8 +61,9 @@ impl ChatTemplate {
     /// Renders `chat` with `add_generation_prompt = true`, as vLLM's chat endpoint does.
     pub fn render(&self, chat: &ChatRequest) -> Result<String, TokenizeError> {
         let messages = preprocess_messages(&chat.messages)?;
+        let messages: &[serde_json::Value] = messages.as_deref().unwrap_or(&chat.messages);
         let mut ctx: Vec<(&str, Value)> = vec![
-            ("messages", Value::from(Serde(&messages))),
+            ("messages", Value::from(Serde(messages))),
             ("tools", chat.tools.as_ref().map_or(Value::from(()), |t| Value::from(Serde(t)))),
             ("documents", Value::from(())),
             ("add_generation_prompt", Value::from(true)),
@@ -92,13 +93,22 @@ fn describe(e: &Error) -> String {
 
 /// vLLM's `_postprocess_messages`: assistant tool-call arguments given as JSON text become objects
 /// (empty or null ones become `{}`, an empty `tool_calls` list is dropped), so templates see what
-/// transformers' docs require.
-fn preprocess_messages(messages: &[serde_json::Value]) -> Result<Vec<serde_json::Value>, TokenizeError> {
-    let mut out = messages.to_vec();
-    for (i, message) in out.iter_mut().enumerate() {
+/// transformers' docs require. `None` when no message needs a change (the common case: the
+/// messages are rendered as they are, without a deep copy of every turn's text).
+fn preprocess_messages(messages: &[serde_json::Value]) -> Result<Option<Vec<serde_json::Value>>, TokenizeError> {
+    let mut changed = false;
+    for (i, message) in messages.iter().enumerate() {
         let serde_json::Value::Object(obj) = message else {
             return Err(TokenizeError::InvalidRequest(format!("messages[{i}] is not an object")));
         };
+        changed |= obj.get("role").and_then(|r| r.as_str()) == Some("assistant") && obj.contains_key("tool_calls");
+    }
+    if !changed {
+        return Ok(None);
+    }
+    let mut out = messages.to_vec();
+    for (i, message) in out.iter_mut().enumerate() {
+        let serde_json::Value::Object(obj) = message else { continue };
         if obj.get("role").and_then(|r| r.as_str()) != Some("assistant") {
             continue;
         }
@@ -126,7 +136,7 @@ fn preprocess_messages(messages: &[serde_json::Value]) -> Result<Vec<serde_json:
             function.insert("arguments".to_owned(), parsed);
         }
     }
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// Jinja2 prints Python values: `None`, `True`, `['a', 1]`; strings and numbers print as usual.

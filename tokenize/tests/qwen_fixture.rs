@@ -190,3 +190,196 @@ fn errors_name_the_problem() {
     assert!(e.contains("messages[0]"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Chunk cuts (segment module docs) are exact: with 16-byte chunks, so that random texts are cut
+/// at nearly every `x| y` position, piece-by-piece ids equal whole-text ids on random texts of
+/// ASCII words, digits, punctuation, contractions, whitespace runs, newlines and non-ASCII.
+#[test]
+fn chunk_cuts_are_exact_on_random_texts() {
+    use kvroute_tokenize::segment::{Piece, Segmenter};
+    let tok = tokenizers::Tokenizer::from_file(fixture_dir().join("tokenizer.json")).unwrap();
+    let segmenter = Segmenter::new(&tok).unwrap();
+    assert!(segmenter.chunks(), "the Qwen2 pre-tokenizer is cuttable");
+    let segmenter = segmenter.with_chunk_bytes(16);
+    let encode = |s: &str| tok.encode_fast(s, false).unwrap().get_ids().to_vec();
+    let parts = [
+        "the",
+        " the",
+        "The",
+        " cat",
+        "'s",
+        "'T",
+        "'re",
+        " don't",
+        "I'M",
+        " x",
+        "a",
+        "7",
+        " 42",
+        "1234",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        " \n ",
+        "\r\n",
+        ".",
+        ",",
+        "?!",
+        " (",
+        ")",
+        "\"",
+        "-",
+        " é",
+        "é",
+        "Grüße",
+        " 你好",
+        "世界",
+        "🙂",
+        " 🚀",
+        "\u{301}",
+        "\u{a0}",
+        "\u{3000}",
+        "x\u{301}",
+        " ñ",
+        "ſ",
+        "<|im_start|>",
+        "<|im_end|>",
+        "http://a.b/c?d=e",
+        " word",
+        " Word",
+        "z",
+        " Q",
+    ];
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let mut cuts = 0;
+    for round in 0..1500 {
+        let len = 1 + next(120);
+        let text: String = (0..len).map(|_| parts[next(parts.len())]).collect();
+        let mut ids = Vec::new();
+        let mut texts = 0;
+        segmenter
+            .for_each_piece(&text, |p| {
+                match p {
+                    Piece::Added(id) => ids.push(id),
+                    Piece::Text(t) => {
+                        texts += 1;
+                        ids.extend(encode(t));
+                    }
+                }
+                Ok::<_, ()>(())
+            })
+            .unwrap();
+        cuts += texts;
+        assert_eq!(ids, encode(&text), "round {round}: {text:?}");
+    }
+    assert!(cuts > 5000, "the texts were cut often enough to test the cuts ({cuts} pieces)");
+}
+
+/// Completions prompts that share a long prefix re-use its chunks: the second prompt misses only
+/// on its last chunk(s), and its ids equal the uncached ones.
+#[test]
+fn shared_prefix_prompts_reuse_chunks() {
+    let seed = load_json("expected-text.json")["seed_first_2000_chars"]["text"].as_str().unwrap().to_owned();
+    let tok = ModelTokenizer::from_dir(&fixture_dir()).unwrap();
+    let first = format!("{seed} {seed} first question here?");
+    let second = format!("{seed} {seed} another question, please.");
+    assert_eq!(tok.encode_prompt(&first).unwrap(), uncached().encode_prompt(&first).unwrap());
+    let before = tok.cache_stats().unwrap();
+    assert_eq!(tok.encode_prompt(&second).unwrap(), uncached().encode_prompt(&second).unwrap());
+    let after = tok.cache_stats().unwrap();
+    assert!(after.hits - before.hits >= 5, "{before:?} → {after:?}");
+    assert!(after.misses - before.misses <= 2, "{before:?} → {after:?}");
+}
+
+/// splintr (used for `add_special_tokens=False` encodes once it matched at load) gives exactly
+/// `tokenizers`' ids on random texts mixing words, contractions, whitespace runs, newlines, tabs,
+/// digits, punctuation, added tokens, non-Latin scripts, combining marks and emoji.
+#[test]
+fn fast_bpe_equals_tokenizers_on_random_texts() {
+    let tok = uncached();
+    assert!(tok.fast_bpe(), "splintr loads the Qwen2.5 fixture and matches on the check texts");
+    let parts = [
+        "the",
+        " the",
+        "The",
+        " cat",
+        "'s",
+        "'T",
+        "'re",
+        " don't",
+        "I'M",
+        " x",
+        "a",
+        "7",
+        " 42",
+        "123456",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        " \n ",
+        "\r\n",
+        "\r",
+        ".",
+        ",",
+        "?!",
+        " (",
+        ")",
+        "\"",
+        "-",
+        " é",
+        "é",
+        "Grüße",
+        " 你好",
+        "世界",
+        "🙂",
+        " 🚀",
+        "👍🏽",
+        "\u{301}",
+        "\u{200b}",
+        "\u{a0}",
+        "\u{3000}",
+        "x\u{301}",
+        " ñ",
+        "ſ",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "http://a.b/c?d=e",
+        "    return x;",
+        "fn main() {",
+        "한국어",
+        " Привет",
+        "ｱｲ",
+        "१२",
+    ];
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    for round in 0..3000 {
+        let len = 1 + next(150);
+        let mut text: String = (0..len).map(|_| parts[next(parts.len())]).collect();
+        if round % 3 == 0 {
+            // Arbitrary scalar values too.
+            text.extend((0..next(20)).filter_map(|_| char::from_u32(next(0x30000) as u32)));
+        }
+        assert_eq!(
+            tok.encode_text(&text).unwrap(),
+            tok.encode_text_uncached(&text).unwrap(),
+            "round {round}: {text:?}"
+        );
+    }
+}

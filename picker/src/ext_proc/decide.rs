@@ -3,8 +3,8 @@
 //! `Router::route_with`, then the chosen pod is recorded as holding the chain.
 //!
 //! Synchronous and CPU-bound (JSON parse of up to `body_limit_bytes`, tokenization): the stream task
-//! runs it with `spawn_blocking`. Block hashes go into a per-thread scratch buffer reused across
-//! requests. Emits the request's three INFO log lines (received, scored, selected) and the routing
+//! runs it with `block_in_place` (`spawn_blocking` on a current-thread runtime). Block hashes go
+//! into a per-thread scratch buffer reused across requests. Emits the request's three INFO log lines (received, scored, selected) and the routing
 //! metrics.
 
 use std::cell::RefCell;

@@ -1,8 +1,9 @@
 //! Envoy ext_proc server: the picker's request path (SPEC §5, §11).
 //!
-//! One gRPC stream = one HTTP request. Each stream is served by its own task that owns all of the
-//! request's state ([`StreamState`]): path, request id, body being accumulated, the routing
-//! decision's in-flight slot and the usage scanner. Nothing is shared between streams except the
+//! One gRPC stream = one HTTP request. Each stream's response stream (polled by the task that
+//! writes its replies) reads Envoy's messages and owns all of the request's state
+//! ([`StreamState`]): path, request id, body being accumulated, the routing decision's in-flight
+//! slot and the usage scanner. Nothing is shared between streams except the
 //! read-only [`Gateway`] (router, models, metrics).
 //!
 //! Phases (Envoy `processing_mode`: request headers SEND, request body BUFFERED, response headers
@@ -24,7 +25,8 @@ pub mod decide;
 pub mod reply;
 pub mod usage;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
@@ -36,8 +38,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
 use envoy_types::pb::google::protobuf::value::Kind;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use futures::Stream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming};
 
 use crate::Gateway;
@@ -49,9 +50,6 @@ use usage::UsageScanner;
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key of the subset hint: a list (or comma string) of allowed `ip:port`s.
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
-
-/// Responses buffered per stream before the task waits for Envoy to read.
-const RESPONSE_QUEUE: usize = 8;
 
 /// The `ExternalProcessor` gRPC service.
 #[derive(Debug, Clone)]
@@ -76,16 +74,52 @@ impl ExtProcService {
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
     async fn process(
         &self,
         request: GrpcRequest<Streaming<ProcessingRequest>>,
     ) -> Result<GrpcResponse<Self::ProcessStream>, Status> {
-        let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
-        tokio::spawn(run_stream(self.gateway.clone(), inbound, tx));
-        Ok(GrpcResponse::new(ReceiverStream::new(rx)))
+        let stream = ProcessorStream {
+            gateway: self.gateway.clone(),
+            inbound: request.into_inner(),
+            st: StreamState::default(),
+            replies: VecDeque::with_capacity(2),
+        };
+        Ok(GrpcResponse::new(Box::pin(futures::stream::unfold(stream, next_reply))))
+    }
+}
+
+/// One ext_proc stream: its inbound messages, its state and the replies not yet sent.
+///
+/// The response stream itself reads the next message and handles it when tonic asks for the
+/// next reply, on the task that writes the replies: no task of its own and no channel in
+/// between, so each Envoy round trip wakes one task fewer. Envoy ending the stream drops it (and
+/// with it the request's in-flight slot).
+struct ProcessorStream {
+    gateway: Arc<Gateway>,
+    inbound: Streaming<ProcessingRequest>,
+    st: StreamState,
+    replies: VecDeque<ProcessingResponse>,
+}
+
+/// The next reply of a stream, reading and handling messages until one is due; `None` ends it.
+async fn next_reply(mut s: ProcessorStream) -> Option<(Result<ProcessingResponse, Status>, ProcessorStream)> {
+    let mut out = Vec::with_capacity(2);
+    loop {
+        if let Some(r) = s.replies.pop_front() {
+            return Some((Ok(r), s));
+        }
+        let msg = match s.inbound.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return None,
+            Err(status) => {
+                tracing::debug!(request_id = %s.st.request_id, %status, "ext_proc stream ended with an error");
+                return None;
+            }
+        };
+        on_message(&s.gateway, &mut s.st, msg, &mut out).await;
+        s.replies.extend(out.drain(..));
     }
 }
 
@@ -108,51 +142,38 @@ struct StreamState {
     response_status: Option<u16>,
 }
 
-async fn run_stream(
-    gateway: Arc<Gateway>,
-    mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+/// Handles one message from Envoy; the replies it needs (none, one, or a decision and body chunks)
+/// are pushed to `replies` in order.
+async fn on_message(
+    gateway: &Arc<Gateway>,
+    st: &mut StreamState,
+    msg: ProcessingRequest,
+    replies: &mut Vec<ProcessingResponse>,
 ) {
-    let mut st = StreamState::default();
-    let mut replies = Vec::with_capacity(2);
-    'stream: loop {
-        let next = tokio::select! {
-            m = inbound.message() => m,
-            () = tx.closed() => break,
-        };
-        let msg = match next {
-            Ok(Some(m)) => m,
-            Ok(None) => break,
-            Err(status) => {
-                tracing::debug!(request_id = %st.request_id, %status, "ext_proc stream ended with an error");
-                break;
-            }
-        };
-        if let Some(pc) = &msg.protocol_config {
-            st.full_duplex = pc.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
-        }
-        if let Some(md) = &msg.metadata_context
-            && let Some(subset) = subset_hint(md)
-        {
-            st.subset = Some(subset);
-        }
-        match msg.request {
-            Some(Request::RequestHeaders(h)) => on_request_headers(&gateway, &mut st, h, &mut replies).await,
-            Some(Request::RequestBody(b)) => on_request_body(&gateway, &mut st, b, &mut replies).await,
-            Some(Request::RequestTrailers(_)) => on_request_trailers(&gateway, &mut st, &mut replies).await,
-            Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(&mut st, &h)),
-            Some(Request::ResponseBody(b)) => replies.push(on_response_body(&gateway, &mut st, &b)),
-            Some(Request::ResponseTrailers(_)) => replies.push(reply::continue_trailers(false)),
-            None => tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored"),
-        }
-        for r in replies.drain(..) {
-            if tx.send(Ok(r)).await.is_err() {
-                break 'stream;
-            }
-        }
+    if let Some(pc) = &msg.protocol_config {
+        st.full_duplex = pc.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
     }
-    if st.slot.is_some() {
-        tracing::debug!(request_id = %st.request_id, "stream ended before the response did; releasing slot");
+    if let Some(md) = &msg.metadata_context
+        && let Some(subset) = subset_hint(md)
+    {
+        st.subset = Some(subset);
+    }
+    match msg.request {
+        Some(Request::RequestHeaders(h)) => on_request_headers(gateway, st, h, replies).await,
+        Some(Request::RequestBody(b)) => on_request_body(gateway, st, b, replies).await,
+        Some(Request::RequestTrailers(_)) => on_request_trailers(gateway, st, replies).await,
+        Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(st, &h)),
+        Some(Request::ResponseBody(b)) => replies.push(on_response_body(gateway, st, &b)),
+        Some(Request::ResponseTrailers(_)) => replies.push(reply::continue_trailers(false)),
+        None => tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored"),
+    }
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        if self.slot.is_some() {
+            tracing::debug!(request_id = %self.request_id, "stream ended before the response did; releasing slot");
+        }
     }
 }
 
@@ -271,9 +292,16 @@ async fn route(
 /// is recorded).
 type Routed = (String, HashMap<String, String>);
 
-/// Runs [`decide`] off the async workers (parse + tokenize are CPU-bound) inside the request's
-/// `epp.decision` span (child of the request's `traceparent`, if any); gives the body back, with
-/// the trace headers naming that span as the upstream request's parent.
+/// Runs [`decide`] inside the request's `epp.decision` span (child of the request's `traceparent`,
+/// if any); gives the body back, with the trace headers naming that span as the upstream request's
+/// parent.
+///
+/// Parse + tokenize are CPU-bound (milliseconds for a cold 8 MiB body), so they must not stall the
+/// async workers. On the multi-thread runtime the decision runs in place with
+/// [`tokio::task::block_in_place`]: the worker's other tasks move to a fresh worker and this thread
+/// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
+/// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
+/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`.
 async fn decide_blocking(
     gw: &Arc<Gateway>,
     st: &mut StreamState,
@@ -290,20 +318,24 @@ async fn decide_blocking(
         otel.status_code = tracing::field::Empty,
     );
     kvroute_common::telemetry::extract_parent(&span, &st.trace_headers);
+    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+        let input = DecisionInput {
+            request_id: &st.request_id,
+            path: &st.path,
+            body: body.as_deref(),
+            subset: st.subset.as_deref(),
+        };
+        let result = tokio::task::block_in_place(|| decide_in_span(gw, &span, &input));
+        return (body, result);
+    }
     let gw2 = gw.clone();
     let request_id = st.request_id.clone();
     let path = st.path.clone();
     let subset = st.subset.clone();
     let joined = tokio::task::spawn_blocking(move || {
-        let _entered = span.enter();
         let input =
             DecisionInput { request_id: &request_id, path: &path, body: body.as_deref(), subset: subset.as_deref() };
-        let result = decide(&gw2, &input);
-        match &result {
-            Ok(d) => span.record("pod", d.pod.as_str()),
-            Err(_) => span.record("otel.status_code", "ERROR"),
-        };
-        let result = result.map(|d| (d, kvroute_common::telemetry::inject(&span)));
+        let result = decide_in_span(&gw2, &span, &input);
         (body, result)
     })
     .await;
@@ -313,6 +345,21 @@ async fn decide_blocking(
             (None, Err(Rejection { status: 500, kind: "internal_error", message: format!("routing task failed: {e}") }))
         }
     }
+}
+
+/// [`decide`] inside `span`, recording the pod or the error on it; the trace headers name `span`.
+fn decide_in_span(
+    gw: &Gateway,
+    span: &tracing::Span,
+    input: &DecisionInput<'_>,
+) -> Result<(crate::score::Decision, HashMap<String, String>), Rejection> {
+    let _entered = span.enter();
+    let result = decide(gw, input);
+    match &result {
+        Ok(d) => span.record("pod", d.pod.as_str()),
+        Err(_) => span.record("otel.status_code", "ERROR"),
+    };
+    result.map(|d| (d, kvroute_common::telemetry::inject(span)))
 }
 
 /// Keeps the slot of a successful decision and returns its endpoint, or the error reply.
