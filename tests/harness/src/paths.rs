@@ -61,8 +61,32 @@ pub fn work_dir(label: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// A TCP port that was free a moment ago on 127.0.0.1.
+/// Ports handed out by [`free_port`]: below Linux's default ephemeral range (32768–60999).
+const PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A TCP port that was free a moment ago on every interface, for a process started later to bind.
+///
+/// Chosen below the ephemeral range on purpose: a port the kernel picked for `bind(0)` is also a
+/// candidate for the source port of any outgoing connection (clients, Envoy, agents), so between
+/// this check and the real bind another connection could take it (seen as an engine that never
+/// became ready). Ports are taken in turn from a per-process random start, so one process never
+/// hands out a port twice and concurrent test processes rarely meet.
 pub fn free_port() -> Result<u16> {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
+    let span = u32::from(PORTS.end - PORTS.start);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        rand::random_range(0..span),
+        std::sync::atomic::Ordering::Relaxed,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % span;
+        let port = PORTS.start + u16::try_from(k).unwrap_or(0);
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
     Ok(l.local_addr()?.port())
 }
