@@ -32,6 +32,39 @@ const RECLAIM_SPINS: u32 = 64;
 /// Sleep between reclaim attempts after the spins.
 const RECLAIM_NAP: Duration = Duration::from_micros(50);
 
+/// The writer's wait for readers to let go of a copy (designs B and C): [`RECLAIM_SPINS`] yields,
+/// then naps of [`RECLAIM_NAP`], until [`RECLAIM_WAIT`] has passed since the first attempt.
+#[derive(Debug)]
+pub(crate) struct ReclaimWait {
+    start: Instant,
+    attempt: u32,
+}
+
+impl ReclaimWait {
+    pub(crate) fn new() -> Self {
+        ReclaimWait { start: Instant::now(), attempt: 0 }
+    }
+
+    /// Pauses taken so far.
+    pub(crate) fn attempts(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Pauses before the next attempt; false (at once) when [`RECLAIM_WAIT`] is over.
+    pub(crate) fn pause(&mut self) -> bool {
+        self.attempt += 1;
+        if self.attempt <= RECLAIM_SPINS {
+            std::thread::yield_now();
+            true
+        } else if self.start.elapsed() < RECLAIM_WAIT {
+            std::thread::sleep(RECLAIM_NAP);
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// Op-log capacity kept between batches (16 bytes per op).
 pub(crate) const LOG_KEEP_OPS: usize = 1 << 16;
 
@@ -162,8 +195,7 @@ impl DoubleBackend {
     /// Gets exclusive use of `behind` and replays the log onto it; copies the published map when
     /// readers hold `behind` too long.
     fn reclaim(&mut self, mut behind: Arc<DoubleSnapshot>) -> DoubleSnapshot {
-        let start = Instant::now();
-        let mut attempt: u32 = 0;
+        let mut wait = ReclaimWait::new();
         loop {
             match Arc::try_unwrap(behind) {
                 Ok(mut copy) => {
@@ -175,12 +207,7 @@ impl DoubleBackend {
                 }
                 Err(shared) => behind = shared,
             }
-            attempt += 1;
-            if attempt <= RECLAIM_SPINS {
-                std::thread::yield_now();
-            } else if start.elapsed() < RECLAIM_WAIT {
-                std::thread::sleep(RECLAIM_NAP);
-            } else {
+            if !wait.pause() {
                 break;
             }
         }

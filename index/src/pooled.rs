@@ -25,13 +25,12 @@
 //! Readers are exactly B's: `arc-swap` load, no lock; a published snapshot is never mutated.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
 use kvroute_common::BlockHash;
 
-use crate::double::{LOG_KEEP_OPS, LogOp};
+use crate::double::{LOG_KEEP_OPS, LogOp, ReclaimWait};
 use crate::flat::FlatSnapshot;
 use crate::writer::{Backend, Writer};
 use crate::{IndexStats, PodIdx};
@@ -84,17 +83,14 @@ fn replay<S: PoolMap>(copy: &mut S, ops: &[LogOp]) {
 
 /// Most map copies the writer keeps (writable or spare, plus the published one), by default.
 pub const MAX_COPIES: usize = 3;
-/// Longest the writer waits, once the pool is full and every spare is held, before copying.
-pub const RECLAIM_WAIT: Duration = Duration::from_millis(10);
+/// Longest the writer waits, once the pool is full and every spare is held, before copying
+/// (the same wait as design B's).
+pub use crate::double::RECLAIM_WAIT;
 /// A spare lagging the writer by more ops than this is dropped rather than kept up to date
 /// (16 bytes of log per op: 4 MiB). A spare no write needed for that long (a fresher one was
 /// always free, or a reader holds it) is not worth its memory; replaying that many ops costs
 /// about as much as copying a 1M-entry map.
 pub const MAX_LAG_OPS: u64 = 1 << 18;
-/// Yields before the writer starts sleeping between attempts when the pool is full.
-const RECLAIM_SPINS: u32 = 64;
-/// Sleep between attempts after the spins.
-const RECLAIM_NAP: Duration = Duration::from_micros(50);
 
 /// A previously published copy and the absolute log position it reflects.
 #[derive(Debug)]
@@ -157,8 +153,7 @@ impl<const MAX: usize, S: PoolMap> PooledBackend<MAX, S> {
         if self.spares.is_empty() {
             return None;
         }
-        let start = Instant::now();
-        let mut attempt: u32 = 0;
+        let mut wait = ReclaimWait::new();
         loop {
             if let Some(copy) = self.try_take_free() {
                 return Some(copy);
@@ -167,15 +162,10 @@ impl<const MAX: usize, S: PoolMap> PooledBackend<MAX, S> {
                 self.copies += 1;
                 return None;
             }
-            if attempt == 0 {
+            if wait.attempts() == 0 {
                 self.waits += 1;
             }
-            attempt += 1;
-            if attempt <= RECLAIM_SPINS {
-                std::thread::yield_now();
-            } else if start.elapsed() < RECLAIM_WAIT {
-                std::thread::sleep(RECLAIM_NAP);
-            } else {
+            if !wait.pause() {
                 // Let the laggiest held spare go; its readers keep it alive.
                 if let Some(i) = (0..self.spares.len()).min_by_key(|&i| self.spares[i].at) {
                     self.spares.swap_remove(i);
