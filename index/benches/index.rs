@@ -27,7 +27,7 @@ use kvroute_index::{
     Backend, BlockPods, DoubleBackend, DoubleSnapshot, FlatSnapshot, MatchScratch, PodIdx, PoolMap, PooledBackend,
     ShardedBackend, Writer, match_prefix,
 };
-use workload::{CHAIN_BLOCKS, SplitMix, Workload};
+use workload::{CHAIN_BLOCKS, SplitMix, Workload, build};
 
 /// Entries in the lookup/ingest index (SPEC §10: ~1.04M).
 const ENTRIES: usize = 1_040_000;
@@ -82,19 +82,6 @@ impl Naive {
         out.extend(active.iter().map(|p| (*p, chain.len() as u32)));
         out
     }
-}
-
-fn build<B: Backend>(w: &Workload) -> (Arc<ArcSwap<B::Snapshot>>, Writer<B>)
-where
-    B::Snapshot: Default,
-{
-    let published = Arc::new(ArcSwap::from_pointee(B::Snapshot::default()));
-    let mut writer = Writer::<B>::new(published.clone(), usize::MAX);
-    for (pod, chain) in w.stores() {
-        writer.store(pod, chain);
-    }
-    writer.publish();
-    (published, writer)
 }
 
 fn build_naive(w: &Workload) -> Naive {
@@ -199,22 +186,46 @@ fn ingest_round<B: Backend>(writer: &mut Writer<B>, fresh: &[Vec<BlockHash>], i:
     start.elapsed()
 }
 
+/// Runs the `ingest/<id>` benchmark on `writer` (fresh 256-block chains, `BATCH_BLOCKS` events
+/// per batch, one publish each), with two readers walking `w.hit()` on `published` when
+/// `with_readers`. Returns (batches run, lookups the readers did meanwhile).
+fn run_ingest<B: Backend>(
+    c: &mut Criterion,
+    w: &Workload,
+    id: &str,
+    published: &Arc<ArcSwap<B::Snapshot>>,
+    writer: &mut Writer<B>,
+    with_readers: bool,
+) -> (u64, u64)
+where
+    B::Snapshot: BlockPods + Send + Sync + 'static,
+{
+    let mut rng = SplitMix(7);
+    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = if with_readers { readers(published, &w.hit(), &stop) } else { Vec::new() };
+    let mut rounds = 0u64;
+    let mut g = c.benchmark_group("ingest");
+    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
+    g.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            rounds += iters;
+            (0..iters).map(|i| ingest_round(writer, &fresh, i)).sum()
+        })
+    });
+    g.finish();
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    (rounds, reads)
+}
+
 fn ingest_design<B: Backend>(c: &mut Criterion, name: &str, w: &Workload, with_readers: bool)
 where
     B::Snapshot: BlockPods + Default + Send + Sync + 'static,
 {
     let (published, mut writer) = build::<B>(w);
-    let mut rng = SplitMix(7);
-    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
-    let stop = Arc::new(AtomicBool::new(false));
-    let handles = if with_readers { readers(&published, &w.hit(), &stop) } else { Vec::new() };
-    let mut g = c.benchmark_group("ingest");
-    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
     let id = if with_readers { format!("{name}/2_readers") } else { format!("{name}/no_readers") };
-    g.bench_function(id, |b| b.iter_custom(|iters| (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()));
-    g.finish();
-    stop.store(true, Ordering::Relaxed);
-    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let (_, reads) = run_ingest(c, w, &id, &published, &mut writer, with_readers);
     if with_readers {
         println!("ingest/{name}: readers did {reads} lookups meanwhile");
     }
@@ -224,22 +235,7 @@ where
 /// `RECLAIM_WAIT` so the writer had to copy the map.
 fn ingest_double(c: &mut Criterion, w: &Workload, with_readers: bool) {
     let (published, mut writer) = build::<DoubleBackend>(w);
-    let mut rng = SplitMix(7);
-    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
-    let stop = Arc::new(AtomicBool::new(false));
-    let handles = if with_readers { readers(&published, &w.hit(), &stop) } else { Vec::new() };
-    let mut rounds = 0u64;
-    let mut g = c.benchmark_group("ingest");
-    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
-    g.bench_function("double/2_readers", |b| {
-        b.iter_custom(|iters| {
-            rounds += iters;
-            (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()
-        })
-    });
-    g.finish();
-    stop.store(true, Ordering::Relaxed);
-    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let (rounds, reads) = run_ingest(c, w, "double/2_readers", &published, &mut writer, with_readers);
     println!(
         "ingest/double: {} publishes, {} map copies (readers held the old copy > RECLAIM_WAIT), readers did {reads} lookups",
         2 * rounds,
@@ -254,22 +250,7 @@ where
     S: PoolMap + BlockPods + Send + Sync + 'static,
 {
     let (published, mut writer) = build::<PooledBackend<MAX, S>>(w);
-    let mut rng = SplitMix(7);
-    let fresh: Vec<Vec<BlockHash>> = (0..BATCH_BLOCKS / 2 / CHAIN_BLOCKS).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
-    let stop = Arc::new(AtomicBool::new(false));
-    let handles = readers(&published, &w.hit(), &stop);
-    let mut rounds = 0u64;
-    let mut g = c.benchmark_group("ingest");
-    g.throughput(Throughput::Elements(BATCH_BLOCKS as u64));
-    g.bench_function(format!("pooled{MAX}_{layout}/2_readers"), |b| {
-        b.iter_custom(|iters| {
-            rounds += iters;
-            (0..iters).map(|i| ingest_round(&mut writer, &fresh, i)).sum()
-        })
-    });
-    g.finish();
-    stop.store(true, Ordering::Relaxed);
-    let reads: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let (rounds, reads) = run_ingest(c, w, &format!("pooled{MAX}_{layout}/2_readers"), &published, &mut writer, true);
     let b = writer.backend();
     println!(
         "ingest/pooled{MAX}_{layout}: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",

@@ -9,15 +9,13 @@
 mod workload;
 
 use std::alloc::System;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
-use arc_swap::ArcSwap;
 use kvroute_index::{
-    Backend, BlockPods, DoubleBackend, DoubleSnapshot, MatchScratch, PooledBackend, ShardedBackend, Writer,
-    match_prefix,
+    Backend, BlockPods, DoubleBackend, DoubleSnapshot, MatchScratch, PooledBackend, ShardedBackend, match_prefix,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-use workload::{SplitMix, Workload};
+use workload::{SplitMix, Workload, build};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -27,19 +25,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn build<B: Backend>(w: &Workload) -> (Arc<ArcSwap<B::Snapshot>>, Writer<B>)
-where
-    B::Snapshot: Default,
-{
-    let published = Arc::new(ArcSwap::from_pointee(B::Snapshot::default()));
-    let mut writer = Writer::<B>::new(published.clone(), usize::MAX);
-    for (pod, chain) in w.stores() {
-        writer.store(pod, chain);
-    }
-    writer.publish();
-    (published, writer)
 }
 
 /// Lookup rounds (hit, partial, miss each) measured.

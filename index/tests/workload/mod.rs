@@ -4,8 +4,11 @@
 
 #![allow(dead_code)]
 
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
-use kvroute_index::PodIdx;
+use kvroute_index::{Backend, PodIdx, Writer};
 
 /// Pods in the fleet.
 pub const PODS: u16 = 64;
@@ -74,4 +77,18 @@ impl Workload {
     pub fn miss(&self, rng: &mut SplitMix) -> Vec<BlockHash> {
         rng.chain(CHAIN_BLOCKS)
     }
+}
+
+/// An index of design `B` holding every store of `w`, published once (no per-pod cap).
+pub fn build<B: Backend>(w: &Workload) -> (Arc<ArcSwap<B::Snapshot>>, Writer<B>)
+where
+    B::Snapshot: Default,
+{
+    let published = Arc::new(ArcSwap::from_pointee(B::Snapshot::default()));
+    let mut writer = Writer::<B>::new(published.clone(), usize::MAX);
+    for (pod, chain) in w.stores() {
+        writer.store(pod, chain);
+    }
+    writer.publish();
+    (published, writer)
 }
