@@ -252,13 +252,7 @@ fn chunk_cuts_are_exact_on_random_texts() {
         "z",
         " Q",
     ];
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
+    let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
     let mut cuts = 0;
     for round in 0..1500 {
         let len = 1 + next(120);
@@ -362,13 +356,7 @@ fn fast_bpe_equals_tokenizers_on_random_texts() {
         "ｱｲ",
         "१२",
     ];
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
+    let mut next = xorshift(0x2545_F491_4F6C_DD1D);
     for round in 0..3000 {
         let len = 1 + next(150);
         let mut text: String = (0..len).map(|_| parts[next(parts.len())]).collect();
@@ -381,5 +369,15 @@ fn fast_bpe_equals_tokenizers_on_random_texts() {
             tok.encode_text_uncached(&text).unwrap(),
             "round {round}: {text:?}"
         );
+    }
+}
+
+/// A seeded xorshift64 source for the random-text tests: `next(n)` is in `0..n`.
+fn xorshift(mut state: u64) -> impl FnMut(usize) -> usize {
+    move |n| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
     }
 }
