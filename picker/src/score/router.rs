@@ -433,11 +433,7 @@ impl Router {
         let n_custom = self.scorers.len().saturating_sub(BUILTINS);
         let mut choice: Option<usize> = None;
         for (i, (row, f)) in sc.rows.iter().zip(&facts).enumerate() {
-            let mut score = 0.0;
-            for (j, (_, w)) in self.scorers.iter().enumerate() {
-                score += w * sc.columns[j * n + i];
-            }
-            let score = f64::clamp(score, 0.0, 1.0);
+            let score = self.weighted(|j| sc.columns[j * n + i]);
             let factors: [f64; BUILTINS] = std::array::from_fn(|j| sc.columns[j * n + i]);
             sc.custom.extend((0..n_custom).map(|c| sc.columns[(BUILTINS + c) * n + i]));
             sc.scored.push(Scored {
@@ -518,11 +514,18 @@ impl Router {
         pod: &PodFacts<'_>,
         factors: &mut [f64],
     ) -> f64 {
+        for (((scorer, _), prep), slot) in self.scorers.iter().zip(preps).zip(factors.iter_mut()) {
+            *slot = clamp_factor(scorer.score(ctx, prep, pod));
+        }
+        self.weighted(|j| factors.get(j).copied().unwrap_or(0.0))
+    }
+
+    /// S: Σ weight_j · factor(j) over the registered scorers in order, clamped to [0,1]. The one
+    /// place the composite is summed, for the per-pod (`composite`) and the columnar (`route`) paths.
+    fn weighted(&self, factor: impl Fn(usize) -> f64) -> f64 {
         let mut s = 0.0;
-        for (((scorer, w), prep), slot) in self.scorers.iter().zip(preps).zip(factors.iter_mut()) {
-            let v = clamp_factor(scorer.score(ctx, prep, pod));
-            *slot = v;
-            s += w * v;
+        for (j, (_, w)) in self.scorers.iter().enumerate() {
+            s += w * factor(j);
         }
         s.clamp(0.0, 1.0)
     }
