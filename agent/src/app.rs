@@ -1,19 +1,21 @@
-//! The agent's library entry point: builds the per-pod state, starts one KV-event subscriber
-//! thread, one block-flush task and one scrape task per engine, a report ticker, one stream task
-//! per picker and the metrics listener.
+//! The agent's library entry point: builds the per-pod state, starts the KV-event reader thread
+//! (all engines), one scrape task per engine, a report ticker, one stream task per picker and the
+//! metrics listener.
 //!
-//! KV events: the subscriber thread decodes each batch and applies it to the pod's record itself
-//! ([`PodSink`]). The agent's one flush task ticks every `block_flush_ms` while changes keep
-//! coming and sends what every pod applied since the last tick (one delta per pod with changes);
-//! after a tick with nothing new it parks, and the next change (any engine) wakes it. So under
-//! load the tokio side wakes once per window (no per-batch hand-off, no wake-up per batch), and
-//! a change waits at most one window.
+//! KV events: the reader thread reads every engine's batches once per `block_flush_ms` window
+//! (see [`subscriber`]), applies each to its pod's record itself ([`PodSink`]) and, at the end
+//! of the pass, sends what every pod applied as one delta per pod with changes. So a change
+//! waits at most one window and the tokio side is woken once per window by the deltas, with no
+//! per-batch hand-off and no flush timer of its own.
 //!
-//! Concurrency: tasks and subscriber threads share only the [`Hub`] (per-pod mutexes, broadcast
-//! channel) and the metric handles. A pod is written by its engine's subscriber thread (blocks)
-//! and scrape task (stats, model), each under the pod's mutex. Shutdown: a watch channel for
-//! tasks and an atomic flag for the ZMQ threads (they look at it at least every 500 ms); picker streams send
-//! what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
+//! Scrape tasks tick in phase (one shared start), so the tokio timer wakes once per scrape
+//! interval for all engines rather than once per engine.
+//!
+//! Concurrency: tasks and the reader thread share only the [`Hub`] (per-pod mutexes, broadcast
+//! channel) and the metric handles. A pod is written by the reader thread (blocks) and its
+//! engine's scrape task (stats, model), each under the pod's mutex. Shutdown: a watch channel for
+//! tasks and an atomic flag for the ZMQ thread (it looks at it at least every 500 ms); picker
+//! streams send what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
 
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::kv_events::KvMessage;
@@ -27,10 +29,10 @@ use crate::telemetry::{AgentMetrics, pod_label};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 /// Start-up errors.
@@ -131,43 +133,35 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
         }
     });
 
-    let flush = Arc::new(FlushSignal::default());
-    // The flush task holds the only strong `alive`: when it ends (or is aborted with the task
-    // set), the subscriber threads see their sinks closed and exit.
+    // The report ticker holds the only strong `alive`: when it ends (or is aborted with the task
+    // set), the reader thread sees its sinks closed and exits.
     let alive = Arc::new(());
-    // One ZeroMQ context (one I/O thread) for every subscriber.
-    let zmq_ctx = zmq::Context::new();
-    let host_memory = Arc::new(HostMemory::new());
+    let node = Arc::new(NodeSources { gpu, host_memory: HostMemory::new(), first_scrape: tokio::time::Instant::now() });
+    let mut subscriptions = Vec::new();
     for (engine, pod) in config.engines.iter().zip(hub.pods().iter().cloned()) {
         if let Some(kv_events) = &engine.kv_events {
-            let sink = PodSink::new(pod.clone(), flush.clone(), Arc::downgrade(&alive), &metrics);
             let sub_cfg = SubscriberConfig {
                 pod: engine.pod.clone(),
                 kv_events: kv_events.clone(),
                 kv_replay: engine.kv_replay.clone(),
                 replay_timeout: Duration::from_secs(1),
             };
-            subscriber::spawn(zmq_ctx.clone(), sub_cfg, sink, metrics.clone(), stop_threads.clone())
-                .map_err(|source| AgentError::Thread { pod: engine.pod.clone(), source })?;
+            subscriptions.push((sub_cfg, PodSink::new(pod.clone(), Arc::downgrade(&alive), &metrics)));
         }
-        tasks.spawn(scrape_task(
-            engine.clone(),
-            config.clone(),
-            pod,
-            gpu.clone(),
-            metrics.clone(),
-            host_memory.clone(),
-            stop_rx.clone(),
-        ));
+        tasks.spawn(scrape_task(engine.clone(), config.clone(), pod, node.clone(), metrics.clone(), stop_rx.clone()));
     }
-
-    let window = Duration::from_millis(config.block_flush_ms);
-    tasks.spawn(flush_task(hub.clone(), flush, window, alive, stop_rx.clone()));
+    if !subscriptions.is_empty() {
+        // One ZeroMQ context (one I/O thread) and one reader thread for every engine.
+        let window = Duration::from_millis(config.block_flush_ms);
+        subscriber::spawn(zmq::Context::new(), subscriptions, window, metrics.clone(), stop_threads.clone())
+            .map_err(|source| AgentError::Thread { pod: "kv-events".into(), source })?;
+    }
 
     let tick_hub = hub.clone();
     let report_every = Duration::from_millis(config.report_interval_ms);
     let mut tick_stop = stop_rx.clone();
     tasks.spawn(async move {
+        let _alive = alive;
         let mut iv = tokio::time::interval(report_every);
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -190,43 +184,18 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
     Ok(RunningAgent { metrics_addr, hub, metrics, stop_tx, stop_threads, tasks })
 }
 
-/// Flush task parked: the next change must wake it.
-const FLUSH_IDLE: u8 = 0;
-/// Flush task ticking, nothing changed since its last tick.
-const FLUSH_CLEAN: u8 = 1;
-/// Flush task ticking, changes wait for its next tick.
-const FLUSH_DIRTY: u8 = 2;
-
-/// Hand-off from the subscriber threads to the flush task: a state (`FLUSH_*`) and a wake-up,
-/// used only when the task is parked.
-#[derive(Default)]
-struct FlushSignal {
-    state: AtomicU8,
-    notify: Notify,
-}
-
-impl FlushSignal {
-    /// Called after applying changes: marks them pending; wakes the flush task if it is parked.
-    fn changed(&self) {
-        if self.state.swap(FLUSH_DIRTY, Ordering::AcqRel) == FLUSH_IDLE {
-            self.notify.notify_one();
-        }
-    }
-}
-
-/// The agent's [`EventSink`]: applies batches to the pod's record on the subscriber thread and
-/// signals the flush task.
+/// The agent's [`EventSink`]: applies batches to the pod's record on the reader thread and sends
+/// the pod's changes at the end of each read pass.
 struct PodSink {
     pod: Arc<Pod>,
-    flush: Arc<FlushSignal>,
     alive: Weak<()>,
     dropped: prometheus_client::metrics::counter::Counter,
 }
 
 impl PodSink {
-    fn new(pod: Arc<Pod>, flush: Arc<FlushSignal>, alive: Weak<()>, metrics: &AgentMetrics) -> Self {
+    fn new(pod: Arc<Pod>, alive: Weak<()>, metrics: &AgentMetrics) -> Self {
         let dropped = metrics.kv_blocks_dropped.get_or_create(&pod_label(pod.name())).clone();
-        Self { pod, flush, alive, dropped }
+        Self { pod, alive, dropped }
     }
 }
 
@@ -238,13 +207,15 @@ impl EventSink for PodSink {
             self.dropped.inc_by(dropped);
             tracing::debug!(pod = %self.pod.name(), seq = msg.seq, ?out, "blocks dropped");
         }
-        self.flush.changed();
     }
 
     fn reset(&mut self, reason: &str) {
         tracing::warn!(pod = %self.pod.name(), %reason, "clearing pod blocks");
         self.pod.clear_blocks();
-        self.flush.changed();
+    }
+
+    fn flush(&mut self) {
+        self.pod.flush_blocks();
     }
 
     fn is_closed(&self) -> bool {
@@ -252,37 +223,12 @@ impl EventSink for PodSink {
     }
 }
 
-/// Sends block changes once per `window`: parked until a change (any pod), then ticks every
-/// `window`, sending each pod's changes as one delta, until a tick finds nothing new.
-async fn flush_task(
-    hub: Arc<Hub>,
-    flush: Arc<FlushSignal>,
-    window: Duration,
-    _alive: Arc<()>,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            _ = flush.notify.notified() => {}
-            _ = stop.wait_for(|s| *s) => return,
-        }
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(window) => {}
-                _ = stop.wait_for(|s| *s) => return,
-            }
-            // Mark clean before taking the changes: a batch applied from here on is sent at the
-            // next tick (at worst that tick finds it already sent and sends nothing).
-            if flush.state.swap(FLUSH_CLEAN, Ordering::AcqRel) == FLUSH_DIRTY {
-                for pod in hub.pods() {
-                    pod.flush_blocks();
-                }
-            } else if flush.state.compare_exchange(FLUSH_CLEAN, FLUSH_IDLE, Ordering::AcqRel, Ordering::Acquire).is_ok()
-            {
-                break;
-            }
-        }
-    }
+/// What every engine's scrape task reads from the node.
+struct NodeSources {
+    gpu: Arc<dyn GpuSource>,
+    host_memory: HostMemory,
+    /// First tick of every scrape task (they tick in phase).
+    first_scrape: tokio::time::Instant,
 }
 
 /// The host's memory use, read at most once per `max_age` for all engines (one host: reading
@@ -325,15 +271,16 @@ async fn scrape_task(
     engine: EngineConfig,
     config: AgentConfig,
     pod: Arc<Pod>,
-    gpu: Arc<dyn GpuSource>,
+    node: Arc<NodeSources>,
     metrics: Arc<AgentMetrics>,
-    host_memory: Arc<HostMemory>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let NodeSources { gpu, host_memory, first_scrape } = &*node;
     let labels = pod_label(&engine.pod);
     let probe_timeout = Duration::from_millis(config.probe_timeout_ms);
     let client = EngineClient::new(&engine.endpoint, probe_timeout);
-    let mut scrape = tokio::time::interval(Duration::from_millis(config.scrape_interval_ms));
+    // Every engine's task ticks from the same start: one timer wake-up per interval for all.
+    let mut scrape = tokio::time::interval_at(*first_scrape, Duration::from_millis(config.scrape_interval_ms));
     scrape.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let probe_every = Duration::from_millis(config.probe_interval_ms);
     let mut last_probe: Option<Instant> = None;
@@ -443,24 +390,139 @@ fn scrape_err(metrics: &AgentMetrics, labels: &crate::telemetry::Labels, pod: &s
 
 #[cfg(test)]
 mod tests {
-    //! The subscriber-thread sink and the flush task: batches of several pods applied inside one
-    //! window go out as one delta per pod, after one wake-up; a closed flush task closes the sinks.
+    //! The reader thread with the agent's sink, over real ZeroMQ sockets: batches of several pods
+    //! published inside one window go out as one delta per pod; a gap that cannot be replayed
+    //! clears the pod; the thread exits once the sinks are closed.
     use super::*;
-    use crate::engine::kv_events::decode_message;
 
     const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
-    fn message(n: usize) -> KvMessage {
+    /// The three frames (topic, seq, payload) of fixture batch `n` (seq = n).
+    fn frames(n: usize) -> Vec<Vec<u8>> {
         let dir = format!("{}/../tests/fixtures/vllm-kv-events/v0.33", env!("CARGO_MANIFEST_DIR"));
-        let frames: Vec<Vec<u8>> = ["topic", "seq", "msgpack"]
+        ["topic", "seq", "msgpack"]
             .iter()
             .map(|e| std::fs::read(format!("{dir}/batch-{n}.{e}")).expect("fixture"))
-            .collect();
-        decode_message(&frames).expect("decodes")
+            .collect()
     }
 
     fn info(pod: &str) -> PodInfo {
         PodInfo { pod: pod.into(), model: MODEL.into(), block_size: 16, ..Default::default() }
+    }
+
+    /// An engine's publisher: XPUB (a PUB that also reports subscriptions) on a free port.
+    struct Publisher {
+        socket: zmq::Socket,
+        endpoint: String,
+    }
+
+    impl Publisher {
+        fn new(ctx: &zmq::Context) -> Self {
+            let socket = ctx.socket(zmq::XPUB).expect("xpub");
+            socket.set_rcvtimeo(10_000).expect("rcvtimeo");
+            socket.bind("tcp://127.0.0.1:*").expect("bind");
+            let endpoint = socket.get_last_endpoint().expect("endpoint").expect("utf-8");
+            Self { socket, endpoint }
+        }
+
+        /// Blocks until a subscriber has subscribed (so nothing published after is lost).
+        fn wait_subscriber(&self) {
+            self.socket.recv_bytes(0).expect("a subscription within 10 s");
+        }
+
+        fn publish(&self, n: usize) {
+            self.socket.send_multipart(frames(n), 0).expect("publish");
+        }
+    }
+
+    /// Starts the reader on one publisher per pod of `hub`; returns the thread, the publishers,
+    /// the strong `alive` of the sinks and the stop flag.
+    fn start_reader(
+        hub: &Hub,
+        window: Duration,
+    ) -> (std::thread::JoinHandle<()>, Vec<Publisher>, Arc<()>, Arc<AtomicBool>) {
+        let ctx = zmq::Context::new();
+        let metrics = AgentMetrics::new();
+        let alive = Arc::new(());
+        let publishers: Vec<Publisher> = hub.pods().iter().map(|_| Publisher::new(&ctx)).collect();
+        let subscriptions = hub
+            .pods()
+            .iter()
+            .zip(&publishers)
+            .map(|(pod, p)| {
+                let cfg = SubscriberConfig {
+                    pod: pod.name().into(),
+                    kv_events: p.endpoint.clone(),
+                    kv_replay: None,
+                    replay_timeout: Duration::from_secs(1),
+                };
+                (cfg, PodSink::new(pod.clone(), Arc::downgrade(&alive), &metrics))
+            })
+            .collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = subscriber::spawn(ctx, subscriptions, window, metrics, stop.clone()).expect("reader thread");
+        for p in &publishers {
+            p.wait_subscriber();
+        }
+        (reader, publishers, alive, stop)
+    }
+
+    async fn next_delta(
+        deltas: &mut tokio::sync::broadcast::Receiver<Arc<crate::report::hub::Outgoing>>,
+    ) -> kvroute_proto::agent::v1::PodDelta {
+        let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
+        o.delta.clone()
+    }
+
+    #[tokio::test]
+    async fn one_window_sends_one_delta_per_pod_with_every_batch() {
+        let hub = Hub::new(vec![info("a"), info("b")], 64);
+        let mut deltas = hub.subscribe();
+        let (reader, publishers, alive, _stop) = start_reader(&hub, Duration::from_millis(200));
+        // Both pods' engines publish two batches, well inside one 200 ms window.
+        for p in &publishers {
+            p.publish(0);
+            p.publish(1);
+        }
+        let got = [next_delta(&mut deltas).await, next_delta(&mut deltas).await];
+        let mut pods: Vec<&str> = got.iter().map(|d| d.pod.as_str()).collect();
+        pods.sort_unstable();
+        assert_eq!(pods, ["a", "b"]);
+        for d in &got {
+            let blocks = d.blocks.as_ref().expect("block changes");
+            let stored: usize = blocks.stored.iter().map(|r| r.hashes.len()).sum();
+            // Batch 0 stores A's 3 blocks, batch 1 B's 2 new ones: both in the one delta.
+            assert_eq!((d.seq, stored), (1, 5), "{d:?}");
+        }
+        // Nothing else in that window.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(deltas.try_recv().is_err());
+        // A later batch opens a new window.
+        publishers[0].publish(2);
+        let d = next_delta(&mut deltas).await;
+        assert_eq!((d.pod.as_str(), d.seq), ("a", 2));
+        assert_eq!(d.blocks.as_ref().map(|b| b.removed.len()), Some(1));
+        // The sinks closed (the agent's tasks gone), the thread exits.
+        drop(alive);
+        tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
+    }
+
+    #[tokio::test]
+    async fn a_gap_without_replay_clears_the_pod_and_stop_ends_the_reader() {
+        let hub = Hub::new(vec![info("a")], 64);
+        let mut deltas = hub.subscribe();
+        let (reader, publishers, _alive, stop) = start_reader(&hub, Duration::from_millis(20));
+        publishers[0].publish(0);
+        let d = next_delta(&mut deltas).await;
+        assert!(!d.blocks.as_ref().expect("blocks").cleared, "{d:?}");
+        // seq 1 lost, no replay endpoint: the record is cleared (under-claim), then batch 2
+        // applies to the empty record.
+        publishers[0].publish(2);
+        let d = next_delta(&mut deltas).await;
+        assert!(d.blocks.as_ref().expect("blocks").cleared, "{d:?}");
+        assert_eq!(hub.pods()[0].snapshot().blocks.iter().map(|r| r.hashes.len()).sum::<usize>(), 0);
+        stop.store(true, Ordering::Relaxed);
+        tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
     }
 
     #[test]
@@ -475,62 +537,5 @@ mod tests {
         // Past max_age (zero): a fresh reading.
         host.used(Duration::ZERO);
         assert_ne!(host.state.lock().1.map(|(t, _)| t), at);
-    }
-
-    #[tokio::test]
-    async fn one_window_sends_one_delta_per_pod_with_every_batch() {
-        let hub = Hub::new(vec![info("a"), info("b")], 64);
-        let mut deltas = hub.subscribe();
-        let metrics = AgentMetrics::new();
-        let flush = Arc::new(FlushSignal::default());
-        let alive = Arc::new(());
-        let sinks: Vec<PodSink> = hub
-            .pods()
-            .iter()
-            .map(|p| PodSink::new(p.clone(), flush.clone(), Arc::downgrade(&alive), &metrics))
-            .collect();
-        let (_stop_tx, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(flush_task(hub.clone(), flush.clone(), Duration::from_millis(200), alive, stop_rx));
-        // Both pods get two batches from their own threads, well inside one 200 ms window.
-        let threads: Vec<_> = sinks
-            .into_iter()
-            .map(|mut sink| {
-                std::thread::spawn(move || {
-                    sink.batch(message(0));
-                    sink.batch(message(1));
-                    sink
-                })
-            })
-            .collect();
-        let sinks: Vec<PodSink> = threads.into_iter().map(|t| t.join().expect("sink thread")).collect();
-        let mut got = Vec::new();
-        for _ in 0..2 {
-            let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
-            got.push(o);
-        }
-        let mut pods: Vec<&str> = got.iter().map(|o| o.delta.pod.as_str()).collect();
-        pods.sort_unstable();
-        assert_eq!(pods, ["a", "b"]);
-        for o in &got {
-            let blocks = o.delta.blocks.as_ref().expect("block changes");
-            let stored: usize = blocks.stored.iter().map(|r| r.hashes.len()).sum();
-            // Batch 0 stores A's 3 blocks, batch 1 B's 2 new ones: both in the one delta.
-            assert_eq!((o.delta.seq, stored), (1, 5), "{:?}", o.delta);
-        }
-        // Nothing else in that window; the next tick finds nothing new and parks the task.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(deltas.try_recv().is_err());
-        assert_eq!(flush.state.load(Ordering::Acquire), FLUSH_IDLE);
-        // A later batch opens a new window.
-        let mut sinks = sinks;
-        sinks[0].batch(message(2));
-        let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
-        assert_eq!((o.delta.pod.as_str(), o.delta.seq), ("a", 2));
-        assert_eq!(o.delta.blocks.as_ref().map(|b| b.removed.len()), Some(1));
-        // The flush task gone, the sinks report closed (their subscriber threads then exit).
-        assert!(!sinks[0].is_closed());
-        task.abort();
-        let _ = task.await;
-        assert!(sinks.iter().all(PodSink::is_closed));
     }
 }

@@ -1,48 +1,56 @@
-//! The KV-event subscriber: one std thread per engine (the `zmq` crate is blocking) with a SUB
-//! socket on the engine's PUB endpoint, handing decoded batches, in seq order, to an
-//! [`EventSink`] on that same thread.
+//! The KV-event reader: ONE std thread for all of an agent's engines (the `zmq` crate is
+//! blocking), a SUB socket per engine on its PUB endpoint, handing decoded batches, in seq order,
+//! to each engine's [`EventSink`] on that thread, then asking the sinks to send what changed.
 //!
-//! Why on this thread (issue 5): handing every batch to a tokio task cost a thread wake-up and
-//! context switch per batch (~20 % of the agent's CPU at ~177 batches/s). The agent's sink applies
-//! the batch to the pod's record right here, under the pod's mutex, and wakes the tokio side at
-//! most once per flush window to send the coalesced changes.
+//! Read passes (issue 5): when idle, the thread waits in `zmq::poll` for any engine's first batch.
+//! Then it works in passes one coalescing window (`block_flush_ms`, SPEC §7) apart: sleep the
+//! window, read every batch that queued up meanwhile on every socket, end the pass with
+//! [`EventSink::flush`] on the engines that got batches; it goes back to `poll` after a pass that
+//! found nothing. Under load that is one wake-up per window for the whole node, instead of one
+//! per batch per engine thread plus a flush timer on the tokio side (8 threads × ~35 wake-ups/s
+//! at ~300 batches/s), and no `poll` between passes (libzmq's poll asks every socket for its
+//! state, one system call each). A batch waits at most one window, as before. libzmq queues the
+//! batches in the meantime (default high-water mark 1 000 messages per socket).
 //!
-//! Sequence handling (SPEC §7): the thread remembers the last seq it forwarded. On start, and on
-//! a gap, it asks the engine's ROUTER replay endpoint (DEALER socket, `["", start_seq as u64 BE]`)
-//! for the missing batches, reading replies until the end marker or a 1 s timeout, and drops
-//! duplicates by seq. If replay cannot fill a gap, or seq goes backwards (engine restart), it
-//! sends [`SubscriberEvent::Reset`] so the pod's record is cleared and rebuilt from new events
-//! (under-claim rather than over-claim).
+//! Sequence handling (SPEC §7), per engine: the thread remembers the last seq it forwarded. On
+//! start, and on a gap, it asks the engine's ROUTER replay endpoint (DEALER socket,
+//! `["", start_seq as u64 BE]`) for the missing batches, reading replies until the end marker or
+//! the replay timeout, and drops duplicates by seq. The start-up replays of all engines run at
+//! once (one deadline, not one per engine). If replay cannot fill a gap, or seq goes backwards
+//! (engine restart), the sink gets [`EventSink::reset`] so the pod's record is cleared and rebuilt
+//! from new events (under-claim rather than over-claim). While a gap replay runs (milliseconds
+//! from a live engine, at most the replay timeout from a dead one) the other engines' batches
+//! wait in their sockets.
 //!
 //! Engine restarts whose new sequence does not visibly go back (the old engine had sent few
 //! batches, or the new one sent several before the SUB reconnected, so the first seq seen looks
-//! like a gap or even the next one) are caught by a ZeroMQ socket monitor: when the SUB
-//! reconnects after a disconnect, the publisher may be a new process, so the thread sends
-//! [`SubscriberEvent::Reset`] and rebuilds from the engine's replay history (seq ≥ 0). A network
-//! blip to the same engine costs the same clear-and-replay: never wrong, at worst under-claiming
-//! blocks older than the replay buffer.
+//! like a gap or even the next one) are caught by a ZeroMQ socket monitor per SUB: when it
+//! reconnects after a disconnect, the publisher may be a new process, so the engine is reset and
+//! rebuilt from its replay history (seq ≥ 0). A network blip to the same engine costs the same
+//! clear-and-replay: never wrong, at worst under-claiming blocks older than the replay buffer.
 //!
-//! All subscribers of an agent share one ZeroMQ context (one libzmq I/O thread and one reaper
-//! for every engine, instead of two threads per engine); each has its own monitor endpoint.
-//!
+//! All sockets share one ZeroMQ context (one libzmq I/O thread and one reaper for the node).
 //! `connect()` returns at once even when the engine is not up; libzmq reconnects by itself
-//! (0.2–0.3 s after a publisher restart). The thread exits when the sink reports itself closed or
-//! `stop` is set (looked at on every message, and every [`IDLE_WAKE_MS`] when idle).
+//! (0.2–0.3 s after a publisher restart). The thread exits when every sink reports itself closed
+//! or `stop` is set (looked at on every pass, and every [`IDLE_WAKE_MS`] when idle).
 
 use super::kv_events::{KvMessage, ReplayFrame, decode_message, decode_replay};
 use crate::telemetry::{AgentMetrics, pod_label};
+use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Receives what the subscriber thread decodes, in seq order, on the subscriber's own thread
-/// (so implementations must not block for long: the SUB socket is not read meanwhile).
+/// Receives what the reader thread decodes for one engine, in seq order, on the reader thread
+/// (so implementations must not block for long: no socket is read meanwhile).
 pub trait EventSink: Send + 'static {
     /// A batch, in seq order (duplicates already dropped).
     fn batch(&mut self, msg: KvMessage);
     /// Events were lost beyond replay or the engine restarted: clear the pod's record.
     fn reset(&mut self, reason: &str);
-    /// True when nobody consumes the events any more: the thread then exits.
+    /// End of a read pass that handed this sink batches or a reset: send what they changed.
+    fn flush(&mut self);
+    /// True when nobody consumes the events any more: the thread exits once every sink is.
     fn is_closed(&self) -> bool;
 }
 
@@ -59,7 +67,7 @@ pub struct SubscriberConfig {
     pub replay_timeout: Duration,
 }
 
-/// Errors that stop a subscriber thread.
+/// Errors that stop the reader thread.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SubscriberError {
@@ -75,17 +83,25 @@ pub enum SubscriberError {
     },
 }
 
-/// Starts the subscriber thread.
+/// Starts the reader thread for `engines` (each: where to read, where its batches go), reading
+/// in passes at most one `window` apart (see the module docs).
 pub fn spawn<S: EventSink>(
     ctx: zmq::Context,
-    cfg: SubscriberConfig,
-    mut sink: S,
+    engines: Vec<(SubscriberConfig, S)>,
+    window: Duration,
     metrics: Arc<AgentMetrics>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new().name(format!("kv-sub-{}", cfg.pod)).spawn(move || {
-        if let Err(e) = run(&ctx, &cfg, &mut sink, &metrics, &stop) {
-            tracing::error!(pod = %cfg.pod, error = %e, "KV-event subscriber stopped");
+    std::thread::Builder::new().name("kv-events".into()).spawn(move || {
+        let mut reader = Reader { ctx, engines: Vec::with_capacity(engines.len()), window, parts: Vec::new() };
+        for (cfg, sink) in engines {
+            match Engine::open(&reader.ctx, cfg, sink, &metrics) {
+                Ok(e) => reader.engines.push(e),
+                Err(e) => tracing::error!(error = %e, "KV-event subscriber not started"),
+            }
+        }
+        if let Err(e) = reader.run(&stop) {
+            tracing::error!(error = %e, "KV-event reader stopped");
         }
     })
 }
@@ -94,111 +110,265 @@ fn zerr<'a>(what: &'static str, endpoint: &'a str) -> impl FnOnce(zmq::Error) ->
     move |source| SubscriberError::Zmq { what, endpoint: endpoint.to_string(), source }
 }
 
-fn run(
-    ctx: &zmq::Context,
-    cfg: &SubscriberConfig,
-    tx: &mut dyn EventSink,
-    metrics: &AgentMetrics,
-    stop: &AtomicBool,
-) -> Result<(), SubscriberError> {
-    let monitor_endpoint = format!("inproc://kv-sub-monitor-{}", MONITOR_IDS.fetch_add(1, Ordering::Relaxed));
-    let monitor_endpoint = monitor_endpoint.as_str();
-    let sub = ctx.socket(zmq::SUB).map_err(zerr("socket", &cfg.kv_events))?;
-    sub.set_subscribe(b"").map_err(zerr("subscribe", &cfg.kv_events))?;
-    sub.set_rcvtimeo(IDLE_WAKE_MS).map_err(zerr("rcvtimeo", &cfg.kv_events))?;
-    sub.set_linger(0).map_err(zerr("linger", &cfg.kv_events))?;
-    // Monitor before connect, so the first CONNECTED is seen too.
-    let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
-    sub.monitor(monitor_endpoint, i32::from(events)).map_err(zerr("monitor", &cfg.kv_events))?;
-    let monitor = ctx.socket(zmq::PAIR).map_err(zerr("socket", monitor_endpoint))?;
-    monitor.set_linger(0).map_err(zerr("linger", monitor_endpoint))?;
-    monitor.connect(monitor_endpoint).map_err(zerr("connect", monitor_endpoint))?;
-    sub.connect(&cfg.kv_events).map_err(zerr("connect", &cfg.kv_events))?;
-    let labels = pod_label(&cfg.pod);
+/// How long the thread waits in `poll` before it looks at `stop` again (ms): the only wake-up of
+/// an idle node (issue 5: at 100 ms per engine thread, 8 engines cost 80 wake-ups/s doing
+/// nothing); a batch or a monitor event wakes it at once.
+const IDLE_WAKE_MS: i64 = 500;
+
+/// Most batches read from one engine in one pass, so an engine that publishes faster than the
+/// thread decodes cannot starve the others (the rest wait for the next pass).
+const MAX_BATCHES_PER_PASS: usize = 4096;
+
+/// One engine's sockets, sink and sequence state.
+struct Engine<S> {
+    cfg: SubscriberConfig,
+    sink: S,
+    sub: zmq::Socket,
+    monitor: zmq::Socket,
+    link: LinkState,
+    st: SeqState,
+    /// Got batches or a reset in this pass: flush at its end.
+    dirty: bool,
     // Hot-path counters resolved once (a family lookup hashes the labels under a lock).
-    let received_ctr = metrics.kv_events_received.get_or_create(&labels).clone();
-    let malformed_ctr = metrics.kv_events_malformed.get_or_create(&labels).clone();
-    let mut st = SeqState { last: None, dup_upto: None };
-    let mut link = LinkState::default();
-    // History the engine still buffers (we may have started after it).
-    if !replay_all(ctx, cfg, tx, metrics, &mut st) {
-        return Ok(());
+    received: Counter,
+    malformed: Counter,
+    replayed: Counter,
+    resyncs: Counter,
+}
+
+impl<S: EventSink> Engine<S> {
+    fn open(
+        ctx: &zmq::Context,
+        cfg: SubscriberConfig,
+        sink: S,
+        metrics: &AgentMetrics,
+    ) -> Result<Self, SubscriberError> {
+        let monitor_endpoint = format!("inproc://kv-sub-monitor-{}", MONITOR_IDS.fetch_add(1, Ordering::Relaxed));
+        let monitor_endpoint = monitor_endpoint.as_str();
+        let ep = cfg.kv_events.as_str();
+        let sub = ctx.socket(zmq::SUB).map_err(zerr("socket", ep))?;
+        sub.set_subscribe(b"").map_err(zerr("subscribe", ep))?;
+        sub.set_linger(0).map_err(zerr("linger", ep))?;
+        // Monitor before connect, so the first CONNECTED is seen too.
+        let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
+        sub.monitor(monitor_endpoint, i32::from(events)).map_err(zerr("monitor", ep))?;
+        let monitor = ctx.socket(zmq::PAIR).map_err(zerr("socket", monitor_endpoint))?;
+        monitor.set_linger(0).map_err(zerr("linger", monitor_endpoint))?;
+        monitor.connect(monitor_endpoint).map_err(zerr("connect", monitor_endpoint))?;
+        sub.connect(ep).map_err(zerr("connect", ep))?;
+        let labels = pod_label(&cfg.pod);
+        Ok(Self {
+            received: metrics.kv_events_received.get_or_create(&labels).clone(),
+            malformed: metrics.kv_events_malformed.get_or_create(&labels).clone(),
+            replayed: metrics.kv_events_replayed.get_or_create(&labels).clone(),
+            resyncs: metrics.kv_resyncs.get_or_create(&labels).clone(),
+            cfg,
+            sink,
+            sub,
+            monitor,
+            link: LinkState::default(),
+            st: SeqState { last: None, dup_upto: None },
+            dirty: false,
+        })
     }
-    // Frames of the current message, reused: no allocation or copy per frame on our side.
-    let mut parts: Vec<zmq::Message> = Vec::new();
-    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
-        let received = recv_parts(&sub, &mut parts);
-        if link.poll(&monitor) {
-            tracing::warn!(pod = %cfg.pod, "KV-event publisher reconnected (engine may have restarted): clearing, replaying");
-            metrics.kv_resyncs.get_or_create(&labels).inc();
-            tx.reset("publisher reconnected");
-            st.last = None;
-            if !replay_all(ctx, cfg, tx, metrics, &mut st) {
-                return Ok(());
-            }
+
+    /// Hands `m` to the sink unless it is a duplicate.
+    fn forward(&mut self, m: KvMessage) {
+        if self.st.last.is_some_and(|l| m.seq <= l) {
+            return;
         }
-        let frames = match received {
-            Ok(n) => parts.get(..n).unwrap_or_default(),
-            Err(zmq::Error::EAGAIN) => continue,
-            Err(zmq::Error::ETERM) => return Ok(()),
-            Err(e) => return Err(zerr("recv", &cfg.kv_events)(e)),
-        };
+        self.st.last = Some(m.seq);
+        self.dirty = true;
+        self.sink.batch(m);
+    }
+
+    fn reset(&mut self, reason: &str) {
+        self.resyncs.inc();
+        self.sink.reset(reason);
+        self.st.last = None;
+        self.dirty = true;
+    }
+
+    /// Forwards a whole replay history (seq ≥ 0) and marks it, so the live copies of those
+    /// batches are dropped as duplicates rather than taken for a restart.
+    fn forward_history(&mut self, history: Vec<KvMessage>) {
+        for m in history {
+            self.replayed.inc();
+            self.forward(m);
+        }
+        self.st.dup_upto = self.st.last;
+    }
+
+    /// One live message: decode, drop duplicates, detect restarts and gaps (replaying these),
+    /// forward.
+    fn handle(&mut self, ctx: &zmq::Context, frames: &[zmq::Message]) {
         let msg = match decode_message(frames) {
             Ok(m) => m,
             Err(e) => {
-                malformed_ctr.inc();
-                tracing::warn!(pod = %cfg.pod, error = %e, "malformed KV-event message skipped");
-                continue;
+                self.malformed.inc();
+                tracing::warn!(pod = %self.cfg.pod, error = %e, "malformed KV-event message skipped");
+                return;
             }
         };
-        received_ctr.inc();
+        self.received.inc();
         // Live batches that a replay already delivered are duplicates, not an engine restart.
-        if let Some(upto) = st.dup_upto {
+        if let Some(upto) = self.st.dup_upto {
             if msg.seq <= upto {
-                continue;
+                return;
             }
-            st.dup_upto = None;
+            self.st.dup_upto = None;
         }
-        match st.last {
+        match self.st.last {
             Some(last) if msg.seq <= last => {
-                tracing::warn!(pod = %cfg.pod, last, seq = msg.seq, "KV-event seq went back: engine restart, clearing");
-                metrics.kv_resyncs.get_or_create(&labels).inc();
-                tx.reset("seq went back");
-                st.last = None;
+                tracing::warn!(pod = %self.cfg.pod, last, seq = msg.seq, "KV-event seq went back: engine restart, clearing");
+                self.reset("seq went back");
             }
             Some(last) if msg.seq > last + 1 => {
                 let from = last + 1;
-                let got = replay(ctx, cfg, from).unwrap_or_default();
+                let got = replay(ctx, &[(&self.cfg, from)]).pop().flatten().unwrap_or_default();
                 let filled: Vec<KvMessage> = got.into_iter().filter(|m| m.seq >= from && m.seq < msg.seq).collect();
                 let contiguous = filled.iter().enumerate().all(|(i, m)| m.seq == from + i as u64)
                     && filled.len() as u64 == msg.seq - from;
                 if contiguous {
-                    tracing::info!(pod = %cfg.pod, from, to = msg.seq - 1, "KV-event gap filled by replay");
+                    tracing::info!(pod = %self.cfg.pod, from, to = msg.seq - 1, "KV-event gap filled by replay");
                     for m in filled {
-                        metrics.kv_events_replayed.get_or_create(&labels).inc();
-                        forward(tx, &mut st, m);
+                        self.replayed.inc();
+                        self.forward(m);
                     }
                 } else {
-                    tracing::warn!(pod = %cfg.pod, from, to = msg.seq - 1, "KV-event gap not replayable, clearing");
-                    metrics.kv_resyncs.get_or_create(&labels).inc();
-                    tx.reset("gap beyond replay");
+                    tracing::warn!(pod = %self.cfg.pod, from, to = msg.seq - 1, "KV-event gap not replayable, clearing");
+                    self.reset("gap beyond replay");
                 }
             }
             _ => {}
         }
-        forward(tx, &mut st, msg);
+        self.forward(msg);
     }
-    Ok(())
 }
 
-/// How long a SUB read waits for a message before the thread looks at `stop` and the monitor
-/// again (ms). Every engine's thread wakes this often when its engine is idle (issue 5: at
-/// 100 ms, 8 engines cost 80 wake-ups/s doing nothing); a batch that arrives wakes it at once,
-/// and a reconnect is noticed at the next batch or wake.
-const IDLE_WAKE_MS: i32 = 500;
+/// The reader thread's state.
+struct Reader<S> {
+    ctx: zmq::Context,
+    engines: Vec<Engine<S>>,
+    window: Duration,
+    /// Frames of the current message, reused: no allocation or copy per frame on our side.
+    parts: Vec<zmq::Message>,
+}
 
-/// Receives one multipart message into `parts` (grown as needed, messages reused); returns
-/// its frame count.
+impl<S: EventSink> Reader<S> {
+    fn run(&mut self, stop: &AtomicBool) -> Result<(), SubscriberError> {
+        // History the engines still buffer (we may have started after them), all at once.
+        let all: Vec<usize> = (0..self.engines.len()).collect();
+        self.replay_histories(&all);
+        self.flush();
+        let running =
+            |engines: &[Engine<S>]| !stop.load(Ordering::Relaxed) && !engines.iter().all(|e| e.sink.is_closed());
+        while running(&self.engines) {
+            // Idle: wait for any engine's first batch.
+            let ready = {
+                let mut items: Vec<zmq::PollItem<'_>> =
+                    self.engines.iter().map(|e| e.sub.as_poll_item(zmq::POLLIN)).collect();
+                match zmq::poll(&mut items, IDLE_WAKE_MS) {
+                    Ok(n) => n,
+                    Err(zmq::Error::ETERM) => return Ok(()),
+                    Err(zmq::Error::EINTR) => continue,
+                    Err(e) => return Err(zerr("poll", "kv-event sockets")(e)),
+                }
+            };
+            if ready == 0 {
+                // Reconnects without traffic (an engine restarted and is silent) still resync.
+                self.check_links(&(0..self.engines.len()).collect::<Vec<_>>());
+                self.flush();
+                continue;
+            }
+            // Busy: one pass per window (a batch waits at most one window) for as long as
+            // passes find batches; no poll in between, so no per-socket readiness checks.
+            loop {
+                std::thread::sleep(self.window);
+                let Some(read) = self.pass()? else { return Ok(()) };
+                self.flush();
+                if read == 0 || !running(&self.engines) {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the monitors of the engines at `which`; resets and replays those that reconnected.
+    fn check_links(&mut self, which: &[usize]) {
+        let reconnected: Vec<usize> = which
+            .iter()
+            .copied()
+            .filter(|&i| self.engines.get_mut(i).is_some_and(|e| e.link.poll(&e.monitor)))
+            .collect();
+        for &i in &reconnected {
+            if let Some(e) = self.engines.get_mut(i) {
+                tracing::warn!(pod = %e.cfg.pod, "KV-event publisher reconnected (engine may have restarted): clearing, replaying");
+                e.reset("publisher reconnected");
+            }
+        }
+        self.replay_histories(&reconnected);
+    }
+
+    /// Reads every engine's queued batches; the number read, `None` when the context was
+    /// terminated. An engine's monitor is read before its first batch of the pass, so a
+    /// reconnect (possibly a new engine process) is handled before that engine's new batches.
+    fn pass(&mut self) -> Result<Option<usize>, SubscriberError> {
+        let mut read = 0;
+        for i in 0..self.engines.len() {
+            for n in 0..MAX_BATCHES_PER_PASS {
+                let Some(e) = self.engines.get_mut(i) else { break };
+                let got = match recv_parts(&e.sub, &mut self.parts) {
+                    Ok(got) => got,
+                    Err(zmq::Error::EAGAIN) => break,
+                    Err(zmq::Error::ETERM) => return Ok(None),
+                    Err(err) => return Err(zerr("recv", &e.cfg.kv_events)(err)),
+                };
+                if n == 0 {
+                    self.check_links(&[i]);
+                }
+                let (Some(e), Some(frames)) = (self.engines.get_mut(i), self.parts.get(..got)) else { break };
+                e.handle(&self.ctx, frames);
+                read += 1;
+            }
+        }
+        Ok(Some(read))
+    }
+
+    /// Replays the whole buffered history of the engines at `which` (indices), concurrently.
+    fn replay_histories(&mut self, which: &[usize]) {
+        let requests: Vec<(&SubscriberConfig, u64)> = which
+            .iter()
+            .filter_map(|&i| self.engines.get(i))
+            .filter(|e| e.cfg.kv_replay.is_some())
+            .map(|e| (&e.cfg, 0))
+            .collect();
+        if requests.is_empty() {
+            return;
+        }
+        let pods: Vec<String> = requests.iter().map(|(c, _)| c.pod.clone()).collect();
+        let histories = replay(&self.ctx, &requests);
+        for (pod, history) in pods.iter().zip(histories) {
+            if let Some(e) = self.engines.iter_mut().find(|e| &e.cfg.pod == pod) {
+                e.forward_history(history.unwrap_or_default());
+            }
+        }
+    }
+
+    /// Ends a pass: every engine that got batches or a reset sends its changes.
+    fn flush(&mut self) {
+        for e in &mut self.engines {
+            if std::mem::take(&mut e.dirty) {
+                e.sink.flush();
+            }
+        }
+    }
+}
+
+/// Receives one queued multipart message into `parts` (grown as needed, messages reused) without
+/// waiting; returns its frame count, or `EAGAIN` when nothing is queued. The frames of a
+/// multipart message arrive together, so only the first can be missing.
 fn recv_parts(sock: &zmq::Socket, parts: &mut Vec<zmq::Message>) -> Result<usize, zmq::Error> {
     let mut n = 0;
     loop {
@@ -206,7 +376,7 @@ fn recv_parts(sock: &zmq::Socket, parts: &mut Vec<zmq::Message>) -> Result<usize
             parts.push(zmq::Message::new());
         }
         let Some(part) = parts.get_mut(n) else { return Ok(n) };
-        sock.recv(part, 0)?;
+        sock.recv(part, zmq::DONTWAIT)?;
         n += 1;
         if !part.get_more() {
             return Ok(n);
@@ -225,7 +395,7 @@ struct SeqState {
 /// shared context.
 static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
 
-/// Connection history of the SUB socket, from its monitor events.
+/// Connection history of a SUB socket, from its monitor events.
 #[derive(Default)]
 struct LinkState {
     disconnected: bool,
@@ -251,64 +421,89 @@ impl LinkState {
     }
 }
 
-/// Forwards the engine's whole replay history (seq ≥ 0); false when the sink is closed.
-fn replay_all(
-    ctx: &zmq::Context,
-    cfg: &SubscriberConfig,
-    tx: &mut dyn EventSink,
-    metrics: &AgentMetrics,
-    st: &mut SeqState,
-) -> bool {
-    if cfg.kv_replay.is_none() {
-        return true;
-    }
-    let labels = pod_label(&cfg.pod);
-    for m in replay(ctx, cfg, 0).into_iter().flatten() {
-        metrics.kv_events_replayed.get_or_create(&labels).inc();
-        forward(tx, st, m);
-    }
-    st.dup_upto = st.last;
-    !tx.is_closed()
+/// One replay request in flight.
+struct Pending<'a> {
+    cfg: &'a SubscriberConfig,
+    /// `None`: no replay endpoint, or the request failed.
+    dealer: Option<zmq::Socket>,
+    deadline: Instant,
+    out: Vec<KvMessage>,
+    done: bool,
 }
 
-/// Hands `m` to the sink unless it is a duplicate.
-fn forward(tx: &mut dyn EventSink, st: &mut SeqState, m: KvMessage) {
-    if st.last.is_some_and(|l| m.seq <= l) {
-        return;
-    }
-    st.last = Some(m.seq);
-    tx.batch(m);
-}
-
-/// Asks the replay endpoint for every buffered batch with seq ≥ `from`. `None` when there is no
-/// replay endpoint or it did not answer in time; replies are in seq order.
-fn replay(ctx: &zmq::Context, cfg: &SubscriberConfig, from: u64) -> Option<Vec<KvMessage>> {
-    let endpoint = cfg.kv_replay.as_deref()?;
-    let result = (|| -> Result<Option<Vec<KvMessage>>, zmq::Error> {
-        let dealer = ctx.socket(zmq::DEALER)?;
-        dealer.set_linger(0)?;
-        dealer.set_rcvtimeo(100)?;
-        dealer.connect(endpoint)?;
-        dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], 0)?;
-        let deadline = Instant::now() + cfg.replay_timeout;
-        let mut out = Vec::new();
-        while Instant::now() < deadline {
-            let frames = match dealer.recv_multipart(0) {
-                Ok(f) => f,
-                Err(zmq::Error::EAGAIN) => continue,
-                Err(e) => return Err(e),
-            };
-            match decode_replay(&frames) {
-                Ok(ReplayFrame::End) => return Ok(Some(out)),
-                Ok(ReplayFrame::Batch(m)) => out.push(m),
-                Err(e) => tracing::warn!(pod = %cfg.pod, error = %e, "malformed replay reply skipped"),
+/// Asks each engine's replay endpoint for every buffered batch with seq ≥ its `from`, all
+/// requests at once, each bounded by its engine's `replay_timeout`. Per request, in order:
+/// `None` when there is no replay endpoint or it did not answer in time; replies in seq order.
+fn replay(ctx: &zmq::Context, requests: &[(&SubscriberConfig, u64)]) -> Vec<Option<Vec<KvMessage>>> {
+    let start = Instant::now();
+    let mut pending: Vec<Pending<'_>> = requests
+        .iter()
+        .map(|&(cfg, from)| {
+            let dealer = cfg.kv_replay.as_deref().and_then(|endpoint| {
+                let open = || -> Result<zmq::Socket, zmq::Error> {
+                    let dealer = ctx.socket(zmq::DEALER)?;
+                    dealer.set_linger(0)?;
+                    dealer.connect(endpoint)?;
+                    dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], 0)?;
+                    Ok(dealer)
+                };
+                open().map_err(|e| tracing::warn!(pod = %cfg.pod, endpoint, error = %e, "replay failed")).ok()
+            });
+            Pending { cfg, dealer, deadline: start + cfg.replay_timeout, out: Vec::new(), done: false }
+        })
+        .collect();
+    loop {
+        let now = Instant::now();
+        let waiting: Vec<usize> = (0..pending.len())
+            .filter(|&i| pending[i].dealer.is_some() && !pending[i].done && now < pending[i].deadline)
+            .collect();
+        let Some(next_deadline) = waiting.iter().map(|&i| pending[i].deadline).min() else { break };
+        let timeout_ms = next_deadline.saturating_duration_since(now).as_millis().clamp(1, 60_000) as i64;
+        let readable: Vec<usize> = {
+            let mut items: Vec<zmq::PollItem<'_>> = waiting
+                .iter()
+                .filter_map(|&i| pending[i].dealer.as_ref().map(|d| d.as_poll_item(zmq::POLLIN)))
+                .collect();
+            if let Err(e) = zmq::poll(&mut items, timeout_ms) {
+                tracing::warn!(error = %e, "replay poll failed");
+                break;
+            }
+            waiting.iter().zip(&items).filter(|(_, item)| item.is_readable()).map(|(&i, _)| i).collect()
+        };
+        for i in readable {
+            let p = &mut pending[i];
+            while let Some(dealer) = &p.dealer {
+                let frames = match dealer.recv_multipart(zmq::DONTWAIT) {
+                    Ok(f) => f,
+                    Err(zmq::Error::EAGAIN) => break,
+                    Err(e) => {
+                        tracing::warn!(pod = %p.cfg.pod, error = %e, "replay failed");
+                        p.dealer = None;
+                        break;
+                    }
+                };
+                match decode_replay(&frames) {
+                    Ok(ReplayFrame::End) => {
+                        p.done = true;
+                        break;
+                    }
+                    Ok(ReplayFrame::Batch(m)) => p.out.push(m),
+                    Err(e) => tracing::warn!(pod = %p.cfg.pod, error = %e, "malformed replay reply skipped"),
+                }
             }
         }
-        tracing::warn!(pod = %cfg.pod, endpoint, "replay timed out");
-        Ok(None)
-    })();
-    result.unwrap_or_else(|e| {
-        tracing::warn!(pod = %cfg.pod, endpoint, error = %e, "replay failed");
-        None
-    })
+    }
+    pending
+        .into_iter()
+        .map(|p| {
+            if p.done {
+                Some(p.out)
+            } else {
+                if p.dealer.is_some() {
+                    tracing::warn!(pod = %p.cfg.pod, endpoint = ?p.cfg.kv_replay, "replay timed out");
+                }
+                None
+            }
+        })
+        .collect()
 }
