@@ -18,7 +18,7 @@
 //! streams send what is queued and end their side cleanly (see [`RunningAgent::shutdown`]).
 
 use crate::config::{AgentConfig, EngineConfig};
-use crate::engine::kv_events::KvMessage;
+use crate::engine::kv_events::{KvEvent, KvMessage};
 use crate::engine::scrape::EngineClient;
 use crate::engine::subscriber::{self, EventSink, SubscriberConfig};
 use crate::gpu::GpuSource;
@@ -190,17 +190,31 @@ struct PodSink {
     pod: Arc<Pod>,
     alive: Weak<()>,
     dropped: prometheus_client::metrics::counter::Counter,
+    block_events: prometheus_client::metrics::counter::Counter,
 }
 
 impl PodSink {
     fn new(pod: Arc<Pod>, alive: Weak<()>, metrics: &AgentMetrics) -> Self {
-        let dropped = metrics.kv_blocks_dropped.get_or_create(&pod_label(pod.name())).clone();
-        Self { pod, alive, dropped }
+        let labels = pod_label(pod.name());
+        let dropped = metrics.kv_blocks_dropped.get_or_create(&labels).clone();
+        let block_events = metrics.kv_block_events.get_or_create(&labels).clone();
+        Self { pod, alive, dropped, block_events }
     }
 }
 
 impl EventSink for PodSink {
     fn batch(&mut self, msg: KvMessage) {
+        let blocks: usize = msg
+            .batch
+            .events
+            .iter()
+            .map(|e| match e {
+                KvEvent::Stored(s) => s.block_hashes.len(),
+                KvEvent::Removed { block_hashes, .. } => block_hashes.len(),
+                KvEvent::AllCleared => 0,
+            })
+            .sum();
+        self.block_events.inc_by(blocks as u64);
         let out = self.pod.apply_batch(&msg.batch);
         let dropped = out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens;
         if dropped > 0 {
@@ -440,9 +454,9 @@ mod tests {
     fn start_reader(
         hub: &Hub,
         window: Duration,
+        metrics: &Arc<AgentMetrics>,
     ) -> (std::thread::JoinHandle<()>, Vec<Publisher>, Arc<()>, Arc<AtomicBool>) {
         let ctx = zmq::Context::new();
-        let metrics = AgentMetrics::new();
         let alive = Arc::new(());
         let publishers: Vec<Publisher> = hub.pods().iter().map(|_| Publisher::new(&ctx)).collect();
         let subscriptions = hub
@@ -456,11 +470,12 @@ mod tests {
                     kv_replay: None,
                     replay_timeout: Duration::from_secs(1),
                 };
-                (cfg, PodSink::new(pod.clone(), Arc::downgrade(&alive), &metrics))
+                (cfg, PodSink::new(pod.clone(), Arc::downgrade(&alive), metrics))
             })
             .collect();
         let stop = Arc::new(AtomicBool::new(false));
-        let reader = subscriber::spawn(ctx, subscriptions, window, metrics, stop.clone()).expect("reader thread");
+        let reader =
+            subscriber::spawn(ctx, subscriptions, window, metrics.clone(), stop.clone()).expect("reader thread");
         for p in &publishers {
             p.wait_subscriber();
         }
@@ -478,7 +493,8 @@ mod tests {
     async fn one_window_sends_one_delta_per_pod_with_every_batch() {
         let hub = Hub::new(vec![info("a"), info("b")], 64);
         let mut deltas = hub.subscribe();
-        let (reader, publishers, alive, _stop) = start_reader(&hub, Duration::from_millis(200));
+        let metrics = AgentMetrics::new();
+        let (reader, publishers, alive, _stop) = start_reader(&hub, Duration::from_millis(200), &metrics);
         // Both pods' engines publish two batches, well inside one 200 ms window.
         for p in &publishers {
             p.publish(0);
@@ -488,6 +504,9 @@ mod tests {
         let mut pods: Vec<&str> = got.iter().map(|d| d.pod.as_str()).collect();
         pods.sort_unstable();
         assert_eq!(pods, ["a", "b"]);
+        let events: u64 = ["a", "b"].iter().map(|p| metrics.kv_block_events.get_or_create(&pod_label(p)).get()).sum();
+        // Per pod: batch 0 stores 3 blocks, batch 1 stores 2.
+        assert_eq!(events, 2 * 5);
         for d in &got {
             let blocks = d.blocks.as_ref().expect("block changes");
             let stored: usize = blocks.stored.iter().map(|r| r.hashes.len()).sum();
@@ -511,7 +530,7 @@ mod tests {
     async fn a_gap_without_replay_clears_the_pod_and_stop_ends_the_reader() {
         let hub = Hub::new(vec![info("a")], 64);
         let mut deltas = hub.subscribe();
-        let (reader, publishers, _alive, stop) = start_reader(&hub, Duration::from_millis(20));
+        let (reader, publishers, _alive, stop) = start_reader(&hub, Duration::from_millis(20), &AgentMetrics::new());
         publishers[0].publish(0);
         let d = next_delta(&mut deltas).await;
         assert!(!d.blocks.as_ref().expect("blocks").cleared, "{d:?}");

@@ -29,6 +29,9 @@ pub struct AgentMetrics {
     pub kv_events_replayed: Family<Labels, Counter>,
     /// Blocks dropped (unknown parent, gap beyond replay, opaque extra keys), per pod.
     pub kv_blocks_dropped: Family<Labels, Counter>,
+    /// Block events applied (blocks named by `BlockStored` and `BlockRemoved`, any medium), per
+    /// pod: the agent's work, which its CPU use follows.
+    pub kv_block_events: Family<Labels, Counter>,
     /// Malformed KV-event messages, per pod.
     pub kv_events_malformed: Family<Labels, Counter>,
     /// Times the pod's record was cleared because events were lost or the engine restarted.
@@ -56,6 +59,7 @@ impl AgentMetrics {
             kv_events_received: Family::default(),
             kv_events_replayed: Family::default(),
             kv_blocks_dropped: Family::default(),
+            kv_block_events: Family::default(),
             kv_events_malformed: Family::default(),
             kv_resyncs: Family::default(),
             scrape_errors: Family::default(),
@@ -74,6 +78,11 @@ impl AgentMetrics {
             "kv_blocks_dropped",
             "Blocks that could not be placed in a chain",
             m.kv_blocks_dropped.clone(),
+        );
+        registry.register(
+            "kv_block_events",
+            "Blocks named by applied BlockStored and BlockRemoved events",
+            m.kv_block_events.clone(),
         );
         registry.register("kv_events_malformed", "Undecodable KV-event messages", m.kv_events_malformed.clone());
         registry.register(

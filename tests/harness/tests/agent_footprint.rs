@@ -69,6 +69,12 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
 }
 
+/// Sum over pods of an agent counter (`name` = the sample's prefix up to its labels).
+async fn agent_counter(fleet: &Fleet, name: &str) -> f64 {
+    let metrics = fleet.agent_metrics(0).await.unwrap_or_default();
+    metrics.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum()
+}
+
 /// RSS samples (MiB, sorted) and CPU share (% of one core) of `pid` over `secs`.
 struct Phase {
     wall_s: f64,
@@ -171,7 +177,10 @@ async fn agent_footprint_eight_engines_under_load() {
 
     // Warm-up, then measure.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    let events_before = agent_counter(&fleet, "kvroute_agent_kv_block_events_total{").await;
     let loaded = measure(pid, secs).await;
+    let block_events_per_s =
+        (agent_counter(&fleet, "kvroute_agent_kv_block_events_total{").await - events_before) / loaded.wall_s;
     stop.store(true, Ordering::Relaxed);
     for h in load {
         let _ = h.await;
@@ -179,17 +188,14 @@ async fn agent_footprint_eight_engines_under_load() {
     let (mut lat, rtt) = prober.await.expect("prober");
     lat.sort_by(f64::total_cmp);
     let rtt_mean = rtt.iter().sum::<f64>() / rtt.len().max(1) as f64;
-    let metrics = fleet.agent_metrics(0).await.unwrap_or_default();
-    let batches: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("kvroute_agent_kv_event_batches_received_total{"))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum();
+    let batches = agent_counter(&fleet, "kvroute_agent_kv_event_batches_received_total{").await;
     println!(
         "agent footprint, 8 engines; baseline = the same agent with the engines idle ({:.0} s)\n  \
-         load: {:.0} s, {clients} clients, {} requests, {batches} KV-event batches\n  \
+         load: {:.0} s, {clients} clients, {} requests, {batches} KV-event batches, \
+         {block_events_per_s:.0} block events/s\n  \
          RSS MiB: idle max {:.1}; load median {:.1}, max {:.1} (×{:.2} of idle; target ≤ 30 MB)\n  \
-         CPU % of one core: idle {:.2}; load {:.2} (×{:.1} of idle; target ≤ 2 %)\n  \
+         CPU % of one core: idle {:.2}; load {:.2} (×{:.1} of idle; target ≤ 2 %); \
+         {:.3} points per 1 000 block events/s above idle\n  \
          event → picker ms over {} probes: p50 {:.1}, p99 {:.1}, max {:.1} (target p99 ≤ 50; \
          /explain round trip, the resolution: mean {:.1})",
         idle.wall_s,
@@ -202,6 +208,7 @@ async fn agent_footprint_eight_engines_under_load() {
         idle.cpu_pct,
         loaded.cpu_pct,
         loaded.cpu_pct / idle.cpu_pct.max(1e-9),
+        (loaded.cpu_pct - idle.cpu_pct) / (block_events_per_s / 1000.0).max(1e-9),
         lat.len(),
         pct(&lat, 0.5),
         pct(&lat, 0.99),
