@@ -1,7 +1,8 @@
 //! A whole kvroute fleet on one machine: N emulated engines, agents (each watching a share of the
 //! engines, GPUs from a mock-NVML scenario), the picker and Envoy with `deploy/envoy/envoy.yaml`.
 //! Optionally a second Envoy doing plain round robin (`deploy/envoy/envoy-round-robin.yaml`) over
-//! the same engines, as the baseline the demo compares against.
+//! the same engines, as the baseline the demo compares against, and further Envoys on other
+//! kvroute configs sharing the same picker (to compare ext_proc layouts in one run).
 
 use crate::paths::{self, free_port};
 use crate::process::ManagedProcess;
@@ -42,6 +43,10 @@ pub struct FleetSpec {
     /// Start the picker without a tokenizer for the model, in approximate mode (SPEC §6: text
     /// blocks matched against where earlier requests went; the KV-event index is not consulted).
     pub picker_approximate: bool,
+    /// More Envoy + picker gateways, one per config file (paths relative to the workspace root,
+    /// e.g. `deploy/envoy/envoy-full-duplex.yaml`), each pointed at the same picker with its ports
+    /// rewritten like `deploy/envoy/envoy.yaml`'s.
+    pub extra_gateway_configs: Vec<PathBuf>,
 }
 
 impl Default for FleetSpec {
@@ -61,6 +66,7 @@ impl Default for FleetSpec {
             round_robin_baseline: false,
             picker_log_level: "info".into(),
             picker_approximate: false,
+            extra_gateway_configs: Vec::new(),
         }
     }
 }
@@ -98,6 +104,8 @@ pub struct Fleet {
     pub gateway: String,
     /// `http://127.0.0.1:<port>` of the round-robin baseline gateway, if started.
     pub round_robin_gateway: Option<String>,
+    /// `http://127.0.0.1:<port>` of each of `spec.extra_gateway_configs`' gateways, in order.
+    pub extra_gateways: Vec<String>,
     /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
     pub picker_admin: String,
     /// `http://127.0.0.1:<port>` of each agent's own `/metrics`, in agent order.
@@ -172,9 +180,22 @@ impl Fleet {
         let envoy_bin = paths::envoy()?;
         let gateway_port = free_port()?;
         let envoy_cfg = work.join("envoy.yaml");
-        write_yaml(&envoy_cfg, &kvroute_envoy_config(gateway_port, free_port()?, ext_proc_port)?)?;
+        let deploy_cfg = paths::repo_root().join("deploy/envoy/envoy.yaml");
+        write_yaml(&envoy_cfg, &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, ext_proc_port)?)?;
         let mut envoys = vec![start_envoy("envoy", &envoy_bin, &envoy_cfg, &work)?];
         let mut admin_urls = vec![admin_url_of(&envoy_cfg)?];
+        let mut extra_gateways = Vec::new();
+        for (i, path) in spec.extra_gateway_configs.iter().enumerate() {
+            let port = free_port()?;
+            let cfg = work.join(format!("envoy-extra-{i}.yaml"));
+            write_yaml(
+                &cfg,
+                &kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, ext_proc_port)?,
+            )?;
+            envoys.push(start_envoy(&format!("envoy-extra-{i}"), &envoy_bin, &cfg, &work)?);
+            admin_urls.push(admin_url_of(&cfg)?);
+            extra_gateways.push(format!("http://127.0.0.1:{port}"));
+        }
         let mut round_robin_gateway = None;
         if spec.round_robin_baseline {
             let rr_port = free_port()?;
@@ -194,6 +215,7 @@ impl Fleet {
             engines,
             gateway: format!("http://127.0.0.1:{gateway_port}"),
             round_robin_gateway,
+            extra_gateways,
             picker_admin: format!("http://127.0.0.1:{admin_port}"),
             agent_admins,
             agents,
@@ -446,9 +468,10 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16,
     })
 }
 
-/// `deploy/envoy/envoy.yaml` with the fleet's ports: listener, admin, picker cluster.
-fn kvroute_envoy_config(listener: u16, admin: u16, picker: u16) -> Result<Value> {
-    let mut cfg = read_yaml(&paths::repo_root().join("deploy/envoy/envoy.yaml"))?;
+/// A kvroute Envoy config (`deploy/envoy/envoy.yaml` or a variant) with the fleet's ports:
+/// listener, admin, picker cluster.
+fn kvroute_envoy_config(path: &Path, listener: u16, admin: u16, picker: u16) -> Result<Value> {
+    let mut cfg = read_yaml(path)?;
     set_listener_and_admin(&mut cfg, listener, admin)?;
     let cluster = cluster_mut(&mut cfg, "kvroute_picker")?;
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] =

@@ -5,15 +5,18 @@
 //!
 //! The engines run with zero prefill and decode time so that routing quality (cache hits) does not
 //! enter the latency: what differs between the two paths is the ext_proc hop and the decision.
-//! Requests alternate between the two gateways on one fixed-rate clock (request i goes to both,
-//! one after the other, half a period apart), non-streaming completions of `--prompt-words` words
-//! (≈ 1.3 tokens per word) with `max_tokens: 1`. Latency is measured by the client from send to
-//! the last body byte. Binaries: see the harness's `$KVROUTE_BIN_DIR` (use release builds for
-//! numbers worth reporting).
+//! Requests alternate between the gateways on one fixed-rate clock (request i goes to each, one
+//! after the other, evenly spaced within the period; the order rotates with i), non-streaming
+//! completions of `--prompt-words` words (≈ 1.3 tokens per word) with `max_tokens: 1`. Latency is
+//! measured by the client from send to the last body byte. `--also FILE` adds an Envoy + picker
+//! gateway on another kvroute Envoy config (same picker), to compare ext_proc layouts in one run.
+//! Binaries: see the harness's `$KVROUTE_BIN_DIR` (use release builds for numbers worth
+//! reporting).
 
 use anyhow::{Result, bail};
 use clap::Parser;
 use kvroute_harness::{Fleet, FleetSpec, GatewayClient};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
@@ -37,6 +40,10 @@ struct Args {
     /// Emulated engines.
     #[arg(long, default_value_t = 4)]
     engines: usize,
+    /// Another kvroute Envoy config to measure in the same run (path relative to the workspace
+    /// root, e.g. deploy/envoy/envoy-full-duplex.yaml); repeatable.
+    #[arg(long)]
+    also: Vec<PathBuf>,
 }
 
 fn prompt(group: usize, i: usize, words: usize) -> String {
@@ -71,35 +78,44 @@ async fn main() -> Result<()> {
         decode_ms_per_token: 0,
         max_num_seqs: 64,
         picker_log_level: "warn".into(),
+        extra_gateway_configs: args.also.clone(),
         ..Default::default()
     };
     let model = spec.model.clone();
     let fleet = Fleet::start(spec).await?;
     let Some(rr) = fleet.round_robin_gateway.clone() else { bail!("the round-robin gateway did not start") };
-    let gateways =
-        [("envoy+picker", GatewayClient::new(fleet.gateway.clone())?), ("envoy-round-robin", GatewayClient::new(rr)?)];
+    // Index 1 is the baseline every other gateway is compared with.
+    let mut gateways = vec![
+        ("envoy+picker".to_owned(), GatewayClient::new(fleet.gateway.clone())?),
+        ("envoy-round-robin".to_owned(), GatewayClient::new(rr)?),
+    ];
+    for (path, url) in args.also.iter().zip(&fleet.extra_gateways) {
+        let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+        gateways.push((format!("{name}+picker"), GatewayClient::new(url.clone())?));
+    }
+    let n = gateways.len();
 
     let total = args.warmup + (args.rate * args.duration_s as f64).round() as usize;
     let period = Duration::from_secs_f64(1.0 / args.rate);
-    let mut tick = tokio::time::interval(period / 2);
+    let mut tick = tokio::time::interval(period / n as u32);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut tasks = Vec::with_capacity(total * 2);
+    let mut tasks = Vec::with_capacity(total * n);
     let started = Instant::now();
     for i in 0..total {
         let body = serde_json::to_vec(&serde_json::json!({
             "model": model, "prompt": prompt(i % args.groups, i, args.prompt_words), "max_tokens": 1,
         }))?;
-        // Alternate which gateway goes first so neither always gets the fresher half-period.
-        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
-        for g in order {
+        // Rotate which gateway goes first so none always gets the same slot of the period.
+        for k in 0..n {
+            let g = (i + k) % n;
             tick.tick().await;
             let client = gateways[g].1.clone();
             let body = body.clone();
             tasks.push((g, i, tokio::spawn(async move { client.post_raw("/v1/completions", body, &[]).await })));
         }
     }
-    let mut lat: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
-    let mut errors = [0usize; 2];
+    let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); n];
+    let mut errors = vec![0usize; n];
     for (g, i, t) in tasks {
         match t.await? {
             Ok(o) if o.status == 200 => {
@@ -127,12 +143,12 @@ async fn main() -> Result<()> {
         args.engines,
         wall.as_secs_f64()
     );
-    let mut p = [[0.0; 3]; 2];
-    for g in 0..2 {
+    let mut p = vec![[0.0; 3]; n];
+    for g in 0..n {
         lat[g].sort_unstable();
         p[g] = [quantile_ms(&lat[g], 0.5), quantile_ms(&lat[g], 0.9), quantile_ms(&lat[g], 0.99)];
         println!(
-            "{:<18} n={:<5} errors={:<3} p50 {:>7.3} ms  p90 {:>7.3} ms  p99 {:>7.3} ms",
+            "{:<32} n={:<5} errors={:<3} p50 {:>7.3} ms  p90 {:>7.3} ms  p99 {:>7.3} ms",
             gateways[g].0,
             lat[g].len(),
             errors[g],
@@ -141,13 +157,16 @@ async fn main() -> Result<()> {
             p[g][2]
         );
     }
-    println!(
-        "added by the picker: p50 {:+.3} ms (ratio {:.2}), p99 {:+.3} ms (ratio {:.2})",
-        p[0][0] - p[1][0],
-        p[0][0] / p[1][0],
-        p[0][2] - p[1][2],
-        p[0][2] / p[1][2]
-    );
+    for g in (0..n).filter(|&g| g != 1) {
+        let who = if g == 0 { String::new() } else { format!(" ({})", gateways[g].0) };
+        println!(
+            "added by the picker{who}: p50 {:+.3} ms (ratio {:.2}), p99 {:+.3} ms (ratio {:.2})",
+            p[g][0] - p[1][0],
+            p[g][0] / p[1][0],
+            p[g][2] - p[1][2],
+            p[g][2] / p[1][2]
+        );
+    }
     // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.
     let metrics = fleet.picker_metrics().await?;
     let value = |name: &str| -> Option<f64> {
