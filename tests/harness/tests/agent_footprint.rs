@@ -195,7 +195,7 @@ async fn agent_footprint_eight_engines_under_load() {
          {block_events_per_s:.0} block events/s\n  \
          RSS MiB: idle max {:.1}; load median {:.1}, max {:.1} (×{:.2} of idle; target ≤ 30 MB)\n  \
          CPU % of one core: idle {:.2}; load {:.2} (×{:.1} of idle; target ≤ 2 %); \
-         {:.3} points per 1 000 block events/s above idle\n  \
+         {} points per 1 000 block events/s above idle\n  \
          event → picker ms over {} probes: p50 {:.1}, p99 {:.1}, max {:.1} (target p99 ≤ 50; \
          /explain round trip, the resolution: mean {:.1})",
         idle.wall_s,
@@ -208,7 +208,12 @@ async fn agent_footprint_eight_engines_under_load() {
         idle.cpu_pct,
         loaded.cpu_pct,
         loaded.cpu_pct / idle.cpu_pct.max(1e-9),
-        (loaded.cpu_pct - idle.cpu_pct) / (block_events_per_s / 1000.0).max(1e-9),
+        // An agent without the block-event counter (older builds) reports none.
+        if block_events_per_s > 0.0 {
+            format!("{:.3}", (loaded.cpu_pct - idle.cpu_pct) / (block_events_per_s / 1000.0))
+        } else {
+            "n/a".to_string()
+        },
         lat.len(),
         pct(&lat, 0.5),
         pct(&lat, 0.99),
