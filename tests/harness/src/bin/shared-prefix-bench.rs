@@ -2,10 +2,16 @@
 //! what emulated engines on this machine sustain): the same open-loop Poisson stream of
 //! `/v1/completions` requests (G groups × a shared prefix × Q questions) goes through real Envoy +
 //! picker + agents + emulated engines (precise mode: KV events), then — prefix caches emptied —
-//! through an Envoy doing plain round robin over the same engines, then through a second fleet
+//! through an Envoy doing plain round robin over the same engines (with `--least-request`, caches
+//! emptied again, through an Envoy doing least-request, the least-loaded baseline), then through a
+//! second fleet
 //! whose picker runs in approximate mode (no tokenizer: SPEC §6's text blocks and per-pod LRU of
 //! its own routing, GIE's estimated prefix cache). TTFT (first streamed chunk with text) is
 //! measured by the client, as inference-perf does.
+//!
+//! Engines prefill one request at a time by default (`--max-num-partial-prefills 1`, vLLM's
+//! default), so prefill compute is each pod's bottleneck and a cache-blind router saturates once
+//! the fleet's uncached tokens per second exceed what its pods prefill.
 //!
 //! `--client inference-perf` sends the stream with inference-perf 0.7.0 instead (SPEC §13; its
 //! `shared_prefix` generator, Poisson stages of rising rate, streaming `/v1/completions`) and reads
@@ -64,6 +70,10 @@ struct Args {
     /// Requests each engine runs at once (vLLM `--max-num-seqs`); the rest queue.
     #[arg(long, default_value_t = 16)]
     max_num_seqs: u32,
+    /// Prefills each engine runs at once (vLLM `--max-num-partial-prefills`); 0 = no limit (every
+    /// running request prefills at once, so misses cost latency but no throughput).
+    #[arg(long, default_value_t = 1)]
+    max_num_partial_prefills: u32,
     /// Emulator time scale (1.0 = the seed's 8B prefill speed).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -73,6 +83,9 @@ struct Args {
     /// Skip the approximate-mode fleet (precise kvroute and round robin only).
     #[arg(long)]
     no_approximate: bool,
+    /// Also run an Envoy doing least-request over the first fleet's engines (caches emptied first).
+    #[arg(long)]
+    least_request: bool,
     /// Load client.
     #[arg(long, value_enum, default_value_t = Client::Builtin)]
     client: Client,
@@ -248,11 +261,12 @@ fn stage_ratios(label: &str, kv: &[StageReport], other: &[StageReport]) {
     }
 }
 
-fn print_inference_perf(a: &Args, kv: &[StageReport], rr: &[StageReport], approx: Option<&[StageReport]>) {
+fn print_inference_perf(a: &Args, runs: &[(&str, Vec<StageReport>)]) {
     let s = shape(a);
     println!(
         "shared prefix through Envoy, client inference-perf 0.7.0: {} groups × {}-token prefix + {} questions × {} tokens, \
-         {} output tokens, Poisson stages {:?} req/s × {} s, {} engines × {} KV blocks, max {} running each\n",
+         {} output tokens, Poisson stages {:?} req/s × {} s, {} engines × {} KV blocks, max {} running and {} prefilling each, \
+         time scale {}\n",
         s.num_groups,
         s.system_prompt_len,
         s.num_prompts_per_group,
@@ -262,28 +276,29 @@ fn print_inference_perf(a: &Args, kv: &[StageReport], rr: &[StageReport], approx
         a.stage_seconds,
         a.engines,
         a.num_gpu_blocks,
-        a.max_num_seqs
+        a.max_num_seqs,
+        a.max_num_partial_prefills,
+        a.time_scale
     );
     println!(
         "| gateway | rate req/s | achieved | ok | failed | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | throughput req/s |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-    stage_rows("Envoy + kvroute", kv);
-    stage_rows("Envoy round robin", rr);
-    if let Some(approx) = approx {
-        stage_rows("Envoy + kvroute, approximate mode", approx);
+    for (name, reports) in runs {
+        stage_rows(name, reports);
     }
     println!();
-    stage_ratios("round robin", kv, rr);
-    if let Some(approx) = approx {
-        stage_ratios("approximate mode", kv, approx);
+    if let Some(((_, kv), others)) = runs.split_first() {
+        for (name, reports) in others {
+            stage_ratios(name, kv, reports);
+        }
     }
 }
 
-fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample]>) {
+fn print_builtin(a: &Args, runs: &[(&str, Vec<Sample>)]) {
     println!(
         "shared prefix through Envoy: {} groups × {} words + {} questions × {} words, {} output tokens, {} req/s Poisson, \
-         {} engines × {} KV blocks, max {} running each\n",
+         {} engines × {} KV blocks, max {} running and {} prefilling each, time scale {}\n",
         a.groups,
         a.prefix_words,
         a.questions,
@@ -292,16 +307,31 @@ fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample
         a.rate,
         a.engines,
         a.num_gpu_blocks,
-        a.max_num_seqs
+        a.max_num_seqs,
+        a.max_num_partial_prefills,
+        a.time_scale
     );
     println!("| gateway | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    let (k50, k90) = summary("Envoy + kvroute", kv);
-    let (r50, r90) = summary("Envoy round robin", rr);
-    let approx = approx.map(|s| summary("Envoy + kvroute, approximate mode", s));
-    println!("\nround robin ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", r50 / k50, r90 / k90);
-    if let Some((a50, a90)) = approx {
-        println!("approximate mode ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", a50 / k50, a90 / k90);
+    let pcts: Vec<(f64, f64)> = runs.iter().map(|(name, samples)| summary(name, samples)).collect();
+    println!();
+    if let Some(((k50, k90), others)) = pcts.split_first() {
+        for ((name, _), (o50, o90)) in runs.iter().skip(1).zip(others) {
+            println!("{name} ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", o50 / k50, o90 / k90);
+        }
+    }
+}
+
+fn fleet_spec(a: &Args, label: &str) -> FleetSpec {
+    FleetSpec {
+        label: label.into(),
+        engines: a.engines,
+        num_gpu_blocks: a.num_gpu_blocks,
+        time_scale: a.time_scale,
+        max_num_seqs: a.max_num_seqs,
+        max_num_partial_prefills: a.max_num_partial_prefills,
+        picker_log_level: "warn".into(),
+        ..FleetSpec::default()
     }
 }
 
@@ -309,57 +339,46 @@ fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample
 async fn main() -> Result<()> {
     let a = Args::parse();
     let spec = FleetSpec {
-        label: "shared-prefix-bench".into(),
-        engines: a.engines,
-        num_gpu_blocks: a.num_gpu_blocks,
-        time_scale: a.time_scale,
-        max_num_seqs: a.max_num_seqs,
         round_robin_baseline: true,
-        picker_log_level: "warn".into(),
-        ..FleetSpec::default()
+        least_request_baseline: a.least_request,
+        ..fleet_spec(&a, "shared-prefix-bench")
     };
     let model = spec.model.clone();
-    eprintln!("starting {} engines, agents, picker, Envoy (kvroute) and Envoy (round robin) ...", a.engines);
+    eprintln!("starting {} engines, agents, picker and Envoys (kvroute and the baselines) ...", a.engines);
     let fleet = Fleet::start(spec).await?;
-    let kv = drive(&fleet.gateway, &model, &a, "kvroute", &fleet.work).await?;
-    fleet.reset_prefix_caches().await?;
-    let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
-    let rr = drive(&rr_gateway, &model, &a, "round-robin", &fleet.work).await?;
+    let mut runs = vec![("Envoy + kvroute", drive(&fleet.gateway, &model, &a, "kvroute", &fleet.work).await?)];
+    let baselines = [
+        ("Envoy round robin", "round-robin", fleet.round_robin_gateway.clone()),
+        ("Envoy least request", "least-request", fleet.least_request_gateway.clone()),
+    ];
+    for (label, name, gateway) in baselines {
+        if let Some(gateway) = gateway {
+            fleet.reset_prefix_caches().await?;
+            runs.push((label, drive(&gateway, &model, &a, name, &fleet.work).await?));
+        }
+    }
     fleet.shutdown().await;
-    let approx = if a.no_approximate {
-        None
-    } else {
+    if !a.no_approximate {
         eprintln!("starting a second fleet whose picker runs in approximate mode ...");
-        let spec = FleetSpec {
-            label: "shared-prefix-bench-approx".into(),
-            engines: a.engines,
-            num_gpu_blocks: a.num_gpu_blocks,
-            time_scale: a.time_scale,
-            max_num_seqs: a.max_num_seqs,
-            picker_approximate: true,
-            picker_log_level: "warn".into(),
-            ..FleetSpec::default()
-        };
+        let spec = FleetSpec { picker_approximate: true, ..fleet_spec(&a, "shared-prefix-bench-approx") };
         let fleet = Fleet::start(spec).await?;
-        let outcome = drive(&fleet.gateway, &model, &a, "approximate", &fleet.work).await?;
+        runs.push((
+            "Envoy + kvroute, approximate mode",
+            drive(&fleet.gateway, &model, &a, "approximate", &fleet.work).await?,
+        ));
         fleet.shutdown().await;
-        Some(outcome)
-    };
-    match (kv, rr, approx) {
-        (Outcome::Builtin(kv), Outcome::Builtin(rr), approx) => {
-            let approx = match approx {
-                Some(Outcome::Builtin(s)) => Some(s),
-                _ => None,
-            };
-            print_builtin(&a, &kv, &rr, approx.as_deref());
+    }
+    let mut builtin = Vec::new();
+    let mut iperf = Vec::new();
+    for (label, outcome) in runs {
+        match outcome {
+            Outcome::Builtin(samples) => builtin.push((label, samples)),
+            Outcome::InferencePerf(reports) => iperf.push((label, reports)),
         }
-        (Outcome::InferencePerf(kv), Outcome::InferencePerf(rr), approx) => {
-            let approx = match approx {
-                Some(Outcome::InferencePerf(s)) => Some(s),
-                _ => None,
-            };
-            print_inference_perf(&a, &kv, &rr, approx.as_deref());
-        }
+    }
+    match (builtin.is_empty(), iperf.is_empty()) {
+        (false, true) => print_builtin(&a, &builtin),
+        (true, false) => print_inference_perf(&a, &iperf),
         _ => anyhow::bail!("gateways ran with different clients"),
     }
     Ok(())
