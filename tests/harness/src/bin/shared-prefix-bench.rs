@@ -31,7 +31,8 @@ use serde_json::json;
 /// Which load client sends the requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Client {
-    /// This binary's own open-loop Poisson client (`--rate`, `--requests`).
+    /// This binary's own open-loop Poisson client: `--rate` × `--requests`, or with `--rates` the
+    /// same stages as inference-perf, each request's group and question drawn at random.
     Builtin,
     /// inference-perf 0.7.0 as a child process (`--rates`, `--stage-seconds`).
     InferencePerf,
@@ -89,10 +90,11 @@ struct Args {
     /// Load client.
     #[arg(long, value_enum, default_value_t = Client::Builtin)]
     client: Client,
-    /// inference-perf: Poisson stage rates, requests per second, in order.
-    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
-    rates: Vec<f64>,
-    /// inference-perf: seconds per stage.
+    /// Poisson stage rates, requests per second, in order (inference-perf's default 2,4,6; the
+    /// builtin client runs stages only when this is given, replacing `--rate` and `--requests`).
+    #[arg(long, value_delimiter = ',')]
+    rates: Option<Vec<f64>>,
+    /// Seconds per stage (`--rates`).
     #[arg(long, default_value_t = 30)]
     stage_seconds: u64,
     /// inference-perf: tokens per shared prefix (default: `--prefix-words` × 1.2).
@@ -120,6 +122,11 @@ fn text(seed: u64, words: usize) -> String {
 }
 
 struct Sample {
+    /// Load stage (0 without `--rates`).
+    stage: usize,
+    /// Seconds from the run's start: sent, and done (last byte).
+    sent_s: f64,
+    done_s: f64,
     ttft_ms: Option<f64>,
     status: u16,
     prompt_tokens: u32,
@@ -130,10 +137,8 @@ async fn run(gateway: &str, model: &str, a: &Args) -> Result<Vec<Sample>> {
     let client = Arc::new(GatewayClient::new(gateway)?);
     let mut rng = StdRng::seed_from_u64(a.seed);
     let start = Instant::now();
-    let mut at = 0.0f64;
     let mut tasks = Vec::new();
-    for _ in 0..a.requests {
-        at += -rng.random_range(f64::EPSILON..1.0f64).ln() / a.rate;
+    for (stage, at) in arrivals(a, &mut rng) {
         let (g, q) = (rng.random_range(0..a.groups), rng.random_range(0..a.questions));
         let prompt =
             format!("{}\n\n{}", text(1000 + g, a.prefix_words), text(1_000_000 + g * 1000 + q, a.question_words));
@@ -147,6 +152,9 @@ async fn run(gateway: &str, model: &str, a: &Args) -> Result<Vec<Sample>> {
             tokio::time::sleep_until(when.into()).await;
             let o = client.post_raw("/v1/completions", serde_json::to_vec(&body)?, &[]).await?;
             anyhow::Ok(Sample {
+                stage,
+                sent_s: at,
+                done_s: start.elapsed().as_secs_f64(),
                 ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1000.0),
                 status: o.status,
                 prompt_tokens: o.prompt_tokens,
@@ -161,10 +169,76 @@ async fn run(gateway: &str, model: &str, a: &Args) -> Result<Vec<Sample>> {
     Ok(out)
 }
 
+/// (stage, seconds from the start) of every request: Poisson arrivals at `--rate` for
+/// `--requests`, or with `--rates` at each stage's rate for `--stage-seconds` each.
+fn arrivals(a: &Args, rng: &mut StdRng) -> Vec<(usize, f64)> {
+    let mut next = |at: f64, rate: f64| at - rng.random_range(f64::EPSILON..1.0f64).ln() / rate;
+    let mut out = Vec::new();
+    let mut at = 0.0;
+    match &a.rates {
+        None => {
+            for _ in 0..a.requests {
+                at = next(at, a.rate);
+                out.push((0, at));
+            }
+        }
+        Some(rates) => {
+            for (stage, &rate) in rates.iter().enumerate() {
+                let end = (stage as f64 + 1.0) * a.stage_seconds as f64;
+                loop {
+                    at = next(at, rate);
+                    if at >= end {
+                        at = end;
+                        break;
+                    }
+                    out.push((stage, at));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Nearest-rank percentile of sorted values; NaN when empty.
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
+}
+
+/// The builtin client's samples of each `--rates` stage, summarised as inference-perf's reports are.
+fn builtin_stage_reports(a: &Args, samples: &[Sample]) -> Vec<StageReport> {
+    let rates = a.rates.as_deref().unwrap_or_default();
+    rates
+        .iter()
+        .enumerate()
+        .map(|(stage, &rate)| {
+            let s: Vec<&Sample> = samples.iter().filter(|x| x.stage == stage).collect();
+            let ok: Vec<&&Sample> = s.iter().filter(|x| x.status == 200).collect();
+            let mut t: Vec<f64> = ok.iter().filter_map(|x| x.ttft_ms).collect();
+            t.sort_by(f64::total_cmp);
+            let first = s.iter().map(|x| x.sent_s).fold(f64::INFINITY, f64::min);
+            let last = s.iter().map(|x| x.done_s).fold(0.0, f64::max);
+            StageReport {
+                stage,
+                requested_rate: rate,
+                achieved_rate: s.len() as f64 / a.stage_seconds as f64,
+                successes: ok.len() as u64,
+                failures: (s.len() - ok.len()) as u64,
+                ttft_p50_ms: percentile(&t, 0.5),
+                ttft_p90_ms: percentile(&t, 0.9),
+                ttft_p99_ms: percentile(&t, 0.99),
+                requests_per_sec: ok.len() as f64 / (last - first),
+                prompt_tokens: ok.iter().map(|x| f64::from(x.prompt_tokens)).sum(),
+                cached_prompt_tokens: ok.iter().map(|x| f64::from(x.cached_tokens)).sum(),
+                ..StageReport::default()
+            }
+        })
+        .collect()
+}
+
 fn summary(name: &str, s: &[Sample]) -> (f64, f64) {
     let mut t: Vec<f64> = s.iter().filter_map(|x| x.ttft_ms).collect();
     t.sort_by(f64::total_cmp);
-    let pct = |q: f64| t.get(((t.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    let pct = |q: f64| percentile(&t, q);
     let prompt: u64 = s.iter().map(|x| u64::from(x.prompt_tokens)).sum();
     let cached: u64 = s.iter().map(|x| u64::from(x.cached_tokens)).sum();
     let errors = s.iter().filter(|x| x.status != 200).count();
@@ -215,12 +289,22 @@ async fn drive(gateway: &str, model: &str, a: &Args, name: &str, work: &std::pat
 }
 
 fn stages(a: &Args) -> Vec<LoadStage> {
-    a.rates.iter().map(|&rate| LoadStage { rate, duration_s: a.stage_seconds }).collect()
+    a.rates
+        .as_deref()
+        .unwrap_or(&[2.0, 4.0, 6.0])
+        .iter()
+        .map(|&rate| LoadStage { rate, duration_s: a.stage_seconds })
+        .collect()
 }
 
-/// The builtin workload in tokens: words × 1.2 (what the fixture tokenizer gives for this word list).
+/// The workload in tokens. The builtin client's prompts are exactly one fixture token per word
+/// (every word of `WORDS` with its leading space is one Qwen2.5 token); inference-perf's lengths
+/// default to words × 1.2, the estimate its earlier tables were run with.
 fn shape(a: &Args) -> SharedPrefixShape {
-    let tokens = |words: usize| (words as u64 * 6).div_ceil(5);
+    let tokens = |words: usize| match a.client {
+        Client::Builtin => words as u64,
+        Client::InferencePerf => (words as u64 * 6).div_ceil(5),
+    };
     SharedPrefixShape {
         num_groups: a.groups,
         num_prompts_per_group: a.questions,
@@ -261,10 +345,14 @@ fn stage_ratios(label: &str, kv: &[StageReport], other: &[StageReport]) {
     }
 }
 
-fn print_inference_perf(a: &Args, runs: &[(&str, Vec<StageReport>)]) {
+fn print_stages(a: &Args, runs: &[(&str, Vec<StageReport>)]) {
     let s = shape(a);
+    let client = match a.client {
+        Client::Builtin => "builtin (group and question drawn at random per request)",
+        Client::InferencePerf => "inference-perf 0.7.0",
+    };
     println!(
-        "shared prefix through Envoy, client inference-perf 0.7.0: {} groups × {}-token prefix + {} questions × {} tokens, \
+        "shared prefix through Envoy, client {client}: {} groups × {}-token prefix + {} questions × {} tokens, \
          {} output tokens, Poisson stages {:?} req/s × {} s, {} engines × {} KV blocks, max {} running and {} prefilling each, \
          time scale {}\n",
         s.num_groups,
@@ -272,7 +360,7 @@ fn print_inference_perf(a: &Args, runs: &[(&str, Vec<StageReport>)]) {
         s.num_prompts_per_group,
         s.question_len,
         s.output_len,
-        a.rates,
+        stages(a).iter().map(|s| s.rate).collect::<Vec<_>>(),
         a.stage_seconds,
         a.engines,
         a.num_gpu_blocks,
@@ -377,9 +465,35 @@ async fn main() -> Result<()> {
         }
     }
     match (builtin.is_empty(), iperf.is_empty()) {
+        (false, true) if a.rates.is_some() => {
+            let staged: Vec<(&str, Vec<StageReport>)> =
+                builtin.iter().map(|(label, samples)| (*label, builtin_stage_reports(&a, samples))).collect();
+            print_stages(&a, &staged);
+        }
         (false, true) => print_builtin(&a, &builtin),
-        (true, false) => print_inference_perf(&a, &iperf),
+        (true, false) => print_stages(&a, &iperf),
         _ => anyhow::bail!("gateways ran with different clients"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_arrivals_stay_in_their_stage_at_about_its_rate() {
+        let a = Args::try_parse_from(["b", "--rates", "2,10", "--stage-seconds", "100"]).unwrap();
+        let at = arrivals(&a, &mut StdRng::seed_from_u64(1));
+        assert!(at.windows(2).all(|w| w[0].1 <= w[1].1), "arrivals are in time order");
+        for (stage, rate) in [(0usize, 2.0), (1, 10.0)] {
+            let (from, to) = (stage as f64 * 100.0, (stage as f64 + 1.0) * 100.0);
+            let n = at.iter().filter(|x| x.0 == stage).inspect(|x| assert!(x.1 >= from && x.1 < to)).count() as f64;
+            // Poisson count, mean rate × 100 s: within 4 standard deviations.
+            assert!((n - rate * 100.0).abs() < 4.0 * (rate * 100.0f64).sqrt(), "stage {stage}: {n}");
+        }
+        let single = Args::try_parse_from(["b", "--rate", "4", "--requests", "50"]).unwrap();
+        assert_eq!(arrivals(&single, &mut StdRng::seed_from_u64(1)).len(), 50);
+    }
 }
