@@ -64,6 +64,13 @@ pub struct EmulatorConfig {
     /// Maximum running requests; more wait in the queue. Default 8.
     #[arg(long, default_value_t = 8)]
     pub max_num_seqs: u32,
+    /// Prefills that run at once (vLLM `--max-num-partial-prefills`, whose default is 1); the other
+    /// admitted requests wait for a prefill slot, counted as waiting. A prefill's duration does not
+    /// depend on how many run, so 1 models a GPU whose prefill compute is the bottleneck (cache
+    /// misses cost throughput, not only latency). 0 = no limit: every running request prefills at
+    /// once (the emulator's original model). Default 0.
+    #[arg(long, default_value_t = 0)]
+    pub max_num_partial_prefills: u32,
     /// Maximum prompt + output tokens per request. Default 32768.
     #[arg(long, default_value_t = 32768)]
     pub max_model_len: u32,

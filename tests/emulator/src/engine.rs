@@ -2,7 +2,9 @@
 //! and the prefix-cache bookkeeping of each request.
 //!
 //! Timing (every duration × `time_scale`): prefill sleeps `uncached_tokens × prefill_us_per_token`
-//! and yields the first token; each further token takes `decode_ms_per_token`. Cache: the hit is
+//! and yields the first token; with `max_num_partial_prefills` = N > 0 at most N requests prefill
+//! at once and the others wait (FIFO) before their cache lookup, so a prefill queued behind another
+//! of the same prefix finds its blocks, as vLLM's scheduler does; each further token takes `decode_ms_per_token`. Cache: the hit is
 //! the longest run of cached leading full blocks, capped so that the last prompt token is never
 //! counted (vLLM: hit tokens ≤ prompt_len − 1, whole blocks). After prefill the prompt's full blocks
 //! are stored; at the end the full blocks of prompt + output are stored too; then every block the
@@ -11,14 +13,17 @@
 //! Concurrency: each request runs in its own tokio task, which owns the request's lifecycle and
 //! streams [`GenerationEvent`]s to the HTTP side through a bounded channel; a closed channel means
 //! the client left, and the task aborts (releasing its blocks). The cache is one `parking_lot`
-//! mutex, never held across an `.await`. Admission is a tokio semaphore of `max_num_seqs` permits.
+//! mutex, never held across an `.await`. Admission is a tokio semaphore of `max_num_partial_prefills`
+//! permits (when limited), then one of `max_num_seqs` permits; a request holds the prefill permit
+//! until its prefill is stored. Every running-slot holder is past its prefill, so the prefill holder
+//! waiting for a running slot always gets one once a decode finishes: no deadlock.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio::time::Instant;
 
 use crate::cache::{EngineHasher, PrefixCache};
@@ -35,6 +40,8 @@ pub struct EngineConfig {
     pub num_gpu_blocks: u32,
     /// Maximum running requests.
     pub max_num_seqs: u32,
+    /// Prefills running at once; 0 = no limit.
+    pub max_num_partial_prefills: u32,
     /// Prefill time per uncached token, µs.
     pub prefill_us_per_token: f64,
     /// Decode time per token, ms.
@@ -88,6 +95,8 @@ pub struct Engine {
     hasher: EngineHasher,
     cache: Mutex<PrefixCache>,
     slots: Semaphore,
+    /// `None` when prefills are not limited.
+    prefill_slots: Option<Semaphore>,
     metrics: Arc<Metrics>,
     faults: Arc<FaultState>,
     events: KvEventSink,
@@ -117,6 +126,8 @@ impl Engine {
             hasher: EngineHasher::new(config.hash_seed, config.block_size),
             cache: Mutex::new(PrefixCache::new(config.num_gpu_blocks as usize)),
             slots: Semaphore::new(config.max_num_seqs as usize),
+            prefill_slots: (config.max_num_partial_prefills > 0)
+                .then(|| Semaphore::new(config.max_num_partial_prefills as usize)),
             config,
             metrics,
             faults,
@@ -160,15 +171,15 @@ impl Engine {
         if let Some(name) = &adapter {
             self.metrics.lora_request(name, 1, 0);
         }
-        let permit = tokio::select! {
-            permit = self.admit() => permit,
+        let permits = tokio::select! {
+            permits = self.admit() => permits,
             _ = tx.closed() => None,
         };
         self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
         if let Some(name) = &adapter {
             self.metrics.lora_request(name, -1, 0);
         }
-        let Some(_permit) = permit else {
+        let Some((_permit, prefill_permit)) = permits else {
             self.metrics.record_finished(FinishReason::Abort);
             return;
         };
@@ -177,7 +188,7 @@ impl Engine {
             self.metrics.lora_request(name, 0, 1);
         }
         let mut held = Held { pinned: Vec::new(), blocks_in_use: 0 };
-        let reason = match self.generate(&request, &tx, arrived, &mut held).await {
+        let reason = match self.generate(&request, &tx, arrived, &mut held, prefill_permit).await {
             Ok(()) => FinishReason::Length,
             Err(Aborted) => FinishReason::Abort,
         };
@@ -190,8 +201,9 @@ impl Engine {
         self.metrics.record_finished(reason);
     }
 
-    /// Waits for a running slot, honouring the `stuck` and `extra_latency_ms` faults.
-    async fn admit(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+    /// Waits for a prefill slot (when limited), then a running slot, honouring the `stuck` and
+    /// `extra_latency_ms` faults. Returns (running permit, prefill permit).
+    async fn admit(&self) -> Option<(SemaphorePermit<'_>, Option<SemaphorePermit<'_>>)> {
         while self.faults.get().stuck {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -199,7 +211,11 @@ impl Engine {
         if extra > 0 {
             tokio::time::sleep(Duration::from_millis(extra)).await;
         }
-        self.slots.acquire().await.ok()
+        let prefill = match &self.prefill_slots {
+            Some(slots) => Some(slots.acquire().await.ok()?),
+            None => None,
+        };
+        Some((self.slots.acquire().await.ok()?, prefill))
     }
 
     async fn generate(
@@ -208,6 +224,7 @@ impl Engine {
         tx: &mpsc::Sender<GenerationEvent>,
         arrived: Instant,
         held: &mut Held,
+        prefill_permit: Option<SemaphorePermit<'_>>,
     ) -> Result<(), Aborted> {
         let bs = self.config.block_size as usize;
         let prompt_len = request.prompt.len();
@@ -230,6 +247,7 @@ impl Engine {
         let stored = self.cache.lock().store(&chain, hit_blocks, &request.prompt, bs, request.lora.as_ref());
         held.pinned.extend(stored.pinned);
         self.events.send(stored.events);
+        drop(prefill_permit);
         self.metrics.observe_ttft(arrived.elapsed().as_secs_f64());
 
         let mut all_tokens = request.prompt.clone();

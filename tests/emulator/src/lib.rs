@@ -153,6 +153,7 @@ pub async fn start(config: EmulatorConfig) -> Result<RunningEmulator, EmulatorEr
             block_size: config.block_size,
             num_gpu_blocks: config.num_gpu_blocks,
             max_num_seqs: config.max_num_seqs,
+            max_num_partial_prefills: config.max_num_partial_prefills,
             prefill_us_per_token: config.prefill_us_per_token,
             decode_ms_per_token: config.decode_ms_per_token,
             time_scale: config.time_scale,

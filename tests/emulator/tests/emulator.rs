@@ -389,6 +389,30 @@ async fn queue_bounded_by_max_num_seqs() {
     emu.shutdown().await;
 }
 
+/// `--max-num-partial-prefills 1`: a second cold prefill waits for the first (prefill compute is
+/// the bottleneck), and one of the same prompt looks the cache up only once it may prefill, so it
+/// finds the blocks the first stored. Without the limit both prefill the whole prompt at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn partial_prefill_limit_serialises_prefills() {
+    for (limit, expect_serial) in [("1", true), ("0", false)] {
+        let emu = start(&["--max-num-partial-prefills", limit, "--prefill-us-per-token", "2000"]).await;
+        let body = json!({"model": "test-model", "prompt": tokens(0, 160), "max_tokens": 1});
+        let started = std::time::Instant::now();
+        let (a, b) = tokio::join!(complete(&emu, body.clone()), complete(&emu, body));
+        let elapsed = started.elapsed();
+        let cached = |r: &Json| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        // 160 tokens × 2 ms = 320 ms per cold prefill; the hit is 144 tokens (the last block is
+        // never counted), leaving 16 uncached (32 ms).
+        if expect_serial {
+            assert_eq!(cached(&a) + cached(&b), 144, "{a} {b}");
+            assert!(elapsed >= Duration::from_millis(350), "{elapsed:?}");
+        } else {
+            assert_eq!(cached(&a) + cached(&b), 0, "{a} {b}");
+        }
+        emu.shutdown().await;
+    }
+}
+
 async fn complete_owned(url: String, prompt: Vec<u32>, max_tokens: u32) {
     let resp = reqwest::Client::new()
         .post(url)

@@ -1,8 +1,9 @@
 //! A whole kvroute fleet on one machine: N emulated engines, agents (each watching a share of the
 //! engines, GPUs from a mock-NVML scenario), the picker and Envoy with `deploy/envoy/envoy.yaml`.
 //! Optionally a second Envoy doing plain round robin (`deploy/envoy/envoy-round-robin.yaml`) over
-//! the same engines, as the baseline the demo compares against, and further Envoys on other
-//! kvroute configs sharing the same picker (to compare ext_proc layouts in one run).
+//! the same engines, as the baseline the demo compares against, a third doing least-request
+//! (`deploy/envoy/envoy-least-request.yaml`), the least-loaded baseline, and further Envoys on
+//! other kvroute configs sharing the same picker (to compare ext_proc layouts in one run).
 
 use crate::paths::{self, free_port};
 use crate::process::ManagedProcess;
@@ -34,10 +35,14 @@ pub struct FleetSpec {
     /// KV capacity of each engine, in 16-token blocks.
     pub num_gpu_blocks: u32,
     pub max_num_seqs: u32,
+    /// Prefills each engine runs at once (emulator `--max-num-partial-prefills`); 0 = no limit.
+    pub max_num_partial_prefills: u32,
     /// Agent stats report interval (ms).
     pub report_interval_ms: u64,
     /// Also start the round-robin baseline gateway.
     pub round_robin_baseline: bool,
+    /// Also start the least-request baseline gateway.
+    pub least_request_baseline: bool,
     /// Picker log level.
     pub picker_log_level: String,
     /// Start the picker without a tokenizer for the model, in approximate mode (SPEC §6: text
@@ -62,8 +67,10 @@ impl Default for FleetSpec {
             decode_ms_per_token: 20,
             num_gpu_blocks: 4096,
             max_num_seqs: 8,
+            max_num_partial_prefills: 0,
             report_interval_ms: 500,
             round_robin_baseline: false,
+            least_request_baseline: false,
             picker_log_level: "info".into(),
             picker_approximate: false,
             extra_gateway_configs: Vec::new(),
@@ -106,6 +113,8 @@ pub struct Fleet {
     pub round_robin_gateway: Option<String>,
     /// `http://127.0.0.1:<port>` of each of `spec.extra_gateway_configs`' gateways, in order.
     pub extra_gateways: Vec<String>,
+    /// `http://127.0.0.1:<port>` of the least-request baseline gateway, if started.
+    pub least_request_gateway: Option<String>,
     /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
     pub picker_admin: String,
     /// `http://127.0.0.1:<port>` of each agent's own `/metrics`, in agent order.
@@ -196,15 +205,23 @@ impl Fleet {
             admin_urls.push(admin_url_of(&cfg)?);
             extra_gateways.push(format!("http://127.0.0.1:{port}"));
         }
-        let mut round_robin_gateway = None;
-        if spec.round_robin_baseline {
-            let rr_port = free_port()?;
-            let rr_cfg = work.join("envoy-round-robin.yaml");
-            write_yaml(&rr_cfg, &round_robin_envoy_config(rr_port, free_port()?, &engines)?)?;
-            envoys.push(start_envoy("envoy-round-robin", &envoy_bin, &rr_cfg, &work)?);
-            admin_urls.push(admin_url_of(&rr_cfg)?);
-            round_robin_gateway = Some(format!("http://127.0.0.1:{rr_port}"));
+        let mut baseline_gateways = [None, None];
+        let baselines = [
+            (spec.round_robin_baseline, "envoy-round-robin", "pods_round_robin"),
+            (spec.least_request_baseline, "envoy-least-request", "pods_least_request"),
+        ];
+        for ((wanted, name, cluster), gateway) in baselines.into_iter().zip(&mut baseline_gateways) {
+            if !wanted {
+                continue;
+            }
+            let port = free_port()?;
+            let cfg = work.join(format!("{name}.yaml"));
+            write_yaml(&cfg, &baseline_envoy_config(name, cluster, port, free_port()?, &engines)?)?;
+            envoys.push(start_envoy(name, &envoy_bin, &cfg, &work)?);
+            admin_urls.push(admin_url_of(&cfg)?);
+            *gateway = Some(format!("http://127.0.0.1:{port}"));
         }
+        let [round_robin_gateway, least_request_gateway] = baseline_gateways;
         for (admin, proc) in admin_urls.iter().zip(&envoys) {
             wait_envoy_ready(&http, admin, proc).await?;
         }
@@ -216,6 +233,7 @@ impl Fleet {
             gateway: format!("http://127.0.0.1:{gateway_port}"),
             round_robin_gateway,
             extra_gateways,
+            least_request_gateway,
             picker_admin: format!("http://127.0.0.1:{admin_port}"),
             agent_admins,
             agents,
@@ -413,6 +431,7 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
     kv_pair("--block-size", "16".into());
     kv_pair("--num-gpu-blocks", spec.num_gpu_blocks.to_string());
     kv_pair("--max-num-seqs", spec.max_num_seqs.to_string());
+    kv_pair("--max-num-partial-prefills", spec.max_num_partial_prefills.to_string());
     kv_pair("--prefill-us-per-token", spec.prefill_us_per_token.to_string());
     kv_pair("--decode-ms-per-token", spec.decode_ms_per_token.to_string());
     kv_pair("--time-scale", spec.time_scale.to_string());
@@ -479,15 +498,16 @@ fn kvroute_envoy_config(path: &Path, listener: u16, admin: u16, picker: u16) -> 
     Ok(cfg)
 }
 
-/// `deploy/envoy/envoy-round-robin.yaml` with the fleet's ports and engines.
-fn round_robin_envoy_config(listener: u16, admin: u16, engines: &[Engine]) -> Result<Value> {
-    let mut cfg = read_yaml(&paths::repo_root().join("deploy/envoy/envoy-round-robin.yaml"))?;
+/// `deploy/envoy/<name>.yaml` (a baseline without kvroute, its pods in `cluster`) with the fleet's
+/// ports and engines.
+fn baseline_envoy_config(name: &str, cluster: &str, listener: u16, admin: u16, engines: &[Engine]) -> Result<Value> {
+    let mut cfg = read_yaml(&paths::repo_root().join(format!("deploy/envoy/{name}.yaml")))?;
     set_listener_and_admin(&mut cfg, listener, admin)?;
     let endpoints: Vec<Value> = engines
         .iter()
         .map(|e| json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.port}}}}))
         .collect();
-    cluster_mut(&mut cfg, "pods_round_robin")?["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
+    cluster_mut(&mut cfg, cluster)?["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
     Ok(cfg)
 }
 

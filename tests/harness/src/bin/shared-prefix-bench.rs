@@ -2,10 +2,16 @@
 //! what emulated engines on this machine sustain): the same open-loop Poisson stream of
 //! `/v1/completions` requests (G groups × a shared prefix × Q questions) goes through real Envoy +
 //! picker + agents + emulated engines (precise mode: KV events), then — prefix caches emptied —
-//! through an Envoy doing plain round robin over the same engines, then through a second fleet
+//! through an Envoy doing plain round robin over the same engines (with `--least-request`, caches
+//! emptied again, through an Envoy doing least-request, the least-loaded baseline), then through a
+//! second fleet
 //! whose picker runs in approximate mode (no tokenizer: SPEC §6's text blocks and per-pod LRU of
 //! its own routing, GIE's estimated prefix cache). TTFT (first streamed chunk with text) is
 //! measured by the client, as inference-perf does.
+//!
+//! Engines prefill one request at a time by default (`--max-num-partial-prefills 1`, vLLM's
+//! default), so prefill compute is each pod's bottleneck and a cache-blind router saturates once
+//! the fleet's uncached tokens per second exceed what its pods prefill.
 //!
 //! `--client inference-perf` sends the stream with inference-perf 0.7.0 instead (SPEC §13; its
 //! `shared_prefix` generator, Poisson stages of rising rate, streaming `/v1/completions`) and reads
@@ -25,7 +31,8 @@ use serde_json::json;
 /// Which load client sends the requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Client {
-    /// This binary's own open-loop Poisson client (`--rate`, `--requests`).
+    /// This binary's own open-loop Poisson client: `--rate` × `--requests`, or with `--rates` the
+    /// same stages as inference-perf, each request's group and question drawn at random.
     Builtin,
     /// inference-perf 0.7.0 as a child process (`--rates`, `--stage-seconds`).
     InferencePerf,
@@ -64,6 +71,10 @@ struct Args {
     /// Requests each engine runs at once (vLLM `--max-num-seqs`); the rest queue.
     #[arg(long, default_value_t = 16)]
     max_num_seqs: u32,
+    /// Prefills each engine runs at once (vLLM `--max-num-partial-prefills`); 0 = no limit (every
+    /// running request prefills at once, so misses cost latency but no throughput).
+    #[arg(long, default_value_t = 1)]
+    max_num_partial_prefills: u32,
     /// Emulator time scale (1.0 = the seed's 8B prefill speed).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -73,13 +84,17 @@ struct Args {
     /// Skip the approximate-mode fleet (precise kvroute and round robin only).
     #[arg(long)]
     no_approximate: bool,
+    /// Also run an Envoy doing least-request over the first fleet's engines (caches emptied first).
+    #[arg(long)]
+    least_request: bool,
     /// Load client.
     #[arg(long, value_enum, default_value_t = Client::Builtin)]
     client: Client,
-    /// inference-perf: Poisson stage rates, requests per second, in order.
-    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
-    rates: Vec<f64>,
-    /// inference-perf: seconds per stage.
+    /// Poisson stage rates, requests per second, in order (inference-perf's default 2,4,6; the
+    /// builtin client runs stages only when this is given, replacing `--rate` and `--requests`).
+    #[arg(long, value_delimiter = ',')]
+    rates: Option<Vec<f64>>,
+    /// Seconds per stage (`--rates`).
     #[arg(long, default_value_t = 30)]
     stage_seconds: u64,
     /// inference-perf: tokens per shared prefix (default: `--prefix-words` × 1.2).
@@ -107,6 +122,11 @@ fn text(seed: u64, words: usize) -> String {
 }
 
 struct Sample {
+    /// Load stage (0 without `--rates`).
+    stage: usize,
+    /// Seconds from the run's start: sent, and done (last byte).
+    sent_s: f64,
+    done_s: f64,
     ttft_ms: Option<f64>,
     status: u16,
     prompt_tokens: u32,
@@ -117,10 +137,8 @@ async fn run(gateway: &str, model: &str, a: &Args) -> Result<Vec<Sample>> {
     let client = Arc::new(GatewayClient::new(gateway)?);
     let mut rng = StdRng::seed_from_u64(a.seed);
     let start = Instant::now();
-    let mut at = 0.0f64;
     let mut tasks = Vec::new();
-    for _ in 0..a.requests {
-        at += -rng.random_range(f64::EPSILON..1.0f64).ln() / a.rate;
+    for (stage, at) in arrivals(a, &mut rng) {
         let (g, q) = (rng.random_range(0..a.groups), rng.random_range(0..a.questions));
         let prompt =
             format!("{}\n\n{}", text(1000 + g, a.prefix_words), text(1_000_000 + g * 1000 + q, a.question_words));
@@ -134,6 +152,9 @@ async fn run(gateway: &str, model: &str, a: &Args) -> Result<Vec<Sample>> {
             tokio::time::sleep_until(when.into()).await;
             let o = client.post_raw("/v1/completions", serde_json::to_vec(&body)?, &[]).await?;
             anyhow::Ok(Sample {
+                stage,
+                sent_s: at,
+                done_s: start.elapsed().as_secs_f64(),
                 ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1000.0),
                 status: o.status,
                 prompt_tokens: o.prompt_tokens,
@@ -148,10 +169,76 @@ async fn run(gateway: &str, model: &str, a: &Args) -> Result<Vec<Sample>> {
     Ok(out)
 }
 
+/// (stage, seconds from the start) of every request: Poisson arrivals at `--rate` for
+/// `--requests`, or with `--rates` at each stage's rate for `--stage-seconds` each.
+fn arrivals(a: &Args, rng: &mut StdRng) -> Vec<(usize, f64)> {
+    let mut next = |at: f64, rate: f64| at - rng.random_range(f64::EPSILON..1.0f64).ln() / rate;
+    let mut out = Vec::new();
+    let mut at = 0.0;
+    match &a.rates {
+        None => {
+            for _ in 0..a.requests {
+                at = next(at, a.rate);
+                out.push((0, at));
+            }
+        }
+        Some(rates) => {
+            for (stage, &rate) in rates.iter().enumerate() {
+                let end = (stage as f64 + 1.0) * a.stage_seconds as f64;
+                loop {
+                    at = next(at, rate);
+                    if at >= end {
+                        at = end;
+                        break;
+                    }
+                    out.push((stage, at));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Nearest-rank percentile of sorted values; NaN when empty.
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
+}
+
+/// The builtin client's samples of each `--rates` stage, summarised as inference-perf's reports are.
+fn builtin_stage_reports(a: &Args, samples: &[Sample]) -> Vec<StageReport> {
+    let rates = a.rates.as_deref().unwrap_or_default();
+    rates
+        .iter()
+        .enumerate()
+        .map(|(stage, &rate)| {
+            let s: Vec<&Sample> = samples.iter().filter(|x| x.stage == stage).collect();
+            let ok: Vec<&&Sample> = s.iter().filter(|x| x.status == 200).collect();
+            let mut t: Vec<f64> = ok.iter().filter_map(|x| x.ttft_ms).collect();
+            t.sort_by(f64::total_cmp);
+            let first = s.iter().map(|x| x.sent_s).fold(f64::INFINITY, f64::min);
+            let last = s.iter().map(|x| x.done_s).fold(0.0, f64::max);
+            StageReport {
+                stage,
+                requested_rate: rate,
+                achieved_rate: s.len() as f64 / a.stage_seconds as f64,
+                successes: ok.len() as u64,
+                failures: (s.len() - ok.len()) as u64,
+                ttft_p50_ms: percentile(&t, 0.5),
+                ttft_p90_ms: percentile(&t, 0.9),
+                ttft_p99_ms: percentile(&t, 0.99),
+                requests_per_sec: ok.len() as f64 / (last - first),
+                prompt_tokens: ok.iter().map(|x| f64::from(x.prompt_tokens)).sum(),
+                cached_prompt_tokens: ok.iter().map(|x| f64::from(x.cached_tokens)).sum(),
+                ..StageReport::default()
+            }
+        })
+        .collect()
+}
+
 fn summary(name: &str, s: &[Sample]) -> (f64, f64) {
     let mut t: Vec<f64> = s.iter().filter_map(|x| x.ttft_ms).collect();
     t.sort_by(f64::total_cmp);
-    let pct = |q: f64| t.get(((t.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    let pct = |q: f64| percentile(&t, q);
     let prompt: u64 = s.iter().map(|x| u64::from(x.prompt_tokens)).sum();
     let cached: u64 = s.iter().map(|x| u64::from(x.cached_tokens)).sum();
     let errors = s.iter().filter(|x| x.status != 200).count();
@@ -202,12 +289,22 @@ async fn drive(gateway: &str, model: &str, a: &Args, name: &str, work: &std::pat
 }
 
 fn stages(a: &Args) -> Vec<LoadStage> {
-    a.rates.iter().map(|&rate| LoadStage { rate, duration_s: a.stage_seconds }).collect()
+    a.rates
+        .as_deref()
+        .unwrap_or(&[2.0, 4.0, 6.0])
+        .iter()
+        .map(|&rate| LoadStage { rate, duration_s: a.stage_seconds })
+        .collect()
 }
 
-/// The builtin workload in tokens: words × 1.2 (what the fixture tokenizer gives for this word list).
+/// The workload in tokens. The builtin client's prompts are exactly one fixture token per word
+/// (every word of `WORDS` with its leading space is one Qwen2.5 token); inference-perf's lengths
+/// default to words × 1.2, the estimate its earlier tables were run with.
 fn shape(a: &Args) -> SharedPrefixShape {
-    let tokens = |words: usize| (words as u64 * 6).div_ceil(5);
+    let tokens = |words: usize| match a.client {
+        Client::Builtin => words as u64,
+        Client::InferencePerf => (words as u64 * 6).div_ceil(5),
+    };
     SharedPrefixShape {
         num_groups: a.groups,
         num_prompts_per_group: a.questions,
@@ -248,42 +345,48 @@ fn stage_ratios(label: &str, kv: &[StageReport], other: &[StageReport]) {
     }
 }
 
-fn print_inference_perf(a: &Args, kv: &[StageReport], rr: &[StageReport], approx: Option<&[StageReport]>) {
+fn print_stages(a: &Args, runs: &[(&str, Vec<StageReport>)]) {
     let s = shape(a);
+    let client = match a.client {
+        Client::Builtin => "builtin (group and question drawn at random per request)",
+        Client::InferencePerf => "inference-perf 0.7.0",
+    };
     println!(
-        "shared prefix through Envoy, client inference-perf 0.7.0: {} groups × {}-token prefix + {} questions × {} tokens, \
-         {} output tokens, Poisson stages {:?} req/s × {} s, {} engines × {} KV blocks, max {} running each\n",
+        "shared prefix through Envoy, client {client}: {} groups × {}-token prefix + {} questions × {} tokens, \
+         {} output tokens, Poisson stages {:?} req/s × {} s, {} engines × {} KV blocks, max {} running and {} prefilling each, \
+         time scale {}\n",
         s.num_groups,
         s.system_prompt_len,
         s.num_prompts_per_group,
         s.question_len,
         s.output_len,
-        a.rates,
+        stages(a).iter().map(|s| s.rate).collect::<Vec<_>>(),
         a.stage_seconds,
         a.engines,
         a.num_gpu_blocks,
-        a.max_num_seqs
+        a.max_num_seqs,
+        a.max_num_partial_prefills,
+        a.time_scale
     );
     println!(
         "| gateway | rate req/s | achieved | ok | failed | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | throughput req/s |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-    stage_rows("Envoy + kvroute", kv);
-    stage_rows("Envoy round robin", rr);
-    if let Some(approx) = approx {
-        stage_rows("Envoy + kvroute, approximate mode", approx);
+    for (name, reports) in runs {
+        stage_rows(name, reports);
     }
     println!();
-    stage_ratios("round robin", kv, rr);
-    if let Some(approx) = approx {
-        stage_ratios("approximate mode", kv, approx);
+    if let Some(((_, kv), others)) = runs.split_first() {
+        for (name, reports) in others {
+            stage_ratios(name, kv, reports);
+        }
     }
 }
 
-fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample]>) {
+fn print_builtin(a: &Args, runs: &[(&str, Vec<Sample>)]) {
     println!(
         "shared prefix through Envoy: {} groups × {} words + {} questions × {} words, {} output tokens, {} req/s Poisson, \
-         {} engines × {} KV blocks, max {} running each\n",
+         {} engines × {} KV blocks, max {} running and {} prefilling each, time scale {}\n",
         a.groups,
         a.prefix_words,
         a.questions,
@@ -292,16 +395,31 @@ fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample
         a.rate,
         a.engines,
         a.num_gpu_blocks,
-        a.max_num_seqs
+        a.max_num_seqs,
+        a.max_num_partial_prefills,
+        a.time_scale
     );
     println!("| gateway | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    let (k50, k90) = summary("Envoy + kvroute", kv);
-    let (r50, r90) = summary("Envoy round robin", rr);
-    let approx = approx.map(|s| summary("Envoy + kvroute, approximate mode", s));
-    println!("\nround robin ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", r50 / k50, r90 / k90);
-    if let Some((a50, a90)) = approx {
-        println!("approximate mode ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", a50 / k50, a90 / k90);
+    let pcts: Vec<(f64, f64)> = runs.iter().map(|(name, samples)| summary(name, samples)).collect();
+    println!();
+    if let Some(((k50, k90), others)) = pcts.split_first() {
+        for ((name, _), (o50, o90)) in runs.iter().skip(1).zip(others) {
+            println!("{name} ÷ kvroute: TTFT p50 {:.1}×, p90 {:.1}×", o50 / k50, o90 / k90);
+        }
+    }
+}
+
+fn fleet_spec(a: &Args, label: &str) -> FleetSpec {
+    FleetSpec {
+        label: label.into(),
+        engines: a.engines,
+        num_gpu_blocks: a.num_gpu_blocks,
+        time_scale: a.time_scale,
+        max_num_seqs: a.max_num_seqs,
+        max_num_partial_prefills: a.max_num_partial_prefills,
+        picker_log_level: "warn".into(),
+        ..FleetSpec::default()
     }
 }
 
@@ -309,58 +427,73 @@ fn print_builtin(a: &Args, kv: &[Sample], rr: &[Sample], approx: Option<&[Sample
 async fn main() -> Result<()> {
     let a = Args::parse();
     let spec = FleetSpec {
-        label: "shared-prefix-bench".into(),
-        engines: a.engines,
-        num_gpu_blocks: a.num_gpu_blocks,
-        time_scale: a.time_scale,
-        max_num_seqs: a.max_num_seqs,
         round_robin_baseline: true,
-        picker_log_level: "warn".into(),
-        ..FleetSpec::default()
+        least_request_baseline: a.least_request,
+        ..fleet_spec(&a, "shared-prefix-bench")
     };
     let model = spec.model.clone();
-    eprintln!("starting {} engines, agents, picker, Envoy (kvroute) and Envoy (round robin) ...", a.engines);
+    eprintln!("starting {} engines, agents, picker and Envoys (kvroute and the baselines) ...", a.engines);
     let fleet = Fleet::start(spec).await?;
-    let kv = drive(&fleet.gateway, &model, &a, "kvroute", &fleet.work).await?;
-    fleet.reset_prefix_caches().await?;
-    let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
-    let rr = drive(&rr_gateway, &model, &a, "round-robin", &fleet.work).await?;
+    let mut runs = vec![("Envoy + kvroute", drive(&fleet.gateway, &model, &a, "kvroute", &fleet.work).await?)];
+    let baselines = [
+        ("Envoy round robin", "round-robin", fleet.round_robin_gateway.clone()),
+        ("Envoy least request", "least-request", fleet.least_request_gateway.clone()),
+    ];
+    for (label, name, gateway) in baselines {
+        if let Some(gateway) = gateway {
+            fleet.reset_prefix_caches().await?;
+            runs.push((label, drive(&gateway, &model, &a, name, &fleet.work).await?));
+        }
+    }
     fleet.shutdown().await;
-    let approx = if a.no_approximate {
-        None
-    } else {
+    if !a.no_approximate {
         eprintln!("starting a second fleet whose picker runs in approximate mode ...");
-        let spec = FleetSpec {
-            label: "shared-prefix-bench-approx".into(),
-            engines: a.engines,
-            num_gpu_blocks: a.num_gpu_blocks,
-            time_scale: a.time_scale,
-            max_num_seqs: a.max_num_seqs,
-            picker_approximate: true,
-            picker_log_level: "warn".into(),
-            ..FleetSpec::default()
-        };
+        let spec = FleetSpec { picker_approximate: true, ..fleet_spec(&a, "shared-prefix-bench-approx") };
         let fleet = Fleet::start(spec).await?;
-        let outcome = drive(&fleet.gateway, &model, &a, "approximate", &fleet.work).await?;
+        runs.push((
+            "Envoy + kvroute, approximate mode",
+            drive(&fleet.gateway, &model, &a, "approximate", &fleet.work).await?,
+        ));
         fleet.shutdown().await;
-        Some(outcome)
-    };
-    match (kv, rr, approx) {
-        (Outcome::Builtin(kv), Outcome::Builtin(rr), approx) => {
-            let approx = match approx {
-                Some(Outcome::Builtin(s)) => Some(s),
-                _ => None,
-            };
-            print_builtin(&a, &kv, &rr, approx.as_deref());
+    }
+    let mut builtin = Vec::new();
+    let mut iperf = Vec::new();
+    for (label, outcome) in runs {
+        match outcome {
+            Outcome::Builtin(samples) => builtin.push((label, samples)),
+            Outcome::InferencePerf(reports) => iperf.push((label, reports)),
         }
-        (Outcome::InferencePerf(kv), Outcome::InferencePerf(rr), approx) => {
-            let approx = match approx {
-                Some(Outcome::InferencePerf(s)) => Some(s),
-                _ => None,
-            };
-            print_inference_perf(&a, &kv, &rr, approx.as_deref());
+    }
+    match (builtin.is_empty(), iperf.is_empty()) {
+        (false, true) if a.rates.is_some() => {
+            let staged: Vec<(&str, Vec<StageReport>)> =
+                builtin.iter().map(|(label, samples)| (*label, builtin_stage_reports(&a, samples))).collect();
+            print_stages(&a, &staged);
         }
+        (false, true) => print_builtin(&a, &builtin),
+        (true, false) => print_stages(&a, &iperf),
         _ => anyhow::bail!("gateways ran with different clients"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_arrivals_stay_in_their_stage_at_about_its_rate() {
+        let a = Args::try_parse_from(["b", "--rates", "2,10", "--stage-seconds", "100"]).unwrap();
+        let at = arrivals(&a, &mut StdRng::seed_from_u64(1));
+        assert!(at.windows(2).all(|w| w[0].1 <= w[1].1), "arrivals are in time order");
+        for (stage, rate) in [(0usize, 2.0), (1, 10.0)] {
+            let (from, to) = (stage as f64 * 100.0, (stage as f64 + 1.0) * 100.0);
+            let n = at.iter().filter(|x| x.0 == stage).inspect(|x| assert!(x.1 >= from && x.1 < to)).count() as f64;
+            // Poisson count, mean rate × 100 s: within 4 standard deviations.
+            assert!((n - rate * 100.0).abs() < 4.0 * (rate * 100.0f64).sqrt(), "stage {stage}: {n}");
+        }
+        let single = Args::try_parse_from(["b", "--rate", "4", "--requests", "50"]).unwrap();
+        assert_eq!(arrivals(&single, &mut StdRng::seed_from_u64(1)).len(), 50);
+    }
 }
