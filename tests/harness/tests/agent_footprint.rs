@@ -3,6 +3,20 @@
 //! (`AGENT_FOOTPRINT_SECS`, default 60). Ignored by default (it is a measurement, not a check):
 //! run it with `scripts/agent-footprint`.
 //!
+//! Two load profiles (`AGENT_FOOTPRINT_PROFILE`):
+//! - `node` (default): engines as fast as the seed's 8B model on an A100 (prefill 220 µs per
+//!   uncached token, decode 20 ms per token, time scale 1) with vLLM's default of one prefill at a
+//!   time, kept busy by 4 closed-loop clients per engine: the KV-event volume a saturated node of
+//!   8 such GPUs produces (a few thousand block events/s).
+//! - `stress`: the same engines 20× faster (time scale 0.05) with every admitted request
+//!   prefilling at once, 8 closed-loop clients: ~25 000–30 000 block events/s, beyond what 8 real
+//!   GPUs can prefill; it shows how the agent's CPU grows with event volume.
+//!
+//! `AGENT_FOOTPRINT_CLIENTS` overrides the client count, `AGENT_FOOTPRINT_TIME_SCALE` the engines'
+//! speed (e.g. 0.33 for GPUs three times an A100's prefill speed). The benchmark prints the block events/s
+//! of the load phase and the CPU points per 1 000 block events/s above idle, so a node's share can
+//! be read off for its own event rate.
+//!
 //! Baseline, in the same run: the same agent watching the same 8 engines idle for
 //! `AGENT_FOOTPRINT_IDLE_SECS` (default 15) first, so only scrapes (every 200 ms), probes (every
 //! 5 s) and reports run; the load phase is reported against it as a ratio.
@@ -99,11 +113,21 @@ async fn measure(pid: u32, secs: u64) -> Phase {
 #[ignore = "a one-minute measurement; run scripts/agent-footprint"]
 async fn agent_footprint_eight_engines_under_load() {
     let secs: u64 = std::env::var("AGENT_FOOTPRINT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
+    let profile = std::env::var("AGENT_FOOTPRINT_PROFILE").unwrap_or_else(|_| "node".into());
+    // (time scale, prefills at once (0 = no limit), default clients)
+    let (time_scale, max_num_partial_prefills, default_clients) = match profile.as_str() {
+        "node" => (1.0, 1, 32),
+        "stress" => (0.05, 0, 8),
+        other => panic!("AGENT_FOOTPRINT_PROFILE must be node or stress, not {other:?}"),
+    };
+    let time_scale: f64 =
+        std::env::var("AGENT_FOOTPRINT_TIME_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(time_scale);
     let spec = FleetSpec {
         label: "agent-footprint".into(),
         engines: 8,
         engines_per_agent: 8,
-        time_scale: 0.05,
+        time_scale,
+        max_num_partial_prefills,
         report_interval_ms: 2000,
         ..Default::default()
     };
@@ -114,9 +138,10 @@ async fn agent_footprint_eight_engines_under_load() {
     let idle_secs: u64 = std::env::var("AGENT_FOOTPRINT_IDLE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(15);
     let idle = measure(pid, idle_secs).await;
 
-    // Load: `AGENT_FOOTPRINT_CLIENTS` (default 8) closed-loop clients, each cycling over the
-    // engines with ~200-word prompts from a rotating set of 40 (so prefixes repeat and evict).
-    let clients: usize = std::env::var("AGENT_FOOTPRINT_CLIENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(8);
+    // Load: closed-loop clients, each cycling over the engines with ~200-word prompts from a
+    // rotating set of 40 (so prefixes repeat and evict).
+    let clients: usize =
+        std::env::var("AGENT_FOOTPRINT_CLIENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(default_clients);
     let mut load = Vec::new();
     for c in 0..clients {
         let (fleet, stop, sent) = (fleet.clone(), stop.clone(), sent.clone());
@@ -147,7 +172,9 @@ async fn agent_footprint_eight_engines_under_load() {
                 let msgs = messages(&format!("probe{n}"), 150);
                 let client = GatewayClient::new(fleet.engines[e].url()).expect("client");
                 let start = Instant::now();
-                let out = client.chat(MODEL, &msgs, 4).await.expect("probe request");
+                // One output token: the response ends right after the first token, so polling
+                // starts at t0 (with more tokens it would start only after their decode time).
+                let out = client.chat(MODEL, &msgs, 1).await.expect("probe request");
                 let Some(ttft) = out.ttft else { continue };
                 let t0 = start + ttft;
                 let explain = json!({"model": MODEL, "messages": msgs});
@@ -190,7 +217,7 @@ async fn agent_footprint_eight_engines_under_load() {
     let rtt_mean = rtt.iter().sum::<f64>() / rtt.len().max(1) as f64;
     let batches = agent_counter(&fleet, "kvroute_agent_kv_event_batches_received_total{").await;
     println!(
-        "agent footprint, 8 engines; baseline = the same agent with the engines idle ({:.0} s)\n  \
+        "agent footprint, 8 engines, profile {profile} (time scale {time_scale}); baseline = the same agent with the engines idle ({:.0} s)\n  \
          load: {:.0} s, {clients} clients, {} requests, {batches} KV-event batches, \
          {block_events_per_s:.0} block events/s\n  \
          RSS MiB: idle max {:.1}; load median {:.1}, max {:.1} (×{:.2} of idle; target ≤ 30 MB)\n  \
