@@ -300,7 +300,9 @@ async fn scrape_task(
     let mut last_probe: Option<Instant> = None;
     let (mut health_ok, mut model_loaded, mut probe) = (false, false, ProbeOutcome::Unknown);
     let mut ecc_window: VecDeque<(Instant, u64)> = VecDeque::new();
-    let mut last_metrics = None;
+    let mut last_metrics: Option<(crate::engine::metrics::EngineMetrics, i64)> = None;
+    // Token counters before a probe that timed out (until the next scrape decides busy or stuck).
+    let mut timed_out_at_tokens: Option<Option<f64>> = None;
     loop {
         tokio::select! {
             _ = scrape.tick() => {}
@@ -326,6 +328,11 @@ async fn scrape_task(
             if health_ok && !model.is_empty() {
                 probe = match client.probe(&model, probe_timeout).await {
                     Ok(lat) => ProbeOutcome::Ok { latency_ms: lat.as_secs_f64() * 1e3 },
+                    Err(e) if e.is_timeout() => {
+                        // Busy or stuck? Decided by the token counters after this scrape.
+                        timed_out_at_tokens = Some(last_metrics.as_ref().and_then(|(m, _)| m.tokens_processed));
+                        ProbeOutcome::Failed
+                    }
                     Err(e) => {
                         tracing::warn!(pod = %engine.pod, error = %e, "inference probe failed");
                         ProbeOutcome::Failed
@@ -344,6 +351,16 @@ async fn scrape_task(
                 last_metrics = Some((m, observed_at));
             }
             Err(e) => scrape_err(&metrics, &labels, &engine.pod, e),
+        }
+        if let Some(before) = timed_out_at_tokens.take() {
+            // A probe past its deadline on an engine whose token counters rose meanwhile queued
+            // behind real work (busy); counters standing still = live but stuck.
+            probe = probe_after_timeout(before, last_metrics.as_ref().and_then(|(m, _)| m.tokens_processed));
+            if probe == ProbeOutcome::TimedOutBusy {
+                tracing::info!(pod = %engine.pod, "inference probe timed out behind a busy queue");
+            } else {
+                tracing::warn!(pod = %engine.pod, "inference probe timed out and the engine made no progress");
+            }
         }
         let (m, observed_at) = last_metrics.clone().unwrap_or_default();
         let load = f64::from(m.num_requests_running) / f64::from(engine.max_num_seqs.max(1));
@@ -394,6 +411,16 @@ async fn scrape_task(
             ready: health_ok && model_loaded,
         };
         pod.update_stats(stats, false);
+    }
+}
+
+/// Outcome of a probe that ran past its deadline, from the engine's processed-token counters
+/// before the probe and after it: rising = busy (the probe queued behind real work), else (also
+/// when the page has no counters) failed, as a live but stuck engine.
+fn probe_after_timeout(before: Option<f64>, after: Option<f64>) -> ProbeOutcome {
+    match (before, after) {
+        (Some(b), Some(a)) if a > b => ProbeOutcome::TimedOutBusy,
+        _ => ProbeOutcome::Failed,
     }
 }
 
@@ -542,6 +569,16 @@ mod tests {
         assert_eq!(hub.pods()[0].snapshot().blocks.iter().map(|r| r.hashes.len()).sum::<usize>(), 0);
         stop.store(true, Ordering::Relaxed);
         tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
+    }
+
+    #[test]
+    fn a_timed_out_probe_is_busy_only_when_tokens_were_processed_meanwhile() {
+        assert_eq!(probe_after_timeout(Some(100.0), Some(164.0)), ProbeOutcome::TimedOutBusy);
+        assert_eq!(probe_after_timeout(Some(100.0), Some(100.0)), ProbeOutcome::Failed);
+        // Counters reset (engine restarted) or missing: no evidence of progress.
+        assert_eq!(probe_after_timeout(Some(100.0), Some(3.0)), ProbeOutcome::Failed);
+        assert_eq!(probe_after_timeout(None, Some(3.0)), ProbeOutcome::Failed);
+        assert_eq!(probe_after_timeout(Some(3.0), None), ProbeOutcome::Failed);
     }
 
     #[test]

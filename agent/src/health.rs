@@ -4,10 +4,12 @@
 //! Bands (seed §7):
 //! - 1.0 healthy: no penalty at all.
 //! - 0.7–0.9 minor: intermittent corrected ECC (< 1/min), moderate thermal or power throttling,
-//!   host memory pressure, a slow probe.
+//!   host memory pressure, a slow probe, a probe that timed out while the engine kept processing
+//!   tokens (busy, not stuck).
 //! - 0.3–0.6 significant: frequent corrected ECC (≥ ~10/min), throttling at ≥ 90 °C, several
 //!   minor problems together (soft penalties add, floored at 0.3 so they never exclude alone).
-//! - < 0.3 excluded: uncorrected ECC errors (0.1), probe failing or timing out (0.2).
+//! - < 0.3 excluded: uncorrected ECC errors (0.1), probe failing, or timing out while the
+//!   engine's token counters stand still (0.2: a live but stuck engine).
 //! - 0.0: draining, engine `/health` failing, model not loaded.
 //!
 //! Cache warmth has weight 0 here: the picker's cache factor already counts it (SPEC §7).
@@ -23,8 +25,12 @@ pub enum ProbeOutcome {
         /// Probe round trip, ms.
         latency_ms: f64,
     },
-    /// Error status or past the deadline.
+    /// Error status, or past the deadline while the engine made no progress (a stuck engine).
     Failed,
+    /// Past the deadline while the engine kept processing tokens: it is busy (the probe queued
+    /// behind other requests), not stuck. Penalised like the slowest answered probe (0.3), not
+    /// excluded: the queue factor already steers load away from it.
+    TimedOutBusy,
 }
 
 /// Everything the score depends on, for one pod.
@@ -136,6 +142,9 @@ pub fn health_score(i: &HealthInputs) -> Health {
             penalties.push(((0.1 + 0.2 * (latency_ms - half) / half).min(0.3), "slow inference probe"));
         }
     }
+    if i.probe == ProbeOutcome::TimedOutBusy {
+        penalties.push((0.3, "inference probe timed out behind a busy queue"));
+    }
     let total: f64 = penalties.iter().map(|(p, _)| p).sum();
     let reason = penalties.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map_or("", |(_, r)| r);
     let score = if penalties.is_empty() { 1.0 } else { (1.0 - total).clamp(0.3, 0.9) };
@@ -205,6 +214,12 @@ mod tests {
         let probe = with(|i| i.probe = ProbeOutcome::Failed);
         assert!(probe.score < 0.3 && probe.score > 0.0 && probe.reason.contains("probe"));
         assert_eq!(band(probe.score), 1);
+        // A probe that timed out while the engine kept processing tokens: busy, not stuck — a
+        // minor penalty (as the slowest answered probe), never an exclusion.
+        let busy = with(|i| i.probe = ProbeOutcome::TimedOutBusy);
+        let slowest = with(|i| i.probe = ProbeOutcome::Ok { latency_ms: i.probe_timeout_ms });
+        assert!((busy.score - slowest.score).abs() < 1e-12, "{busy:?} vs {slowest:?}");
+        assert!(busy.score >= 0.3 && busy.reason.contains("busy"), "{busy:?}");
     }
 
     #[test]

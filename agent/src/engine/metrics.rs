@@ -73,6 +73,10 @@ pub struct EngineMetrics {
     pub num_gpu_blocks: Option<u64>,
     /// `vllm:lora_requests_info`'s current series; `None` when LoRA is not enabled.
     pub lora: Option<LoraInfo>,
+    /// `vllm:prompt_tokens_total` + `vllm:generation_tokens_total`, summed over engines (tokens
+    /// processed since the engine started); `None` when neither is on the page. Rising between
+    /// two scrapes = the engine is making progress (tells a busy engine from a stuck one).
+    pub tokens_processed: Option<f64>,
 }
 
 /// One sample line, borrowed from the page: the labels are checked but kept raw (between the
@@ -243,6 +247,9 @@ pub fn parse_engine_metrics(text: &str) -> Result<EngineMetrics, MetricsError> {
             m.num_gpu_blocks = s.label("num_gpu_blocks").and_then(|v| v.parse().ok()).or(m.num_gpu_blocks);
         }
         "vllm:lora_requests_info" if lora_best.is_none_or(|b| s.value > b.value) => lora_best = Some(s),
+        "vllm:prompt_tokens_total" | "vllm:generation_tokens_total" if s.value.is_finite() => {
+            m.tokens_processed = Some(m.tokens_processed.unwrap_or(0.0) + s.value);
+        }
         _ => {}
     })?;
     if !seen_run {
@@ -287,6 +294,8 @@ mod tests {
         assert_eq!(lora.running, vec!["sql-lora", "chat-lora"]);
         assert_eq!(lora.waiting, vec!["billing-lora"]);
         assert_eq!(lora.max_lora, 4);
+        // prompt 302 211 + generation 91 234 tokens.
+        assert_eq!(m.tokens_processed, Some(393_445.0));
     }
 
     #[test]

@@ -40,6 +40,13 @@ pub enum ScrapeError {
     Models(String),
 }
 
+impl ScrapeError {
+    /// True when the request ran past its deadline (as opposed to failing or being refused).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::Http { source, .. } if source.is_timeout())
+    }
+}
+
 /// Client for one engine's HTTP endpoint (`ip:port`).
 #[derive(Clone)]
 pub struct EngineClient {
