@@ -8,6 +8,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+use common::free_port;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -34,10 +36,6 @@ fn envoy_binary() -> Option<PathBuf> {
     }
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/envoy/envoy/_bin/envoy");
     p.is_file().then_some(p)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Kills Envoy when the test ends, however it ends.

@@ -9,6 +9,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+use common::free_port;
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -363,10 +365,6 @@ impl TraceService for Receiver {
         }
         Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn hdr(k: &str, v: &str) -> HeaderValue {
