@@ -8,8 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-use common::free_port;
+use kvroute_harness::paths::free_port;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -89,9 +88,9 @@ fn with_subset_hint(config: String, allowed: &[String]) -> String {
 /// Starts Envoy on `config` (a deploy file's text) with its ports rewritten; waits until it listens.
 async fn start_envoy(config: &str, ext_proc: u16) -> (EnvoyProcess, SocketAddr) {
     let bin = envoy_binary().expect("Envoy not installed: run scripts/install-envoy (scripts/test does)");
-    let listener = free_port();
+    let listener = free_port().unwrap();
     let config = config
-        .replace("port_value: 9901", &format!("port_value: {}", free_port()))
+        .replace("port_value: 9901", &format!("port_value: {}", free_port().unwrap()))
         .replace("{ address: 0.0.0.0, port_value: 8081 }", &format!("{{ address: 127.0.0.1, port_value: {listener} }}"))
         .replace("port_value: 9002", &format!("port_value: {ext_proc}"));
     let dir = std::env::temp_dir().join(format!("kvroute-picker-envoy-{}-{listener}", std::process::id()));

@@ -9,8 +9,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-use common::free_port;
+use kvroute_harness::paths::free_port;
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -418,7 +417,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     tokio::spawn(server);
 
     // The picker binary, exporting to it, logging at TRACE.
-    let (ext_proc, ingest, admin) = (free_port(), free_port(), free_port());
+    let (ext_proc, ingest, admin) = (free_port().unwrap(), free_port().unwrap(), free_port().unwrap());
     let dir = std::env::temp_dir().join(format!("kvroute-picker-otel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("picker.yaml");
