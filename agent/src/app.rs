@@ -301,13 +301,14 @@ async fn scrape_task(
     let (mut health_ok, mut model_loaded, mut probe) = (false, false, ProbeOutcome::Unknown);
     let mut ecc_window: VecDeque<(Instant, u64)> = VecDeque::new();
     let mut last_metrics: Option<(crate::engine::metrics::EngineMetrics, i64)> = None;
-    // Token counters before a probe that timed out (until the next scrape decides busy or stuck).
-    let mut timed_out_at_tokens: Option<Option<f64>> = None;
     loop {
         tokio::select! {
             _ = scrape.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+        // Set when this iteration's probe ran past its deadline: the processed-token counters of
+        // the scrape before it, compared below with this iteration's scrape (busy or stuck).
+        let mut timed_out_at_tokens: Option<Option<f64>> = None;
         if last_probe.is_none_or(|t| t.elapsed() >= probe_every) {
             last_probe = Some(Instant::now());
             health_ok = client.health().await.map_err(|e| scrape_err(&metrics, &labels, &engine.pod, e)).is_ok();
@@ -352,7 +353,7 @@ async fn scrape_task(
             }
             Err(e) => scrape_err(&metrics, &labels, &engine.pod, e),
         }
-        if let Some(before) = timed_out_at_tokens.take() {
+        if let Some(before) = timed_out_at_tokens {
             // A probe past its deadline on an engine whose token counters rose meanwhile queued
             // behind real work (busy); counters standing still = live but stuck.
             probe = probe_after_timeout(before, last_metrics.as_ref().and_then(|(m, _)| m.tokens_processed));

@@ -338,19 +338,16 @@ impl<S: EventSink> Reader<S> {
 
     /// Replays the whole buffered history of the engines at `which` (indices), concurrently.
     fn replay_histories(&mut self, which: &[usize]) {
-        let requests: Vec<(&SubscriberConfig, u64)> = which
-            .iter()
-            .filter_map(|&i| self.engines.get(i))
-            .filter(|e| e.cfg.kv_replay.is_some())
-            .map(|e| (&e.cfg, 0))
-            .collect();
-        if requests.is_empty() {
+        let with_replay: Vec<usize> =
+            which.iter().copied().filter(|&i| self.engines.get(i).is_some_and(|e| e.cfg.kv_replay.is_some())).collect();
+        if with_replay.is_empty() {
             return;
         }
-        let pods: Vec<String> = requests.iter().map(|(c, _)| c.pod.clone()).collect();
+        let requests: Vec<(&SubscriberConfig, u64)> =
+            with_replay.iter().filter_map(|&i| self.engines.get(i)).map(|e| (&e.cfg, 0)).collect();
         let histories = replay(&self.ctx, &requests);
-        for (pod, history) in pods.iter().zip(histories) {
-            if let Some(e) = self.engines.iter_mut().find(|e| &e.cfg.pod == pod) {
+        for (i, history) in with_replay.into_iter().zip(histories) {
+            if let Some(e) = self.engines.get_mut(i) {
                 e.forward_history(history.unwrap_or_default());
             }
         }
