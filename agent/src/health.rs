@@ -1,7 +1,7 @@
-//! The pod health score (SPEC §7, seed §7): ONE pure function, [`health_score`], from what the
+//! The pod health score (docs/design.md §7): ONE pure function, [`health_score`], from what the
 //! agent observes to a score in [0,1] and a reason naming the dominant problem.
 //!
-//! Bands (seed §7):
+//! Bands (docs/design.md §7):
 //! - 1.0 healthy: no penalty at all.
 //! - 0.7–0.9 minor: intermittent corrected ECC (< 1/min), moderate thermal or power throttling,
 //!   host memory pressure, a slow probe, a probe that timed out while the engine kept processing
@@ -12,7 +12,7 @@
 //!   engine's token counters stand still (0.2: a live but stuck engine).
 //! - 0.0: draining, engine `/health` failing, model not loaded.
 //!
-//! Cache warmth has weight 0 here: the picker's cache factor already counts it (SPEC §7).
+//! Cache warmth has weight 0 here: the picker's cache factor already counts it (docs/design.md §7).
 //! Pure: no state, no I/O; the caller computes rates (ECC per minute) from successive samples.
 
 /// Outcome of the latest active inference probe.

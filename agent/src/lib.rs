@@ -1,4 +1,4 @@
-//! kvroute node agent (SPEC §7): watches the vLLM engines of one GPU node, scores their health,
+//! kvroute node agent (docs/design.md §7): watches the vLLM engines of one GPU node, scores their health,
 //! translates their KV-cache events into kvroute block hashes and streams per-pod deltas to the
 //! picker(s).
 

@@ -1,4 +1,4 @@
-//! One test per health band (SPEC §7, seed §7), each driven by a shipped mock-NVML scenario
+//! One test per health band (docs/design.md §7), each driven by a shipped mock-NVML scenario
 //! (`agent/scenarios/`): the agent library runs against a fake engine (axum: `/metrics` fixture,
 //! `/health`, `/v1/models`, a fast completion probe) and the test reads the score the agent would
 //! report from its per-pod state.

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// kvroute's chained block hash (SPEC §2): identifies a block *and* everything before it, under
+/// kvroute's chained block hash (docs/design.md §2): identifies a block *and* everything before it, under
 /// one (model, adapter) root. Identical in agent and picker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlockHash(pub u64);

@@ -1,6 +1,6 @@
 //! Types shared by the kvroute agent and picker.
 //!
-//! - [`hash`]: the kvroute block hash (SPEC §2). Agent and picker must compute identical chains, so
+//! - [`hash`]: the kvroute block hash (docs/design.md §2). Agent and picker must compute identical chains, so
 //!   the one implementation lives here.
 //! - [`ids`]: newtypes for the hash kinds, so an engine's opaque hash can never stand in for ours.
 //! - [`telemetry`]: JSON logging set-up used by every binary.

@@ -1,4 +1,4 @@
-//! Logging and tracing set-up shared by every kvroute binary (SPEC §9, §12).
+//! Logging and tracing set-up shared by every kvroute binary (docs/design.md §9, §12).
 //!
 //! - Logs: structured JSON lines on stderr through `tracing`, level from a flag or the binary's
 //!   environment variable (e.g. `EPP_LOG_LEVEL`).

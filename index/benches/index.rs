@@ -1,4 +1,4 @@
-//! Index benchmarks (issue 4, SPEC §10): hashing a 4096-token prompt; lookup of a 256-block
+//! Index benchmarks (issue 4, docs/design.md §10): hashing a 4096-token prompt; lookup of a 256-block
 //! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss, and hits over 600
 //! chains in turn, so the blocks are not in cache); ingest throughput with 2 concurrent readers;
 //! publish latency. Each measured for every snapshot design (design C over both snapshot layouts:
@@ -29,12 +29,12 @@ use kvroute_index::{
 };
 use workload::{CHAIN_BLOCKS, SplitMix, Workload, build};
 
-/// Entries in the lookup/ingest index (SPEC §10: ~1.04M).
+/// Entries in the lookup/ingest index (docs/design.md §10: ~1.04M).
 const ENTRIES: usize = 1_040_000;
 /// Block events per published ingest batch (half stores, half removes).
 const BATCH_BLOCKS: usize = 4096;
 
-/// The naive model (SPEC §10's "std HashMap of chained hashes"): SipHash map of block → pods,
+/// The naive model (docs/design.md §10's "std HashMap of chained hashes"): SipHash map of block → pods,
 /// the walk keeps a `Vec` of active pods and allocates its result.
 #[derive(Default)]
 struct Naive {

@@ -1,6 +1,6 @@
 //! [`MixBuild`]: a one-multiply hasher for keys that are already uniform 64-bit hashes.
 //!
-//! Block hashes are XXH3 outputs (SPEC §2), so SipHash's DoS resistance buys nothing here except
+//! Block hashes are XXH3 outputs (docs/design.md §2), so SipHash's DoS resistance buys nothing here except
 //! ~20 ns per probe; a Fibonacci multiply-fold spreads every input bit into the bucket bits.
 
 use std::hash::{BuildHasher, Hasher};

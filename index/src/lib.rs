@@ -1,4 +1,4 @@
-//! The prefix index (SPEC §3): block hash → pods holding that block, and the prefix walk.
+//! The prefix index (docs/design.md §3): block hash → pods holding that block, and the prefix walk.
 //!
 //! Concurrency: one writer ([`IndexWriter`], owned by the pool's writer thread) mutates a working
 //! copy and [`IndexWriter::publish`]es an immutable [`IndexSnapshot`] through `arc-swap`. Readers

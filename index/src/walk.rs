@@ -1,4 +1,4 @@
-//! The prefix walk (SPEC §3, seed §4): [`match_prefix`] calls the map's [`BlockPods::walk`],
+//! The prefix walk (docs/design.md §3): [`match_prefix`] calls the map's [`BlockPods::walk`],
 //! which is [`walk_blocks`] for every design but the flat snapshot (it follows runs to the same
 //! counts, see `flat.rs`, and shares `narrow`/`finish` with it).
 //!
@@ -39,7 +39,7 @@ pub const FIRST_TOUCH: usize = 8;
 pub const MAX_TOUCH: usize = 64;
 
 /// Records in `scratch`, per pod, how many consecutive blocks of `chain` from the start it holds
-/// (the numerator of SPEC §2's match ratio); returns the longest such run.
+/// (the numerator of docs/design.md §2's match ratio); returns the longest such run.
 #[inline]
 pub fn match_prefix<I: BlockPods + ?Sized>(index: &I, chain: &[BlockHash], scratch: &mut MatchScratch) -> u32 {
     index.walk(chain, scratch)

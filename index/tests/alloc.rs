@@ -120,7 +120,7 @@ fn bytes_per_entry_at_1m_within_spec() {
         bytes_per_entry::<PooledHashbrown>(1_000_000),
         bytes_per_entry::<PooledBackend>(1_000_000),
     ] {
-        assert!(per <= 100.0, "{per:.1} B/entry over SPEC §10's 100");
+        assert!(per <= 100.0, "{per:.1} B/entry over docs/design.md §10's 100");
     }
 }
 
@@ -168,6 +168,6 @@ fn bytes_per_entry_at_10m() {
         bytes_per_entry::<PooledHashbrown>(10_000_000),
         bytes_per_entry::<PooledBackend>(10_000_000),
     ] {
-        assert!(per <= 100.0, "{per:.1} B/entry over SPEC §10's 100");
+        assert!(per <= 100.0, "{per:.1} B/entry over docs/design.md §10's 100");
     }
 }

@@ -1,4 +1,4 @@
-//! One full routing decision for a 4096-token chat prompt (SPEC §10: p99 ≤ 1 ms when earlier turns
+//! One full routing decision for a 4096-token chat prompt (docs/design.md §10: p99 ≤ 1 ms when earlier turns
 //! were seen before), and each of its steps on the same request: parse the JSON body, render the
 //! chat template, tokenize (segment cache warm, and cold with the cache off), hash the blocks,
 //! look up + score (the router, 8 pods, the prompt's prefix held by one of them).

@@ -1,5 +1,5 @@
 //! One routing decision (`Router::route`: 256-block prefix walk, filters, five scorers, choice,
-//! in-flight reservation and its release) over 64 and 1000 pods; SPEC §10 targets ≤ 5 µs / ≤ 50 µs
+//! in-flight reservation and its release) over 64 and 1000 pods; docs/design.md §10 targets ≤ 5 µs / ≤ 50 µs
 //! for scoring. Baselines in the same run: the bare formula over the same pods' numbers in a flat
 //! array (`naive_formula`: the floor any scorer pays), and 64 pods vs 1000 (scaling).
 //!

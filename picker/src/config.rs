@@ -18,7 +18,7 @@
 //!     adapter: null
 //!     tokenizer: tests/fixtures/tokenizer-qwen2.5   # dir; relative to the config file's dir
 //!     # mode: precise                 # default: precise with a tokenizer, approximate without
-//!   - name: other-model               # no tokenizer: approximate mode (SPEC §6)
+//!   - name: other-model               # no tokenizer: approximate mode (docs/design.md §6)
 //!     approximate: { block_chars: 64, capacity_blocks_per_pod: 31250, max_blocks: 256 }
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
@@ -94,7 +94,7 @@ pub struct PickerConfig {
     #[serde(default = "default_block_size")]
     pub block_size: usize,
     /// Largest request body, in bytes, the picker parses; above it the request gets a 413.
-    /// Default 8 MiB (8388608). Envoy's own buffer limit should be set higher (SPEC §5).
+    /// Default 8 MiB (8388608). Envoy's own buffer limit should be set higher (docs/design.md §5).
     #[serde(default = "default_body_limit_bytes")]
     pub body_limit_bytes: usize,
     /// How long, in ms, a disconnected pod's blocks are kept before removal. Default 10000.
@@ -104,7 +104,7 @@ pub struct PickerConfig {
     /// whose `model` is not listed gets a 404.
     #[serde(default)]
     pub models: Vec<ModelConfig>,
-    /// Scoring weights and thresholds (SPEC §4). Every field defaults to the `chatbot` preset.
+    /// Scoring weights and thresholds (docs/design.md §4). Every field defaults to the `chatbot` preset.
     #[serde(default)]
     pub scoring: ScoringSection,
 }
@@ -128,7 +128,7 @@ pub struct ModelConfig {
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
     /// `precise` (token blocks against the KV-event index) or `approximate` (text blocks against
-    /// where earlier requests were routed, SPEC §6). Default: precise when `tokenizer` is set
+    /// where earlier requests were routed, docs/design.md §6). Default: precise when `tokenizer` is set
     /// (and loads), approximate otherwise.
     #[serde(default)]
     pub mode: Option<RoutingMode>,
@@ -173,7 +173,7 @@ impl ModelConfig {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScoringSection {
-    /// Named preset (SPEC §4, seed §13): `chatbot`, `latency-api`, `batch`, `multi-lora`.
+    /// Named preset (docs/design.md §4): `chatbot`, `latency-api`, `batch`, `multi-lora`.
     /// Default none (= `chatbot`).
     #[serde(default)]
     pub preset: Option<String>,

@@ -1,4 +1,4 @@
-//! kvroute picker: KV-cache-aware Envoy ext_proc endpoint picker (SPEC §1, §3–§5, §9).
+//! kvroute picker: KV-cache-aware Envoy ext_proc endpoint picker (docs/design.md §1, §3–§5, §9).
 //!
 //! Three listeners, all started by [`start`]:
 //! - ext_proc gRPC ([`ext_proc`]): Envoy asks, per request, which pod serves it;
@@ -40,7 +40,7 @@ use crate::score::Router;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
-/// default fails the stream on large prompts (SPEC §11); Envoy's buffer limit in deploy/ is 16 MiB,
+/// default fails the stream on large prompts (docs/design.md §11); Envoy's buffer limit in deploy/ is 16 MiB,
 /// and a BUFFERED body of that size plus framing must still arrive so the picker can answer 413
 /// itself instead of Envoy answering 500. Raised further to twice `body_limit_bytes` when larger.
 pub const MIN_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;

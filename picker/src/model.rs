@@ -2,15 +2,15 @@
 //!
 //! A request's `model` names an InferenceModel from the config; it resolves to the base model the
 //! pods serve (`target_model`) and an optional LoRA adapter. Each model has a `BlockHasher` rooted at
-//! (target_model, adapter) (SPEC §2) and, when configured, a tokenizer shared by every model that
+//! (target_model, adapter) (docs/design.md §2) and, when configured, a tokenizer shared by every model that
 //! names the same directory.
 //!
 //! Bodies: `/v1/completions` `prompt` (string → `encode_prompt`; token array → as is; a one-element
 //! batch of either) and `/v1/chat/completions` `messages` (+ `tools`) → `encode_chat`. A tokenizer
 //! failure yields no tokens and a warning: the request is then routed by load alone. Requests with
-//! `cache_salt` are never prefix-matched (SPEC §2).
+//! `cache_salt` are never prefix-matched (docs/design.md §2).
 //!
-//! Mode (SPEC §6): precise models hash token blocks and match the KV-event index; approximate
+//! Mode (docs/design.md §6): precise models hash token blocks and match the KV-event index; approximate
 //! models (default without a tokenizer, or when it fails to load) hash text blocks
 //! ([`crate::approx`]) and match the [`ApproxStore`] of their base model, shared by every model
 //! with the same `target_model` (a pod's cache holds all its adapters' blocks; the per-pod bound

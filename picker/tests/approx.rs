@@ -1,4 +1,4 @@
-//! Approximate mode at the ext_proc level (SPEC §6): a model without a tokenizer, pods that never
+//! Approximate mode at the ext_proc level (docs/design.md §6): a model without a tokenizer, pods that never
 //! report a KV block, and a tonic ext_proc client playing Envoy. A request sharing a long prefix
 //! with an earlier one goes where the earlier one went, even against a better-loaded pod.
 

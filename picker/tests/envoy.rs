@@ -1,7 +1,7 @@
 //! The picker behind a real Envoy 1.40 running the repository's own `deploy/envoy/` files (ports,
 //! addresses and the fail-open pod list rewritten, nothing else): both request-body modes
 //! (`envoy.yaml` BUFFERED, `envoy-full-duplex.yaml` FULL_DUPLEX_STREAMED) with bodies from 0 B to
-//! 8 MB, prompts tokenized like the reference, every SPEC §5 error as JSON, the subset hint,
+//! 8 MB, prompts tokenized like the reference, every docs/design.md §5 error as JSON, the subset hint,
 //! request ids, and the picker killed under fail-open (`envoy-fail-open.yaml`, still serves) and
 //! fail-closed (`envoy.yaml`, 5xx). A missing Envoy fails the tests: `scripts/install-envoy` puts
 //! it in `.tools/envoy`, or set `KVROUTE_ENVOY` to a binary.
@@ -346,7 +346,7 @@ async fn bodies_in_both_modes_through_real_envoy() {
     picker.shutdown();
 }
 
-/// SPEC §5 errors come back through Envoy as OpenAI-style JSON with the request id.
+/// docs/design.md §5 errors come back through Envoy as OpenAI-style JSON with the request id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_as_openai_json_through_real_envoy() {
     let picker = start_picker(&format!(

@@ -1,6 +1,6 @@
-//! Observability (SPEC §9, issue 7):
+//! Observability (docs/design.md §9, issue 7):
 //! - the Grafana dashboard and the alert rules under `deploy/observability/` query only metrics the
-//!   picker exports, and carry the seed §14 panels and thresholds;
+//!   picker exports, and carry docs/design.md §9 panels and thresholds;
 //! - `/explain` reports factors, exclusions and the would-be choice without changing state;
 //! - the `kvroute-picker` binary exports OTLP spans to a real OTLP gRPC receiver started here (the
 //!   decision span continues the request's W3C `traceparent`, its steps are child spans, and the
@@ -224,14 +224,14 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
         "epp_composite_score_bucket",
         "epp_max_queue",
     ] {
-        assert!(exported.contains(name), "SPEC §9 metric {name} not exported: {exported:?}");
+        assert!(exported.contains(name), "docs/design.md §9 metric {name} not exported: {exported:?}");
     }
     let dir = repo().join("deploy/observability");
 
     let dashboard: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("grafana-dashboard.json")).unwrap()).unwrap();
     let panels = dashboard["panels"].as_array().unwrap();
-    assert_eq!(panels.len(), 8, "seed §14 recommends eight panels");
+    assert_eq!(panels.len(), 8, "docs/design.md §9 recommends eight panels");
     let mut queried = BTreeSet::new();
     for p in panels {
         let targets = p["targets"].as_array().unwrap();
@@ -268,7 +268,7 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
     let unknown: Vec<_> = queried.iter().filter(|n| !exported.contains(*n)).collect();
     assert!(unknown.is_empty(), "dashboard/rules query metrics the picker does not export: {unknown:?}");
 
-    // Seed §14 thresholds.
+    // docs/design.md §9 thresholds.
     let has = |alert: &str, needles: &[&str], dur: &str| {
         let (expr, d) = alerts.get(alert).unwrap_or_else(|| panic!("alert {alert} missing"));
         assert_eq!(d, dur, "{alert} duration");

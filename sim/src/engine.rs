@@ -1,6 +1,6 @@
-//! The engine cost model: one simulated vLLM pod (SPEC §8's timing model, seed §2's numbers).
+//! The engine cost model: one simulated vLLM pod (docs/design.md §8's timing model, docs/design.md §4's numbers).
 //!
-//! - Prefill costs `prefill_s_per_token` per *uncached* prompt token (seed §2: ≈ 0.9 s per 4096
+//! - Prefill costs `prefill_s_per_token` per *uncached* prompt token (docs/design.md §4: ≈ 0.9 s per 4096
 //!   tokens for Llama-3.1-8B, ≈ 8.2 s for 70B, on one A100); the cached part is the longest prefix
 //!   of the request's blocks the pod holds when its prefill starts (vLLM's automatic prefix cache).
 //! - Prefills run one at a time per pod (compute-bound), first come first served; decode runs for
@@ -10,7 +10,7 @@
 //! - KV capacity is `kv_capacity_blocks`; blocks are stored when a prefill completes and evicted
 //!   least recently used first. Within one request the tail of the chain is marked older than its
 //!   head, so a chain is evicted from its end, as vLLM frees blocks in reverse order.
-//! - LoRA: a request whose adapter is not loaded pays `adapter_load_s` (seed §2: ≈ 200 ms, rank 16)
+//! - LoRA: a request whose adapter is not loaded pays `adapter_load_s` (docs/design.md §4: ≈ 200 ms, rank 16)
 //!   before its prefill; at most `max_adapters` stay loaded (LRU).
 //!
 //! Not modelled: chunked prefill interleaving with decode, preemption, decode slowdown with batch
@@ -23,22 +23,22 @@ use kvroute_common::BlockHash;
 /// Engine timing and capacity, in seconds and blocks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostModel {
-    /// Prefill seconds per uncached prompt token. 8B default: 0.9 / 4096 (seed §2).
+    /// Prefill seconds per uncached prompt token. 8B default: 0.9 / 4096 (docs/design.md §4).
     pub prefill_s_per_token: f64,
     /// Decode seconds per output token (inter-token latency). Default 0.015 (8B on A100).
     pub decode_s_per_token: f64,
     /// Requests admitted at once (prefilling + decoding). Default 32.
     pub max_batch: usize,
-    /// KV capacity per pod, blocks. Default 450 000 tokens / 16 (SPEC §10).
+    /// KV capacity per pod, blocks. Default 450 000 tokens / 16 (docs/design.md §10).
     pub kv_capacity_blocks: usize,
-    /// Seconds to load a LoRA adapter that is not resident. Default 0.2 (seed §2, rank 16).
+    /// Seconds to load a LoRA adapter that is not resident. Default 0.2 (docs/design.md §4, rank 16).
     pub adapter_load_s: f64,
-    /// LoRA adapters resident at once. Default 4 (seed §14: 3–5 per pod).
+    /// LoRA adapters resident at once. Default 4 (docs/design.md §9: 3–5 per pod).
     pub max_adapters: usize,
 }
 
 impl CostModel {
-    /// Llama-3.1-8B on one A100 (seed §2: 0.9 s prefill per 4096 tokens).
+    /// Llama-3.1-8B on one A100 (docs/design.md §4: 0.9 s prefill per 4096 tokens).
     pub fn llama_8b() -> CostModel {
         CostModel {
             prefill_s_per_token: 0.9 / 4096.0,
@@ -50,7 +50,7 @@ impl CostModel {
         }
     }
 
-    /// Llama-3.1-70B on A100s (seed §2: 8.2 s prefill per 4096 tokens); decode 0.045 s/token.
+    /// Llama-3.1-70B on A100s (docs/design.md §4: 8.2 s prefill per 4096 tokens); decode 0.045 s/token.
     pub fn llama_70b() -> CostModel {
         CostModel { prefill_s_per_token: 8.2 / 4096.0, decode_s_per_token: 0.045, ..CostModel::llama_8b() }
     }
@@ -65,7 +65,7 @@ pub struct EngineStats {
     pub running: u32,
     /// `kv_cache_usage_perc` in [0,1].
     pub kv_usage: f64,
-    /// GPU utilization in [0,1]: running / max_batch (SPEC §7 mock-NVML default).
+    /// GPU utilization in [0,1]: running / max_batch (docs/design.md §7 mock-NVML default).
     pub gpu_utilization: f64,
     /// Resident LoRA adapters.
     pub adapters: Vec<String>,
@@ -265,7 +265,7 @@ mod tests {
         let c = chain(1, 256);
         pod.waiting.push_back(0);
         let cold = pod.start_next(&c, 4096, None, &cost).map(|a| a.prefill_us);
-        assert_eq!(cold, Some(900_000), "seed §2: 0.9 s per 4096 tokens");
+        assert_eq!(cold, Some(900_000), "docs/design.md §4: 0.9 s per 4096 tokens");
         pod.prefill_done(&c);
         pod.finish();
         pod.waiting.push_back(1);

@@ -27,7 +27,7 @@ struct Args {
     /// Pods in the fleet.
     #[arg(long, default_value_t = 8)]
     pods: usize,
-    /// Engine cost model: 8b or 70b (seed §2: 0.9 s / 8.2 s prefill per 4096 tokens on A100).
+    /// Engine cost model: 8b or 70b (docs/design.md §4: 0.9 s / 8.2 s prefill per 4096 tokens on A100).
     #[arg(long, default_value = "8b")]
     model: String,
     /// KV capacity per pod, tokens.

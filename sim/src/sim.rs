@@ -1,5 +1,5 @@
 //! The discrete-event loop: arrivals → policy → pod queues → prefill → decode → finish, with
-//! periodic reports that reach the policy after `report_delay_us` (SPEC §7: block changes coalesced
+//! periodic reports that reach the policy after `report_delay_us` (docs/design.md §7: block changes coalesced
 //! for `blockFlushMs`, stats on every scrape).
 //!
 //! Time is simulated (µs); events at the same instant run in the order they were scheduled, so a
@@ -18,14 +18,14 @@ use crate::workload::Workload;
 /// Fleet and reporting settings.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
-    /// Pods in the fleet. Default 8 (SPEC §10).
+    /// Pods in the fleet. Default 8 (docs/design.md §10).
     pub pods: usize,
     /// Engine timing and capacity.
     pub cost: CostModel,
-    /// Block changes are flushed to the router every this many µs. Default 10 000 (SPEC §7).
+    /// Block changes are flushed to the router every this many µs. Default 10 000 (docs/design.md §7).
     pub kv_flush_us: u64,
     /// Stats (waiting, running, utilisation) are read every this many µs. Default 200 000
-    /// (SPEC §7's /metrics scrape).
+    /// (docs/design.md §7's /metrics scrape).
     pub stats_interval_us: u64,
     /// Delay from an engine read to the router seeing it, µs. Default 20 000.
     pub report_delay_us: u64,

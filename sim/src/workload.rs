@@ -1,9 +1,9 @@
-//! Workloads (issue 9; SPEC §10): seeded generators and a JSONL trace reader.
+//! Workloads (issue 9; docs/design.md §10): seeded generators and a JSONL trace reader.
 //!
 //! A request is a list of prompt [`Segment`]s (a segment is a run of tokens with an identity:
 //! a system prompt, a document, a user turn). Two requests whose segment lists start the same share
 //! that prefix token for token. Token ids are synthesised from `(segment id, offset)` and hashed
-//! with the real kvroute block hashing ([`kvroute_common::hash::hash_block`], SPEC §2), so the
+//! with the real kvroute block hashing ([`kvroute_common::hash::hash_block`], docs/design.md §2), so the
 //! simulated index and engines see exactly the chains the picker would compute.
 //!
 //! Arrivals are open-loop (Poisson per stage); multi-turn chat schedules turn k+1 a think time after
@@ -43,13 +43,13 @@ pub struct SimRequest {
     pub prompt_tokens: u32,
     /// Tokens to generate.
     pub output_tokens: u32,
-    /// LoRA adapter, if any (its chain is disjoint from the base model's, SPEC §2).
+    /// LoRA adapter, if any (its chain is disjoint from the base model's, docs/design.md §2).
     pub adapter: Option<String>,
     /// Conversation id (multi-turn chat), if any.
     pub session: Option<u64>,
     /// Load stage the request belongs to (index into [`Workload::stages`]).
     pub stage: usize,
-    /// Full-block chain of the prompt (SPEC §2).
+    /// Full-block chain of the prompt (docs/design.md §2).
     pub blocks: Vec<BlockHash>,
 }
 
@@ -150,7 +150,7 @@ fn finish(name: &str, description: String, stages: Vec<Stage>, mut drafts: Vec<D
     Workload { name: name.into(), description, requests, stages }
 }
 
-/// SPEC §10's routing-quality shape (llm-d's benchmark, scaled).
+/// docs/design.md §10's routing-quality shape (llm-d's benchmark, scaled).
 #[derive(Clone, Debug)]
 pub struct SharedPrefixConfig {
     /// Prefix groups. Default 150.
@@ -256,7 +256,7 @@ pub fn chat(sessions: u32, turns: u32, sessions_per_s: f64, seed: u64, block_siz
     finish("chat", description, vec![Stage { rate_rps: sessions_per_s * f64::from(turns) }], drafts, block_size)
 }
 
-/// Thundering herd (seed §15): per wave, one warm-up request for a new prefix, then `herd`
+/// Thundering herd (docs/design.md §15): per wave, one warm-up request for a new prefix, then `herd`
 /// requests for that same prompt arrive at one instant.
 pub fn herd(waves: u32, herd: u32, prefix_tokens: u32, seed: u64, block_size: usize) -> Workload {
     let _ = seed;
@@ -364,7 +364,7 @@ pub fn zipf_prefixes(prefixes: u32, rate_rps: f64, duration_s: f64, seed: u64, b
     finish("zipf", description, vec![Stage { rate_rps }], drafts, block_size)
 }
 
-/// Unique-prefix pairs (seed §5's random-routing claim): `prefixes` distinct prompts, each sent
+/// Unique-prefix pairs (docs/design.md §16's random-routing claim): `prefixes` distinct prompts, each sent
 /// twice, the repeat `gap_s` seconds after the first; arrivals spaced `spacing_s` apart.
 pub fn repeated_pairs(prefixes: u32, tokens: u32, spacing_s: f64, gap_s: f64, block_size: usize) -> Workload {
     let mut drafts = Vec::new();

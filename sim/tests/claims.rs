@@ -1,7 +1,7 @@
 //! The seed's routing claims, reproduced on the simulator and pinned (issue 9):
-//! - seed §5: random routing over 32 pods leaves ~97 % (31/32) of repeated-prefix requests cold;
-//! - seed §8: conversations stick to their pod under kvroute;
-//! - seed §15: a thundering herd on a 4-pod fleet with maxQueue 20 puts 20 requests on the
+//! - docs/design.md §16: random routing over 32 pods leaves ~97 % (31/32) of repeated-prefix requests cold;
+//! - docs/design.md §4: conversations stick to their pod under kvroute;
+//! - docs/design.md §15: a thundering herd on a 4-pod fleet with maxQueue 20 puts 20 requests on the
 //!   cache-hot pod and spreads the rest across the other 3.
 
 use kvroute_sim::policy::{self, Policy};

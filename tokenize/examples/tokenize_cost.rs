@@ -1,4 +1,4 @@
-//! Measures what a picker decision pays for tokenization on the Qwen2.5 fixture (SPEC §10):
+//! Measures what a picker decision pays for tokenization on the Qwen2.5 fixture (docs/design.md §10):
 //! a 4096-token text encoded whole, and a growing multi-turn chat through the segment cache.
 //!
 //! `cargo run -p kvroute-tokenize --example tokenize_cost [--release] [MODEL_DIR]`

@@ -1,4 +1,4 @@
-//! Prompt → token ids, computed the way vLLM computes them (SPEC §6).
+//! Prompt → token ids, computed the way vLLM computes them (docs/design.md §6).
 //!
 //! - `/v1/completions`: HF `tokenizer(prompt)` (`add_special_tokens=True`; the `tokenizer.json`
 //!   post-processor decides what is added: nothing for Qwen, BOS for Llama 3).

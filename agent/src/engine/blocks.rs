@@ -1,4 +1,4 @@
-//! The agent's record of one engine's prefix cache, in kvroute block hashes (SPEC §2, §7).
+//! The agent's record of one engine's prefix cache, in kvroute block hashes (docs/design.md §2, §7).
 //!
 //! vLLM's block hashes are opaque, so every `BlockStored` is re-hashed: the run's first block
 //! chains from the kvroute hash recorded for its engine parent (or from the (model, adapter) root

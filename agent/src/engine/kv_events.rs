@@ -1,4 +1,4 @@
-//! Decoder for vLLM's KV-cache events as they arrive over ZeroMQ (SPEC §7, `tests/fixtures/README.md`).
+//! Decoder for vLLM's KV-cache events as they arrive over ZeroMQ (docs/design.md §7, `tests/fixtures/README.md`).
 //!
 //! A PUB message is three frames: topic (UTF-8, may be empty), sequence number (u64 big-endian),
 //! and a msgpack `KVEventBatch`. The batch is an array `[ts, events, data_parallel_rank]` (a map

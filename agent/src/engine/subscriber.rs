@@ -3,7 +3,7 @@
 //! to each engine's [`EventSink`] on that thread, then asking the sinks to send what changed.
 //!
 //! Read passes (issue 5): when idle, the thread waits in `zmq::poll` for any engine's first batch.
-//! Then it works in passes one coalescing window (`block_flush_ms`, SPEC §7) apart: sleep the
+//! Then it works in passes one coalescing window (`block_flush_ms`, docs/design.md §7) apart: sleep the
 //! window, read every batch that queued up meanwhile on every socket, end the pass with
 //! [`EventSink::flush`] on the engines that got batches; it goes back to `poll` after a pass that
 //! found nothing. Under load that is one wake-up per window for the whole node, instead of one
@@ -12,7 +12,7 @@
 //! state, one system call each). A batch waits at most one window, as before. libzmq queues the
 //! batches in the meantime (default high-water mark 1 000 messages per socket).
 //!
-//! Sequence handling (SPEC §7), per engine: the thread remembers the last seq it forwarded. On
+//! Sequence handling (docs/design.md §7), per engine: the thread remembers the last seq it forwarded. On
 //! start, and on a gap, it asks the engine's ROUTER replay endpoint (DEALER socket,
 //! `["", start_seq as u64 BE]`) for the missing batches, reading replies until the end marker or
 //! the replay timeout, and drops duplicates by seq. The start-up replays of all engines run at

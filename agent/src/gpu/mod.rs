@@ -1,4 +1,4 @@
-//! GPU telemetry (SPEC §7): the [`GpuSource`] role and its two strategies, real NVML
+//! GPU telemetry (docs/design.md §7): the [`GpuSource`] role and its two strategies, real NVML
 //! ([`nvml::NvmlGpuSource`]) and a scripted scenario ([`mock::MockGpuSource`]).
 //!
 //! Concurrency: sources are `Send + Sync` and sampled from the engine tasks (blocking calls, a few
@@ -78,7 +78,7 @@ pub trait GpuSource: Send + Sync {
     fn sample(&self, index: u32, engine_load: f64) -> Result<GpuSample, GpuError>;
 }
 
-/// Builds the configured source. NVML missing is an error naming the library (SPEC §7).
+/// Builds the configured source. NVML missing is an error naming the library (docs/design.md §7).
 pub fn from_spec(spec: &GpuSourceSpec) -> Result<Arc<dyn GpuSource>, GpuError> {
     Ok(match spec {
         GpuSourceSpec::Nvml => Arc::new(nvml::NvmlGpuSource::new()?),

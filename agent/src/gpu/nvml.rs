@@ -1,7 +1,7 @@
 //! [`GpuSource`] backed by NVML through `nvml-wrapper` (loads libnvidia-ml at run time).
 //!
 //! Without the library, `Nvml::init()` returns `LibloadingError(DlOpen…)` (not `LibraryNotFound`,
-//! SPEC §12); both become [`GpuError::NvmlUnavailable`], whose message names libnvidia-ml.so and
+//! docs/design.md §12); both become [`GpuError::NvmlUnavailable`], whose message names libnvidia-ml.so and
 //! suggests `--gpu-source mock:<scenario.yaml>`. `Nvml` is `Send + Sync`; a `Device` handle is
 //! looked up per sample (cheap) so no lifetimes leak out.
 

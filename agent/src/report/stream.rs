@@ -90,7 +90,7 @@ pub async fn run_picker_stream(
 }
 
 fn snapshot_msgs(hub: &Hub, only: Option<&str>, sent: &mut HashMap<String, u64>) -> Vec<AgentMessage> {
-    // Trace span of a report (SPEC §9): snapshots at INFO, each delta at TRACE (see below).
+    // Trace span of a report (docs/design.md §9): snapshots at INFO, each delta at TRACE (see below).
     let _span = tracing::info_span!("agent.report.snapshots", pod = only.unwrap_or("")).entered();
     hub.pods()
         .iter()

@@ -1,5 +1,5 @@
 //! The benchmark/measurement workload shared by `benches/index.rs` and `tests/alloc.rs`
-//! (SPEC §3/§10 shape): chains of 256 random blocks (a 4096-token prompt at block size 16), each
+//! (docs/design.md §3, §10 shape): chains of 256 random blocks (a 4096-token prompt at block size 16), each
 //! chain on 1–3 of 64 pods, so ~1M (block, pod) entries ≈ 2,040 chains ≈ 520k distinct blocks.
 
 #![allow(dead_code)]

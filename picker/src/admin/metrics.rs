@@ -1,4 +1,4 @@
-//! The picker's Prometheus metrics (SPEC §9), through `prometheus-client`.
+//! The picker's Prometheus metrics (docs/design.md §9), through `prometheus-client`.
 //!
 //! Request-path metrics are updated by the ext_proc tasks through handles created once at start
 //! (atomics; no allocation except a label set's first use). Pod metrics (`epp_queue_depth`,
@@ -48,7 +48,7 @@ pub struct CodeLabel {
 }
 
 /// Latency bucket bounds in microseconds: the 1-2-5 series from `lo` to `hi` inclusive
-/// (1, 2, 5, 10, 20, 50, …). It puts bounds exactly on the seed §14 thresholds (1000 µs
+/// (1, 2, 5, 10, 20, 50, …). It puts bounds exactly on docs/design.md §9 thresholds (1000 µs
 /// "should stay below", 5000 µs alert), so `histogram_quantile` is exact at those points.
 pub fn one_two_five_buckets(lo: f64, hi: f64) -> Vec<f64> {
     let mut out = Vec::new();
@@ -72,7 +72,7 @@ pub struct Metrics {
     /// `epp_routing_decisions_total{model}`: requests routed.
     pub routing_decisions: Family<ModelLabel, Counter>,
     /// `epp_cache_match_ratio`: the chosen pod's match ratio, [0,1] (0.1 steps, plus 0.95; the
-    /// 0.4 bound is the seed §14 alert threshold).
+    /// 0.4 bound is docs/design.md §9 alert threshold).
     pub cache_match_ratio: Histogram,
     /// `epp_scoring_latency_us`: time in `Router::route`, microseconds (1-2-5 buckets, 1 µs–100 ms).
     pub scoring_latency_us: Histogram,

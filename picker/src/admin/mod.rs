@@ -1,5 +1,5 @@
 //! Admin HTTP server (axum): `GET /metrics` (Prometheus/OpenMetrics text), `GET /healthz`, and
-//! `POST /explain` (SPEC §9: a request body in, every candidate's factor breakdown out, no routing,
+//! `POST /explain` (docs/design.md §9: a request body in, every candidate's factor breakdown out, no routing,
 //! no state change).
 //!
 //! Concurrency: handlers only read the shared [`Gateway`]; a scrape refreshes the pool-derived

@@ -1,4 +1,4 @@
-//! Approximate mode (SPEC §6): prefix-aware routing without a tokenizer and without KV events.
+//! Approximate mode (docs/design.md §6): prefix-aware routing without a tokenizer and without KV events.
 //!
 //! The prompt *text* is cut into blocks of `block_chars` characters (Unicode scalar values, so a
 //! multi-byte character is never split) and chained with the same XXH3 block hash as the precise

@@ -2,7 +2,7 @@
 //!
 //! Chain: `p_0 = hash_block(root_hash(model, adapter), [TEXT_DOMAIN])`, then
 //! `p_i = hash_block(p_{i-1}, code points of block i)` for each full block of `block_chars`
-//! characters: the precise path's XXH3 chain (SPEC §2) over Unicode scalar values instead of token
+//! characters: the precise path's XXH3 chain (docs/design.md §2) over Unicode scalar values instead of token
 //! ids. The domain tag keeps text chains apart from token chains of the same root. Only full
 //! blocks are hashed, as vLLM only caches full blocks.
 

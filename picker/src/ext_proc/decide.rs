@@ -1,5 +1,5 @@
 //! One routing decision: body → model → token ids → block hashes → `Router::route`; in
-//! approximate mode (SPEC §6) body → model → text blocks → the model's `ApproxStore` matches →
+//! approximate mode (docs/design.md §6) body → model → text blocks → the model's `ApproxStore` matches →
 //! `Router::route_with`, then the chosen pod is recorded as holding the chain.
 //!
 //! Synchronous and CPU-bound (JSON parse of up to `body_limit_bytes`, tokenization): the stream task
@@ -65,7 +65,7 @@ pub struct DecisionInput<'a> {
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
 pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
     let started = Instant::now();
-    // Steps of the decision, as child spans of the caller's `epp.decision` span (SPEC §9 traces).
+    // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
     let (model_name, prompt) = match input.body {
         Some(body) => {
@@ -86,7 +86,7 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
     } else {
         tracing::info_span!("epp.tokenize").in_scope(|| model.tokens(&prompt, input.request_id))
     };
-    // Why the prompt cannot be prefix-matched (e.g. `cache_salt`, SPEC §2); "" when it can.
+    // Why the prompt cannot be prefix-matched (e.g. `cache_salt`, docs/design.md §2); "" when it can.
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
         _ if model.tokenizer.is_none() && !approximate => "no tokenizer",

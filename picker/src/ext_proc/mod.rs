@@ -1,4 +1,4 @@
-//! Envoy ext_proc server: the picker's request path (SPEC §5, §11).
+//! Envoy ext_proc server: the picker's request path (docs/design.md §5, §11).
 //!
 //! One gRPC stream = one HTTP request. Each stream's response stream (polled by the task that
 //! writes its replies) reads Envoy's messages and owns all of the request's state
@@ -63,7 +63,7 @@ impl ExtProcService {
         Self { gateway }
     }
 
-    /// The tonic server, with the receive limit raised above the body limit (SPEC §11: tonic's
+    /// The tonic server, with the receive limit raised above the body limit (docs/design.md §11: tonic's
     /// 4 MiB default would fail the stream on large prompts before the picker can answer 413).
     pub fn into_server(self, max_message_bytes: usize) -> ExternalProcessorServer<Self> {
         ExternalProcessorServer::new(self)

@@ -1,6 +1,6 @@
-//! Builders of the `ProcessingResponse`s the picker sends to Envoy (SPEC §5, §11).
+//! Builders of the `ProcessingResponse`s the picker sends to Envoy (docs/design.md §5, §11).
 //!
-//! Facts verified with Envoy 1.40 (SPEC §11): header values must travel in `raw_value` (setting
+//! Facts verified with Envoy 1.40 (docs/design.md §11): header values must travel in `raw_value` (setting
 //! `value` produced an empty header) with `append_action: OVERWRITE_IF_EXISTS_OR_ADD`; the dynamic
 //! metadata namespace `envoy.lb` is only kept when the filter lists it in
 //! `metadata_options.receiving_namespaces.untyped`.

@@ -1,5 +1,5 @@
 //! Finds `usage.prompt_tokens_details.cached_tokens` in a response body that streams past in
-//! chunks of any size (SPEC §5), without holding the body.
+//! chunks of any size (docs/design.md §5), without holding the body.
 //!
 //! Two shapes: a non-streaming JSON completion (usage at the top level, near the end), and an SSE
 //! stream of `data: {...}` lines where the final chunk carries `usage` (when the client asked for

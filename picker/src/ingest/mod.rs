@@ -1,4 +1,4 @@
-//! Agent ingest (SPEC §7): the `AgentIngest` gRPC service. Each agent opens one bidi `Report`
+//! Agent ingest (docs/design.md §7): the `AgentIngest` gRPC service. Each agent opens one bidi `Report`
 //! stream; this module checks it (Hello, per-pod snapshot then sequence-numbered deltas) and
 //! forwards the changes to the pool's writer as [`PoolUpdate`]s.
 //!
@@ -138,7 +138,7 @@ impl Session {
     async fn handle(&mut self, msg: AgentMessage) -> Result<(), crate::pool::PoolError> {
         match msg.msg {
             Some(agent_message::Msg::Hello(h)) => self.hello(h).await,
-            // Trace spans of report processing (SPEC §9): snapshots at INFO, deltas at TRACE.
+            // Trace spans of report processing (docs/design.md §9): snapshots at INFO, deltas at TRACE.
             Some(agent_message::Msg::Snapshot(s)) => {
                 let span = tracing::info_span!("ingest.snapshot", stream = self.stream);
                 tracing::Instrument::instrument(self.snapshot(s), span).await

@@ -1,4 +1,4 @@
-//! Per-pod in-flight tracking (SPEC §4 queueDepth).
+//! Per-pod in-flight tracking (docs/design.md §4 queueDepth).
 //!
 //! Each pod keeps the routing time (wall clock, ms since the Unix epoch) of every request the
 //! picker routed to it and has not seen finish, sorted. queueDepth = the last report's

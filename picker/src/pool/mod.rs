@@ -1,5 +1,5 @@
 //! The pod pool: registry of pods (name → [`PodIdx`]), their latest reported state, in-flight
-//! counts, and the prefix index they feed (SPEC §3, §4, §7).
+//! counts, and the prefix index they feed (docs/design.md §3, §4, §7).
 //!
 //! Concurrency model:
 //! - One writer thread (`kvroute-pool-writer`, started by [`Pool::new`], with its own small tokio
@@ -115,7 +115,7 @@ pub(crate) struct PodStatus {
     pub(crate) cost_per_hour: Option<f64>,
 }
 
-/// The sorted annotations of `info` and its parsed price (seed §12 cost awareness). An invalid
+/// The sorted annotations of `info` and its parsed price (docs/design.md §4 cost awareness). An invalid
 /// price is logged and ignored (the pod then counts as unpriced).
 pub(crate) fn annotations_of(info: &PodInfo) -> (Vec<(String, String)>, Option<f64>) {
     let mut annotations: Vec<(String, String)> = info.annotations.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -222,7 +222,7 @@ pub(crate) fn now_unix_ms() -> i64 {
 }
 
 impl PodRecord {
-    /// SPEC §4 queueDepth: reported waiting + in-flight routed at/after the report's timestamp.
+    /// docs/design.md §4 queueDepth: reported waiting + in-flight routed at/after the report's timestamp.
     /// Without a report, every in-flight request counts.
     pub(crate) fn queue_depth(&self, status: &PodStatus) -> u32 {
         match &status.stats {

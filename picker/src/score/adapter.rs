@@ -1,4 +1,4 @@
-//! Adapter factor (SPEC §4; seed §2): 1 when the requested LoRA adapter is running on the pod,
+//! Adapter factor (docs/design.md §4): 1 when the requested LoRA adapter is running on the pod,
 //! else 0; 1 for every pod when the request needs no adapter.
 
 use super::{PodFacts, Prepared, ScoreContext, Scorer};

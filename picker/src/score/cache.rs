@@ -1,4 +1,4 @@
-//! cacheMatchRatio (SPEC §2, §4; seed §2): consecutive matched blocks from the start of the
+//! cacheMatchRatio (docs/design.md §2, §4): consecutive matched blocks from the start of the
 //! request / full blocks in the request; 0 when the request has no full block.
 
 use super::{PodFacts, Prepared, ScoreContext, Scorer};

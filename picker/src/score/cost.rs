@@ -1,4 +1,4 @@
-//! Cost awareness (seed §12), the shipped custom scorer: among the candidates whose
+//! Cost awareness (docs/design.md §4), the shipped custom scorer: among the candidates whose
 //! cacheMatchRatio is within `margin` (default 0.20) of the best candidate's, the cheaper pod
 //! scores higher; a pod further behind on cache gets no cost advantage.
 //!
@@ -21,10 +21,10 @@ use super::{PodFacts, Prepared, ScoreContext, Scorer};
 /// Annotation carrying a pod's price in $/hour.
 pub const COST_ANNOTATION: &str = "kvroute.io/cost-per-hour";
 
-/// Default cache-match margin (seed §12: "under 20 percentage points").
+/// Default cache-match margin (docs/design.md §4: "under 20 percentage points").
 pub const DEFAULT_MARGIN: f64 = 0.20;
 
-/// Prefers cheaper pods when their cache match is close to the best (seed §12).
+/// Prefers cheaper pods when their cache match is close to the best (docs/design.md §4).
 #[derive(Debug, Clone, Copy)]
 pub struct CostAwareScorer {
     /// cacheMatchRatio gap (fraction in [0,1]) within which price decides. Default 0.20.

@@ -1,4 +1,4 @@
-//! Candidate filtering (SPEC §4; seed §15): model, readiness, connection (or grace period),
+//! Candidate filtering (docs/design.md §4, §15): model, readiness, connection (or grace period),
 //! health threshold, Envoy subset hint, then queue spill.
 //!
 //! Order: the static checks ([`exclusion`]) run lock-free before scoring; the spill check
@@ -82,7 +82,7 @@ pub(crate) enum Spill {
     AllSaturated,
 }
 
-/// Pods at or above `max_queue` leave the candidates while one is below it (SPEC §4).
+/// Pods at or above `max_queue` leave the candidates while one is below it (docs/design.md §4).
 pub(crate) fn spill(mut depths: impl Iterator<Item = u32>, max_queue: u32) -> Spill {
     if depths.any(|d| d < max_queue) { Spill::KeepBelow } else { Spill::AllSaturated }
 }

@@ -1,4 +1,4 @@
-//! Health factor (SPEC §4, §7; seed §2): the agent's continuous health score in [0,1]. Pods below
+//! Health factor (docs/design.md §4, §7): the agent's continuous health score in [0,1]. Pods below
 //! the exclusion threshold never reach a scorer (see `filter`).
 
 use super::{PodFacts, Prepared, ScoreContext, Scorer};

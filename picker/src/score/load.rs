@@ -1,4 +1,4 @@
-//! Load factor (SPEC §4; seed §2): `1 − loadRatio`, loadRatio = GPU utilization /
+//! Load factor (docs/design.md §4): `1 − loadRatio`, loadRatio = GPU utilization /
 //! `max_utilization`, clamped to [0,1].
 
 use super::{PodFacts, Prepared, ScoreContext, Scorer};

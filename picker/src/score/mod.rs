@@ -1,4 +1,4 @@
-//! Scoring (SPEC §4; seed §2, §3, §15): candidate filtering, the five factor scorers, selection
+//! Scoring (docs/design.md §4, §15): candidate filtering, the five factor scorers, selection
 //! and the [`Router`] that turns a request's block chain into a [`Decision`].
 //!
 //! S = w_cache·cacheMatchRatio + w_load·(1 − loadRatio) + w_queue·(1 − min(queueDepth/maxQueue, 1))
@@ -6,10 +6,10 @@
 //!
 //! Concurrency: [`Router::route`] walks the prefix index and reads pod state lock-free (arc-swap),
 //! then takes the pool's selection mutex for the scoring + choice + in-flight reservation only
-//! (microseconds), so concurrent decisions see each other's reservations (SPEC §4). A decision's
+//! (microseconds), so concurrent decisions see each other's reservations (docs/design.md §4). A decision's
 //! [`InFlightSlot`] releases the reservation when dropped.
 //!
-//! Custom scorers (seed §12) add terms `w_i·factor_i` to S. They register with their weight:
+//! Custom scorers (docs/design.md §4) add terms `w_i·factor_i` to S. They register with their weight:
 //! from config (`scoring.custom`, e.g. the shipped [`CostAwareScorer`]) or in code through
 //! [`Router::with_scorers`]. The sum rule covers every registered scorer: the built-in weights
 //! plus the custom ones must sum to 1.0, and names must be unique.
@@ -38,7 +38,7 @@ pub use router::{InFlightSlot, ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
 
-/// Factor weights (SPEC §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
+/// Factor weights (docs/design.md §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
 /// when given in a config file.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -74,7 +74,7 @@ impl Weights {
     }
 }
 
-/// Scoring settings (SPEC §4). Every absent field takes its default (the `chatbot` preset).
+/// Scoring settings (docs/design.md §4). Every absent field takes its default (the `chatbot` preset).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScoringConfig {
@@ -91,7 +91,7 @@ pub struct ScoringConfig {
     pub shed_when_saturated: bool,
     /// Seed of the random tie-break. Default 0.
     pub seed: u64,
-    /// Custom scorers from config, each with its weight (seed §12). Default none.
+    /// Custom scorers from config, each with its weight (docs/design.md §4). Default none.
     pub custom: Vec<CustomScorerConfig>,
 }
 
@@ -106,7 +106,7 @@ pub enum CustomScorerConfig {
         /// Weight in S, in [0,1].
         weight: f64,
         /// Cache-match gap (fraction, in [0,1]) under which the cheaper pod is preferred.
-        /// Default 0.20 (seed §12).
+        /// Default 0.20 (docs/design.md §4).
         #[serde(default = "default_cost_margin")]
         margin: f64,
     },
@@ -153,7 +153,7 @@ impl Default for ScoringConfig {
     }
 }
 
-/// Named presets (SPEC §4, seed §13): cache/load/queue/health/adapter, maxQueue.
+/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue.
 pub const PRESETS: [(&str, Weights, u32); 4] = [
     ("chatbot", Weights { cache: 0.60, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.05 }, 20),
     ("latency-api", Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 }, 10),
@@ -212,7 +212,7 @@ impl ScoringConfig {
     }
 }
 
-/// The registration rule (SPEC §4; seed §12): every weight finite and in [0,1], names unique, and
+/// The registration rule (docs/design.md §4): every weight finite and in [0,1], names unique, and
 /// the sum 1.0 within 1e-6. The error names every weight and the sum.
 pub fn validate_weights<N: AsRef<str>>(named: &[(N, f64)]) -> Result<(), ScoringConfigError> {
     let list = || named.iter().map(|(n, w)| format!("{}={w}", n.as_ref())).collect::<Vec<_>>().join(", ");
@@ -272,7 +272,7 @@ pub enum ScoringConfigError {
 }
 
 /// Where a decision's per-pod matched blocks come from when not from the precise KV-event index:
-/// approximate mode's record of earlier routing (SPEC §6). Given to [`Router::route_with`].
+/// approximate mode's record of earlier routing (docs/design.md §6). Given to [`Router::route_with`].
 pub trait PrefixMatches: Sync {
     /// Consecutive blocks of the request's chain, from the first, that `pod` is taken to hold.
     fn matched_blocks(&self, pod: &str) -> u32;
@@ -417,7 +417,7 @@ pub struct ScoreContext<'a> {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Prepared(pub [f64; 4]);
 
-/// A scoring factor (seed §12): request context + pod state → score in [0,1] + explanation.
+/// A scoring factor (docs/design.md §4): request context + pod state → score in [0,1] + explanation.
 /// Implementations must return a value in [0,1] for every input (the router clamps, and counts
 /// NaN as 0, anyway) and must not allocate in `prepare` or `score` (hot path).
 pub trait Scorer: Send + Sync + std::fmt::Debug {

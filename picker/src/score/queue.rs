@@ -1,4 +1,4 @@
-//! Queue factor (SPEC §4; seed §2): `1 − min(queueDepth / maxQueue, 1)`; queueDepth includes the
+//! Queue factor (docs/design.md §4): `1 − min(queueDepth / maxQueue, 1)`; queueDepth includes the
 //! picker's own in-flight routings since the pod's last report.
 
 use super::{PodFacts, Prepared, ScoreContext, Scorer};

@@ -59,7 +59,7 @@ impl fmt::Debug for InFlightSlot {
 
 impl InFlightSlot {
     /// Called when the engine's usage arrives: returns true when the routing was stale (actual
-    /// cached tokens < predicted matched tokens by more than one block, SPEC §5).
+    /// cached tokens < predicted matched tokens by more than one block, docs/design.md §5).
     pub fn observe_cached_tokens(&self, cached_tokens: u32) -> bool {
         self.predicted_tokens > u64::from(cached_tokens) + self.block_size
     }
@@ -193,7 +193,7 @@ impl Router {
     }
 
     /// Like [`Router::new`], plus `extra` custom scorers registered in code with their weights
-    /// (seed §12). The sum rule covers all of them: built-in + `config.custom` + `extra` weights
+    /// (docs/design.md §4). The sum rule covers all of them: built-in + `config.custom` + `extra` weights
     /// must sum to 1.0 (±1e-6), each in [0,1], names unique; otherwise the error names every
     /// weight and the sum.
     pub fn with_scorers(
@@ -233,7 +233,7 @@ impl Router {
         self.route_with(req, None)
     }
 
-    /// Like [`Router::route`], with a second source of matched blocks (approximate mode, SPEC §6):
+    /// Like [`Router::route`], with a second source of matched blocks (approximate mode, docs/design.md §6):
     /// a pod's count is the larger of the index walk's (what KV events proved) and `matches`' (what
     /// earlier routing suggests). A text chain never matches the index (its own hash domain), so
     /// that walk ends at the first block; token-id prompts keep the index's exact answer.

@@ -1,4 +1,4 @@
-//! The seed's numeric claims (§2, §3, §6, §12, §15) checked against the formula as it runs, the
+//! The numeric claims of the article behind the scoring design (docs/design.md §4, §15) checked against the formula as it runs, the
 //! shipped cost-awareness scorer, and custom-scorer registration. Where the seed's prose and the
 //! formula disagree under default weights, the test pins what the formula does.
 
@@ -70,7 +70,7 @@ fn seed_section_3_sensitivity_and_derivative() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 500, rng_seed: proptest::test_runner::RngSeed::Fixed(3), ..ProptestConfig::default() })]
 
-    /// Seed §3 cross-factor equivalence table: +10 points of cache (0.06 of S) = −0.30 loadRatio
+    /// docs/design.md §4: cross-factor equivalence table: +10 points of cache (0.06 of S) = −0.30 loadRatio
     /// = −12 queued requests (maxQueue 20); health and adapter cannot match it (would need a
     /// swing of 1.2 on a [0,1] factor), so the table's entries for them are "impossible".
     #[test]
@@ -89,7 +89,7 @@ proptest! {
         prop_assert!(s_default(&r, cache, gpu, queue, health, true) - s_default(&r, cache, gpu, queue, health, false) < 0.06);
     }
 
-    /// Seed §3 dominance: the other factors swing at most 0.20 + 0.10 + 0.035 + 0.05 = 0.385, so
+    /// docs/design.md §4: dominance: the other factors swing at most 0.20 + 0.10 + 0.035 + 0.05 = 0.385, so
     /// an advantage d is safe iff 0.60·d > 0.385, i.e. d > 0.6417. Below that the worst case
     /// (leader: full load, full queue, health 0.3, no adapter; other: the opposite) overturns it:
     /// a counterexample exists at 0.60 (and at the seed's first try, 0.40).
@@ -112,7 +112,7 @@ fn counterexample_at_0_60_and_none_at_0_65() {
     assert!(close(leader, 0.405) && leader > other);
 }
 
-/// Seed §6 "counterintuitive case": A 80% GPU / 0 queued vs B 40% / 10 queued, equal otherwise.
+/// docs/design.md §4: "counterintuitive case": A 80% GPU / 0 queued vs B 40% / 10 queued, equal otherwise.
 /// The prose says A is better; the formula under default weights picks B (load+queue terms 0.14
 /// vs 0.17). The `latency-api` preset (w_queue 0.30, maxQueue 10) makes the prose true; batch
 /// and multi-lora keep B.
@@ -139,7 +139,7 @@ async fn counterintuitive_case_is_b_under_defaults_and_a_under_latency_api() {
     assert_eq!(pick(cfg).await.0.as_deref(), Some("a"));
 }
 
-/// Seed §15 thundering herd: 4 pods, maxQueue 20, 50 simultaneous requests whose prefix only one
+/// docs/design.md §15: thundering herd: 4 pods, maxQueue 20, 50 simultaneous requests whose prefix only one
 /// pod holds: 20 go there (its queue, counted from the picker's own in-flight since the last
 /// report, reaches maxQueue and it spills), the other 30 spread evenly over the other three.
 #[tokio::test]
@@ -173,7 +173,7 @@ async fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
     assert_eq!((count("hot"), count("c1"), count("c2"), count("c3")), (20, 10, 10, 10));
 }
 
-/// Seed §15 cold start: nobody holds the prefix → the least-loaded pod gets it; once it holds
+/// docs/design.md §15: cold start: nobody holds the prefix → the least-loaded pod gets it; once it holds
 /// the prefix, the next request follows it even though it is now the busier pod.
 #[tokio::test]
 async fn cold_start_routes_by_load_then_follows_the_cache() {
@@ -225,7 +225,7 @@ fn cost_config() -> ScoringConfig {
     }
 }
 
-/// Seed §12: on-demand A100 at $3.67/h vs spot A10G at $0.38/h; prefer the cheap pod when the
+/// docs/design.md §4: on-demand A100 at $3.67/h vs spot A10G at $0.38/h; prefer the cheap pod when the
 /// cache-match gap is under 20 points, the cache-hot one beyond it.
 #[tokio::test]
 async fn cost_scorer_prefers_the_cheap_pod_within_the_margin() {

@@ -1,4 +1,4 @@
-//! Selection (SPEC §4): argmax of S; ties (|ΔS| ≤ 1e-9) go to the lower loadRatio, then the lower
+//! Selection (docs/design.md §4): argmax of S; ties (|ΔS| ≤ 1e-9) go to the lower loadRatio, then the lower
 //! queue depth, then a seeded random choice (a per-decision key from splitmix64).
 
 use std::cmp::Ordering;

@@ -1,4 +1,4 @@
-//! Scoring tests: SPEC §4 properties (proptest), the seed's worked numbers, filters, spill,
+//! Scoring tests: docs/design.md §4 properties (proptest), the seed's worked numbers, filters, spill,
 //! ties, health exclusion, adapter match, reservations, config validation.
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Cache-blind baselines (seed §5): random, round robin, least connections.
+//! Cache-blind baselines (docs/design.md §16): random, round robin, least connections.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

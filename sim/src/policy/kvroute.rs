@@ -12,9 +12,9 @@
 //!   `observed_at_unix_ms = 0` (every held slot counts) and itself drops a request's
 //!   [`InFlightSlot`] when the first stats report read at or after its routing time reaches the
 //!   picker (the engine's `num_requests_waiting` counts it from then on) or when its response ends,
-//!   whichever is first. That is SPEC §4's queueDepth definition exactly.
+//!   whichever is first. That is docs/design.md §4's queueDepth definition exactly.
 //! - [`CacheView::Approximate`]: the same router, but the index is fed from the policy's own memory
-//!   of where it routed each chain (GIE's estimated prefix cache, SPEC §6 approximate mode) instead
+//!   of where it routed each chain (GIE's estimated prefix cache, docs/design.md §6 approximate mode) instead
 //!   of the engines' KV events.
 
 use std::collections::HashMap;

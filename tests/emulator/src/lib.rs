@@ -1,4 +1,4 @@
-//! kvroute-emulator: a vLLM stand-in for tests, the demo and benchmarks (SPEC §8).
+//! kvroute-emulator: a vLLM stand-in for tests, the demo and benchmarks (docs/design.md §8).
 //!
 //! It speaks vLLM 0.33's formats: the OpenAI server (completions, chat, models, tokenize, LoRA
 //! load/unload), `/metrics` names and labels, and KV events over ZeroMQ PUB + ROUTER replay in

@@ -45,7 +45,7 @@ pub struct FleetSpec {
     pub least_request_baseline: bool,
     /// Picker log level.
     pub picker_log_level: String,
-    /// Start the picker without a tokenizer for the model, in approximate mode (SPEC §6: text
+    /// Start the picker without a tokenizer for the model, in approximate mode (docs/design.md §6: text
     /// blocks matched against where earlier requests went; the KV-event index is not consulted).
     pub picker_approximate: bool,
     /// More Envoy + picker gateways, one per config file (paths relative to the workspace root,

@@ -1,4 +1,4 @@
-//! inference-perf 0.7.0 (PyPI; the Gateway API Inference Extension's benchmark tool, SPEC §13) as
+//! inference-perf 0.7.0 (PyPI; the Gateway API Inference Extension's benchmark tool, docs/design.md §13) as
 //! the load client of end-to-end benchmarks: writes its config, runs it as a child process with a
 //! deadline, and reads its per-stage reports.
 //!

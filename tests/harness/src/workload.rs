@@ -1,5 +1,5 @@
 //! Deterministic multi-turn chat workloads with shared system prompts: the traffic kvroute is
-//! built for (seed §8: each turn re-sends the whole conversation, so the pod that served the last
+//! built for (docs/design.md §4: each turn re-sends the whole conversation, so the pod that served the last
 //! turn holds all but the newest message; conversations that share a system prompt share a prefix).
 
 use rand::rngs::StdRng;

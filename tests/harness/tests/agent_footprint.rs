@@ -1,4 +1,4 @@
-//! Footprint benchmark of the node agent (SPEC §10: ≤ 30 MB RSS, ≤ 2 % of a core; event → picker
+//! Footprint benchmark of the node agent (docs/design.md §10: ≤ 30 MB RSS, ≤ 2 % of a core; event → picker
 //! p99 ≤ 50 ms): one agent watching 8 emulated engines under load for a minute
 //! (`AGENT_FOOTPRINT_SECS`, default 60). Ignored by default (it is a measurement, not a check):
 //! run it with `scripts/agent-footprint`.

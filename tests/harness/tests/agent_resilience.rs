@@ -1,4 +1,4 @@
-//! The node agent against real processes (SPEC §7): emulated vLLM engines (`kvroute-emulator`,
+//! The node agent against real processes (docs/design.md §7): emulated vLLM engines (`kvroute-emulator`,
 //! faults through `POST /emulator/faults`), the agent binary in mock-NVML mode and the picker,
 //! all over real sockets. Requests go straight to the engines (no routing involved); what the
 //! picker believes is read back from its `/explain` (matched blocks per pod) and `/metrics`.
@@ -183,7 +183,7 @@ async fn stuck_engine_with_healthy_endpoint_falls_below_exclusion() {
     fleet.inject_fault(1, json!({"stuck": true})).await.expect("fault");
     let health = reqwest::get(format!("{}/health", fleet.engines[1].url())).await.expect("health");
     assert_eq!(health.status().as_u16(), 200, "a stuck engine still answers /health");
-    // Probe every 5 s with a 2 s deadline (SPEC §7 defaults).
+    // Probe every 5 s with a 2 s deadline (docs/design.md §7 defaults).
     let h = fleet
         .wait_pod_gauge("epp_pod_health_score", "engine-1", Duration::from_secs(20), |h| h < 0.3)
         .await

@@ -1,4 +1,4 @@
-//! End to end in approximate mode (SPEC §6): emulated engines, agents, the picker started
+//! End to end in approximate mode (docs/design.md §6): emulated engines, agents, the picker started
 //! *without a tokenizer* for the model, and a real Envoy 1.40. The picker only sees request text
 //! and its own past decisions; turn 2 of each conversation must still land on turn 1's pod (and
 //! the engine must report the history as cached).

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 static ONE_FLEET_AT_A_TIME: LazyLock<tokio::sync::Mutex<()>> = LazyLock::new(|| tokio::sync::Mutex::new(()));
 
 use kvroute_harness::DEFAULT_MODEL as MODEL;
-/// Time for a KV event to travel engine → agent → picker (SPEC §10 target p99 ≤ 50 ms).
+/// Time for a KV event to travel engine → agent → picker (docs/design.md §10 target p99 ≤ 50 ms).
 const PROPAGATION: Duration = Duration::from_millis(400);
 
 fn spec(label: &str) -> FleetSpec {

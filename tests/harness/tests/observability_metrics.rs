@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 use kvroute_harness::DEFAULT_MODEL as MODEL;
-/// Time for a KV event to travel engine → agent → picker (SPEC §10 target p99 ≤ 50 ms).
+/// Time for a KV event to travel engine → agent → picker (docs/design.md §10 target p99 ≤ 50 ms).
 const PROPAGATION: Duration = Duration::from_millis(400);
 
 async fn chat(client: &GatewayClient, messages: &[Value], max_tokens: u32) -> ChatOutcome {

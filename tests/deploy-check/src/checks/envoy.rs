@@ -3,7 +3,7 @@
 //! resolves the picker Service by DNS; its address and port must be that Service's ext-proc port)
 //! and `failure_mode_allow` (the fail-open overlay). The gateway listener's port must be the
 //! Deployment's `http` container port, and its per-connection buffer must exceed the picker's
-//! `body_limit_bytes` (SPEC §5: the picker, not Envoy, answers 413).
+//! `body_limit_bytes` (docs/design.md §5: the picker, not Envoy, answers 413).
 
 use serde_json::Value;
 

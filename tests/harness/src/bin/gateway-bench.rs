@@ -1,6 +1,6 @@
 //! Gateway overhead: the same request stream, at a fixed rate, through Envoy + kvroute picker
 //! (`deploy/envoy/envoy.yaml`) and through Envoy alone doing round robin
-//! (`deploy/envoy/envoy-round-robin.yaml`), over the same emulated engines, in one run (SPEC §10:
+//! (`deploy/envoy/envoy-round-robin.yaml`), over the same emulated engines, in one run (docs/design.md §10:
 //! added p50 ≤ 0.5 ms, p99 ≤ 2 ms for prompts ≤ 1k tokens at a rate the box sustains).
 //!
 //! The engines run with zero prefill and decode time so that routing quality (cache hits) does not

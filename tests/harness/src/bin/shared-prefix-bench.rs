@@ -1,11 +1,11 @@
-//! End-to-end shared-prefix benchmark (issue 9; SPEC §10's routing-quality shape, scaled down to
+//! End-to-end shared-prefix benchmark (issue 9; docs/design.md §10's routing-quality shape, scaled down to
 //! what emulated engines on this machine sustain): the same open-loop Poisson stream of
 //! `/v1/completions` requests (G groups × a shared prefix × Q questions) goes through real Envoy +
 //! picker + agents + emulated engines (precise mode: KV events), then — prefix caches emptied —
 //! through an Envoy doing plain round robin over the same engines (with `--least-request`, caches
 //! emptied again, through an Envoy doing least-request, the least-loaded baseline), then through a
 //! second fleet
-//! whose picker runs in approximate mode (no tokenizer: SPEC §6's text blocks and per-pod LRU of
+//! whose picker runs in approximate mode (no tokenizer: docs/design.md §6's text blocks and per-pod LRU of
 //! its own routing, GIE's estimated prefix cache). TTFT (first streamed chunk with text) is
 //! measured by the client, as inference-perf does.
 //!
@@ -13,7 +13,7 @@
 //! default), so prefill compute is each pod's bottleneck and a cache-blind router saturates once
 //! the fleet's uncached tokens per second exceed what its pods prefill.
 //!
-//! `--client inference-perf` sends the stream with inference-perf 0.7.0 instead (SPEC §13; its
+//! `--client inference-perf` sends the stream with inference-perf 0.7.0 instead (docs/design.md §13; its
 //! `shared_prefix` generator, Poisson stages of rising rate, streaming `/v1/completions`) and reads
 //! its per-stage reports; `scripts/bench-shared-prefix-inference-perf` installs it and runs this.
 
