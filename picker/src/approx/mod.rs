@@ -53,6 +53,16 @@ pub enum RoutingMode {
     Approximate,
 }
 
+impl RoutingMode {
+    /// The config and log spelling: `precise` or `approximate`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingMode::Precise => "precise",
+            RoutingMode::Approximate => "approximate",
+        }
+    }
+}
+
 /// `models[].approximate`: settings of approximate mode. Every field has a default (GIE's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
