@@ -86,8 +86,8 @@ impl Default for ApproxConfig {
 }
 
 impl ApproxConfig {
-    /// Which field is out of range, if any (each must be ≥ 1).
-    pub fn invalid_field(&self) -> Option<&'static str> {
+    /// Which field is out of range and its value, if any (each must be ≥ 1).
+    pub fn invalid_field(&self) -> Option<(&'static str, usize)> {
         [
             ("block_chars", self.block_chars),
             ("capacity_blocks_per_pod", self.capacity_blocks_per_pod),
@@ -95,6 +95,5 @@ impl ApproxConfig {
         ]
         .into_iter()
         .find(|(_, v)| *v == 0)
-        .map(|(n, _)| n)
     }
 }
