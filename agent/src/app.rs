@@ -104,7 +104,7 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
             annotations: e.annotations.clone().into_iter().collect(),
         })
         .collect();
-    let hub = Hub::new(infos, 4096);
+    let hub = Hub::new(infos, config.delta_queue);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_threads = Arc::new(AtomicBool::new(false));
     let mut tasks = JoinSet::new();
@@ -131,7 +131,7 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
                 pod: engine.pod.clone(),
                 kv_events: kv_events.clone(),
                 kv_replay: engine.kv_replay.clone(),
-                replay_timeout: Duration::from_secs(1),
+                replay_timeout: Duration::from_millis(config.kv_replay_timeout_ms),
             };
             subscriptions.push((sub_cfg, PodSink::new(pod.clone(), Arc::downgrade(&alive), &metrics)));
         }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
 use crate::model::ModelRegistry;
-use crate::pool::{Pool, PoolConfig};
+use crate::pool::Pool;
 use crate::score::Router;
 use crate::server::StartError;
 
@@ -34,13 +34,8 @@ pub struct Gateway {
 impl Gateway {
     /// Builds the pool, router and models from a validated config.
     pub fn new(config: &PickerConfig) -> Result<Self, StartError> {
-        let pool = Pool::new(PoolConfig {
-            block_size: config.block_size,
-            grace_ttl_ms: config.pod_grace_ttl_ms,
-            max_blocks_per_pod: 2_000_000,
-        });
-        let router = Router::new(pool.clone(), config.scoring.to_scoring_config())
-            .map_err(|e| StartError::Scoring(e.to_string()))?;
+        let pool = Pool::new(config.pool());
+        let router = Router::new(pool.clone(), config.scoring.clone())?;
         Ok(Self {
             pool,
             router,

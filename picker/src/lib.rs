@@ -1,9 +1,10 @@
 //! kvroute picker: KV-cache-aware Envoy ext_proc endpoint picker (docs/design.md §1, §3–§5, §9).
 //!
 //! Three listeners, all started by [`start`]:
-//! - ext_proc gRPC ([`ext_proc`]): Envoy asks, per request, which pod serves it;
+//! - ext_proc gRPC ([`ext_proc`]): Envoy asks, per request, which pod serves it ([`decision`]);
 //! - AgentIngest gRPC ([`ingest`]): agents stream pod state and KV blocks into the [`pool`];
-//! - admin HTTP ([`admin`]): `/metrics`, `/healthz`, `/explain`.
+//! - admin HTTP ([`admin`]): `/metrics`, `/healthz`, `/explain` (the same [`decision`] pipeline,
+//!   scored without routing).
 //!
 //! Rooms: [`server`] is the wiring (listeners, tasks, shutdown), [`gateway`] the state the request
 //! path shares ([`Gateway`]: pool, router, models, metrics; immutable after start, shared by
@@ -13,6 +14,7 @@
 pub mod admin;
 pub mod approx;
 pub mod config;
+pub mod decision;
 pub mod ext_proc;
 pub mod gateway;
 pub mod ingest;

@@ -18,6 +18,7 @@ use crate::config::PickerConfig;
 use crate::ext_proc::ExtProcService;
 use crate::gateway::Gateway;
 use crate::ingest::IngestService;
+use crate::score::ScoringConfigError;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
 /// default fails the stream on large prompts (docs/design.md §11); Envoy's buffer limit in deploy/ is 16 MiB,
@@ -31,13 +32,31 @@ pub const MIN_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 pub enum StartError {
     /// The scoring section was rejected by the router.
     #[error("invalid scoring config: {0}")]
-    Scoring(String),
+    Scoring(#[from] ScoringConfigError),
     /// A listener could not be bound.
     #[error("cannot listen for {what} on {addr}: {source}")]
-    Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address asked for.
+        addr: SocketAddr,
+        /// I/O error.
+        source: std::io::Error,
+    },
     /// A server stopped with an error.
-    #[error("{what} server failed: {message}")]
-    Serve { what: &'static str, message: String },
+    #[error("{what} server failed: {source}")]
+    Serve {
+        /// Which server.
+        what: &'static str,
+        /// Its error (transport, I/O, or the task's panic).
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A server stopped although no stop was asked for.
+    #[error("{what} server stopped unexpectedly")]
+    Stopped {
+        /// Which server.
+        what: &'static str,
+    },
 }
 
 /// A started picker: its bound addresses and server tasks.
@@ -52,7 +71,8 @@ pub struct RunningPicker {
     /// The shared request-path state (tests inspect the pool and metrics through it).
     pub gateway: Arc<Gateway>,
     shutdown: ShutdownHandle,
-    tasks: JoinSet<Result<(), StartError>>,
+    /// Each server's task ends with its name (it stopped) or its error.
+    tasks: JoinSet<Result<&'static str, StartError>>,
 }
 
 /// Asks a [`RunningPicker`]'s servers to stop; cloneable, usable after `wait` took the picker.
@@ -84,16 +104,17 @@ impl RunningPicker {
     pub async fn wait(mut self) -> Result<(), StartError> {
         let mut first_err = None;
         while let Some(joined) = self.tasks.join_next().await {
-            let res = joined.unwrap_or_else(|e| Err(StartError::Serve { what: "server task", message: e.to_string() }));
-            if let Err(e) = res {
-                self.shutdown.shutdown();
-                first_err.get_or_insert(e);
-            } else if !self.shutdown.requested() {
-                self.shutdown.shutdown();
-                first_err.get_or_insert(StartError::Serve {
-                    what: "picker",
-                    message: "a server stopped unexpectedly".into(),
-                });
+            let res = joined.unwrap_or_else(|e| Err(StartError::Serve { what: "server task", source: e.into() }));
+            match res {
+                Err(e) => {
+                    self.shutdown.shutdown();
+                    first_err.get_or_insert(e);
+                }
+                Ok(what) if !self.shutdown.requested() => {
+                    self.shutdown.shutdown();
+                    first_err.get_or_insert(StartError::Stopped { what });
+                }
+                Ok(_) => {}
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -139,7 +160,8 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
                 ext_stop,
             )
             .await
-            .map_err(|e| StartError::Serve { what: "ext_proc", message: e.to_string() })
+            .map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() })
+            .map(|()| "ext_proc")
     });
 
     let ingest = IngestService::new(gateway.pool.clone()).into_server();
@@ -149,7 +171,8 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
             .add_service(ingest)
             .serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop)
             .await
-            .map_err(|e| StartError::Serve { what: "ingest", message: e.to_string() })
+            .map_err(|e| StartError::Serve { what: "ingest", source: e.into() })
+            .map(|()| "ingest")
     });
 
     let app = admin::router(gateway.clone());
@@ -158,7 +181,8 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
         axum::serve(admin_l, app)
             .with_graceful_shutdown(admin_stop)
             .await
-            .map_err(|e| StartError::Serve { what: "admin", message: e.to_string() })
+            .map_err(|e| StartError::Serve { what: "admin", source: e.into() })
+            .map(|()| "admin")
     });
 
     tracing::info!(%ext_proc_addr, %ingest_addr, %admin_addr, models = gateway.models.len(), "picker listening");

@@ -38,22 +38,34 @@ pub use inflight::InFlightSlot;
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;
 
-/// Pool settings.
+/// Default of [`PoolConfig::grace_ttl_ms`] (and the config's `pod_grace_ttl_ms`), in ms.
+pub const DEFAULT_POD_GRACE_TTL_MS: u64 = 10_000;
+/// Default of [`PoolConfig::max_blocks_per_pod`] (and the config's field), in blocks: an H100
+/// holding ~30 GB of KV cache at 16 tokens per block is well under this (≈ 8 bytes of index per
+/// block, 16 MB per full pod).
+pub const DEFAULT_MAX_BLOCKS_PER_POD: usize = 2_000_000;
+
+/// Pool settings. The picker builds them from its config file (`PickerConfig::pool`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolConfig {
-    /// Tokens per block (vLLM `--block-size`). Default 16. Pods reporting another size are logged.
+    /// Tokens per block (vLLM `--block-size`). Default [`kvroute_common::DEFAULT_BLOCK_SIZE`] (16).
+    /// Pods reporting another size are logged.
     pub block_size: usize,
     /// How long a pod whose agent stream ended keeps its blocks and stays a candidate, in ms.
-    /// Default 10 000.
+    /// Default [`DEFAULT_POD_GRACE_TTL_MS`].
     pub grace_ttl_ms: u64,
     /// Cap on blocks (index entries) per pod; stores beyond it are dropped and counted.
-    /// Default 2 000 000.
+    /// Default [`DEFAULT_MAX_BLOCKS_PER_POD`].
     pub max_blocks_per_pod: usize,
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig { block_size: 16, grace_ttl_ms: 10_000, max_blocks_per_pod: 2_000_000 }
+        PoolConfig {
+            block_size: kvroute_common::DEFAULT_BLOCK_SIZE,
+            grace_ttl_ms: DEFAULT_POD_GRACE_TTL_MS,
+            max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
+        }
     }
 }
 

@@ -243,13 +243,25 @@ impl Router {
 
     /// Same computation as [`Router::route`], no reservation, no state change (explain endpoint).
     pub fn explain(&self, req: &RouteRequest<'_>) -> Explanation {
-        let table = self.pool.table.load();
-        with_scratch(|sc| self.explain_in(sc, &table, req))
+        self.explain_with(req, None)
     }
 
-    fn explain_in(&self, sc: &mut Scratch, table: &PodTable, req: &RouteRequest<'_>) -> Explanation {
+    /// Same computation as [`Router::route_with`] (the same second source of matched blocks), no
+    /// reservation, no state change: the choice is the one `route_with` would make now.
+    pub fn explain_with(&self, req: &RouteRequest<'_>, matches: Option<&dyn PrefixMatches>) -> Explanation {
+        let table = self.pool.table.load();
+        with_scratch(|sc| self.explain_in(sc, &table, req, matches))
+    }
+
+    fn explain_in(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
+    ) -> Explanation {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
-        self.prefilter(sc, table, req, None);
+        self.prefilter(sc, table, req, matches);
         let named = |sc: &Scratch, from: usize| -> Vec<(String, String)> {
             sc.excluded[from..]
                 .iter()
