@@ -6,6 +6,8 @@
 //! Both exist only because the real thing cannot run here; their wire formats follow the real
 //! ones (recorded API-server responses are checked in `tests/wire.rs`).
 
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod apiserver;
 pub mod kubelet;
 

@@ -2,6 +2,8 @@
 //! (`tests/fixtures/kube-apiserver`): the same requests, replayed against the stand-in holding the
 //! same objects, must produce the same shapes, and kube-rs must read them.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
