@@ -69,7 +69,7 @@ impl PodResourcesLister for Service {
 pub struct PodResourcesServer {
     path: PathBuf,
     state: Arc<State>,
-    task: tokio::task::JoinHandle<()>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl PodResourcesServer {
@@ -82,16 +82,20 @@ impl PodResourcesServer {
         let listener = tokio::net::UnixListener::bind(path)?;
         let state = Arc::new(State::default());
         let svc = PodResourcesListerServer::new(Service(state.clone()));
-        let task = tokio::spawn(async move {
+        let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            // Graceful: open connections are closed too (GOAWAY), as when the kubelet exits.
             let served = tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming(UnixListenerStream::new(listener))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                    let _ = stop.await;
+                })
                 .await;
             if let Err(e) = served {
                 tracing::error!(error = %e, "PodResources stand-in stopped");
             }
         });
-        Ok(Self { path: path.to_path_buf(), state, task })
+        Ok(Self { path: path.to_path_buf(), state, shutdown: Some(shutdown) })
     }
 
     /// The socket path.
@@ -131,7 +135,9 @@ impl PodResourcesServer {
 
 impl Drop for PodResourcesServer {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }

@@ -68,6 +68,10 @@ fn parse_path(store: &Store, path: &str) -> Result<Target, ApiError> {
 }
 
 async fn handle(State(app): State<App>, method: Method, uri: Uri, body: Body) -> Response {
+    app.store.log_request(format!("{method} {uri}"));
+    let mut paused = app.store.paused.subscribe();
+    // Only errors when the store is gone, which cannot happen while it serves.
+    let _ = paused.wait_for(|p| !*p).await;
     match route(&app, &method, &uri, body).await {
         Ok(r) => r,
         Err(e) => error_response(&e),
@@ -428,6 +432,10 @@ async fn run_watch(
         tokio::time::interval_at(tokio::time::Instant::now() + req.bookmark_interval, req.bookmark_interval);
     loop {
         tokio::select! {
+            // A dropped connection delivers nothing after the drop.
+            biased;
+            _ = stop.changed() => return,
+            _ = tx.closed() => return,
             ev = rx.recv() => match ev {
                 Ok(ev) => {
                     if ev.rv <= last_rv {
@@ -463,8 +471,6 @@ async fn run_watch(
                 }
             }
             _ = &mut deadline => return,
-            _ = stop.changed() => return,
-            _ = tx.closed() => return,
         }
     }
 }

@@ -106,7 +106,7 @@ impl Default for Options {
 pub struct ApiServer {
     addr: SocketAddr,
     store: Arc<Store>,
-    task: tokio::task::JoinHandle<()>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl ApiServer {
@@ -130,12 +130,16 @@ impl ApiServer {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let app = http::router(store.clone(), options);
-        let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
+        let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app).with_graceful_shutdown(async {
+                let _ = stop.await;
+            });
+            if let Err(e) = served.await {
                 tracing::error!(error = %e, "kube-apiserver stand-in stopped");
             }
         });
-        Ok(Self { addr, store, task })
+        Ok(Self { addr, store, shutdown: Some(shutdown) })
     }
 
     /// Listening address.
@@ -235,8 +239,13 @@ impl ApiServer {
 }
 
 impl Drop for ApiServer {
+    /// Stops accepting, ends every watch stream and closes the connections.
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        self.store.resume();
+        self.store.drop_watches();
     }
 }
 

@@ -82,6 +82,18 @@ impl ResourceType {
         }
     }
 
+    /// A custom resource (namespaced; `fieldSelector` on `metadata.name` / `metadata.namespace`).
+    pub fn custom(group: &str, version: &str, kind: &str, plural: &str) -> Self {
+        Self {
+            group: group.into(),
+            version: version.into(),
+            kind: kind.into(),
+            plural: plural.into(),
+            builtin: false,
+            field_labels: META_FIELDS.to_vec(),
+        }
+    }
+
     /// `group/version`, or `version` for the core group.
     pub fn api_version(&self) -> String {
         if self.group.is_empty() { self.version.clone() } else { format!("{}/{}", self.group, self.version) }
@@ -188,7 +200,11 @@ pub(crate) struct Inner {
     log_capacity: usize,
     uid_counter: u64,
     pub(crate) counts: HashMap<ResKey, RequestCounts>,
+    requests: VecDeque<String>,
 }
+
+/// Requests remembered for [`Store::requests`].
+const REQUEST_LOG: usize = 512;
 
 /// The shared store; cheap to clone handles via `Arc`.
 pub struct Store {
@@ -196,12 +212,15 @@ pub struct Store {
     events: broadcast::Sender<Arc<StoredEvent>>,
     /// Bumped to end every open watch stream.
     pub(crate) drop_epoch: watch::Sender<u64>,
+    /// While true, requests wait (the server is unreachable).
+    pub(crate) paused: watch::Sender<bool>,
 }
 
 impl Store {
     pub(crate) fn new(log_capacity: usize) -> Self {
         let (events, _) = broadcast::channel(4096);
         let (drop_epoch, _) = watch::channel(0);
+        let (paused, _) = watch::channel(false);
         Self {
             inner: Mutex::new(Inner {
                 rv: 1,
@@ -212,9 +231,11 @@ impl Store {
                 log_capacity: log_capacity.max(1),
                 uid_counter: 0,
                 counts: HashMap::new(),
+                requests: VecDeque::new(),
             }),
             events,
             drop_epoch,
+            paused,
         }
     }
 
@@ -232,6 +253,11 @@ impl Store {
         self.lock().resources.insert(res.key(), res);
     }
 
+    /// The registered resource of `apiVersion` + `kind`.
+    pub fn resource_of(&self, api_version: &str, kind: &str) -> Option<ResourceType> {
+        self.lock().resources.values().find(|r| r.api_version() == api_version && r.kind == kind).cloned()
+    }
+
     pub(crate) fn resource(&self, group: &str, plural: &str) -> Option<ResourceType> {
         self.lock().resources.get(&(group.to_string(), plural.to_string())).cloned()
     }
@@ -239,6 +265,19 @@ impl Store {
     /// Current cluster resourceVersion (the last write's).
     pub fn resource_version(&self) -> u64 {
         self.lock().rv
+    }
+
+    /// The last requests served (`METHOD path?query`), oldest first (at most 512).
+    pub fn requests(&self) -> Vec<String> {
+        self.lock().requests.iter().cloned().collect()
+    }
+
+    pub(crate) fn log_request(&self, line: String) {
+        let mut inner = self.lock();
+        if inner.requests.len() >= REQUEST_LOG {
+            inner.requests.pop_front();
+        }
+        inner.requests.push_back(line);
     }
 
     /// Requests served for `res` so far.
@@ -379,6 +418,18 @@ impl Store {
     /// resourceVersion without a relist.
     pub fn drop_watches(&self) {
         self.drop_epoch.send_modify(|e| *e += 1);
+    }
+
+    /// Makes the server unreachable: open watches end and new requests wait until
+    /// [`Store::resume`] (writes through this handle still happen, unseen by clients).
+    pub fn pause(&self) {
+        self.paused.send_replace(true);
+        self.drop_watches();
+    }
+
+    /// Ends a [`Store::pause`]: waiting requests proceed.
+    pub fn resume(&self) {
+        self.paused.send_replace(false);
     }
 
     /// The objects of `res` (in `namespace`, or all) as they were at resourceVersion `at`, rolled
