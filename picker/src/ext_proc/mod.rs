@@ -42,7 +42,7 @@ use futures::Stream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming};
 
 use crate::Gateway;
-use crate::score::InFlightSlot;
+use crate::pool::InFlightSlot;
 use decide::{DecisionInput, Rejection, decide};
 use usage::UsageScanner;
 

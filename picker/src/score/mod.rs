@@ -7,7 +7,7 @@
 //! Concurrency: [`Router::route`] walks the prefix index and reads pod state lock-free (arc-swap),
 //! then takes the pool's selection mutex for the scoring + choice + in-flight reservation only
 //! (microseconds), so concurrent decisions see each other's reservations (docs/design.md §4). A decision's
-//! [`InFlightSlot`] releases the reservation when dropped.
+//! [`InFlightSlot`](crate::pool::InFlightSlot) releases the reservation when dropped.
 //!
 //! Custom scorers (docs/design.md §4) add terms `w_i·factor_i` to S. They register with their weight:
 //! from config (`scoring.custom`, e.g. the shipped [`CostAwareScorer`]) or in code through
@@ -34,9 +34,11 @@ pub use cost::{COST_ANNOTATION, CostAwareScorer};
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
 pub use queue::QueueDepthScorer;
-pub use router::{InFlightSlot, ORDERED_CANDIDATES, Router};
+pub use router::{ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
+
+use crate::pool::InFlightSlot;
 
 /// Factor weights (docs/design.md §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
 /// when given in a config file.
