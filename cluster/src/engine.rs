@@ -127,9 +127,12 @@ impl NodeView {
 
     /// Content equality, generation aside.
     pub fn same_content(&self, other: &Self) -> bool {
-        let mut a = self.clone();
-        a.generation = other.generation;
-        a == *other
+        self.synced == other.synced
+            && self.dropped_pods == other.dropped_pods
+            && self.node == other.node
+            && self.source == other.source
+            && self.pool == other.pool
+            && self.engines == other.engines
     }
 }
 

@@ -276,9 +276,12 @@ impl PoolView {
 
     /// Content equality, generation aside.
     pub fn same_content(&self, other: &Self) -> bool {
-        let mut a = self.clone();
-        a.generation = other.generation;
-        a == *other
+        self.synced == other.synced
+            && self.dropped_pods == other.dropped_pods
+            && self.source == other.source
+            && self.pool == other.pool
+            && self.endpoints == other.endpoints
+            && self.pods == other.pods
     }
 }
 

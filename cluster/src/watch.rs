@@ -269,6 +269,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn publisher_sends_only_changes_with_the_next_generation() {
+        use crate::pool::{PoolView, Source};
+        let (p, w) = Publisher::new(PoolView::empty(Source::File("f".into())));
+        let mut v = PoolView::build(Source::File("f".into()), None, [], true);
+        assert!(p.publish(v.clone()));
+        assert_eq!(w.current().generation, 1);
+        v.generation = 77;
+        assert!(!p.publish(v.clone()), "same content, other generation: not a change");
+        v.synced = false;
+        assert!(p.publish(v));
+        assert_eq!((w.current().generation, w.current().synced), (2, false));
+        assert_eq!(w.stats().published.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
     fn backoff_grows_to_its_cap_and_resets() {
         let mut b = WatchBackoff::default();
         let first = b.next().unwrap();

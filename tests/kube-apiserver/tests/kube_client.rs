@@ -15,7 +15,10 @@ use kube::runtime::watcher::{self, Event};
 use kvroute_kube_stand_in::{ApiServer, Options};
 
 fn pod(name: &str) -> Pod {
-    Pod { metadata: ObjectMeta { name: Some(name.into()), namespace: Some("ns".into()), ..Default::default() }, ..Default::default() }
+    Pod {
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some("ns".into()), ..Default::default() },
+        ..Default::default()
+    }
 }
 
 fn slice(name: &str) -> EndpointSlice {
