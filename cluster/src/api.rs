@@ -118,6 +118,7 @@ async fn run_pool<T: Snapshot>(
     let mut spec: Option<PoolSpecView> = None;
     let mut pods: Cache<Pod> = Cache::default();
     let mut pod_events: Option<PodStream> = None;
+    let mut was_synced = false;
     loop {
         let changed = tokio::select! {
             () = publisher.closed() => return,
@@ -153,7 +154,12 @@ async fn run_pool<T: Snapshot>(
         };
         if changed {
             let synced = pool_cache.listed && (spec.is_none() || pods.listed);
-            publisher.publish(project(spec.as_ref(), &pods.live, synced));
+            // After a selector change the pod watch lists again from empty: keep the last synced
+            // view until that list completes rather than publish a partial one.
+            if synced || !was_synced {
+                publisher.publish(project(spec.as_ref(), &pods.live, synced));
+                was_synced |= synced;
+            }
         }
     }
 }

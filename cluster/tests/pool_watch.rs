@@ -97,7 +97,17 @@ async fn pool_view_follows_pods_and_the_pool() {
     let v = view.wait_for(BOUND, |v| v.endpoint("sglang-rank-1").is_some()).await.expect("rank 1");
     assert_eq!(v.endpoint("sglang-rank-1").unwrap().addr.to_string(), "10.0.0.9:8001");
 
-    // A new selector restarts the pod watch with it.
+    // A new selector restarts the pod watch with it; the view switches from the old pods to the
+    // new ones in one step (never an unsynced or empty view in between).
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut rx = view.subscribe();
+    let record = seen.clone();
+    let collector = tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let v = rx.borrow_and_update().clone();
+            record.lock().unwrap().push((v.synced, v.pods.len()));
+        }
+    });
     server
         .modify::<InferencePool>(NS, "llama", |p| {
             p.spec.selector.match_labels = [("app".to_string(), "other".to_string())].into();
@@ -109,6 +119,9 @@ async fn pool_view_follows_pods_and_the_pool() {
         .expect("selector switched");
     assert_eq!(v.endpoint("b-rank-0").unwrap().addr.to_string(), "10.0.1.2:8000");
     assert!(server.store().requests().iter().any(|r| r.contains("labelSelector=app%3Dother")));
+    collector.abort();
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.iter().all(|(synced, pods)| *synced && *pods > 0), "{seen:?}");
 
     // The pool goes away: no pool, no endpoints.
     server.delete::<InferencePool>(NS, "llama").unwrap();
