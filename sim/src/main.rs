@@ -17,6 +17,8 @@ use kvroute_sim::{policy, report, sim};
 /// Workloads before December 2026 (`classic`) and the December ones (`december`).
 const CLASSIC: [&str; 5] = ["shared-prefix", "chat", "herd", "lora", "zipf"];
 const DECEMBER: [&str; 5] = ["w1", "w2", "pressure", "cold-start", "llm-d"];
+/// llm-d's shape: rates rising past the cache-aware policies' saturation (random's is ≈ 6 req/s).
+const LLMD_RATES: [f64; 7] = [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0];
 
 #[derive(Parser, Debug)]
 #[command(name = "kvroute-sim", about = "Discrete-event routing-quality simulation on kvroute's real router")]
@@ -66,7 +68,8 @@ struct Args {
     /// Delay from an engine read to the routers seeing it, ms.
     #[arg(long, default_value_t = 20)]
     report_delay_ms: u64,
-    /// Stage rates of shared-prefix and llm-d, req/s (rising). Default 2,4,6,8,10.
+    /// Stage rates of shared-prefix and llm-d, req/s (rising). Default 2,4,6,8,10 (shared-prefix)
+    /// and 4,8,…,28 (llm-d: to the cache-aware policies' saturation).
     #[arg(long, value_delimiter = ',')]
     rates: Vec<f64>,
     /// Stage length of shared-prefix and llm-d, simulated seconds.
@@ -98,14 +101,16 @@ fn workloads(a: &Args, seed: u64) -> anyhow::Result<Vec<Workload>> {
     }
     let mut seen = std::collections::HashSet::new();
     names.retain(|n| seen.insert(*n));
-    let default_rates = [2.0, 4.0, 6.0, 8.0, 10.0];
-    let rates: &[f64] = if a.rates.is_empty() { &default_rates } else { &a.rates };
+    let rates =
+        |default: &'static [f64]| -> Vec<f64> { if a.rates.is_empty() { default.to_vec() } else { a.rates.clone() } };
     let mut v = Vec::new();
     for n in names {
         v.push(match n {
             "shared-prefix" => {
-                let cfg =
-                    SharedPrefixConfig { stages: workload::staged(rates, a.stage_s), ..SharedPrefixConfig::default() };
+                let cfg = SharedPrefixConfig {
+                    stages: workload::staged(&rates(&[2.0, 4.0, 6.0, 8.0, 10.0]), a.stage_s),
+                    ..SharedPrefixConfig::default()
+                };
                 workload::shared_prefix(&cfg, seed, 16)
             }
             "chat" => workload::chat(300, 5, 2.0, seed, 16),
@@ -116,7 +121,7 @@ fn workloads(a: &Args, seed: u64) -> anyhow::Result<Vec<Workload>> {
             "w2" => workload::w2(seed, 16),
             "pressure" => workload::pressure(seed, 16),
             "cold-start" => workload::cold_start(seed, 16),
-            _ => workload::llmd(&workload::staged(rates, a.stage_s), seed, 16),
+            _ => workload::llmd(&workload::staged(&rates(&LLMD_RATES), a.stage_s), seed, 16),
         });
     }
     for t in &a.trace {
