@@ -10,6 +10,7 @@
 //! (the profile this crate was built with); build them first (`cargo build --bins`).
 
 pub mod client;
+pub mod fake_agent;
 pub mod fleet;
 pub mod inference_perf;
 pub mod paths;
@@ -18,6 +19,7 @@ pub mod run;
 pub mod workload;
 
 pub use client::{ChatOutcome, GatewayClient};
+pub use fake_agent::{FakeAgent, FakePod, poll_until};
 pub use fleet::{DEFAULT_MODEL, Fleet, FleetSpec};
 pub use run::{Pacing, RunSummary, TurnRecord, run_chat_workload};
 pub use workload::{Conversation, Workload};
