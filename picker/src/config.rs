@@ -373,7 +373,6 @@ impl PickerConfig {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use crate::score::CustomScorerConfig;
