@@ -94,9 +94,10 @@ pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
 /// The agent's configuration (see `agent/agent.example.yaml`). `pickers` and `engines` are
 /// required; every other field has the default named in its doc.
 ///
-/// Sources: `engines:` is the static engine list of this node. The Kubernetes work adds the other
-/// source of the same list, the engines discovered from the cluster (the node's pods of the
-/// InferencePool); every other field applies to both.
+/// Sources: `engines:` is the static engine list of this node. The Kubernetes work adds the
+/// engine source (`kvroute_cluster`): engines discovered from the cluster (`watch_node`, the
+/// node's pods of the InferencePool) or a static engine file (`watch_engine_file`), both with the
+/// fields of [`EngineConfig`]; every other field here applies to every source unchanged.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgentConfig {

@@ -29,9 +29,11 @@
 //! #   custom: [{scorer: cost, weight: 0.10, margin: 0.20}]
 //! ```
 //!
-//! Sources: the pods come from the agents; the InferenceModels come from `models:` (a static
-//! pool file). The Kubernetes work adds the other source of the same list, an InferencePool named
-//! by `--pool-name/--pool-namespace` and its InferenceModels; every other field applies to both.
+//! Sources: the pods' state comes from the agents; the InferenceModels come from `models:` here.
+//! The Kubernetes work adds the pool source (`kvroute_cluster::Source`): an InferencePool named by
+//! `--pool-name/--pool-namespace` (`watch_pool`, `watch_models`) or a static pool file
+//! (`watch_pool_file`), which then supplies the candidates and the models; every other field here
+//! (listeners, limits, pool settings, scoring) applies to both sources unchanged.
 //!
 //! Defaults: every default is a named `DEFAULT_*` constant of the module that owns the setting,
 //! used both by serde (absent fields) and by `Default`. Errors name the field, the value and what
