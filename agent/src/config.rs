@@ -3,6 +3,7 @@
 //! `--gpu-source` overrides `gpu_source`; `NODE_NAME` (else the host name) fills `node_name`.
 
 use crate::report::hub::MIN_DELTA_QUEUE;
+use kvroute_common::config::InvalidField;
 use serde::Deserialize;
 use std::fmt::Display;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -27,21 +28,14 @@ pub enum ConfigError {
         /// Parser error (names the field and position).
         source: serde_norway::Error,
     },
-    /// A value is out of range or inconsistent.
-    #[error("invalid config: {field} = {value}: {fix}")]
-    Invalid {
-        /// Which field, e.g. `engines["p"].endpoint`.
-        field: String,
-        /// Its value as given.
-        value: String,
-        /// What is wrong and what to do.
-        fix: String,
-    },
+    /// A value is out of range or inconsistent: which field, its value, what to do.
+    #[error("invalid config: {0}")]
+    Invalid(#[from] InvalidField),
 }
 
 impl ConfigError {
     fn invalid(field: impl Into<String>, value: impl Display, fix: impl Into<String>) -> Self {
-        ConfigError::Invalid { field: field.into(), value: value.to_string(), fix: fix.into() }
+        ConfigError::Invalid(InvalidField::new(field, value, fix))
     }
 }
 
@@ -100,9 +94,10 @@ pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
 /// The agent's configuration (see `agent/agent.example.yaml`). `pickers` and `engines` are
 /// required; every other field has the default named in its doc.
 ///
-/// Sources: `engines:` is the static engine list of this node. The Kubernetes work adds the other
-/// source of the same list, the engines discovered from the cluster (the node's pods of the
-/// InferencePool); every other field applies to both.
+/// Sources: `engines:` is the static engine list of this node. The Kubernetes work adds the
+/// engine source (`kvroute_cluster`): engines discovered from the cluster (`watch_node`, the
+/// node's pods of the InferencePool) or a static engine file (`watch_engine_file`), both with the
+/// fields of [`EngineConfig`]; every other field here applies to every source unchanged.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgentConfig {
@@ -316,7 +311,7 @@ mod tests {
         ] {
             let cfg: AgentConfig = serde_norway::from_str(yaml).expect("parses");
             match cfg.validate() {
-                Err(ConfigError::Invalid { field, value, fix }) => {
+                Err(ConfigError::Invalid(InvalidField { field, value, fix })) => {
                     assert!(!field.is_empty() && !value.is_empty() && !fix.is_empty(), "{yaml}")
                 }
                 other => panic!("{yaml}: {other:?}"),

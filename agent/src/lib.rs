@@ -2,8 +2,6 @@
 //! translates their KV-cache events into kvroute block hashes and streams per-pod deltas to the
 //! picker(s).
 
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
-
 pub mod app;
 pub mod config;
 pub mod engine;

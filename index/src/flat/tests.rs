@@ -1,7 +1,5 @@
 //! The flat map against a naive model (proptest), its invariants, and runs under cuts.
 
-#![allow(clippy::expect_used)]
-
 use std::collections::{BTreeSet, HashMap};
 
 use proptest::prelude::*;

@@ -76,11 +76,9 @@ fn clock_ticks_per_s() -> f64 {
         .unwrap_or(100.0)
 }
 
+/// Nearest-rank percentile of sorted values; NaN when empty.
 fn pct(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
+    kvroute_harness::stats::percentile(sorted, q).unwrap_or(f64::NAN)
 }
 
 /// Sum over pods of an agent counter (`name` = the sample's prefix up to its labels).

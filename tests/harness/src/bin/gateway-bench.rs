@@ -15,6 +15,7 @@
 
 use anyhow::{Result, bail};
 use clap::Parser;
+use hdrhistogram::Histogram;
 use kvroute_harness::{Fleet, FleetSpec, GatewayClient};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -55,13 +56,14 @@ fn prompt(group: usize, i: usize, words: usize) -> String {
     s
 }
 
-/// p-th quantile (nearest rank) in ms.
-fn quantile_ms(sorted: &[Duration], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[idx.min(sorted.len() - 1)].as_secs_f64() * 1e3
+/// An empty latency histogram: microseconds, 1 µs to 1 h, 3 significant digits.
+fn histogram() -> Result<Histogram<u64>> {
+    Ok(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)
+}
+
+/// The `q`-quantile of `h` in ms; NaN when empty.
+fn quantile_ms(h: &Histogram<u64>, q: f64) -> f64 {
+    if h.is_empty() { f64::NAN } else { h.value_at_quantile(q) as f64 / 1e3 }
 }
 
 #[tokio::main]
@@ -114,13 +116,13 @@ async fn main() -> Result<()> {
             tasks.push((g, i, tokio::spawn(async move { client.post_raw("/v1/completions", body, &[]).await })));
         }
     }
-    let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); n];
+    let mut lat: Vec<Histogram<u64>> = (0..n).map(|_| histogram()).collect::<Result<_>>()?;
     let mut errors = vec![0usize; n];
     for (g, i, t) in tasks {
         match t.await? {
             Ok(o) if o.status == 200 => {
                 if i >= args.warmup {
-                    lat[g].push(o.latency);
+                    lat[g].saturating_record(o.latency.as_micros().try_into().unwrap_or(u64::MAX));
                 }
             }
             Ok(o) => {
@@ -145,7 +147,6 @@ async fn main() -> Result<()> {
     );
     let mut p = vec![[0.0; 3]; n];
     for g in 0..n {
-        lat[g].sort_unstable();
         p[g] = [quantile_ms(&lat[g], 0.5), quantile_ms(&lat[g], 0.9), quantile_ms(&lat[g], 0.99)];
         println!(
             "{:<32} n={:<5} errors={:<3} p50 {:>7.3} ms  p90 {:>7.3} ms  p99 {:>7.3} ms",
