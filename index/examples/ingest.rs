@@ -2,7 +2,7 @@
 //! workload's bulk load (~1.04M (block, pod) entries, one publish), then steady rounds (store
 //! 2,048 fresh blocks on a pod, publish, remove them, publish), with no reader threads so
 //! instruction counts repeat exactly.
-//! Run: `cargo run --release -p kvroute-index --example ingest -- [bulk|steady|both] [rounds]`.
+//! Run: `cargo run --release -p kvroute-index --example ingest -- [bulk|steady|both|readers] [rounds]`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -36,7 +36,7 @@ fn main() {
         }
         writer.publish();
         rates.push(w.entries() as f64 / t.elapsed().as_secs_f64() / 1e6);
-        kept = Some(writer);
+        kept = Some((published, writer));
     }
     rates.sort_by(f64::total_cmp);
     if mode != "steady" {
@@ -47,10 +47,26 @@ fn main() {
             w.entries()
         );
     }
-    let Some(mut writer) = kept else { return };
+    let Some((published, mut writer)) = kept else { return };
     if mode == "bulk" {
         return;
     }
+    // `readers`: two threads walk the current snapshot in a loop meanwhile (as the benchmarks).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..if mode == "readers" { 2 } else { 0 })
+        .map(|_| {
+            let (published, stop, q) = (published.clone(), stop.clone(), w.hit());
+            std::thread::spawn(move || {
+                let mut scratch = kvroute_index::MatchScratch::default();
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::black_box(published.load().match_prefix(&q, &mut scratch));
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
     let mut rng = SplitMix(7);
     let fresh: Vec<Vec<BlockHash>> = (0..8).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
     // Five stretches of `rounds` rounds: best and median.
@@ -71,6 +87,10 @@ fn main() {
         let events = rounds * 2 * 8 * CHAIN_BLOCKS as u64;
         rates.push(events as f64 / t.elapsed().as_secs_f64() / 1e6);
     }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads: u64 = readers.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let b = writer.backend();
+    println!("readers: {reads} lookups; pool: {} full copies, {} waits", b.copies(), b.waits());
     rates.sort_by(f64::total_cmp);
     println!("steady: best {:.2}, median {:.2} M block events/s (5 × {rounds} rounds)", rates[4], rates[2]);
 }
