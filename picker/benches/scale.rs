@@ -55,7 +55,8 @@ fn chat_body(tok: &ModelTokenizer) -> (Vec<u8>, Vec<u32>) {
         let chunk: String = text.chars().skip((turn * 97) % 1500).take(400 + turn % 7 * 50).collect();
         messages.push(serde_json::json!({"role": role, "content": format!("Turn {turn}: {chunk}")}));
         if role == "user" {
-            let bytes = serde_json::json!({"model": MODEL, "messages": messages, "max_tokens": 64}).to_string().into_bytes();
+            let bytes =
+                serde_json::json!({"model": MODEL, "messages": messages, "max_tokens": 64}).to_string().into_bytes();
             let PromptInput::Chat(chat) = parse_body(PATH, &bytes).unwrap().prompt else { unreachable!("a chat body") };
             let ids = tok.encode_chat(&chat).unwrap();
             if ids.len() >= TARGET_TOKENS {
@@ -192,7 +193,9 @@ fn main() {
     let tok = ModelTokenizer::from_dir(&tokenizer_dir()).unwrap();
     let (body, ids) = chat_body(&tok);
     let input = DecisionInput { request_id: "bench", path: PATH, body: Some(&body), subset: None };
-    for (name, pods, own) in [("8 pods, 16K entries (baseline)", 8, 2_000), ("1000 pods, 10M entries", 1000, OWN_BLOCKS)] {
+    for (name, pods, own) in
+        [("8 pods, 16K entries (baseline)", 8, 2_000), ("1000 pods, 10M entries", 1000, OWN_BLOCKS)]
+    {
         let rss = rss_mib();
         let (gw, load) = gateway(&rt, &ids, pods, own);
         let s = gw.pool.index_stats();
@@ -207,7 +210,10 @@ fn main() {
             load.as_secs_f64(),
             s.entries as f64 / load.as_secs_f64() / 1e6,
         );
-        println!("  decision: {} ({} of {} blocks matched), {} candidates", d.pod, d.matched_blocks, d.total_blocks, d.candidate_count);
+        println!(
+            "  decision: {} ({} of {} blocks matched), {} candidates",
+            d.pod, d.matched_blocks, d.total_blocks, d.candidate_count
+        );
         for _ in 0..200 {
             black_box(decide(&gw, &input).unwrap());
         }

@@ -219,7 +219,8 @@ impl Fleet {
             let endpoint = engines.first().map(Engine::endpoint).context("the no-op ext_proc needs an engine")?;
             let args = vec!["--listen".into(), format!("127.0.0.1:{noop_port}"), "--endpoint".into(), endpoint];
             let bin = paths::binary("kvroute-noop-ext-proc")?;
-            noop_ext_proc = Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
+            noop_ext_proc =
+                Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
             let cfg = work.join("envoy-noop-ext-proc.yaml");
             write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, noop_port)?)?;
             envoys.push(start_envoy("envoy-noop-ext-proc", &envoy_bin, &cfg, &work)?);

@@ -71,8 +71,12 @@ fn routed(endpoint: &str, request_id: &str, on_headers: bool) -> ProcessingRespo
     } else {
         Response::RequestBody(BodyResponse { response: Some(common) })
     };
-    let inner =
-        Struct { fields: HashMap::from([(DESTINATION_HEADER.to_owned(), Value { kind: Some(Kind::StringValue(endpoint.to_owned())) })]) };
+    let inner = Struct {
+        fields: HashMap::from([(
+            DESTINATION_HEADER.to_owned(),
+            Value { kind: Some(Kind::StringValue(endpoint.to_owned())) },
+        )]),
+    };
     let metadata =
         Struct { fields: HashMap::from([("envoy.lb".to_owned(), Value { kind: Some(Kind::StructValue(inner)) })]) };
     ProcessingResponse { response: Some(response), dynamic_metadata: Some(metadata), ..Default::default() }
@@ -83,11 +87,19 @@ fn reply(response: Response) -> ProcessingResponse {
 }
 
 /// The reply to one message (every phase Envoy sends here gets exactly one).
-fn on_message(endpoint: &str, request_id: &mut String, next_id: &AtomicU64, msg: ProcessingRequest) -> ProcessingResponse {
+fn on_message(
+    endpoint: &str,
+    request_id: &mut String,
+    next_id: &AtomicU64,
+    msg: ProcessingRequest,
+) -> ProcessingResponse {
     match msg.request {
         Some(Request::RequestHeaders(h)) => {
             let given = h.headers.as_ref().and_then(|m| {
-                m.headers.iter().find(|x| x.key == REQUEST_ID_HEADER).map(|x| String::from_utf8_lossy(&x.raw_value).into_owned())
+                m.headers
+                    .iter()
+                    .find(|x| x.key == REQUEST_ID_HEADER)
+                    .map(|x| String::from_utf8_lossy(&x.raw_value).into_owned())
             });
             *request_id = given.unwrap_or_else(|| format!("noop-{}", next_id.fetch_add(1, Ordering::Relaxed)));
             if h.end_of_stream {
@@ -156,9 +168,8 @@ async fn main() -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let service = NoOp { endpoint: args.endpoint.into(), next_id: Arc::new(AtomicU64::new(0)) };
     // The picker's limit for bodies (16 MiB), so large prompts travel the same way.
-    let server = ExternalProcessorServer::new(service)
-        .max_decoding_message_size(16 << 20)
-        .max_encoding_message_size(16 << 20);
+    let server =
+        ExternalProcessorServer::new(service).max_decoding_message_size(16 << 20).max_encoding_message_size(16 << 20);
     println!("READY");
     tonic::transport::Server::builder()
         .add_service(server)
