@@ -52,6 +52,10 @@ pub struct FleetSpec {
     /// e.g. `deploy/envoy/envoy-full-duplex.yaml`), each pointed at the same picker with its ports
     /// rewritten like `deploy/envoy/envoy.yaml`'s.
     pub extra_gateway_configs: Vec<PathBuf>,
+    /// Also start an Envoy with the picker's config whose ext_proc server is
+    /// `kvroute-noop-ext-proc` (the picker's reply shapes, a fixed destination: the first engine),
+    /// the floor under the picker's added latency.
+    pub noop_ext_proc_gateway: bool,
 }
 
 impl Default for FleetSpec {
@@ -74,6 +78,7 @@ impl Default for FleetSpec {
             picker_log_level: "info".into(),
             picker_approximate: false,
             extra_gateway_configs: Vec::new(),
+            noop_ext_proc_gateway: false,
         }
     }
 }
@@ -115,6 +120,8 @@ pub struct Fleet {
     pub extra_gateways: Vec<String>,
     /// `http://127.0.0.1:<port>` of the least-request baseline gateway, if started.
     pub least_request_gateway: Option<String>,
+    /// `http://127.0.0.1:<port>` of the Envoy + no-op ext_proc gateway, if started.
+    pub noop_gateway: Option<String>,
     /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
     pub picker_admin: String,
     /// `http://127.0.0.1:<port>` of each agent's own `/metrics`, in agent order.
@@ -123,6 +130,7 @@ pub struct Fleet {
     picker_args: Vec<String>,
     picker: ManagedProcess,
     envoys: Vec<ManagedProcess>,
+    noop_ext_proc: Option<ManagedProcess>,
     http: reqwest::Client,
 }
 
@@ -205,6 +213,20 @@ impl Fleet {
             admin_urls.push(admin_url_of(&cfg)?);
             extra_gateways.push(format!("http://127.0.0.1:{port}"));
         }
+        let (mut noop_gateway, mut noop_ext_proc) = (None, None);
+        if spec.noop_ext_proc_gateway {
+            let (port, noop_port) = (free_port()?, free_port()?);
+            let endpoint = engines.first().map(Engine::endpoint).context("the no-op ext_proc needs an engine")?;
+            let args = vec!["--listen".into(), format!("127.0.0.1:{noop_port}"), "--endpoint".into(), endpoint];
+            let bin = paths::binary("kvroute-noop-ext-proc")?;
+            noop_ext_proc =
+                Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
+            let cfg = work.join("envoy-noop-ext-proc.yaml");
+            write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, noop_port)?)?;
+            envoys.push(start_envoy("envoy-noop-ext-proc", &envoy_bin, &cfg, &work)?);
+            admin_urls.push(admin_url_of(&cfg)?);
+            noop_gateway = Some(format!("http://127.0.0.1:{port}"));
+        }
         let mut baseline_gateways = [None, None];
         let baselines = [
             (spec.round_robin_baseline, "envoy-round-robin", "pods_round_robin"),
@@ -234,12 +256,14 @@ impl Fleet {
             round_robin_gateway,
             extra_gateways,
             least_request_gateway,
+            noop_gateway,
             picker_admin: format!("http://127.0.0.1:{admin_port}"),
             agent_admins,
             agents,
             picker_args,
             picker,
             envoys,
+            noop_ext_proc,
             http,
         };
         let pods: Vec<String> = fleet.engines.iter().map(|e| e.pod.clone()).collect();
@@ -401,6 +425,9 @@ impl Fleet {
             p.kill().await;
         }
         self.picker.kill().await;
+        if let Some(mut p) = self.noop_ext_proc.take() {
+            p.kill().await;
+        }
         for e in &mut self.engines {
             if let Some(mut p) = e.process.take() {
                 p.kill().await;
