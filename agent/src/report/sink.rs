@@ -156,8 +156,12 @@ mod tests {
     async fn next_delta(
         deltas: &mut tokio::sync::broadcast::Receiver<Arc<crate::report::hub::Outgoing>>,
     ) -> kvroute_proto::agent::v1::PodDelta {
-        let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
-        o.delta.clone()
+        loop {
+            let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
+            if let crate::report::hub::Outgoing::Delta { delta, .. } = &*o {
+                return delta.clone();
+            }
+        }
     }
 
     #[tokio::test]
