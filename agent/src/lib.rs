@@ -5,9 +5,11 @@
 pub mod app;
 pub mod config;
 pub mod engine;
+mod engines;
 pub mod gpu;
 pub mod health;
 mod node;
+mod pickers;
 pub mod report;
 mod scrape_loop;
 pub mod telemetry;

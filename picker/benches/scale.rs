@@ -1,5 +1,5 @@
 //! Decision latency at fleet scale (issue 20.3): 1,000 pods, a 10M-entry index, and the same
-//! 4,096-token chat request as `benches/decision.rs`, decided end to end (`ext_proc::decide`:
+//! 4,096-token chat request as `benches/decision.rs`, decided end to end (`decision::decide`:
 //! parse, template, tokenize, hash, walk, score, choose). Baseline in the same run: the same
 //! request over 8 pods and a 16K-entry index, so the figure reads as "what 1,000 pods and 10M
 //! entries add". Also prints the index's size (entries, nodes, bytes estimate, and the process's
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use kvroute_common::BlockHash;
 use kvroute_picker::Gateway;
 use kvroute_picker::config::PickerConfig;
-use kvroute_picker::ext_proc::decide::{DecisionInput, decide};
+use kvroute_picker::decision::{DecisionInput, decide};
 use kvroute_picker::model::{PromptInput, parse_body};
 use kvroute_picker::pool::PoolUpdate;
 use kvroute_proto::agent::v1::{PodInfo, PodStats};

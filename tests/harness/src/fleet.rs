@@ -83,8 +83,14 @@ impl Default for FleetSpec {
     }
 }
 
+/// The name of a pod's only engine: `<pod>-rank-0`.
+fn endpoint_name(pod: &str) -> String {
+    format!("{pod}-rank-0")
+}
+
 /// One emulated engine (a vLLM pod stand-in).
 pub struct Engine {
+    /// Pod name (`engine-<i>`).
     pub pod: String,
     pub port: u16,
     pub kv_events_port: u16,
@@ -100,6 +106,12 @@ impl Engine {
     /// `127.0.0.1:<port>`, the endpoint the picker hands to Envoy.
     pub fn endpoint(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+    /// `<pod>-rank-0`: the engine's name at the picker (its metrics, `/explain`) and the agent,
+    /// as the GIE endpoint picker names a pod's target port (docs/design.md §14), and the
+    /// emulator's `x-served-by`.
+    pub fn name(&self) -> String {
+        endpoint_name(&self.pod)
     }
     /// Whether the engine process is still owned (not killed by the test).
     pub fn is_running(&self) -> bool {
@@ -145,7 +157,7 @@ impl Fleet {
         for i in 0..spec.engines {
             let (port, kv_events_port, kv_replay_port) = (free_port()?, free_port()?, free_port()?);
             let pod = format!("engine-{i}");
-            let args = emulator_args(&spec, &pod, port, kv_events_port, kv_replay_port);
+            let args = emulator_args(&spec, &endpoint_name(&pod), port, kv_events_port, kv_replay_port);
             let bin = paths::binary("kvroute-emulator")?;
             let work = work.clone();
             starting.push(tokio::spawn(async move {
@@ -266,7 +278,7 @@ impl Fleet {
             noop_ext_proc,
             http,
         };
-        let pods: Vec<String> = fleet.engines.iter().map(|e| e.pod.clone()).collect();
+        let pods: Vec<String> = fleet.engines.iter().map(Engine::name).collect();
         fleet.wait_for_pods(&pods, Duration::from_secs(30)).await?;
         Ok(fleet)
     }
@@ -342,7 +354,7 @@ impl Fleet {
     pub async fn restart_engine(&mut self, i: usize) -> Result<()> {
         self.kill_engine(i).await;
         let e = self.engines.get(i).context("no such engine")?;
-        let args = emulator_args(&self.spec, &e.pod, e.port, e.kv_events_port, e.kv_replay_port);
+        let args = emulator_args(&self.spec, &e.name(), e.port, e.kv_events_port, e.kv_replay_port);
         let name = format!("{}-restarted", e.pod);
         let p = ManagedProcess::spawn(
             &name,
@@ -436,7 +448,7 @@ impl Fleet {
     }
 }
 
-/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0"`).
+/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0-rank-0"`).
 pub fn metric_value(text: &str, name: &str, label: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let rest = l.strip_prefix(name)?;

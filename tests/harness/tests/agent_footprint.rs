@@ -166,7 +166,7 @@ async fn agent_footprint_eight_engines_under_load() {
             let mut n = 0usize;
             while !stop.load(Ordering::Relaxed) {
                 let e = n % fleet.engines.len();
-                let pod = fleet.engines[e].pod.clone();
+                let pod = fleet.engines[e].name();
                 let msgs = messages(&format!("probe{n}"), 150);
                 let client = GatewayClient::new(fleet.engines[e].url()).expect("client");
                 let start = Instant::now();
