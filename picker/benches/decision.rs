@@ -193,7 +193,13 @@ fn main() {
     let rendered = tok.render_chat(&chat).unwrap();
     let mut hashes = Vec::with_capacity(ids.len() / 16);
     model.hasher.hash_prompt(&ids, &mut hashes);
-    let route_req = RouteRequest { model: &model.target_model, adapter: None, block_hashes: &hashes, subset: None };
+    let route_req = RouteRequest {
+        model: &model.target_model,
+        adapter: None,
+        block_hashes: &hashes,
+        subset: None,
+        objective: None,
+    };
     let d = gw.router.route(&route_req).unwrap();
     println!(
         "request: {} body bytes, {} tokens, {} blocks; chosen {} with {} matched blocks",

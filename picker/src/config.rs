@@ -29,11 +29,20 @@
 //! #   custom: [{scorer: cost, weight: 0.10, margin: 0.20}]
 //! ```
 //!
-//! Sources: the pods' state comes from the agents; the InferenceModels come from `models:` here.
-//! The Kubernetes work adds the pool source (`kvroute_cluster::Source`): an InferencePool named by
-//! `--pool-name/--pool-namespace` (`watch_pool`, `watch_models`) or a static pool file
-//! (`watch_pool_file`), which then supplies the candidates and the models; every other field here
-//! (listeners, limits, pool settings, scoring) applies to both sources unchanged.
+//! Sources (docs/design.md §14): the candidate endpoints come from the pool source only, either
+//! an InferencePool (`pool: {name, namespace}`, or the GIE EPP's flags `--pool-name` /
+//! `--pool-namespace`, which win over the file) watched through the Kubernetes API with its
+//! InferenceObjective / InferenceModelRewrite objects, or a static pool file (`pool_file:`,
+//! re-read when it changes) with its `models:` and `objectives:`. Agents only add cache and stats
+//! to the pool's pods. `models:` here stays the file source of client models and tokenizers.
+//! Readiness: NOT_SERVING until the pool view synced and agents reported for `ready_coverage` of
+//! its Ready endpoints, or `ready_timeout_ms` passed.
+//!
+//! ```yaml
+//! pool: {name: vllm-pool, namespace: inference}   # or: pool_file: pool.yaml (relative to this file)
+//! ready_coverage: 0.9
+//! ready_timeout_ms: 10000
+//! ```
 //!
 //! Defaults: every default is a named `DEFAULT_*` constant of the module that owns the setting,
 //! used both by serde (absent fields) and by `Default`. Errors name the field, the value and what
@@ -102,6 +111,31 @@ pub const DEFAULT_ADMIN_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4
 pub const DEFAULT_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
 /// Largest body limit accepted: the ext_proc gRPC server's receive limit is sized from it.
 pub const MAX_BODY_LIMIT_BYTES: usize = 256 * 1024 * 1024;
+/// Default `ready_coverage`: the share of the pool's Ready endpoints agents must have reported
+/// for before the picker reports SERVING (docs/design.md §14).
+pub const DEFAULT_READY_COVERAGE: f64 = 0.9;
+/// Default `ready_timeout_ms`: SERVING after this long even below `ready_coverage`, in ms.
+pub const DEFAULT_READY_TIMEOUT_MS: u64 = 10_000;
+
+/// An InferencePool by name (`pool:`), as the GIE EPP's `--pool-name` / `--pool-namespace` name it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolRefConfig {
+    /// The InferencePool's name.
+    pub name: String,
+    /// Its namespace. Default: `$NAMESPACE`, else `default` (as the GIE EPP).
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+/// Where the candidate endpoints come from (docs/design.md §14).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolSource {
+    /// An InferencePool through the Kubernetes API.
+    Kubernetes(kvroute_cluster::PoolRef),
+    /// A pool file, watched.
+    File(PathBuf),
+}
 
 /// The picker's configuration file. Every field is optional.
 #[derive(Debug, Clone, Deserialize)]
@@ -136,6 +170,18 @@ pub struct PickerConfig {
     /// [`ScoringConfig`] field over it. Default: the `chatbot` preset ([`ScoringConfig::default`]).
     #[serde(deserialize_with = "scoring_over_preset")]
     pub scoring: ScoringConfig,
+    /// The InferencePool whose Ready pods are the candidates (Kubernetes). `--pool-name` /
+    /// `--pool-namespace` override it. Exclusive with `pool_file`.
+    pub pool: Option<PoolRefConfig>,
+    /// A pool file (hosts without Kubernetes, the demo; format in `kvroute_cluster::file`),
+    /// relative to the config file's directory, re-read when it changes. Exclusive with `pool`.
+    pub pool_file: Option<PathBuf>,
+    /// Share (0–1] of the pool's Ready endpoints agents must have reported for before readiness
+    /// turns SERVING. Default [`DEFAULT_READY_COVERAGE`] (0.9).
+    pub ready_coverage: f64,
+    /// SERVING after this long (ms, counted from start) even below `ready_coverage` (the pool view
+    /// must still have synced). Default [`DEFAULT_READY_TIMEOUT_MS`] (10 000).
+    pub ready_timeout_ms: u64,
 }
 
 impl Default for PickerConfig {
@@ -150,6 +196,10 @@ impl Default for PickerConfig {
             max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
             models: Vec::new(),
             scoring: ScoringConfig::default(),
+            pool: None,
+            pool_file: None,
+            ready_coverage: DEFAULT_READY_COVERAGE,
+            ready_timeout_ms: DEFAULT_READY_TIMEOUT_MS,
         }
     }
 }
@@ -254,8 +304,55 @@ impl PickerConfig {
         serde_norway::from_str(text).map_err(|source| ConfigError::Parse { path: PathBuf::new(), source })
     }
 
+    /// The pool source, if any: `pool_file`, else `pool` (namespace per the GIE EPP's rule).
+    pub fn pool_source(&self) -> Option<PoolSource> {
+        if let Some(f) = &self.pool_file {
+            return Some(PoolSource::File(f.clone()));
+        }
+        self.pool.as_ref().map(|p| {
+            PoolSource::Kubernetes(kvroute_cluster::PoolRef {
+                namespace: kvroute_cluster::pool_namespace(p.namespace.as_deref()),
+                name: p.name.clone(),
+            })
+        })
+    }
+
+    /// Fails unless a pool source is set: the picker binary routes only to the pool's pods.
+    pub fn require_pool_source(&self) -> Result<(), ConfigError> {
+        if self.pool_source().is_none() {
+            return Err(ConfigError::invalid(
+                "pool",
+                "(none)",
+                "set --pool-name (and --pool-namespace), pool: {name, namespace}, or pool_file: the pool's pods are the only candidates",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Applies the GIE EPP's `--pool-name` / `--pool-namespace` flags: a name selects the
+    /// Kubernetes source (replacing `pool` and `pool_file`); a namespace alone sets `pool`'s.
+    pub fn apply_pool_flags(&mut self, name: Option<&str>, namespace: Option<&str>) {
+        let namespace = namespace.filter(|n| !n.is_empty()).map(str::to_string);
+        match name.filter(|n| !n.is_empty()) {
+            Some(name) => {
+                self.pool = Some(PoolRefConfig { name: name.to_string(), namespace });
+                self.pool_file = None;
+            }
+            None => {
+                if let (Some(p), Some(ns)) = (&mut self.pool, namespace) {
+                    p.namespace = Some(ns);
+                }
+            }
+        }
+    }
+
     /// Makes relative tokenizer directories relative to `base` (the config file's directory).
     pub fn resolve_paths(&mut self, base: &Path) {
+        if let Some(f) = &self.pool_file
+            && f.is_relative()
+        {
+            self.pool_file = Some(base.join(f));
+        }
         for m in &mut self.models {
             if let Some(t) = &m.tokenizer
                 && t.is_relative()
@@ -363,6 +460,25 @@ impl PickerConfig {
                 ));
             }
         }
+        if self.pool.is_some() && self.pool_file.is_some() {
+            return Err(ConfigError::invalid(
+                "pool_file",
+                self.pool_file.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                "pool and pool_file are both set; keep one pool source",
+            ));
+        }
+        if let Some(p) = &self.pool
+            && p.name.trim().is_empty()
+        {
+            return Err(ConfigError::invalid("pool.name", "\"\"", "must name the InferencePool"));
+        }
+        if !(self.ready_coverage > 0.0 && self.ready_coverage <= 1.0) {
+            return Err(ConfigError::invalid(
+                "ready_coverage",
+                self.ready_coverage,
+                "must be in (0, 1]: the share of Ready pods agents must cover",
+            ));
+        }
         self.scoring.validate()?;
         Ok(())
     }
@@ -436,6 +552,25 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert!(err.to_string().contains("needs a tokenizer"), "{err}");
         assert!(PickerConfig::from_yaml("models: [{name: a, mode: fuzzy}]").is_err());
         assert!(PickerConfig::from_yaml("models: [{name: a, approximate: {bogus: 1}}]").is_err());
+    }
+
+    #[test]
+    fn pool_sources_and_flags() {
+        let mut c = PickerConfig::from_yaml("pool_file: pool.yaml\nready_coverage: 0.5").unwrap();
+        c.resolve_paths(Path::new("/etc/kvroute"));
+        c.validate().unwrap();
+        assert_eq!(c.pool_source(), Some(PoolSource::File("/etc/kvroute/pool.yaml".into())));
+        assert_eq!((c.ready_coverage, c.ready_timeout_ms), (0.5, DEFAULT_READY_TIMEOUT_MS));
+        c.apply_pool_flags(Some("vllm"), Some("inference"));
+        let want = kvroute_cluster::PoolRef { namespace: "inference".into(), name: "vllm".into() };
+        assert_eq!(c.pool_source(), Some(PoolSource::Kubernetes(want)));
+        c.validate().unwrap();
+        let c = PickerConfig::from_yaml("pool: {name: p}\npool_file: f.yaml").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("pool_file"));
+        let c = PickerConfig::from_yaml("ready_coverage: 0").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("ready_coverage"));
+        assert!(PickerConfig::from_yaml("pool: {name: p, bogus: 1}").is_err());
+        assert_eq!(PickerConfig::default().pool_source(), None);
     }
 
     #[test]

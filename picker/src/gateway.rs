@@ -6,6 +6,10 @@
 //! [`crate::pool`].
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use arc_swap::ArcSwapOption;
+use kvroute_cluster::ModelTable;
 
 use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
@@ -29,6 +33,13 @@ pub struct Gateway {
     pub body_limit_bytes: usize,
     /// Model used for requests without a body (the first configured model).
     pub default_model: Option<String>,
+    /// The pool source's model table (InferenceObjective priorities, docs/design.md §14);
+    /// `None` without a pool source.
+    pub model_table: ArcSwapOption<ModelTable>,
+    /// Readiness (docs/design.md §14): false until the pool view synced and agents cover
+    /// `ready_coverage` of its Ready endpoints or `ready_timeout_ms` passed; true from the start
+    /// without a pool source. Never goes back to false.
+    pub ready: AtomicBool,
 }
 
 impl Gateway {
@@ -36,13 +47,28 @@ impl Gateway {
     pub fn new(config: &PickerConfig) -> Result<Self, StartError> {
         let pool = Pool::new(config.pool());
         let router = Router::new(pool.clone(), config.scoring.clone())?;
+        let mut metrics = Metrics::new();
+        metrics.register_pool(&pool);
         Ok(Self {
             pool,
             router,
             models: ModelRegistry::load(&config.models, config.block_size),
-            metrics: Metrics::new(),
+            metrics,
             body_limit_bytes: config.body_limit_bytes,
             default_model: config.models.first().map(|m| m.name.clone()),
+            model_table: ArcSwapOption::empty(),
+            ready: AtomicBool::new(config.pool_source().is_none()),
         })
+    }
+
+    /// Whether the picker reports SERVING (see [`Gateway::ready`]).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// The priority of the request's InferenceObjective (header `x-llm-d-inference-objective`):
+    /// 0 without one, for an unknown one, or without a pool source.
+    pub fn priority(&self, objective: Option<&str>) -> i32 {
+        self.model_table.load().as_ref().map_or(0, |t| t.priority(objective))
     }
 }

@@ -1,4 +1,5 @@
-//! `kvroute-picker --config picker.yaml [--log-level info]`: load and validate the config, bind the
+//! `kvroute-picker --config picker.yaml [--pool-name P [--pool-namespace NS]] [--log-level info]`:
+//! load and validate the config (a pool source is required: docs/design.md §14), bind the
 //! ext_proc, AgentIngest and admin listeners, print `READY` on stdout, serve until SIGINT/SIGTERM.
 //! An invalid config or a listener that cannot bind exits non-zero with the reason on stderr.
 //! Traces go over OTLP gRPC when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (flushed on exit).
@@ -27,6 +28,13 @@ struct Cli {
     /// Log level or `tracing` filter directive (e.g. `info`, `kvroute_picker=debug,info`).
     #[arg(long, env = "EPP_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// The InferencePool whose Ready pods are the candidates (GIE EPP flag); overrides the
+    /// config's `pool` / `pool_file`.
+    #[arg(long)]
+    pool_name: Option<String>,
+    /// The pool's namespace (GIE EPP flag). Default: the config's, else `$NAMESPACE`, else `default`.
+    #[arg(long)]
+    pool_namespace: Option<String>,
 }
 
 #[tokio::main]
@@ -43,7 +51,12 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let config = match PickerConfig::load(&cli.config) {
+    let config = match PickerConfig::load(&cli.config).and_then(|mut c| {
+        c.apply_pool_flags(cli.pool_name.as_deref(), cli.pool_namespace.as_deref());
+        c.validate()?;
+        c.require_pool_source()?;
+        Ok(c)
+    }) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "refusing to start");

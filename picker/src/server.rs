@@ -6,6 +6,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvroute_cluster::{ModelTable, PoolView, Watched};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio::net::TcpListener;
@@ -14,7 +18,7 @@ use tokio::task::JoinSet;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin;
-use crate::config::PickerConfig;
+use crate::config::{PickerConfig, PoolSource};
 use crate::ext_proc::ExtProcService;
 use crate::gateway::Gateway;
 use crate::ingest::IngestService;
@@ -51,6 +55,9 @@ pub enum StartError {
         /// Its error (transport, I/O, or the task's panic).
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The pool source could not be started (first read of the pool file, Kubernetes client).
+    #[error("cannot watch the pool: {0}")]
+    Pool(#[from] kvroute_cluster::ClusterError),
     /// A server stopped although no stop was asked for.
     #[error("{what} server stopped unexpectedly")]
     Stopped {
@@ -129,6 +136,10 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 /// every listener accepts connections.
 pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     let gateway = Arc::new(Gateway::new(config)?);
+    let sources = match config.pool_source() {
+        Some(source) => Some(watch_sources(&source).await?),
+        None => None,
+    };
     let ext_l = bind("ext_proc", config.ext_proc_addr).await?;
     let ingest_l = bind("ingest", config.ingest_addr).await?;
     let admin_l = bind("admin", config.admin_addr).await?;
@@ -147,7 +158,12 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     let ext = ExtProcService::new(gateway.clone()).into_server(max_msg);
     // grpc.health.v1 on the ext_proc port, for Envoy's cluster health checks and Kubernetes probes.
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+    if gateway.is_ready() {
+        health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+    } else {
+        health_reporter.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+        health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    }
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
         tonic::transport::Server::builder()
@@ -185,6 +201,25 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
             .map(|()| "admin")
     });
 
+    if let Some((pool_view, models)) = sources {
+        let (gw, pool_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+        tasks.spawn(async move {
+            tokio::select! {
+                () = follow_pool(gw, pool_view, models) => Err(StartError::Stopped { what: "pool watch" }),
+                () = pool_stop => Ok("pool watch"),
+            }
+        });
+        let (gw, ready_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+        let (coverage, timeout) = (config.ready_coverage, Duration::from_millis(config.ready_timeout_ms));
+        tasks.spawn(async move {
+            tokio::select! {
+                () = become_ready(gw, health_reporter, coverage, timeout) => {}
+                () = ready_stop => {}
+            }
+            Ok("readiness")
+        });
+    }
+
     tracing::info!(%ext_proc_addr, %ingest_addr, %admin_addr, models = gateway.models.len(), "picker listening");
     Ok(RunningPicker {
         ext_proc_addr,
@@ -194,4 +229,79 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
         shutdown: ShutdownHandle(Arc::new(shutdown)),
         tasks,
     })
+}
+
+/// How often readiness is re-evaluated until it turns SERVING.
+pub const READY_POLL: Duration = Duration::from_millis(50);
+
+/// Starts the pool source's watchers: the pool view and the model table.
+async fn watch_sources(source: &PoolSource) -> Result<(Watched<PoolView>, Watched<ModelTable>), StartError> {
+    match source {
+        PoolSource::File(path) => {
+            tracing::info!(path = %path.display(), "pool source: pool file");
+            Ok(kvroute_cluster::watch_pool_file(path, kvroute_cluster::file::DEFAULT_POLL).await?)
+        }
+        PoolSource::Kubernetes(pool) => {
+            tracing::info!(pool = %pool.name, namespace = %pool.namespace, "pool source: InferencePool");
+            let client = kvroute_cluster::client_from_env().await?;
+            Ok((
+                kvroute_cluster::watch_pool(client.clone(), pool.clone()),
+                kvroute_cluster::watch_models(client, pool.clone()),
+            ))
+        }
+    }
+}
+
+/// Hands every new pool view to the pool (candidates follow at once) and every new model table
+/// to the gateway; returns only if a watcher stopped.
+async fn follow_pool(gw: Arc<Gateway>, pool_view: Watched<PoolView>, models: Watched<ModelTable>) {
+    let mut views = pool_view.subscribe();
+    let mut tables = models.subscribe();
+    let mut tables_open = true;
+    loop {
+        let view = views.borrow_and_update().clone();
+        if gw.pool.set_membership(view.clone()).await.is_err() {
+            return;
+        }
+        tracing::debug!(
+            generation = view.generation,
+            endpoints = view.endpoints.len(),
+            candidates = view.candidates().count(),
+            synced = view.synced,
+            "pool view applied"
+        );
+        gw.model_table.store(Some(tables.borrow_and_update().clone()));
+        tokio::select! {
+            r = views.changed() => if r.is_err() { return },
+            r = tables.changed(), if tables_open => tables_open = r.is_ok(),
+        }
+    }
+}
+
+/// Turns readiness SERVING once the pool view synced and agents reported for `coverage` of its
+/// Ready endpoints, or `timeout` after start (the view must still have synced).
+async fn become_ready(
+    gw: Arc<Gateway>,
+    health: tonic_health::server::HealthReporter,
+    coverage: f64,
+    timeout: Duration,
+) {
+    let started = Instant::now();
+    loop {
+        if let Some((covered, ready_pods)) = gw.pool.agent_coverage()
+            && (covered >= coverage || started.elapsed() >= timeout)
+        {
+            gw.ready.store(true, Ordering::Release);
+            health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+            health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+            tracing::info!(
+                coverage = covered,
+                ready_pods,
+                after_ms = started.elapsed().as_millis() as u64,
+                "ready: SERVING"
+            );
+            return;
+        }
+        tokio::time::sleep(READY_POLL).await;
+    }
 }

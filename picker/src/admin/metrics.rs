@@ -95,7 +95,17 @@ pub struct Metrics {
     prefix_index_entries: Gauge,
     prefix_index_bytes: Gauge,
     max_queue: Gauge,
+    /// `epp_requests_by_priority_total{priority}`: routed requests by their InferenceObjective's
+    /// priority (docs/design.md §14; 0 without an objective).
+    pub requests_by_priority: Family<PriorityLabel, Counter>,
     scrape: Mutex<()>,
+}
+
+/// Label: an InferenceObjective priority.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PriorityLabel {
+    /// The priority (an integer, higher = more important).
+    pub priority: i32,
 }
 
 impl Default for Metrics {
@@ -167,7 +177,14 @@ impl Metrics {
             "Configured maxQueue: a pod at or above it is not a candidate (alert threshold base)",
             max_queue.clone(),
         );
+        let requests_by_priority = Family::<PriorityLabel, Counter>::default();
+        registry.register(
+            "epp_requests_by_priority",
+            "Requests routed, by the priority of their InferenceObjective (0 without one)",
+            requests_by_priority.clone(),
+        );
         Self {
+            requests_by_priority,
             registry,
             routing_decisions,
             cache_match_ratio,
@@ -186,6 +203,16 @@ impl Metrics {
             max_queue,
             scrape: Mutex::new(()),
         }
+    }
+
+    /// Registers the pool's own counters: `epp_ingest_reports_refused_total{reason}` (agent
+    /// reports refused, docs/design.md §14).
+    pub fn register_pool(&mut self, pool: &Pool) {
+        self.registry.register(
+            "epp_ingest_reports_refused",
+            "Agent reports refused, by reason (not_in_pool: the pod is no endpoint of the InferencePool)",
+            pool.refusals.clone(),
+        );
     }
 
     /// Refreshes the pool-derived metrics and the configured `max_queue` (requests), and encodes

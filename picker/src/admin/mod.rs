@@ -1,4 +1,5 @@
-//! Admin HTTP server (axum): `GET /metrics` (Prometheus/OpenMetrics text), `GET /healthz`, and
+//! Admin HTTP server (axum): `GET /metrics` (Prometheus/OpenMetrics text), `GET /healthz`,
+//! `GET /readyz` (200 once SERVING, docs/design.md §14), and
 //! `POST /explain` (docs/design.md §9: a request body in, every candidate's factor breakdown out, no routing,
 //! no state change).
 //!
@@ -26,8 +27,19 @@ pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
     HttpRouter::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz_handler))
         .route("/explain", post(explain_handler))
         .with_state(gateway)
+}
+
+/// `/readyz`: 200 once the picker is SERVING (docs/design.md §14), 503 before.
+async fn readyz_handler(State(gw): State<Arc<Gateway>>) -> Response {
+    if gw.is_ready() {
+        "ready\n".into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: pool view not synced or agents below ready_coverage\n")
+            .into_response()
+    }
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
@@ -49,12 +61,18 @@ struct ExplainQuery {
     path: Option<String>,
 }
 
-async fn explain_handler(State(gw): State<Arc<Gateway>>, Query(q): Query<ExplainQuery>, body: Bytes) -> Response {
+async fn explain_handler(
+    State(gw): State<Arc<Gateway>>,
+    Query(q): Query<ExplainQuery>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     if body.len() > gw.body_limit_bytes {
         return error(StatusCode::PAYLOAD_TOO_LARGE, "request body exceeds the limit".into());
     }
     let path = q.path.unwrap_or_default();
-    let joined = tokio::task::spawn_blocking(move || explain_json(&gw, &path, &body)).await;
+    let objective = objective_header(|k| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_string));
+    let joined = tokio::task::spawn_blocking(move || explain_json(&gw, &path, &body, objective.as_deref())).await;
     match joined {
         Ok(Ok(v)) => axum::Json(v).into_response(),
         Ok(Err(rej)) => {
@@ -65,8 +83,13 @@ async fn explain_handler(State(gw): State<Arc<Gateway>>, Query(q): Query<Explain
 }
 
 /// The decision pipeline's explanation of `body` as JSON.
-fn explain_json(gw: &Gateway, path: &str, body: &[u8]) -> Result<serde_json::Value, Rejection> {
-    let input = DecisionInput { request_id: "explain", path, body: Some(body), subset: None };
+fn explain_json(
+    gw: &Gateway,
+    path: &str,
+    body: &[u8],
+    objective: Option<&str>,
+) -> Result<serde_json::Value, Rejection> {
+    let input = DecisionInput { request_id: "explain", path, body: Some(body), subset: None, objective };
     let ex = explain(gw, &input)?;
     let (req, model) = (&ex.request, ex.request.model);
     let candidates: Vec<_> = ex
@@ -85,12 +108,21 @@ fn explain_json(gw: &Gateway, path: &str, body: &[u8]) -> Result<serde_json::Val
         "target_model": model.target_model,
         "adapter": model.adapter,
         "mode": req.mode.as_str(),
+        "priority": req.priority,
         "input_tokens": req.tokens.len(),
         "total_blocks": req.block_hashes().len(),
         "choice": ex.explanation.choice,
         "candidates": candidates,
         "excluded": excluded,
     }))
+}
+
+/// The request's InferenceObjective name from `x-llm-d-inference-objective` (or its deprecated
+/// `x-gateway-inference-objective` spelling), as the llm-d router reads it; empty = none.
+pub fn objective_header(get: impl Fn(&str) -> Option<String>) -> Option<String> {
+    [kvroute_cluster::models::OBJECTIVE_HEADER, kvroute_cluster::models::LEGACY_OBJECTIVE_HEADER]
+        .into_iter()
+        .find_map(|k| get(k).filter(|v| !v.is_empty() && v.len() <= 253))
 }
 
 fn error(status: StatusCode, message: String) -> Response {

@@ -78,6 +78,8 @@ pub struct DecisionInput<'a> {
     pub body: Option<&'a [u8]>,
     /// Envoy subset hint: allowed `ip:port`s.
     pub subset: Option<&'a [String]>,
+    /// The InferenceObjective the request names (header `x-llm-d-inference-objective`), if any.
+    pub objective: Option<&'a str>,
 }
 
 /// A request ready for the router: its model, tokens and block chain, and (approximate mode) where
@@ -94,6 +96,9 @@ pub struct PreparedRequest<'g> {
     pub tokens: Vec<u32>,
     /// Why the prompt cannot be prefix-matched (e.g. `cache_salt`, docs/design.md §2); "" when it can.
     pub unmatched_reason: &'static str,
+    /// The priority of the request's InferenceObjective (0 without one; docs/design.md §14).
+    /// Carried for logs, metrics and `/explain`; admission by priority is later work.
+    pub priority: i32,
     hashes: HashBuf,
     approx_matches: Option<ApproxMatches>,
 }
@@ -189,7 +194,8 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
         tracing::Span::current().record("blocks", hashes.0.len());
     });
     let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes.0));
-    Ok(PreparedRequest { model_name, model, mode, tokens, unmatched_reason, hashes, approx_matches })
+    let priority = gw.priority(input.objective);
+    Ok(PreparedRequest { model_name, model, mode, tokens, unmatched_reason, priority, hashes, approx_matches })
 }
 
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.

@@ -102,10 +102,12 @@ impl<'a> DecisionObserver<'a> {
             match_ratio = decision.match_ratio,
             matched_blocks = decision.matched_blocks,
             total_blocks = decision.total_blocks,
+            priority = p.priority,
             "pod selected"
         );
         let m = self.metrics;
         m.routing_decisions.get_or_create(&ModelLabel { model: p.model_name.clone() }).inc();
+        m.requests_by_priority.get_or_create(&crate::admin::metrics::PriorityLabel { priority: p.priority }).inc();
         m.cache_match_ratio.observe(decision.match_ratio);
         m.composite_score.observe(decision.score);
         m.candidate_pods.set(i64::try_from(decision.candidate_count).unwrap_or(i64::MAX));

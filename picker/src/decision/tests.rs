@@ -40,7 +40,7 @@ fn completion_body(model: &str) -> Vec<u8> {
 /// must see every block.
 async fn explain_names_the_routed_pod(gw: &Gateway, model: &str, mode: RoutingMode, path: &str, body: &[u8]) {
     let (cached_pod, idle_pod) = (format!("{model}-cached"), format!("{model}-idle"));
-    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None };
+    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
     let prepared = prepare(gw, &input).unwrap();
     assert_eq!(prepared.mode, mode, "{model}");
     let chain = prepared.block_hashes().to_vec();
@@ -94,6 +94,7 @@ async fn explain_rejects_like_routing() {
         path: "/v1/completions",
         body: Some(body),
         subset: None,
+        objective: None,
     };
     let unknown = explain(&gw, &input(br#"{"model":"nope","prompt":"x"}"#)).unwrap_err();
     assert_eq!((unknown.status, unknown.message.as_str()), (404, "model `nope` does not exist"));

@@ -130,6 +130,8 @@ struct StreamState {
     /// W3C `traceparent` / `tracestate` of the request (lower-case keys), the decision span's parent.
     trace_headers: HashMap<String, String>,
     subset: Option<Vec<String>>,
+    /// The InferenceObjective header's value (docs/design.md §14).
+    objective: Option<String>,
     body: Vec<u8>,
     /// The request has been routed or rejected; later request-phase messages only CONTINUE.
     decided: bool,
@@ -184,6 +186,7 @@ async fn on_request_headers(
 ) {
     let headers = h.headers.unwrap_or_default();
     st.path = header(&headers, ":path").unwrap_or_default();
+    st.objective = crate::admin::objective_header(|k| header(&headers, k));
     for key in ["traceparent", "tracestate"] {
         if let Some(v) = header(&headers, key) {
             st.trace_headers.insert(key.to_owned(), v);
@@ -317,6 +320,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                     path: &st.path,
                     body: body.as_deref(),
                     subset: st.subset.as_deref(),
+                    objective: st.objective.as_deref(),
                 };
                 tokio::task::block_in_place(|| run(gw, &input))
             };
@@ -324,12 +328,14 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         } else {
             let gw = gw.clone();
             let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
+            let objective = st.objective.clone();
             let joined = tokio::task::spawn_blocking(move || {
                 let input = DecisionInput {
                     request_id: &request_id,
                     path: &path,
                     body: body.as_deref(),
                     subset: subset.as_deref(),
+                    objective: objective.as_deref(),
                 };
                 let result = run(&gw, &input);
                 (body, result)

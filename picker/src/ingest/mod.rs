@@ -103,11 +103,24 @@ struct Session {
     pods: HashMap<String, PodSeq>,
     since_ack: u64,
     last_ack: Instant,
+    /// Pods whose refusal was logged (bounded: [`MAX_REFUSED_LOGGED`]).
+    refused: std::collections::HashSet<String>,
 }
+
+/// Most refused pod names remembered per stream for log-once.
+const MAX_REFUSED_LOGGED: usize = 1024;
 
 impl Session {
     fn new(pool: Arc<Pool>, stream: StreamId, tx: mpsc::Sender<PickerMessage>) -> Session {
-        Session { pool, stream, tx, pods: HashMap::new(), since_ack: 0, last_ack: Instant::now() }
+        Session {
+            pool,
+            stream,
+            tx,
+            pods: HashMap::new(),
+            since_ack: 0,
+            last_ack: Instant::now(),
+            refused: Default::default(),
+        }
     }
 
     async fn run(mut self, mut inbound: Streaming<AgentMessage>, peer: String) {
@@ -167,6 +180,9 @@ impl Session {
                 warn!(stream = self.stream, pod = %info.pod, "hello names a pod without name/endpoint/model; ignored");
                 continue;
             }
+            if !self.admit(&info.pod) {
+                continue;
+            }
             self.pods.entry(info.pod.clone()).or_default();
             pods.push(info);
         }
@@ -179,6 +195,9 @@ impl Session {
             self.resync("", "snapshot without pod info");
             return Ok(());
         };
+        if !self.admit(&info.pod) {
+            return Ok(());
+        }
         let blocks = flatten_runs(&s.blocks);
         debug!(stream = self.stream, pod = %info.pod, seq = s.seq, blocks = blocks.len(), "snapshot");
         let st = self.pods.entry(info.pod.clone()).or_default();
@@ -188,6 +207,12 @@ impl Session {
     }
 
     async fn delta(&mut self, d: PodDelta) -> Result<(), crate::pool::PoolError> {
+        if !self.admit(&d.pod) {
+            // If the pod joins the pool later, its next delta finds no snapshot on this stream
+            // and asks for one (below): its cache state then arrives whole.
+            self.pods.remove(&d.pod);
+            return Ok(());
+        }
         let st = self.pods.entry(d.pod.clone()).or_default();
         let expected = st.last.map(|l| l.wrapping_add(1));
         if expected != Some(d.seq) {
@@ -227,6 +252,22 @@ impl Session {
                 stats: d.stats,
             })
             .await
+    }
+
+    /// Whether this stream may report for endpoint `pod` (docs/design.md §14: only the pool's
+    /// endpoints, never another name). A refusal is counted
+    /// (`epp_ingest_reports_refused_total{reason="not_in_pool"}`) and logged once per pod and stream.
+    fn admit(&mut self, pod: &str) -> bool {
+        if self.pool.admits(pod) {
+            self.refused.remove(pod);
+            return true;
+        }
+        self.pool.refuse(crate::pool::REFUSED_NOT_IN_POOL);
+        if self.refused.len() < MAX_REFUSED_LOGGED && self.refused.insert(pod.to_string()) {
+            warn!(stream = self.stream, %pod, reason = crate::pool::REFUSED_NOT_IN_POOL,
+                "report for a pod that is not in the InferencePool refused");
+        }
+        false
     }
 
     fn resync(&self, pod: &str, reason: &str) {

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
+use kvroute_cluster::PoolView;
 use kvroute_common::BlockHash;
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use parking_lot::{Mutex, MutexGuard};
@@ -103,6 +104,12 @@ pub enum PoolUpdate {
     },
     /// The stream ended: its pods are disconnected and enter the grace period.
     StreamEnded { stream: StreamId },
+    /// The InferencePool (or pool file) changed (docs/design.md §14): from now on the pool's
+    /// endpoints are the only pods. Each endpoint is a pod here, named `<pod>-rank-<i>`, with the
+    /// address from the view; endpoints that left are dropped at once, new Ready ones are
+    /// candidates at once (by load until their agent reports), agents' reports for any other
+    /// name are ignored.
+    Membership { view: Arc<PoolView> },
 }
 
 enum WriterMsg {
@@ -127,6 +134,21 @@ pub(crate) struct PodStatus {
     pub(crate) annotations: Vec<(String, String)>,
     /// `kvroute.io/cost-per-hour` parsed ($/hour, finite and > 0), if present and valid.
     pub(crate) cost_per_hour: Option<f64>,
+    /// Where the pod's membership comes from.
+    pub(crate) member: Membership,
+}
+
+/// How a pod became a pod of the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Membership {
+    /// Registered by an agent's report (no pool source: library use and unit tests only; the
+    /// picker binary always has a pool source). Needs stats before it is a candidate.
+    Agent,
+    /// An endpoint of the pool view whose pod is Ready: a candidate, by load until its agent
+    /// reports.
+    PoolReady,
+    /// An endpoint of the pool view whose pod is not Ready (or terminating): never a candidate.
+    PoolUnready,
 }
 
 /// The sorted annotations of `info` and its parsed price (docs/design.md §4 cost awareness). An invalid
@@ -195,7 +217,25 @@ pub struct Pool {
     select_lock: Mutex<()>,
     tx: mpsc::Sender<WriterMsg>,
     next_slot: AtomicU64,
+    /// The pool view last handed to the writer; `None` without a pool source.
+    membership: arc_swap::ArcSwapOption<PoolView>,
+    /// Agent reports refused, by reason (`epp_ingest_reports_refused_total{reason}`).
+    pub refusals: Refusals,
 }
+
+/// Label of [`Refusals`]: why an agent's report was refused.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct RefusalLabel {
+    /// `not_in_pool`: the report names no endpoint of the InferencePool.
+    pub reason: &'static str,
+}
+
+/// Counters of refused agent reports (shared with the metrics registry).
+pub type Refusals =
+    prometheus_client::metrics::family::Family<RefusalLabel, prometheus_client::metrics::counter::Counter>;
+
+/// Refusal reason: the report names no endpoint of the pool.
+pub const REFUSED_NOT_IN_POOL: &str = "not_in_pool";
 
 /// A pod as seen by metrics and `/explain`.
 #[derive(Debug, Clone, PartialEq)]
@@ -253,7 +293,58 @@ impl Pool {
         let table = Arc::new(ArcSwap::from_pointee(PodTable::default()));
         let index = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
         writer::spawn(config.clone(), rx, table.clone(), index.clone());
-        Arc::new(Pool { config, table, index, select_lock: Mutex::new(()), tx, next_slot: AtomicU64::new(1) })
+        Arc::new(Pool {
+            config,
+            table,
+            index,
+            select_lock: Mutex::new(()),
+            tx,
+            next_slot: AtomicU64::new(1),
+            membership: arc_swap::ArcSwapOption::empty(),
+            refusals: Refusals::default(),
+        })
+    }
+
+    /// Makes `view` the pool's membership (docs/design.md §14) and waits until the writer applied
+    /// it: when this returns, decisions see exactly the view's Ready endpoints as candidates.
+    /// Once set, the pool never goes back to agent-registered pods.
+    pub async fn set_membership(&self, view: Arc<PoolView>) -> Result<(), PoolError> {
+        self.membership.store(Some(view.clone()));
+        self.update(PoolUpdate::Membership { view }).await?;
+        self.sync().await
+    }
+
+    /// The pool view in force, if the pool has a pool source.
+    pub fn membership(&self) -> Option<Arc<PoolView>> {
+        self.membership.load_full()
+    }
+
+    /// Whether an agent may report for endpoint `name` (`<pod>-rank-<i>`): always without a pool
+    /// source, otherwise only for an endpoint of the pool view. Use it before queuing a report;
+    /// the writer checks again when it applies it.
+    pub fn admits(&self, name: &str) -> bool {
+        match &*self.membership.load() {
+            None => true,
+            Some(view) => view.endpoint(name).is_some(),
+        }
+    }
+
+    /// Counts one refused report.
+    pub fn refuse(&self, reason: &'static str) {
+        self.refusals.get_or_create(&RefusalLabel { reason }).inc();
+    }
+
+    /// Fraction of the pool view's Ready endpoints whose agent has reported stats, and how many
+    /// Ready endpoints there are; `None` without a pool source or before the view synced.
+    pub fn agent_coverage(&self) -> Option<(f64, usize)> {
+        let view = self.membership.load_full()?;
+        if !view.synced {
+            return None;
+        }
+        let table = self.table.load();
+        let ready = table.status.iter().filter(|s| s.member == Membership::PoolReady).count();
+        let reported = table.status.iter().filter(|s| s.member == Membership::PoolReady && s.stats.is_some()).count();
+        Some(if ready == 0 { (1.0, 0) } else { (reported as f64 / ready as f64, ready) })
     }
 
     /// The configuration the pool runs with.
