@@ -212,9 +212,11 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
         let (gw, ready_stop) = (gateway.clone(), stop(shutdown.subscribe()));
         let (coverage, timeout) = (config.ready_coverage, Duration::from_millis(config.ready_timeout_ms));
         tasks.spawn(async move {
+            // Serves until the stop: a task that ends early reads as a failed server.
+            tokio::pin!(ready_stop);
             tokio::select! {
-                () = become_ready(gw, health_reporter, coverage, timeout) => {}
-                () = ready_stop => {}
+                () = become_ready(gw, health_reporter, coverage, timeout) => ready_stop.await,
+                () = &mut ready_stop => {}
             }
             Ok("readiness")
         });

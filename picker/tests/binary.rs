@@ -26,10 +26,11 @@ fn prints_ready_then_stops_on_sigterm() {
         "ok",
         &format!(
             "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
-             models:\n  - name: m\n    tokenizer: {}\n",
+             pool_file: pool.yaml\nmodels:\n  - name: m\n    tokenizer: {}\n",
             tokenizer_dir()
         ),
     );
+    std::fs::write(config.with_file_name("pool.yaml"), "pods: [{name: p, ip: 127.0.0.1, ports: [8000]}]\n").unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap(), "--log-level", "warn"])
         .stdout(Stdio::piped())
@@ -70,6 +71,9 @@ fn invalid_config_exits_non_zero_with_message() {
         ),
         ("unknown", "ext_proc_adr: 127.0.0.1:1\n", "ext_proc_adr"),
         ("tokenizer", "models: [{name: m, tokenizer: no-such-dir}]\n", "tokenizer.json"),
+        // The pool is the only source of candidates: no pool source, no start.
+        ("no-pool", "models: [{name: m}]\n", "--pool-name"),
+        ("missing-pool-file", "pool_file: no-such-pool.yaml\n", "no-such-pool.yaml"),
     ];
     for (name, yaml, needle) in cases {
         let config = write_config(name, yaml);

@@ -170,6 +170,8 @@ impl Fleet {
         }
 
         let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+        // File mode (docs/design.md §14): the pool file is the picker's only source of endpoints.
+        write_yaml(&work.join(POOL_FILE), &pool_file(engines.iter().map(|e| (e, true))))?;
         let picker_cfg = work.join("picker.yaml");
         write_yaml(&picker_cfg, &picker_config(&spec, ext_proc_port, ingest_port, admin_port))?;
         let picker_args =
@@ -371,6 +373,13 @@ impl Fleet {
         Ok(())
     }
 
+    /// Rewrites the picker's pool file: the engines `(index, ready)` listed are the pool's pods,
+    /// the others leave it. The picker follows within its poll period (500 ms), without a restart.
+    pub fn set_pool(&self, members: &[(usize, bool)]) -> Result<()> {
+        let listed = members.iter().filter_map(|&(i, ready)| self.engines.get(i).map(|e| (e, ready)));
+        write_yaml(&self.work.join(POOL_FILE), &pool_file(listed))
+    }
+
     /// Kills the picker and starts it again with the same config and ports (empty index; the
     /// agents reconnect and resend snapshots). Returns once it printed READY.
     pub async fn restart_picker(&mut self) -> Result<()> {
@@ -481,6 +490,17 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
     a
 }
 
+/// The picker's pool file, next to its config.
+const POOL_FILE: &str = "pool.yaml";
+
+/// A pool file (`kvroute_cluster::file`) listing `engines` as pods `engine-<i>` on 127.0.0.1.
+fn pool_file<'a>(engines: impl Iterator<Item = (&'a Engine, bool)>) -> Value {
+    let pods: Vec<Value> = engines
+        .map(|(e, ready)| json!({"name": e.pod, "ip": "127.0.0.1", "ports": [e.port], "ready": ready}))
+        .collect();
+    json!({ "pods": pods })
+}
+
 fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Value {
     let model = if spec.picker_approximate {
         json!({"name": spec.model, "target_model": spec.model, "adapter": null, "mode": "approximate"})
@@ -498,6 +518,7 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
         "admin_addr": format!("127.0.0.1:{admin}"),
         "block_size": 16,
         "models": [model],
+        "pool_file": POOL_FILE,
     })
 }
 
@@ -600,7 +621,10 @@ fn read_yaml(path: &Path) -> Result<Value> {
 }
 
 fn write_yaml(path: &Path, value: &Value) -> Result<()> {
-    std::fs::write(path, serde_norway::to_string(value)?).with_context(|| format!("writing {}", path.display()))
+    // Write then rename: a watcher polling the file never reads half of it.
+    let tmp = path.with_extension("yaml.tmp");
+    std::fs::write(&tmp, serde_norway::to_string(value)?).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming onto {}", path.display()))
 }
 
 fn path_arg(p: &Path) -> String {
