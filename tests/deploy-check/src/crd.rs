@@ -36,8 +36,10 @@ pub struct InferencePoolSpec {
     /// `http` (default) or `kubernetes.io/h2c`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_protocol: Option<String>,
-    /// The Endpoint Picker Service.
-    pub endpoint_picker_ref: EndpointPickerRef,
+    /// The Endpoint Picker Service. Optional in the GIE v1 CRD (`required: [selector,
+    /// targetPorts]`); a pool a Gateway routes to needs one (checked in `checks::gateway`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker_ref: Option<EndpointPickerRef>,
 }
 
 /// `selector` of an InferencePool (labels only).
