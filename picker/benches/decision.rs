@@ -193,13 +193,7 @@ fn main() {
     let rendered = tok.render_chat(&chat).unwrap();
     let mut hashes = Vec::with_capacity(ids.len() / 16);
     model.hasher.hash_prompt(&ids, &mut hashes);
-    let route_req = RouteRequest {
-        model: &model.target_model,
-        adapter: None,
-        block_hashes: &hashes,
-        subset: None,
-        objective: None,
-    };
+    let route_req = RouteRequest { model: &model.target_model, adapter: None, block_hashes: &hashes, subset: None };
     let d = gw.router.route(&route_req).unwrap();
     println!(
         "request: {} body bytes, {} tokens, {} blocks; chosen {} with {} matched blocks",
@@ -210,7 +204,7 @@ fn main() {
         d.matched_blocks
     );
     drop(d);
-    let input = DecisionInput { request_id: "bench", path: PATH, body: Some(&body), subset: None };
+    let input = DecisionInput { request_id: "bench", path: PATH, body: Some(&body), subset: None, objective: None };
 
     let mut c = Criterion::default().configure_from_args().sample_size(50).measurement_time(Duration::from_secs(3));
     let mut g = c.benchmark_group("decision_4096_token_chat");
