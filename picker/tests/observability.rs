@@ -133,7 +133,15 @@ async fn wait_pods(admin: SocketAddr, pods: &[FakePod]) {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let m = metrics_text(admin).await;
-        if pods.iter().all(|p| m.contains(&format!("epp_pod_health_score{{pod=\"{}\"}}", p.name))) {
+        // Reported: a pool pod is listed (health 0) before its agent's first report.
+        let reported = |p: &FakePod| {
+            let key = format!("epp_pod_health_score{{pod=\"{}\"}} ", p.name);
+            m.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .is_some_and(|v| v > 0.0)
+        };
+        if pods.iter().all(reported) {
             return;
         }
         assert!(Instant::now() < deadline, "pods never showed up: {m}");
@@ -377,7 +385,16 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("picker.yaml");
     let addr = |p: u16| format!("127.0.0.1:{p}");
-    std::fs::write(&config, config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin))).unwrap();
+    // The binary routes only to its pool's pods (docs/design.md §14): a pool file with the fake
+    // pods, named as the pool names its endpoints (`<pod>-rank-0`).
+    let pool: String = ["pod-a:10.0.0.1", "pod-b:10.0.0.2", "pod-sick:10.0.0.3"]
+        .iter()
+        .map(|p| p.split_once(':').unwrap())
+        .map(|(name, ip)| format!("  - {{name: {name}, ip: {ip}, ports: [8000]}}\n"))
+        .collect();
+    std::fs::write(dir.join("pool.yaml"), format!("pods:\n{pool}")).unwrap();
+    let yaml = format!("{}pool_file: pool.yaml\n", config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin)));
+    std::fs::write(&config, yaml).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap()])
         .env("EPP_LOG_LEVEL", "trace,h2=info,tonic=info,hyper=info,hyper_util=info,tower=info,tokenizers=info")
@@ -414,7 +431,13 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     let admin: SocketAddr = addr(admin).parse().unwrap();
 
     let prompt = tokens(64, 0);
-    let fleet = pods(hashes_of(&prompt));
+    let fleet: Vec<FakePod> = pods(hashes_of(&prompt))
+        .into_iter()
+        .map(|mut p| {
+            p.name = format!("{}-rank-0", p.name);
+            p
+        })
+        .collect();
     let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
     wait_pods(admin, &fleet).await;
 
@@ -467,7 +490,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
         })
     };
     assert_eq!(attr(decision, "request_id").as_deref(), Some(request_id));
-    assert_eq!(attr(decision, "pod").as_deref(), Some("pod-b"));
+    assert_eq!(attr(decision, "pod").as_deref(), Some("pod-b-rank-0"));
     assert_eq!(attr(decision, "model").as_deref(), Some(MODEL));
     for step in ["epp.parse", "epp.tokenize", "epp.hash", "epp.score"] {
         let (_, s) = ours.iter().find(|(_, s)| s.name == step).unwrap();
