@@ -147,12 +147,20 @@ impl Drop for Kill {
 }
 
 async fn start_envoy(dir: &std::path::Path, ext_proc: u16) -> (Kill, SocketAddr) {
-    let listener = free_port(&["127.0.0.1"]);
     let config = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml"))
         .unwrap()
-        .replace("port_value: 9901", &format!("port_value: {}", free_port(&["127.0.0.1"])))
-        .replace("{ address: 0.0.0.0, port_value: 8081 }", &format!("{{ address: 127.0.0.1, port_value: {listener} }}"))
         .replace("port_value: 9002", &format!("port_value: {ext_proc}"));
+    start_envoy_text(dir, config).await
+}
+
+/// Starts Envoy on `config` (deploy/envoy/envoy.yaml's text) with its listener and admin ports
+/// rewritten; waits until it listens.
+async fn start_envoy_text(dir: &std::path::Path, config: String) -> (Kill, SocketAddr) {
+    let listener = free_port(&["127.0.0.1"]);
+    let config = config.replace("port_value: 9901", &format!("port_value: {}", free_port(&["127.0.0.1"]))).replace(
+        "{ address: 0.0.0.0, port_value: 8081 }",
+        &format!("{{ address: 127.0.0.1, port_value: {listener} }}"),
+    );
     let path = dir.join("envoy.yaml");
     std::fs::write(&path, config).unwrap();
     let base_id = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() % 1_000_000;
@@ -367,4 +375,125 @@ async fn routing_follows_the_pool_while_traffic_flows() {
     assert_eq!(failed, 0, "clients saw errors while the pool changed: {:?}", statuses.lock());
     assert!(sent > 50, "too little traffic to mean anything: {sent}");
     assert_eq!(picker.0.id(), picker_pid, "the picker was not restarted");
+}
+
+/// A picker started on `config` (its pool from the pool file the config names); READY awaited.
+async fn spawn_picker(config: &std::path::Path, log: &std::path::Path) -> tokio::process::Child {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
+        .arg("--config")
+        .arg(config)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.expect("READY in time");
+    assert_eq!(ready.unwrap().as_deref(), Some("READY"));
+    child
+}
+
+/// A rolling restart of two picker replicas behind one Envoy (the ext_proc cluster lists both)
+/// while clients send requests: each replica is stopped with SIGTERM and started again, and
+/// routes again once back. Prints what the clients saw (`rolling-restart:`) for
+/// docs/operations.md; the pool comes from a pool file, so a restarted replica has its
+/// candidates from its first read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_restart_of_two_picker_replicas() {
+    let epoch = Instant::now();
+    let ips = ["127.0.0.51", "127.0.0.52"];
+    let port = free_port(&ips);
+    let hits: Hits = Arc::default();
+    for (i, ip) in ips.iter().enumerate() {
+        engine(ip, port, i, hits.clone(), epoch).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("pool.yaml"),
+        format!(
+            "pods:\n  - {{name: e0, ip: {}, ports: [{port}]}}\n  - {{name: e1, ip: {}, ports: [{port}]}}\n",
+            ips[0], ips[1]
+        ),
+    )
+    .unwrap();
+    let mut replicas = Vec::new();
+    for r in 0..2 {
+        let ports: Vec<u16> = (0..3).map(|_| free_port(&["127.0.0.1"])).collect();
+        let config = dir.path().join(format!("picker-{r}.yaml"));
+        std::fs::write(
+            &config,
+            format!(
+                "ext_proc_addr: 127.0.0.1:{}\ningest_addr: 127.0.0.1:{}\nadmin_addr: 127.0.0.1:{}\n\
+                 models: [{{name: {MODEL}}}]\npool_file: pool.yaml\nready_timeout_ms: 500\n",
+                ports[0], ports[1], ports[2]
+            ),
+        )
+        .unwrap();
+        let child = spawn_picker(&config, &dir.path().join(format!("picker-{r}.log"))).await;
+        replicas.push((config, ports, Some(child)));
+    }
+    // Envoy's picker cluster with both replicas.
+    let one = "              - endpoint:\n                  address:\n                    socket_address: { address: 127.0.0.1, port_value: 9002 }\n";
+    let envoy_yaml =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml")).unwrap();
+    assert!(envoy_yaml.contains(one), "deploy/envoy/envoy.yaml's picker endpoint entry changed");
+    let both = format!("{}{}", one.replace("9002", "PICKER_A"), one.replace("9002", "PICKER_B"));
+    let patched = envoy_yaml.replace(one, &both);
+    let tmp = dir.path().join("envoy-src");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let (_envoy, gw) = {
+        let text = patched
+            .replace("PICKER_A", &replicas[0].1[0].to_string())
+            .replace("PICKER_B", &replicas[1].1[0].to_string());
+        start_envoy_text(&tmp, text).await
+    };
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let statuses: Arc<Mutex<BTreeMap<u16, u64>>> = Arc::default();
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let (stop, statuses) = (stop.clone(), statuses.clone());
+        clients.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let status = post(gw).await;
+                *statuses.lock().entry(status).or_default() += 1;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let warm: u64 = statuses.lock().values().sum();
+    assert!(warm > 10, "no traffic before the restart: {:?}", statuses.lock());
+    for (r, (config, ports, child)) in replicas.iter_mut().enumerate() {
+        let mut c = child.take().unwrap();
+        let pid = c.id().unwrap().to_string();
+        let _ = std::process::Command::new("kill").args(["-TERM", &pid]).status();
+        let exit = tokio::time::timeout(Duration::from_secs(10), c.wait()).await.expect("stops on SIGTERM").unwrap();
+        assert!(exit.success(), "replica {r} exited with {exit:?}");
+        let restarted = spawn_picker(config, &dir.path().join(format!("picker-{r}.log"))).await;
+        *child = Some(restarted);
+        // Back: it routes again (Envoy spreads the ext_proc streams over both replicas).
+        let admin: SocketAddr = format!("127.0.0.1:{}", ports[2]).parse().unwrap();
+        let mut routed = false;
+        for _ in 0..200 {
+            if metric(admin, "epp_routing_decisions_total").await.is_some_and(|v| v >= 1.0) {
+                routed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(routed, "replica {r} routed nothing after its restart");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.await.unwrap();
+    }
+    let statuses = statuses.lock().clone();
+    let total: u64 = statuses.values().sum();
+    let failed: u64 = statuses.iter().filter(|(s, _)| **s != 200).map(|(_, n)| n).sum();
+    println!("rolling-restart: 2 replicas, {total} requests, non-200 {failed} {statuses:?}");
+    assert!(
+        hits.lock().values().map(Vec::len).sum::<usize>() as u64 >= total - failed,
+        "served requests reached the engines"
+    );
 }
