@@ -26,6 +26,10 @@ struct Cli {
     /// Log level or EnvFilter directive.
     #[arg(long, env = "AGENT_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// Report to the pickers in plaintext (local demo only; logged as a warning). Same as
+    /// `insecure_ingest: true`; without it, or `picker_tls`, the agent refuses to start.
+    #[arg(long)]
+    insecure_ingest: bool,
 }
 
 // One thread runs every task (scrapes, flushes, picker streams, metrics: light, mostly idle);
@@ -49,6 +53,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         &kvroute_common::telemetry::TelemetryConfig::from_env(),
     )?;
     let config = AgentConfig::load_with(&cli.config, |config| {
+        if cli.insecure_ingest {
+            config.insecure_ingest = true;
+        }
         if let Some(spec) = cli.gpu_source {
             config.gpu_source = spec;
         }

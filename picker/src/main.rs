@@ -27,6 +27,10 @@ struct Cli {
     /// Log level or `tracing` filter directive (e.g. `info`, `kvroute_picker=debug,info`).
     #[arg(long, env = "EPP_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// Accept agents over plaintext, unauthenticated (local demo only; logged as a warning).
+    /// Same as `insecure_ingest: true`; without it, or `ingest_tls`, the picker refuses to start.
+    #[arg(long)]
+    insecure_ingest: bool,
 }
 
 #[tokio::main]
@@ -44,6 +48,17 @@ async fn main() -> ExitCode {
         }
     };
     let config = match PickerConfig::load(&cli.config) {
+        Ok(mut c) if cli.insecure_ingest => {
+            c.insecure_ingest = true;
+            match c.validate() {
+                Ok(()) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "refusing to start");
+                    eprintln!("kvroute-picker: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "refusing to start");
@@ -53,6 +68,11 @@ async fn main() -> ExitCode {
     };
     let running = match kvroute_picker::start(&config).await {
         Ok(r) => r,
+        Err(e @ kvroute_picker::StartError::InsecureIngest { .. }) => {
+            tracing::error!(error = %e, "refusing to start");
+            eprintln!("kvroute-picker: {e}");
+            return ExitCode::from(2);
+        }
         Err(e) => {
             tracing::error!(error = %e, "refusing to start");
             eprintln!("kvroute-picker: {e}");

@@ -170,7 +170,7 @@ async fn report_pods(picker: &RunningPicker, pods: &[FakePod]) -> FakeAgent {
 
 async fn start_picker(extra_yaml: &str) -> RunningPicker {
     let config = PickerConfig::from_yaml(&format!(
-        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n{extra_yaml}"
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n{extra_yaml}"
     ))
     .unwrap();
     kvroute_picker::start(&config).await.unwrap()
