@@ -31,6 +31,10 @@ struct Cli {
     /// Same as `insecure_ingest: true`; without it, or `ingest_tls`, the picker refuses to start.
     #[arg(long)]
     insecure_ingest: bool,
+    /// mTLS on the ingest listener from a directory holding `ca.crt`, `tls.crt` and `tls.key` (a
+    /// mounted cert-manager Secret); sets the config's `ingest_tls`.
+    #[arg(long, conflicts_with = "insecure_ingest")]
+    ingest_tls_dir: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -48,8 +52,15 @@ async fn main() -> ExitCode {
         }
     };
     let config = match PickerConfig::load(&cli.config) {
-        Ok(mut c) if cli.insecure_ingest => {
-            c.insecure_ingest = true;
+        Ok(mut c) if cli.insecure_ingest || cli.ingest_tls_dir.is_some() => {
+            c.insecure_ingest |= cli.insecure_ingest;
+            if let Some(dir) = &cli.ingest_tls_dir {
+                c.ingest_tls = Some(kvroute_picker::ingest::tls::TlsFiles {
+                    ca_file: dir.join("ca.crt"),
+                    cert_file: dir.join("tls.crt"),
+                    key_file: dir.join("tls.key"),
+                });
+            }
             match c.validate() {
                 Ok(()) => c,
                 Err(e) => {
