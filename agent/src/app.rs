@@ -60,6 +60,20 @@ pub enum AgentError {
     /// The Kubernetes client could not be built (no in-cluster service account, no kubeconfig).
     #[error("Kubernetes sources (pool / picker_service) need API access: {0}")]
     Kubernetes(#[source] ClusterError),
+    /// Neither `picker_tls` nor `insecure_ingest` was configured.
+    #[error(
+        "reports to the pickers are not secured: set picker_tls (ca_file, cert_file, key_file) for mTLS, or pass \
+         --insecure-ingest (config insecure_ingest: true) for plaintext"
+    )]
+    InsecureIngest,
+    /// A `picker_tls` file cannot be read.
+    #[error("picker_tls: cannot read {path}: {source}")]
+    TlsFile {
+        /// The file.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
     /// The engine file's first read failed (later bad edits keep the last good one).
     #[error("engine file: {0}")]
     EngineFile(#[source] ClusterError),
@@ -115,6 +129,18 @@ pub async fn start_with(
     client: Option<kube::Client>,
 ) -> Result<RunningAgent, AgentError> {
     config.validate()?;
+    match &config.picker_tls {
+        Some(tls) => {
+            for path in [&tls.ca_file, &tls.cert_file, &tls.key_file] {
+                std::fs::metadata(path).map_err(|source| AgentError::TlsFile { path: path.clone(), source })?;
+            }
+        }
+        None if config.insecure_ingest => tracing::warn!(
+            "--insecure-ingest: reports go to the pickers in plaintext, and the pickers are not authenticated \
+             (use picker_tls outside a local demo)"
+        ),
+        None => return Err(AgentError::InsecureIngest),
+    }
     let engine_source = config.engine_source()?;
     let picker_source = config.picker_source()?;
     let needs_kube =
@@ -228,7 +254,11 @@ pub async fn start_with(
         }
     });
 
-    let id = AgentIdentity { agent_id: format!("{node_name}-{}", std::process::id()), node_name };
+    let id = AgentIdentity {
+        agent_id: format!("{node_name}-{}", std::process::id()),
+        node_name,
+        tls: config.picker_tls.clone().map(Arc::new),
+    };
     tasks.spawn(run_picker_set(replicas, hub.clone(), id, metrics.clone(), stop_rx.clone()));
     tracing::info!(%metrics_addr, "agent started");
     Ok(RunningAgent { metrics_addr, hub, metrics, stop_tx, stop_threads, tasks })

@@ -171,6 +171,36 @@ pub struct AgentConfig {
     /// Kubernetes: how often PodResources is listed, ms (also at once when a pod appears).
     /// Default [`DEFAULT_POD_RESOURCES_POLL_MS`] (2000).
     pub pod_resources_poll_ms: u64,
+    /// mTLS to the pickers (docs/design.md §14): the agent presents its node's certificate and
+    /// verifies the picker's. One of this and `insecure_ingest` is required to start. Default none.
+    pub picker_tls: Option<PickerTlsConfig>,
+    /// Report to the pickers in plaintext (the local demo); logged as a warning. Also
+    /// `--insecure-ingest`. Default false.
+    pub insecure_ingest: bool,
+}
+
+/// Default `picker_tls.server_name`: the DNS SAN every picker certificate carries.
+pub const DEFAULT_PICKER_SERVER_NAME: &str = "picker.kvroute";
+
+/// The agent's TLS files (PEM, as a Kubernetes Secret mounts them), read again for every new
+/// connection, so a rotated certificate is used from the next (re)connect on.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PickerTlsConfig {
+    /// CA bundle the picker's certificate must chain to (`ca.crt`).
+    pub ca_file: String,
+    /// This agent's certificate chain (`tls.crt`), naming the node as DNS SAN
+    /// `<node>.agent.kvroute`.
+    pub cert_file: String,
+    /// Its private key (`tls.key`).
+    pub key_file: String,
+    /// The name the picker's certificate must carry. Default [`DEFAULT_PICKER_SERVER_NAME`].
+    #[serde(default = "default_picker_server_name")]
+    pub server_name: String,
+}
+
+fn default_picker_server_name() -> String {
+    DEFAULT_PICKER_SERVER_NAME.into()
 }
 
 /// The InferencePool an agent serves (docs/design.md §14).
@@ -256,6 +286,8 @@ impl Default for AgentConfig {
             pool: None,
             pod_resources_socket: DEFAULT_POD_RESOURCES_SOCKET.into(),
             pod_resources_poll_ms: DEFAULT_POD_RESOURCES_POLL_MS,
+            picker_tls: None,
+            insecure_ingest: false,
         }
     }
 }
@@ -358,6 +390,9 @@ impl AgentConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |field: &str, value: &dyn Display, fix: &str| Err(ConfigError::invalid(field, value, fix));
         self.picker_source()?;
+        if self.picker_tls.is_some() && self.insecure_ingest {
+            return bad("insecure_ingest", &true, "picker_tls is set too; choose mTLS or plaintext, not both");
+        }
         for p in &self.pickers {
             if !(p.starts_with("http://") || p.starts_with("https://")) {
                 return bad("pickers", &format!("{p:?}"), "must start with http:// or https://");

@@ -26,6 +26,14 @@ struct Cli {
     /// Log level or EnvFilter directive.
     #[arg(long, env = "AGENT_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// Report to the pickers in plaintext (local demo only; logged as a warning). Same as
+    /// `insecure_ingest: true`; without it, or `picker_tls`, the agent refuses to start.
+    #[arg(long)]
+    insecure_ingest: bool,
+    /// mTLS to the pickers from a directory holding `ca.crt`, `tls.crt` and `tls.key` (a
+    /// cert-manager csi-driver volume or a mounted Secret); sets the config's `picker_tls`.
+    #[arg(long, conflicts_with = "insecure_ingest")]
+    picker_tls_dir: Option<String>,
 }
 
 // One thread runs every task (scrapes, flushes, picker streams, metrics: light, mostly idle);
@@ -49,6 +57,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         &kvroute_common::telemetry::TelemetryConfig::from_env(),
     )?;
     let config = AgentConfig::load_with(&cli.config, |config| {
+        if cli.insecure_ingest {
+            config.insecure_ingest = true;
+        }
+        if let Some(dir) = &cli.picker_tls_dir {
+            let file = |name: &str| std::path::Path::new(dir).join(name).display().to_string();
+            let server_name = config.picker_tls.as_ref().map(|t| t.server_name.clone());
+            config.picker_tls = Some(kvroute_agent::config::PickerTlsConfig {
+                ca_file: file("ca.crt"),
+                cert_file: file("tls.crt"),
+                key_file: file("tls.key"),
+                server_name: server_name.unwrap_or_else(|| kvroute_agent::config::DEFAULT_PICKER_SERVER_NAME.into()),
+            });
+        }
         if let Some(spec) = cli.gpu_source {
             config.gpu_source = spec;
         }

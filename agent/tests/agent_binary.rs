@@ -21,7 +21,7 @@ fn write_config(dir: &std::path::Path, picker: &str, gpu_source: &str) -> std::p
     std::fs::write(
         &path,
         format!(
-            "pickers: [\"{picker}\"]\ngpu_source: \"{gpu_source}\"\nmetrics_addr: 127.0.0.1:0\n\
+            "pickers: [\"{picker}\"]\ninsecure_ingest: true\ngpu_source: \"{gpu_source}\"\nmetrics_addr: 127.0.0.1:0\n\
              engines:\n  - pod: engine-0\n    endpoint: {nobody}\n    model: m\n    gpus: [0]\n"
         ),
     )

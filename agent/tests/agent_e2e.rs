@@ -107,7 +107,7 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
     let (pub_ep, publisher) = fake_engine_pub();
 
     let yaml = format!(
-        "node_name: test-node\npickers: [\"http://{picker_addr}\"]\nmetrics_addr: 127.0.0.1:0\n\
+        "node_name: test-node\npickers: [\"http://{picker_addr}\"]\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\n\
          scrape_interval_ms: 50\nreport_interval_ms: 200\nprobe_interval_ms: 500\n\
          engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    kv_events: {pub_ep}\n    gpus: [0]\n    max_num_seqs: 8\n"
     );

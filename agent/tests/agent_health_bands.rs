@@ -45,7 +45,7 @@ async fn agent_with(scenario: &str, unhealthy: Arc<AtomicBool>) -> RunningAgent 
     let http = fake_engine(unhealthy).await;
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
     let yaml = format!(
-        "pickers: [\"http://{nobody}\"]\nmetrics_addr: 127.0.0.1:0\nscrape_interval_ms: 50\n\
+        "pickers: [\"http://{nobody}\"]\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\nscrape_interval_ms: 50\n\
          probe_interval_ms: 200\nprobe_timeout_ms: 1000\n\
          engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    gpus: [0]\n    max_num_seqs: 8\n"
     );
@@ -164,7 +164,7 @@ async fn config_annotations_are_reported_in_pod_info() {
     let http = fake_engine(Arc::new(AtomicBool::new(false))).await;
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
     let yaml = format!(
-        "pickers: [\"http://{nobody}\"]\nmetrics_addr: 127.0.0.1:0\n\
+        "pickers: [\"http://{nobody}\"]\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\n\
          engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    gpus: [0]\n\
          \x20   annotations: {{\"kvroute.io/cost-per-hour\": \"3.67\", zone: b}}\n"
     );

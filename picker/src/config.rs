@@ -12,6 +12,15 @@
 //! block_size: 16
 //! body_limit_bytes: 8388608         # 8 MiB → 413 above it
 //! pod_grace_ttl_ms: 10000
+//! ingest_tls:                       # mTLS with the agents (docs/design.md §14); paths relative to this file
+//!   ca_file: /etc/kvroute/ingest-tls/ca.crt       # agents' client certs must chain to it
+//!   cert_file: /etc/kvroute/ingest-tls/tls.crt    # the picker's (DNS SAN picker.kvroute)
+//!   key_file: /etc/kvroute/ingest-tls/tls.key     # files re-read when they rotate
+//! # insecure_ingest: true           # plaintext ingest instead (local demo only; logged as a warning)
+//! max_pods_per_stream: 256          # pods one agent stream may hold
+//! max_pods: 16384                   # pods all agent streams may hold
+//! # ext_proc_tls: {cert_file: .., key_file: ..}   # TLS on ext_proc (GIE's --secure-serving)
+//! # explain_token_file: /etc/kvroute/admin/token  # /explain from off-host with "Authorization: Bearer <token>"
 //! models:                           # InferenceModel-style: client model name → base model (+ LoRA)
 //!   - name: Qwen/Qwen2.5-7B-Instruct
 //!     target_model: Qwen/Qwen2.5-7B-Instruct
@@ -60,6 +69,8 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
 use crate::approx::{ApproxConfig, RoutingMode};
+use crate::ingest::guard::{DEFAULT_MAX_PODS, DEFAULT_MAX_PODS_PER_STREAM};
+use crate::ingest::tls::TlsFiles;
 use crate::pool::{DEFAULT_MAX_BLOCKS_PER_POD, DEFAULT_POD_GRACE_TTL_MS, PoolConfig};
 use crate::score::{ScoringConfig, ScoringConfigError};
 
@@ -182,6 +193,38 @@ pub struct PickerConfig {
     /// SERVING after this long (ms, counted from start) even below `ready_coverage` (the pool view
     /// must still have synced). Default [`DEFAULT_READY_TIMEOUT_MS`] (10 000).
     pub ready_timeout_ms: u64,
+    /// mTLS on the ingest listener (docs/design.md §14): the CA agents' client certificates must
+    /// chain to and the picker's own certificate and key (PEM files, re-read when they change).
+    /// Relative paths resolve against the config file's directory. One of this and
+    /// `insecure_ingest` is required to start. Default none.
+    pub ingest_tls: Option<TlsFiles>,
+    /// Serve the ingest listener in plaintext, any agent's `Hello` node taken on trust (the local
+    /// demo); logged as a warning at start. Also `--insecure-ingest`. Default false.
+    pub insecure_ingest: bool,
+    /// Most pods one agent stream may hold; further claims are refused and counted
+    /// (`epp_ingest_refusals_total{reason="stream_pod_cap"}`). Default
+    /// [`DEFAULT_MAX_PODS_PER_STREAM`] (256).
+    pub max_pods_per_stream: usize,
+    /// Most pods all agent streams may hold (pods in their grace period count); further claims are
+    /// refused and counted (`reason="pod_cap"`). Default [`DEFAULT_MAX_PODS`] (16384).
+    pub max_pods: usize,
+    /// Server TLS on the ext_proc listener (GIE's `--secure-serving`): `cert_file`, `key_file`.
+    /// Envoy's ext_proc cluster then needs an `UpstreamTlsContext`. Default none (plaintext).
+    pub ext_proc_tls: Option<ServerTlsFiles>,
+    /// A file holding the bearer token that opens `/explain` to callers off the loopback
+    /// interface (`Authorization: Bearer <token>`). Without it `/explain` answers loopback
+    /// callers only (e.g. `kubectl port-forward`). Default none.
+    pub explain_token_file: Option<PathBuf>,
+}
+
+/// Server-only TLS files (PEM): the listener's certificate chain and key.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTlsFiles {
+    /// Certificate chain (`tls.crt`).
+    pub cert_file: PathBuf,
+    /// Private key (`tls.key`).
+    pub key_file: PathBuf,
 }
 
 impl Default for PickerConfig {
@@ -200,6 +243,12 @@ impl Default for PickerConfig {
             pool_file: None,
             ready_coverage: DEFAULT_READY_COVERAGE,
             ready_timeout_ms: DEFAULT_READY_TIMEOUT_MS,
+            ingest_tls: None,
+            insecure_ingest: false,
+            max_pods_per_stream: DEFAULT_MAX_PODS_PER_STREAM,
+            max_pods: DEFAULT_MAX_PODS,
+            ext_proc_tls: None,
+            explain_token_file: None,
         }
     }
 }
@@ -346,12 +395,28 @@ impl PickerConfig {
         }
     }
 
-    /// Makes relative tokenizer directories relative to `base` (the config file's directory).
+    /// Makes relative tokenizer directories, the pool file and TLS/token files relative to `base` (the config
+    /// file's directory).
     pub fn resolve_paths(&mut self, base: &Path) {
-        if let Some(f) = &self.pool_file
-            && f.is_relative()
-        {
-            self.pool_file = Some(base.join(f));
+        let rel = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        if let Some(t) = &mut self.ingest_tls {
+            rel(&mut t.ca_file);
+            rel(&mut t.cert_file);
+            rel(&mut t.key_file);
+        }
+        if let Some(t) = &mut self.ext_proc_tls {
+            rel(&mut t.cert_file);
+            rel(&mut t.key_file);
+        }
+        if let Some(f) = &mut self.pool_file {
+            rel(f);
+        }
+        if let Some(t) = &mut self.explain_token_file {
+            rel(t);
         }
         for m in &mut self.models {
             if let Some(t) = &m.tokenizer
@@ -392,6 +457,20 @@ impl PickerConfig {
                 "max_blocks_per_pod",
                 0,
                 "must be >= 1 (blocks); omit it for the default",
+            ));
+        }
+        if self.max_pods_per_stream == 0 || self.max_pods == 0 {
+            return Err(ConfigError::invalid(
+                "max_pods_per_stream/max_pods",
+                format!("{}/{}", self.max_pods_per_stream, self.max_pods),
+                "must be >= 1 (pods); omit them for the defaults",
+            ));
+        }
+        if self.ingest_tls.is_some() && self.insecure_ingest {
+            return Err(ConfigError::invalid(
+                "insecure_ingest",
+                true,
+                "ingest_tls is set too; choose mTLS (ingest_tls) or plaintext (insecure_ingest), not both",
             ));
         }
         let addrs =

@@ -47,8 +47,7 @@ impl Gateway {
     pub fn new(config: &PickerConfig) -> Result<Self, StartError> {
         let pool = Pool::new(config.pool());
         let router = Router::new(pool.clone(), config.scoring.clone())?;
-        let mut metrics = Metrics::new();
-        metrics.register_pool(&pool);
+        let metrics = Metrics::new();
         Ok(Self {
             pool,
             router,

@@ -35,6 +35,14 @@ struct Cli {
     /// The pool's namespace (GIE EPP flag). Default: the config's, else `$NAMESPACE`, else `default`.
     #[arg(long)]
     pool_namespace: Option<String>,
+    /// Accept agents over plaintext, unauthenticated (local demo only; logged as a warning).
+    /// Same as `insecure_ingest: true`; without it, or `ingest_tls`, the picker refuses to start.
+    #[arg(long)]
+    insecure_ingest: bool,
+    /// mTLS on the ingest listener from a directory holding `ca.crt`, `tls.crt` and `tls.key` (a
+    /// mounted cert-manager Secret); sets the config's `ingest_tls`.
+    #[arg(long, conflicts_with = "insecure_ingest")]
+    ingest_tls_dir: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -53,6 +61,14 @@ async fn main() -> ExitCode {
     };
     let config = match PickerConfig::load(&cli.config).and_then(|mut c| {
         c.apply_pool_flags(cli.pool_name.as_deref(), cli.pool_namespace.as_deref());
+        c.insecure_ingest |= cli.insecure_ingest;
+        if let Some(dir) = &cli.ingest_tls_dir {
+            c.ingest_tls = Some(kvroute_picker::ingest::tls::TlsFiles {
+                ca_file: dir.join("ca.crt"),
+                cert_file: dir.join("tls.crt"),
+                key_file: dir.join("tls.key"),
+            });
+        }
         c.validate()?;
         c.require_pool_source()?;
         Ok(c)
@@ -66,6 +82,11 @@ async fn main() -> ExitCode {
     };
     let running = match kvroute_picker::start(&config).await {
         Ok(r) => r,
+        Err(e @ kvroute_picker::StartError::InsecureIngest { .. }) => {
+            tracing::error!(error = %e, "refusing to start");
+            eprintln!("kvroute-picker: {e}");
+            return ExitCode::from(2);
+        }
         Err(e) => {
             tracing::error!(error = %e, "refusing to start");
             eprintln!("kvroute-picker: {e}");

@@ -21,7 +21,9 @@ use crate::admin;
 use crate::config::{PickerConfig, PoolSource};
 use crate::ext_proc::ExtProcService;
 use crate::gateway::Gateway;
-use crate::ingest::IngestService;
+use crate::ingest::guard::{Claims, Limits};
+use crate::ingest::tls::{self, ReloadingTls};
+use crate::ingest::{IngestService, Refusals, Trust};
 use crate::score::ScoringConfigError;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
@@ -58,6 +60,31 @@ pub enum StartError {
     /// The pool source could not be started (first read of the pool file, Kubernetes client).
     #[error("cannot watch the pool: {0}")]
     Pool(#[from] kvroute_cluster::ClusterError),
+    /// TLS material could not be loaded.
+    #[error("{what} TLS: {source}")]
+    Tls {
+        /// Which listener.
+        what: &'static str,
+        /// What failed.
+        source: crate::ingest::tls::TlsError,
+    },
+    /// Neither `ingest_tls` nor `insecure_ingest` was configured.
+    #[error(
+        "ingest is not secured: set ingest_tls (ca_file, cert_file, key_file) for mTLS with the agents, or pass \
+         --insecure-ingest (config insecure_ingest: true) to accept plaintext from anyone who reaches {addr}"
+    )]
+    InsecureIngest {
+        /// The ingest address.
+        addr: SocketAddr,
+    },
+    /// The `/explain` token file could not be read or is empty.
+    #[error("explain_token_file {path}: {detail}")]
+    ExplainToken {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
     /// A server stopped although no stop was asked for.
     #[error("{what} server stopped unexpectedly")]
     Stopped {
@@ -135,7 +162,49 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 /// Binds all three listeners (port 0 picks a free port) and starts serving. When this returns,
 /// every listener accepts connections.
 pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
+    start_with_scope(config, None).await
+}
+
+/// [`start`], with the agents' reports checked against `scope` instead of the pool's membership
+/// (docs/design.md §14: the pool view admits a pod from the agent of its node; without a pool
+/// source every pod is in scope).
+pub async fn start_with_scope(
+    config: &PickerConfig,
+    scope: Option<Arc<dyn crate::ingest::ReportScope>>,
+) -> Result<RunningPicker, StartError> {
+    let ingest_tls = match (&config.ingest_tls, config.insecure_ingest) {
+        (Some(files), _) => {
+            Some(Arc::new(ReloadingTls::mutual(files).map_err(|source| StartError::Tls { what: "ingest", source })?))
+        }
+        (None, true) => {
+            tracing::warn!(ingest_addr = %config.ingest_addr,
+                "--insecure-ingest: agent ingest is plaintext and unauthenticated; any process that reaches this \
+                 port can report pods (use ingest_tls outside a local demo)");
+            None
+        }
+        (None, false) => return Err(StartError::InsecureIngest { addr: config.ingest_addr }),
+    };
+    let ext_proc_tls = match &config.ext_proc_tls {
+        Some(f) => Some(Arc::new(
+            ReloadingTls::server_only(&f.cert_file, &f.key_file)
+                .map_err(|source| StartError::Tls { what: "ext_proc", source })?,
+        )),
+        None => None,
+    };
+    let explain_token = match &config.explain_token_file {
+        Some(path) => {
+            let detail = |d: String| StartError::ExplainToken { path: path.clone(), detail: d };
+            let token = std::fs::read_to_string(path).map_err(|e| detail(e.to_string()))?;
+            let token = token.trim().to_string();
+            if token.is_empty() {
+                return Err(detail("empty".into()));
+            }
+            Some(token)
+        }
+        None => None,
+    };
     let gateway = Arc::new(Gateway::new(config)?);
+    let scope = scope.unwrap_or_else(|| gateway.pool.clone());
     let sources = match config.pool_source() {
         Some(source) => Some(watch_sources(&source).await?),
         None => None,
@@ -166,35 +235,51 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     }
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(health)
-            .add_service(ext)
-            // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
-            // (measured: +40-50 ms at p90 through Envoy, gateway-bench).
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(ext_l).with_nodelay(Some(true)),
-                ext_stop,
-            )
-            .await
-            .map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() })
-            .map(|()| "ext_proc")
+        let server = tonic::transport::Server::builder().add_service(health).add_service(ext);
+        // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
+        // (measured: +40-50 ms at p90 through Envoy, gateway-bench). `tls::incoming` sets it too.
+        let served = match ext_proc_tls {
+            Some(tls) => server.serve_with_incoming_shutdown(tls::incoming(ext_l, tls, None), ext_stop).await,
+            None => {
+                server
+                    .serve_with_incoming_shutdown(
+                        tonic::transport::server::TcpIncoming::from(ext_l).with_nodelay(Some(true)),
+                        ext_stop,
+                    )
+                    .await
+            }
+        };
+        served.map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() }).map(|()| "ext_proc")
     });
 
-    let ingest = IngestService::new(gateway.pool.clone()).into_server();
+    let refusals = Refusals::new(gateway.metrics.ingest_refusals.clone());
+    let trust = Trust {
+        mtls: ingest_tls.is_some(),
+        scope,
+        claims: Arc::new(Claims::new(Limits {
+            max_pods_per_stream: config.max_pods_per_stream,
+            max_pods: config.max_pods,
+            grace: std::time::Duration::from_millis(config.pod_grace_ttl_ms),
+        })),
+        refusals: refusals.clone(),
+    };
+    let ingest = IngestService::with_trust(gateway.pool.clone(), trust).into_server();
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(ingest)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop)
-            .await
-            .map_err(|e| StartError::Serve { what: "ingest", source: e.into() })
-            .map(|()| "ingest")
+        let server = tonic::transport::Server::builder().add_service(ingest);
+        let served = match ingest_tls {
+            Some(tls) => {
+                server.serve_with_incoming_shutdown(tls::incoming(ingest_l, tls, Some(refusals)), ingest_stop).await
+            }
+            None => server.serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop).await,
+        };
+        served.map_err(|e| StartError::Serve { what: "ingest", source: e.into() }).map(|()| "ingest")
     });
 
-    let app = admin::router(gateway.clone());
+    let app = admin::router_with_token(gateway.clone(), explain_token.map(Arc::from));
     let admin_stop = stop(rx);
     tasks.spawn(async move {
-        axum::serve(admin_l, app)
+        axum::serve(admin_l, app.into_make_service_with_connect_info::<SocketAddr>())
             .with_graceful_shutdown(admin_stop)
             .await
             .map_err(|e| StartError::Serve { what: "admin", source: e.into() })

@@ -25,7 +25,7 @@ fn prints_ready_then_stops_on_sigterm() {
     let config = write_config(
         "ok",
         &format!(
-            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
              pool_file: pool.yaml\nmodels:\n  - name: m\n    tokenizer: {}\n",
             tokenizer_dir()
         ),

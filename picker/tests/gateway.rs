@@ -56,6 +56,7 @@ async fn start_picker(body_limit_bytes: usize) -> RunningPicker {
         r#"
 ext_proc_addr: 127.0.0.1:0
 ingest_addr: 127.0.0.1:0
+insecure_ingest: true
 admin_addr: 127.0.0.1:0
 block_size: 16
 body_limit_bytes: {body_limit_bytes}

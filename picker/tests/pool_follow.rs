@@ -345,7 +345,7 @@ async fn routing_follows_the_pool_while_traffic_flows() {
         for _ in 0..100 {
             if metric(
                 format!("127.0.0.1:{admin}").parse().unwrap(),
-                "epp_ingest_reports_refused_total{reason=\"not_in_pool\"}",
+                "epp_ingest_refusals_total{reason=\"not_in_pool\"}",
             )
             .await
             .is_some_and(|v| v >= 1.0)

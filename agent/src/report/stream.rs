@@ -46,6 +46,14 @@ pub enum ReportError {
     /// The picker closed the stream.
     #[error("picker {0} closed the stream")]
     Closed(String),
+    /// The TLS files could not be read.
+    #[error("TLS file {path}: {source}")]
+    TlsFile {
+        /// The file.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
 }
 
 /// Identity sent in `Hello`.
@@ -55,6 +63,8 @@ pub struct AgentIdentity {
     pub agent_id: String,
     /// Node name.
     pub node_name: String,
+    /// mTLS material to present to the pickers (`None`: plaintext, `insecure_ingest`).
+    pub tls: Option<Arc<crate::config::PickerTlsConfig>>,
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -153,6 +163,32 @@ fn membership_msgs(hub: &Hub, id: &AgentIdentity, sent: &mut Sent) -> Vec<AgentM
     out
 }
 
+/// A client of `endpoint`: plaintext, or mTLS with `tls` (files read now, so a rotated
+/// certificate is used from this connection on; the scheme becomes `https`).
+async fn connect(
+    endpoint: &str,
+    tls: Option<&crate::config::PickerTlsConfig>,
+) -> Result<AgentIngestClient<tonic::transport::Channel>, ReportError> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let err = |source| ReportError::Connect { endpoint: endpoint.into(), source };
+    let Some(tls) = tls else {
+        return AgentIngestClient::connect(endpoint.to_string()).await.map_err(err);
+    };
+    let read = |path: &str| std::fs::read(path).map_err(|source| ReportError::TlsFile { path: path.into(), source });
+    let (ca, cert, key) = (read(&tls.ca_file)?, read(&tls.cert_file)?, read(&tls.key_file)?);
+    let config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .identity(Identity::from_pem(cert, key))
+        .domain_name(tls.server_name.clone());
+    let url = match endpoint.strip_prefix("http://") {
+        Some(rest) => format!("https://{rest}"),
+        None => endpoint.to_string(),
+    };
+    let channel =
+        Endpoint::from_shared(url).map_err(err)?.tls_config(config).map_err(err)?.connect().await.map_err(err)?;
+    Ok(AgentIngestClient::new(channel))
+}
+
 async fn stream_once(
     endpoint: &str,
     hub: &Arc<Hub>,
@@ -160,9 +196,9 @@ async fn stream_once(
     metrics: &AgentMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), ReportError> {
-    let connect = AgentIngestClient::connect(endpoint.to_string());
+    let connect = connect(endpoint, id.tls.as_deref());
     let mut client = tokio::select! {
-        c = connect => c.map_err(|source| ReportError::Connect { endpoint: endpoint.into(), source })?,
+        c = connect => c?,
         () = stopped(&mut shutdown) => return Ok(()),
     };
     let picker_label = vec![("picker".to_string(), endpoint.to_string())];

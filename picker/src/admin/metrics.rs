@@ -89,6 +89,9 @@ pub struct Metrics {
     pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
     /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/413/429/503).
     pub request_errors: Family<CodeLabel, Counter>,
+    /// `epp_ingest_refusals_total{reason}`: agent connections and reports refused
+    /// (docs/design.md §14 "Trust"; reasons in `ingest::Refusal`).
+    pub ingest_refusals: Family<crate::ingest::guard::ReasonLabel, Counter>,
     queue_depth: Family<PodLabel, Gauge>,
     pod_health_score: Family<PodLabel, Gauge<f64, AtomicU64>>,
     prefix_tree_nodes: Gauge,
@@ -128,6 +131,12 @@ impl Metrics {
         let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
         let request_errors = Family::<CodeLabel, Counter>::default();
         let queue_depth = Family::<PodLabel, Gauge>::default();
+        let ingest_refusals = Family::<crate::ingest::guard::ReasonLabel, Counter>::default();
+        registry.register(
+            "epp_ingest_refusals",
+            "Agent connections and reports refused (identity, scope, ownership, caps, ranges), by reason",
+            ingest_refusals.clone(),
+        );
         let pod_health_score = Family::<PodLabel, Gauge<f64, AtomicU64>>::default();
         let prefix_tree_nodes = Gauge::default();
         let prefix_index_entries = Gauge::default();
@@ -195,6 +204,7 @@ impl Metrics {
             stale_cache_routing,
             adapter_loads_triggered,
             request_errors,
+            ingest_refusals,
             queue_depth,
             pod_health_score,
             prefix_tree_nodes,
@@ -203,16 +213,6 @@ impl Metrics {
             max_queue,
             scrape: Mutex::new(()),
         }
-    }
-
-    /// Registers the pool's own counters: `epp_ingest_reports_refused_total{reason}` (agent
-    /// reports refused, docs/design.md §14).
-    pub fn register_pool(&mut self, pool: &Pool) {
-        self.registry.register(
-            "epp_ingest_reports_refused",
-            "Agent reports refused, by reason (not_in_pool: the pod is no endpoint of the InferencePool)",
-            pool.refusals.clone(),
-        );
     }
 
     /// Refreshes the pool-derived metrics and the configured `max_queue` (requests), and encodes

@@ -3,16 +3,24 @@
 //! `POST /explain` (docs/design.md §9: a request body in, every candidate's factor breakdown out, no routing,
 //! no state change).
 //!
+//! `/explain` says which pods hold a prompt's prefix, so it is closed by default
+//! (docs/design.md §14): it answers callers on the loopback interface (a local operator,
+//! `kubectl port-forward`), and others only with `Authorization: Bearer <token>` when a token is
+//! configured (`explain_token_file`); anyone else gets 403. The server must be run with
+//! `into_make_service_with_connect_info::<SocketAddr>()` for the loopback test (without it, only
+//! the token opens `/explain`).
+//!
 //! Concurrency: handlers only read the shared [`Gateway`]; a scrape refreshes the pool-derived
 //! gauges under the metrics' own scrape lock.
 
 pub mod metrics;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -22,13 +30,33 @@ use serde_json::json;
 use crate::decision::{DecisionInput, Rejection, explain};
 use crate::gateway::Gateway;
 
-/// The admin routes over `gateway`.
+/// The admin routes over `gateway`, `/explain` for loopback callers only.
 pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
+    router_with_token(gateway, None)
+}
+
+/// The admin routes over `gateway`; `/explain` also opens to callers presenting `token` as a
+/// bearer token.
+pub fn router_with_token(gateway: Arc<Gateway>, token: Option<Arc<str>>) -> HttpRouter {
+    let explain =
+        post(explain_handler).layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
+            let allowed = explain_allowed(&req, token.as_deref());
+            async move {
+                if allowed {
+                    next.run(req).await
+                } else {
+                    error(
+                        StatusCode::FORBIDDEN,
+                        "/explain answers loopback callers, or others with the configured bearer token".into(),
+                    )
+                }
+            }
+        }));
     HttpRouter::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz_handler))
-        .route("/explain", post(explain_handler))
+        .route("/explain", explain)
         .with_state(gateway)
 }
 
@@ -40,6 +68,22 @@ async fn readyz_handler(State(gw): State<Arc<Gateway>>) -> Response {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready: pool view not synced or agents below ready_coverage\n")
             .into_response()
     }
+}
+
+/// Loopback peer, or a bearer token equal to `token` (compared in constant time).
+fn explain_allowed(req: &Request, token: Option<&str>) -> bool {
+    let loopback = req.extensions().get::<ConnectInfo<SocketAddr>>().is_some_and(|c| c.0.ip().is_loopback());
+    if loopback {
+        return true;
+    }
+    let Some(token) = token else { return false };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    presented.len() == token.len() && presented.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {

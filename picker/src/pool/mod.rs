@@ -219,23 +219,7 @@ pub struct Pool {
     next_slot: AtomicU64,
     /// The pool view last handed to the writer; `None` without a pool source.
     membership: arc_swap::ArcSwapOption<PoolView>,
-    /// Agent reports refused, by reason (`epp_ingest_reports_refused_total{reason}`).
-    pub refusals: Refusals,
 }
-
-/// Label of [`Refusals`]: why an agent's report was refused.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-pub struct RefusalLabel {
-    /// `not_in_pool`: the report names no endpoint of the InferencePool.
-    pub reason: &'static str,
-}
-
-/// Counters of refused agent reports (shared with the metrics registry).
-pub type Refusals =
-    prometheus_client::metrics::family::Family<RefusalLabel, prometheus_client::metrics::counter::Counter>;
-
-/// Refusal reason: the report names no endpoint of the pool.
-pub const REFUSED_NOT_IN_POOL: &str = "not_in_pool";
 
 /// A pod as seen by metrics and `/explain`.
 #[derive(Debug, Clone, PartialEq)]
@@ -301,7 +285,6 @@ impl Pool {
             tx,
             next_slot: AtomicU64::new(1),
             membership: arc_swap::ArcSwapOption::empty(),
-            refusals: Refusals::default(),
         })
     }
 
@@ -327,11 +310,6 @@ impl Pool {
             None => true,
             Some(view) => view.endpoint(name).is_some(),
         }
-    }
-
-    /// Counts one refused report.
-    pub fn refuse(&self, reason: &'static str) {
-        self.refusals.get_or_create(&RefusalLabel { reason }).inc();
     }
 
     /// Fraction of the pool view's Ready endpoints whose agent has reported stats, and how many

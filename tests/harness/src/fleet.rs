@@ -7,6 +7,7 @@
 
 use crate::paths::{self, free_port};
 use crate::process::ManagedProcess;
+use crate::tls;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -169,11 +170,24 @@ impl Fleet {
             engine.process = Some(task.await.context("engine start task")??);
         }
 
+        // mTLS between agents and picker, as deployed (docs/design.md §14): a CA made now, the
+        // picker's certificate and one per node.
+        let pki = work.join("tls");
+        let ca = tls::TestCa::new("kvroute fleet CA")?;
+        let ca_file = pki.join("ca.crt");
+        std::fs::create_dir_all(&pki)?;
+        std::fs::write(&ca_file, ca.cert_pem())?;
+        let picker_tls = tls::write(&pki, "picker", &ca.picker()?)?;
+
         let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
         // File mode (docs/design.md §14): the pool file is the picker's only source of endpoints.
         write_yaml(&work.join(POOL_FILE), &pool_file(engines.iter().map(|e| (e, true))))?;
         let picker_cfg = work.join("picker.yaml");
-        write_yaml(&picker_cfg, &picker_config(&spec, ext_proc_port, ingest_port, admin_port))?;
+        let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
+        picker_yaml["ingest_tls"] = json!({
+            "ca_file": path_arg(&ca_file), "cert_file": path_arg(&picker_tls.cert), "key_file": path_arg(&picker_tls.key),
+        });
+        write_yaml(&picker_cfg, &picker_yaml)?;
         let picker_args =
             vec!["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()];
         let picker = ManagedProcess::spawn(
@@ -192,7 +206,12 @@ impl Fleet {
             let cfg_path = work.join(format!("agent-{a}.yaml"));
             let metrics_port = free_port()?;
             agent_admins.push(format!("http://127.0.0.1:{metrics_port}"));
-            write_yaml(&cfg_path, &agent_config(&spec, a, chunk, ingest_port, metrics_port))?;
+            let mut agent_yaml = agent_config(&spec, a, chunk, ingest_port, metrics_port);
+            let node_tls = tls::write(&pki, &format!("node-{a}"), &ca.agent(&format!("node-{a}"))?)?;
+            agent_yaml["picker_tls"] = json!({
+                "ca_file": path_arg(&ca_file), "cert_file": path_arg(&node_tls.cert), "key_file": path_arg(&node_tls.key),
+            });
+            write_yaml(&cfg_path, &agent_yaml)?;
             let scenario = spec.agent_scenarios.get(a).cloned().unwrap_or_else(|| "healthy.yaml".into());
             let scenario_path = paths::repo_root().join("agent/scenarios").join(scenario);
             let args = vec![
@@ -540,7 +559,7 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16,
         .collect();
     json!({
         "node_name": format!("node-{index}"),
-        "pickers": [format!("http://127.0.0.1:{ingest}")],
+        "pickers": [format!("https://127.0.0.1:{ingest}")],
         "metrics_addr": format!("127.0.0.1:{metrics_port}"),
         "report_interval_ms": spec.report_interval_ms,
         "engines": engines,

@@ -176,7 +176,7 @@ async fn pool_file_edits_move_traffic_without_restarts() {
     loop {
         let text = fleet.picker_metrics().await.expect("metrics");
         let refused =
-            kvroute_harness::fleet::metric_value(&text, "epp_ingest_reports_refused_total", "reason=\"not_in_pool\"");
+            kvroute_harness::fleet::metric_value(&text, "epp_ingest_refusals_total", "reason=\"not_in_pool\"");
         if refused.is_some_and(|v| v >= 1.0) {
             break;
         }
