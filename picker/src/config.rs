@@ -51,6 +51,7 @@
 //! pool: {name: vllm-pool, namespace: inference}   # or: pool_file: pool.yaml (relative to this file)
 //! ready_coverage: 0.9
 //! ready_timeout_ms: 10000
+//! shutdown_drain_ms: 2000                          # NOT_SERVING after SIGTERM, still answering
 //! ```
 //!
 //! Defaults: every default is a named `DEFAULT_*` constant of the module that owns the setting,
@@ -127,6 +128,10 @@ pub const MAX_BODY_LIMIT_BYTES: usize = 256 * 1024 * 1024;
 pub const DEFAULT_READY_COVERAGE: f64 = 0.9;
 /// Default `ready_timeout_ms`: SERVING after this long even below `ready_coverage`, in ms.
 pub const DEFAULT_READY_TIMEOUT_MS: u64 = 10_000;
+/// Default `shutdown_drain_ms`: NOT_SERVING this long after SIGTERM before the listeners close.
+pub const DEFAULT_SHUTDOWN_DRAIN_MS: u64 = 2_000;
+/// Largest `shutdown_drain_ms` accepted (Kubernetes' default termination grace is 30 s).
+pub const MAX_SHUTDOWN_DRAIN_MS: u64 = 25_000;
 
 /// An InferencePool by name (`pool:`), as the GIE EPP's `--pool-name` / `--pool-namespace` name it.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -193,6 +198,11 @@ pub struct PickerConfig {
     /// SERVING after this long (ms, counted from start) even below `ready_coverage` (the pool view
     /// must still have synced). Default [`DEFAULT_READY_TIMEOUT_MS`] (10 000).
     pub ready_timeout_ms: u64,
+    /// On SIGTERM the binary reports NOT_SERVING for this long (ms) while still answering, so
+    /// Envoy's health checks move new ext_proc streams to the other replicas before this one
+    /// closes (open streams then finish). Default [`DEFAULT_SHUTDOWN_DRAIN_MS`] (2000), at most
+    /// [`MAX_SHUTDOWN_DRAIN_MS`].
+    pub shutdown_drain_ms: u64,
     /// mTLS on the ingest listener (docs/design.md §14): the CA agents' client certificates must
     /// chain to and the picker's own certificate and key (PEM files, re-read when they change).
     /// Relative paths resolve against the config file's directory. One of this and
@@ -249,6 +259,7 @@ impl Default for PickerConfig {
             max_pods: DEFAULT_MAX_PODS,
             ext_proc_tls: None,
             explain_token_file: None,
+            shutdown_drain_ms: DEFAULT_SHUTDOWN_DRAIN_MS,
         }
     }
 }
@@ -550,6 +561,13 @@ impl PickerConfig {
             && p.name.trim().is_empty()
         {
             return Err(ConfigError::invalid("pool.name", "\"\"", "must name the InferencePool"));
+        }
+        if self.shutdown_drain_ms > MAX_SHUTDOWN_DRAIN_MS {
+            return Err(ConfigError::invalid(
+                "shutdown_drain_ms",
+                self.shutdown_drain_ms,
+                format!("must be at most {MAX_SHUTDOWN_DRAIN_MS} (ms), below the pod's termination grace period"),
+            ));
         }
         if !(self.ready_coverage > 0.0 && self.ready_coverage <= 1.0) {
             return Err(ConfigError::invalid(

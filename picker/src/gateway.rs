@@ -40,6 +40,8 @@ pub struct Gateway {
     /// `ready_coverage` of its Ready endpoints or `ready_timeout_ms` passed; true from the start
     /// without a pool source. Never goes back to false.
     pub ready: AtomicBool,
+    /// Set on SIGTERM: readiness stays NOT_SERVING from then on.
+    pub draining: AtomicBool,
 }
 
 impl Gateway {
@@ -57,12 +59,13 @@ impl Gateway {
             default_model: config.models.first().map(|m| m.name.clone()),
             model_table: ArcSwapOption::empty(),
             ready: AtomicBool::new(config.pool_source().is_none()),
+            draining: AtomicBool::new(false),
         })
     }
 
     /// Whether the picker reports SERVING (see [`Gateway::ready`]).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.ready.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
     }
 
     /// The priority of the request's InferenceObjective (header `x-llm-d-inference-objective`):

@@ -27,4 +27,6 @@ pub mod server;
 pub use kvroute_index as index;
 
 pub use gateway::Gateway;
-pub use server::{MIN_GRPC_MESSAGE_BYTES, RunningPicker, ShutdownHandle, StartError, start, start_with_scope};
+pub use server::{
+    DrainHandle, MIN_GRPC_MESSAGE_BYTES, RunningPicker, ShutdownHandle, StartError, start, start_with_scope,
+};

@@ -109,9 +109,20 @@ async fn main() -> ExitCode {
     };
     tokio::pin!(stopper);
     let shutdown = running.shutdown_handle();
+    let drainer = running.drain_handle();
+    let drain = std::time::Duration::from_millis(config.shutdown_drain_ms);
+    let wait = running.wait();
+    tokio::pin!(wait);
     let result = tokio::select! {
-        r = running.wait() => r,
-        () = &mut stopper => { shutdown.shutdown(); Ok(()) }
+        r = &mut wait => r,
+        () = &mut stopper => {
+            // NOT_SERVING first, still answering: Envoy's health checks move new streams to the
+            // other replicas; then close (open streams finish).
+            drainer.drain().await;
+            tokio::time::sleep(drain).await;
+            shutdown.shutdown();
+            wait.await
+        }
     };
     telemetry.shutdown().await;
     match result {

@@ -105,8 +105,34 @@ pub struct RunningPicker {
     /// The shared request-path state (tests inspect the pool and metrics through it).
     pub gateway: Arc<Gateway>,
     shutdown: ShutdownHandle,
+    health: tonic_health::server::HealthReporter,
     /// Each server's task ends with its name (it stopped) or its error.
     tasks: JoinSet<Result<&'static str, StartError>>,
+}
+
+/// Starts a [`RunningPicker`]'s drain (see [`DrainHandle::drain`]); cloneable.
+#[derive(Clone)]
+pub struct DrainHandle {
+    gateway: Arc<Gateway>,
+    health: tonic_health::server::HealthReporter,
+}
+
+impl std::fmt::Debug for DrainHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainHandle").finish_non_exhaustive()
+    }
+}
+
+impl DrainHandle {
+    /// Starts draining: gRPC health and `/readyz` report NOT_SERVING from now on while every
+    /// listener keeps answering, so load balancers move new streams elsewhere before
+    /// [`ShutdownHandle::shutdown`] closes them (docs/design.md §14, readiness).
+    pub async fn drain(&self) {
+        self.gateway.draining.store(true, Ordering::Release);
+        self.health.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+        self.health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        tracing::info!("draining: NOT_SERVING");
+    }
 }
 
 /// Asks a [`RunningPicker`]'s servers to stop; cloneable, usable after `wait` took the picker.
@@ -127,6 +153,11 @@ impl RunningPicker {
     /// Asks every server to stop (graceful: open streams finish).
     pub fn shutdown(&self) {
         self.shutdown.shutdown();
+    }
+
+    /// A handle that starts draining while another task waits on [`RunningPicker::wait`].
+    pub fn drain_handle(&self) -> DrainHandle {
+        DrainHandle { gateway: self.gateway.clone(), health: self.health.clone() }
     }
 
     /// A handle that can stop the servers while another task waits on [`RunningPicker::wait`].
@@ -286,6 +317,7 @@ pub async fn start_with_scope(
             .map(|()| "admin")
     });
 
+    let health = health_reporter.clone();
     if let Some((pool_view, models)) = sources {
         let (gw, pool_stop) = (gateway.clone(), stop(shutdown.subscribe()));
         tasks.spawn(async move {
@@ -314,6 +346,7 @@ pub async fn start_with_scope(
         admin_addr,
         gateway,
         shutdown: ShutdownHandle(Arc::new(shutdown)),
+        health,
         tasks,
     })
 }
@@ -379,6 +412,9 @@ async fn become_ready(
             && (covered >= coverage || started.elapsed() >= timeout)
         {
             gw.ready.store(true, Ordering::Release);
+            if gw.draining.load(Ordering::Acquire) {
+                return;
+            }
             health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
             health.set_service_status("", tonic_health::ServingStatus::Serving).await;
             tracing::info!(

@@ -393,15 +393,28 @@ async fn spawn_picker(config: &std::path::Path, log: &std::path::Path) -> tokio:
     child
 }
 
-/// A rolling restart of two picker replicas behind one Envoy (the ext_proc cluster lists both)
-/// while clients send requests: each replica is stopped with SIGTERM and started again, and
-/// routes again once back. Prints what the clients saw (`rolling-restart:`) for
-/// docs/operations.md; the pool comes from a pool file, so a restarted replica has its
-/// candidates from its first read.
+/// A rolling restart of two picker replicas behind one Envoy while clients send requests, with
+/// the repository's Envoy config and picker defaults (Envoy health-checks the ext_proc cluster;
+/// a picker drains NOT_SERVING for `shutdown_drain_ms` after SIGTERM), against the same run
+/// without either (no health check, no drain): the first must cost no request. Prints both
+/// (`rolling-restart:`) for docs/operations.md.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rolling_restart_of_two_picker_replicas() {
+async fn rolling_restart_of_two_picker_replicas_costs_no_request() {
+    let (total, failed, statuses) = rolling_restart(false, ["127.0.0.53", "127.0.0.54"]).await;
+    println!("rolling-restart: without health check and drain: {total} requests, non-200 {failed} {statuses:?}");
+    let (total, failed, statuses) = rolling_restart(true, ["127.0.0.51", "127.0.0.52"]).await;
+    println!("rolling-restart: with health check and drain: {total} requests, non-200 {failed} {statuses:?}");
+    assert_eq!(failed, 0, "a rolling restart of 2 replicas cost requests: {statuses:?}");
+    assert!(total > 50, "too little traffic to mean anything: {total}");
+}
+
+/// Two picker replicas behind one Envoy (the ext_proc cluster lists both), two engines from a
+/// pool file, 4 clients; each replica is stopped with SIGTERM and started again, and must route
+/// again once back. `graceful`: deploy/envoy/envoy.yaml as is and the pickers' default drain;
+/// otherwise its health check removed and `shutdown_drain_ms: 0`. Returns (requests, non-200,
+/// statuses).
+async fn rolling_restart(graceful: bool, ips: [&str; 2]) -> (u64, u64, BTreeMap<u16, u64>) {
     let epoch = Instant::now();
-    let ips = ["127.0.0.51", "127.0.0.52"];
     let port = free_port(&ips);
     let hits: Hits = Arc::default();
     for (i, ip) in ips.iter().enumerate() {
@@ -424,8 +437,11 @@ async fn rolling_restart_of_two_picker_replicas() {
             &config,
             format!(
                 "ext_proc_addr: 127.0.0.1:{}\ningest_addr: 127.0.0.1:{}\nadmin_addr: 127.0.0.1:{}\n\
-                 models: [{{name: {MODEL}}}]\npool_file: pool.yaml\nready_timeout_ms: 500\n",
-                ports[0], ports[1], ports[2]
+                 models: [{{name: {MODEL}}}]\npool_file: pool.yaml\nready_timeout_ms: 500\n{}",
+                ports[0],
+                ports[1],
+                ports[2],
+                if graceful { "" } else { "shutdown_drain_ms: 0\n" }
             ),
         )
         .unwrap();
@@ -438,7 +454,14 @@ async fn rolling_restart_of_two_picker_replicas() {
         std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml")).unwrap();
     assert!(envoy_yaml.contains(one), "deploy/envoy/envoy.yaml's picker endpoint entry changed");
     let both = format!("{}{}", one.replace("9002", "PICKER_A"), one.replace("9002", "PICKER_B"));
-    let patched = envoy_yaml.replace(one, &both);
+    let mut patched = envoy_yaml.replace(one, &both);
+    if !graceful {
+        let start = patched.find("      # grpc.health.v1 on the ext_proc port").expect("the picker health check");
+        let end = patched[start..].find("grpc_health_check: {}\n").expect("its end")
+            + start
+            + "grpc_health_check: {}\n".len();
+        patched.replace_range(start..end, "");
+    }
     let tmp = dir.path().join("envoy-src");
     std::fs::create_dir_all(&tmp).unwrap();
     let (_envoy, gw) = {
@@ -491,9 +514,7 @@ async fn rolling_restart_of_two_picker_replicas() {
     let statuses = statuses.lock().clone();
     let total: u64 = statuses.values().sum();
     let failed: u64 = statuses.iter().filter(|(s, _)| **s != 200).map(|(_, n)| n).sum();
-    println!("rolling-restart: 2 replicas, {total} requests, non-200 {failed} {statuses:?}");
-    assert!(
-        hits.lock().values().map(Vec::len).sum::<usize>() as u64 >= total - failed,
-        "served requests reached the engines"
-    );
+    let served = hits.lock().values().map(Vec::len).sum::<usize>() as u64;
+    assert!(served >= total - failed, "answered requests that reached no engine: {served} < {}", total - failed);
+    (total, failed, statuses)
 }
