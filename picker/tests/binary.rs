@@ -70,6 +70,17 @@ fn invalid_config_exits_non_zero_with_message() {
         ),
         ("unknown", "ext_proc_adr: 127.0.0.1:1\n", "ext_proc_adr"),
         ("tokenizer", "models: [{name: m, tokenizer: no-such-dir}]\n", "tokenizer.json"),
+        // Neither ingest_tls nor insecure_ingest: plaintext ingest is never a default.
+        (
+            "insecure",
+            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n",
+            "ingest is not secured",
+        ),
+        (
+            "missing tls",
+            "ingest_tls: {ca_file: /nonexistent/ca.crt, cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key}\n",
+            "/nonexistent/ca.crt",
+        ),
     ];
     for (name, yaml, needle) in cases {
         let config = write_config(name, yaml);
