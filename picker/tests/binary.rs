@@ -73,7 +73,18 @@ fn invalid_config_exits_non_zero_with_message() {
         ("tokenizer", "models: [{name: m, tokenizer: no-such-dir}]\n", "tokenizer.json"),
         // The pool is the only source of candidates: no pool source, no start.
         ("no-pool", "models: [{name: m}]\n", "--pool-name"),
-        ("missing-pool-file", "pool_file: no-such-pool.yaml\n", "no-such-pool.yaml"),
+        ("missing-pool-file", "insecure_ingest: true\npool_file: no-such-pool.yaml\n", "no-such-pool.yaml"),
+        // Neither ingest_tls nor insecure_ingest: plaintext ingest is never a default.
+        (
+            "insecure",
+            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\npool_file: pool.yaml\n",
+            "ingest is not secured",
+        ),
+        (
+            "missing tls",
+            "pool_file: pool.yaml\ningest_tls: {ca_file: /nonexistent/ca.crt, cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key}\n",
+            "/nonexistent/ca.crt",
+        ),
     ];
     for (name, yaml, needle) in cases {
         let config = write_config(name, yaml);

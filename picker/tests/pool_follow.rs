@@ -251,7 +251,7 @@ async fn routing_follows_the_pool_while_traffic_flows() {
         &config,
         format!(
             "ext_proc_addr: 127.0.0.1:{ext_proc}\ningest_addr: 127.0.0.1:{ingest}\nadmin_addr: 127.0.0.1:{admin}\n\
-             models: [{{name: {MODEL}}}]\nready_timeout_ms: 500\n"
+             insecure_ingest: true\nmodels: [{{name: {MODEL}}}]\nready_timeout_ms: 500\n"
         ),
     )
     .unwrap();
@@ -437,7 +437,7 @@ async fn rolling_restart(graceful: bool, ips: [&str; 2]) -> (u64, u64, BTreeMap<
             &config,
             format!(
                 "ext_proc_addr: 127.0.0.1:{}\ningest_addr: 127.0.0.1:{}\nadmin_addr: 127.0.0.1:{}\n\
-                 models: [{{name: {MODEL}}}]\npool_file: pool.yaml\nready_timeout_ms: 500\n{}",
+                 insecure_ingest: true\nmodels: [{{name: {MODEL}}}]\npool_file: pool.yaml\nready_timeout_ms: 500\n{}",
                 ports[0],
                 ports[1],
                 ports[2],

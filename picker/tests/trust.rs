@@ -492,3 +492,41 @@ async fn rotated_certificates_apply_to_new_connections() {
     assert!(report(&picker, &distrustful, vec![]).await.is_err());
     picker.shutdown();
 }
+
+#[tokio::test]
+async fn ext_proc_serves_tls_when_configured() {
+    let pki = Pki::new();
+    let server = tls::write(pki.path(), "ext-proc", &pki.ca.picker().unwrap()).unwrap();
+    let yaml = format!(
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\ninsecure_ingest: true\n\
+         ext_proc_tls: {{cert_file: {}, key_file: {}}}\n",
+        server.cert.display(),
+        server.key.display()
+    );
+    let picker = kvroute_picker::start(&PickerConfig::from_yaml(&yaml).unwrap()).await.unwrap();
+    // A TLS client (no client certificate, as Envoy's UpstreamTlsContext) gets SERVING.
+    let config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pki.ca.cert_pem()))
+        .domain_name(tls::PICKER_SERVER_NAME);
+    let channel = Endpoint::from_shared(format!("https://{}", picker.ext_proc_addr))
+        .unwrap()
+        .tls_config(config)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
+    assert_eq!(status.into_inner().status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    // Plaintext h2c is not served there.
+    let plain = Endpoint::from_shared(format!("http://{}", picker.ext_proc_addr)).unwrap().connect().await;
+    let refused = match plain {
+        Err(_) => true,
+        Ok(ch) => tonic_health::pb::health_client::HealthClient::new(ch)
+            .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+            .await
+            .is_err(),
+    };
+    assert!(refused, "plaintext answered on the TLS ext_proc port");
+    picker.shutdown();
+}

@@ -173,3 +173,35 @@ fn error(status: StatusCode, message: String) -> Response {
     let body = json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
     (status, axum::Json(body)).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+
+    fn req(peer: Option<&str>, auth: Option<&str>) -> Request {
+        let mut b = axum::http::Request::builder().method("POST").uri("/explain");
+        if let Some(a) = auth {
+            b = b.header(header::AUTHORIZATION, a);
+        }
+        let mut r = b.body(Body::empty()).unwrap();
+        if let Some(p) = peer {
+            r.extensions_mut().insert(ConnectInfo::<SocketAddr>(p.parse().unwrap()));
+        }
+        r
+    }
+
+    #[test]
+    fn explain_opens_to_loopback_or_the_bearer_token_only() {
+        assert!(explain_allowed(&req(Some("127.0.0.1:5000"), None), None));
+        assert!(explain_allowed(&req(Some("[::1]:5000"), None), None));
+        assert!(!explain_allowed(&req(Some("10.0.0.7:5000"), None), None));
+        assert!(!explain_allowed(&req(None, Some("Bearer s3cret")), None), "no token configured: loopback only");
+        let token = Some("s3cret");
+        assert!(explain_allowed(&req(Some("10.0.0.7:5000"), Some("Bearer s3cret")), token));
+        assert!(!explain_allowed(&req(Some("10.0.0.7:5000"), Some("Bearer s3cre")), token));
+        assert!(!explain_allowed(&req(Some("10.0.0.7:5000"), Some("Bearer s3cret2")), token));
+        assert!(!explain_allowed(&req(Some("10.0.0.7:5000"), Some("s3cret")), token));
+        assert!(!explain_allowed(&req(Some("10.0.0.7:5000"), None), token));
+    }
+}
