@@ -211,7 +211,7 @@ impl EventSink for PodSink {
             .map(|e| match e {
                 KvEvent::Stored(s) => s.block_hashes.len(),
                 KvEvent::Removed { block_hashes, .. } => block_hashes.len(),
-                KvEvent::AllCleared => 0,
+                KvEvent::AllCleared | KvEvent::Untrusted(_) => 0,
             })
             .sum();
         self.block_events.inc_by(blocks as u64);

@@ -39,6 +39,9 @@ pub struct ApplyOutcome {
     pub skipped_extra_keys: u64,
     /// Blocks dropped because `token_ids` did not cover them.
     pub dropped_short_tokens: u64,
+    /// Times the record was cleared because the decoder lost events that may have removed
+    /// blocks ([`KvEvent::Untrusted`]).
+    pub untrusted_clears: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -145,6 +148,10 @@ impl BlockRecord {
                     }
                 }
                 KvEvent::AllCleared => self.clear(),
+                KvEvent::Untrusted(_) => {
+                    out.untrusted_clears += 1;
+                    self.clear();
+                }
             }
         }
         out

@@ -109,6 +109,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             opaque_extra_keys: vec![false],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     assert!(!rec.has_changes());
     rec.apply(&KvEventBatch {
@@ -124,6 +125,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             opaque_extra_keys: vec![true],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     // Opaque extra keys: skipped.
     assert!(stored_hashes(&rec.take_changes()).is_empty());
@@ -140,6 +142,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             opaque_extra_keys: vec![false],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     let c = rec.take_changes();
     assert_eq!(c.stored, vec![BlockRun { parent: ca[0].0, hashes: vec![ca[1].0] }]);
@@ -184,6 +187,7 @@ fn one_block(hash: u64, parent: Option<u64>, tokens: &[u32], medium: Medium) -> 
             opaque_extra_keys: vec![false],
         })],
         dp_rank: None,
+        damage: Default::default(),
     }
 }
 
@@ -204,6 +208,7 @@ fn block_on_another_medium_can_parent_a_gpu_block() {
         ts: 0.0,
         events: vec![KvEvent::Removed { block_hashes: vec![EngineBlockHash(1)], medium: disk }],
         dp_rank: None,
+        damage: Default::default(),
     });
     let out = rec.apply(&one_block(3, Some(1), &a[16..32], Medium::Gpu));
     assert_eq!(out.dropped_unknown_parent, 1);
@@ -219,6 +224,7 @@ fn removal_from_a_medium_never_seen_changes_nothing() {
         ts: 0.0,
         events: vec![KvEvent::Removed { block_hashes: vec![EngineBlockHash(1)], medium: Medium::Other("nvme".into()) }],
         dp_rank: None,
+        damage: Default::default(),
     });
     assert!(!rec.has_changes());
     assert_eq!(rec.gpu_len(), 1);
