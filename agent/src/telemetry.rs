@@ -27,7 +27,7 @@ pub struct AgentMetrics {
     pub kv_events_received: Family<Labels, Counter>,
     /// KV-event batches recovered through replay, per pod.
     pub kv_events_replayed: Family<Labels, Counter>,
-    /// Blocks dropped (unknown parent, gap beyond replay, opaque extra keys), per pod.
+    /// Blocks dropped (unknown parent, opaque extra keys, short token ids, record full), per pod.
     pub kv_blocks_dropped: Family<Labels, Counter>,
     /// Block events applied (blocks named by `BlockStored` and `BlockRemoved`, any medium), per
     /// pod: the agent's work, which its CPU use follows.
