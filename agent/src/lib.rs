@@ -9,5 +9,7 @@ pub mod config;
 pub mod engine;
 pub mod gpu;
 pub mod health;
+mod node;
 pub mod report;
+mod scrape_loop;
 pub mod telemetry;

@@ -14,7 +14,7 @@ struct Cli {
     config: String,
     /// GPU telemetry source, overrides the config: `nvml` or `mock:<scenario.yaml>`.
     #[arg(long)]
-    gpu_source: Option<String>,
+    gpu_source: Option<GpuSourceSpec>,
     /// Log level or EnvFilter directive.
     #[arg(long, env = "AGENT_LOG_LEVEL", default_value = "info")]
     log_level: String,
@@ -41,12 +41,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         &kvroute_common::telemetry::TelemetryConfig::from_env(),
     )?;
     let mut config = AgentConfig::load(&cli.config)?;
-    if let Some(src) = cli.gpu_source {
-        config.gpu_source = src;
-        config.validate()?;
+    if let Some(spec) = cli.gpu_source {
+        config.gpu_source = spec;
     }
-    let spec: GpuSourceSpec = config.gpu_source.parse()?;
-    let gpu = kvroute_agent::gpu::from_spec(&spec)?;
+    let gpu = kvroute_agent::gpu::from_spec(&config.gpu_source)?;
     let agent = kvroute_agent::app::start(config, gpu).await.context("starting agent")?;
     // The SIGTERM handler is in place before READY: a stop right after READY must not kill us.
     let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -11,7 +11,7 @@
 //! The bench links the picker binary's allocator (mimalloc) so that allocation costs are the same.
 //!
 //! Real functions only: `parse_body`, `ModelTokenizer::{render_chat, encode_chat}`,
-//! `BlockHasher::hash_prompt`, `Router::route`, `ext_proc::decide::decide`. After criterion's
+//! `BlockHasher::hash_prompt`, `Router::route`, `decision::decide`. After criterion's
 //! groups, a percentile pass (2 000 timed full decisions, warm) prints p50/p99 per step, since
 //! criterion reports means and medians only. Run: `cargo bench -p kvroute-picker --bench decision`.
 
@@ -27,7 +27,7 @@ use criterion::Criterion;
 use kvroute_common::BlockHash;
 use kvroute_picker::Gateway;
 use kvroute_picker::config::PickerConfig;
-use kvroute_picker::ext_proc::decide::{DecisionInput, decide};
+use kvroute_picker::decision::{DecisionInput, decide};
 use kvroute_picker::model::{PromptInput, parse_body};
 use kvroute_picker::pool::PoolUpdate;
 use kvroute_picker::score::RouteRequest;

@@ -29,16 +29,27 @@
 //! #   custom: [{scorer: cost, weight: 0.10, margin: 0.20}]
 //! ```
 //!
+//! Sources: the pods come from the agents; the InferenceModels come from `models:` (a static
+//! pool file). The Kubernetes work adds the other source of the same list, an InferencePool named
+//! by `--pool-name/--pool-namespace` and its InferenceModels; every other field applies to both.
+//!
+//! Defaults: every default is a named `DEFAULT_*` constant of the module that owns the setting,
+//! used both by serde (absent fields) and by `Default`. Errors name the field, the value and what
+//! to do ([`ConfigError::Invalid`]).
+//!
 //! Concurrency: built once at start-up, then shared read-only.
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
+use std::fmt::Display;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer};
 
 use crate::approx::{ApproxConfig, RoutingMode};
-use crate::score::{CustomScorerConfig, ScoringConfig, ScoringConfigError, Weights};
+use crate::pool::{DEFAULT_MAX_BLOCKS_PER_POD, DEFAULT_POD_GRACE_TTL_MS, PoolConfig};
+use crate::score::{ScoringConfig, ScoringConfigError};
 
 /// Errors from reading or validating the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -46,67 +57,126 @@ use crate::score::{CustomScorerConfig, ScoringConfig, ScoringConfigError, Weight
 pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
-    /// The YAML did not parse or had unknown/mistyped fields.
+    Read {
+        /// Path given.
+        path: PathBuf,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML did not parse or had unknown/mistyped fields (or an unknown scoring preset).
     #[error("invalid config file {path}: {source}")]
-    Parse { path: PathBuf, source: serde_norway::Error },
-    /// A value is out of range or inconsistent; the message says which and what to do.
-    #[error("invalid config: {0}")]
-    Invalid(String),
+    Parse {
+        /// Path given (empty for text).
+        path: PathBuf,
+        /// Parser error (names the field and position).
+        source: serde_norway::Error,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("invalid config: {field} = {value}: {fix}")]
+    Invalid {
+        /// Which field, e.g. `models["m"].mode`.
+        field: String,
+        /// Its value as given.
+        value: String,
+        /// What is wrong and what to do.
+        fix: String,
+    },
+    /// The scoring section is inconsistent (weights, ranges, custom scorers).
+    #[error("invalid config: scoring: {source}")]
+    Scoring {
+        /// What the scoring rules rejected.
+        #[from]
+        source: ScoringConfigError,
+    },
 }
 
-fn default_ext_proc_addr() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 9002))
-}
-fn default_ingest_addr() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 9003))
-}
-fn default_admin_addr() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 9090))
-}
-fn default_block_size() -> usize {
-    kvroute_common::DEFAULT_BLOCK_SIZE
-}
-fn default_body_limit_bytes() -> usize {
-    8 * 1024 * 1024
-}
-fn default_pod_grace_ttl_ms() -> u64 {
-    10_000
+impl ConfigError {
+    fn invalid(field: impl Into<String>, value: impl Display, fix: impl Into<String>) -> Self {
+        ConfigError::Invalid { field: field.into(), value: value.to_string(), fix: fix.into() }
+    }
 }
 
+/// Default `ext_proc_addr`: Envoy's ext_proc gRPC.
+pub const DEFAULT_EXT_PROC_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9002));
+/// Default `ingest_addr`: the agents' AgentIngest gRPC.
+pub const DEFAULT_INGEST_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9003));
+/// Default `admin_addr`: `/metrics`, `/healthz`, `/explain`.
+pub const DEFAULT_ADMIN_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090));
+/// Default `body_limit_bytes`: 8 MiB.
+pub const DEFAULT_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
 /// Largest body limit accepted: the ext_proc gRPC server's receive limit is sized from it.
 pub const MAX_BODY_LIMIT_BYTES: usize = 256 * 1024 * 1024;
 
-/// The picker's configuration file.
+/// The picker's configuration file. Every field is optional.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct PickerConfig {
-    /// Envoy ext_proc gRPC listen address (also serves `grpc.health.v1`). Default `127.0.0.1:9002`.
-    #[serde(default = "default_ext_proc_addr")]
+    /// Envoy ext_proc gRPC listen address (also serves `grpc.health.v1`). Default
+    /// [`DEFAULT_EXT_PROC_ADDR`] (`127.0.0.1:9002`).
     pub ext_proc_addr: SocketAddr,
-    /// Agents' `AgentIngest` gRPC listen address. Default `127.0.0.1:9003`.
-    #[serde(default = "default_ingest_addr")]
+    /// Agents' `AgentIngest` gRPC listen address. Default [`DEFAULT_INGEST_ADDR`] (`127.0.0.1:9003`).
     pub ingest_addr: SocketAddr,
-    /// Admin HTTP listen address (`/metrics`, `/healthz`, `/explain`). Default `127.0.0.1:9090`.
-    #[serde(default = "default_admin_addr")]
+    /// Admin HTTP listen address (`/metrics`, `/healthz`, `/explain`). Default
+    /// [`DEFAULT_ADMIN_ADDR`] (`127.0.0.1:9090`).
     pub admin_addr: SocketAddr,
-    /// Tokens per KV block; must equal vLLM's `--block-size`. Default 16.
-    #[serde(default = "default_block_size")]
+    /// Tokens per KV block; must equal vLLM's `--block-size`. Default
+    /// [`kvroute_common::DEFAULT_BLOCK_SIZE`] (16).
     pub block_size: usize,
     /// Largest request body, in bytes, the picker parses; above it the request gets a 413.
-    /// Default 8 MiB (8388608). Envoy's own buffer limit should be set higher (docs/design.md §5).
-    #[serde(default = "default_body_limit_bytes")]
+    /// Default [`DEFAULT_BODY_LIMIT_BYTES`] (8 MiB). Envoy's own buffer limit should be set higher
+    /// (docs/design.md §5).
     pub body_limit_bytes: usize,
-    /// How long, in ms, a disconnected pod's blocks are kept before removal. Default 10000.
-    #[serde(default = "default_pod_grace_ttl_ms")]
+    /// How long, in ms, a disconnected pod's blocks are kept before removal. Default
+    /// [`DEFAULT_POD_GRACE_TTL_MS`] (10000).
     pub pod_grace_ttl_ms: u64,
+    /// Most blocks the prefix index keeps for one pod; stores beyond it are dropped and counted
+    /// (`epp_index_dropped_blocks_total`). Bounds the index's memory against a misbehaving agent.
+    /// Default [`DEFAULT_MAX_BLOCKS_PER_POD`] (2 000 000, ≈ 16 MB of index per full pod).
+    pub max_blocks_per_pod: usize,
     /// Client-facing model names and what they resolve to (InferenceModel-style). A request
-    /// whose `model` is not listed gets a 404.
-    #[serde(default)]
+    /// whose `model` is not listed gets a 404. Default none.
     pub models: Vec<ModelConfig>,
-    /// Scoring weights and thresholds (docs/design.md §4). Every field defaults to the `chatbot` preset.
-    #[serde(default)]
-    pub scoring: ScoringSection,
+    /// Scoring weights and thresholds (docs/design.md §4): an optional `preset`, then any
+    /// [`ScoringConfig`] field over it. Default: the `chatbot` preset ([`ScoringConfig::default`]).
+    #[serde(deserialize_with = "scoring_over_preset")]
+    pub scoring: ScoringConfig,
+}
+
+impl Default for PickerConfig {
+    fn default() -> Self {
+        Self {
+            ext_proc_addr: DEFAULT_EXT_PROC_ADDR,
+            ingest_addr: DEFAULT_INGEST_ADDR,
+            admin_addr: DEFAULT_ADMIN_ADDR,
+            block_size: kvroute_common::DEFAULT_BLOCK_SIZE,
+            body_limit_bytes: DEFAULT_BODY_LIMIT_BYTES,
+            pod_grace_ttl_ms: DEFAULT_POD_GRACE_TTL_MS,
+            max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
+            models: Vec::new(),
+            scoring: ScoringConfig::default(),
+        }
+    }
+}
+
+/// The `scoring:` section: `preset` (`chatbot`, `latency-api`, `batch`, `multi-lora`; default
+/// `chatbot`) chooses the base, and every other key overrides that field of the base, with
+/// [`ScoringConfig`]'s own rules (unknown keys rejected, `weights` given whole). An unknown preset
+/// is a parse error naming it.
+fn scoring_over_preset<'de, D: Deserializer<'de>>(d: D) -> Result<ScoringConfig, D::Error> {
+    use serde_json::Value;
+    let mut overlay = serde_json::Map::<String, Value>::deserialize(d)?;
+    let base = match overlay.remove("preset") {
+        None | Some(Value::Null) => ScoringConfig::default(),
+        Some(Value::String(name)) => {
+            ScoringConfig::preset(&name).ok_or_else(|| D::Error::custom(ScoringConfigError::UnknownPreset(name)))?
+        }
+        Some(other) => return Err(D::Error::custom(format!("scoring.preset must be a preset name, got {other}"))),
+    };
+    let mut merged = serde_json::to_value(base).map_err(D::Error::custom)?;
+    if let Value::Object(fields) = &mut merged {
+        fields.extend(overlay);
+    }
+    ScoringConfig::deserialize(merged).map_err(|e| D::Error::custom(format!("scoring: {e}")))
 }
 
 /// One InferenceModel: the name clients send → the base model served by the pods (+ adapter).
@@ -167,83 +237,6 @@ impl ModelConfig {
     }
 }
 
-/// The `scoring:` section: an optional preset, then per-field overrides. Each absent field takes
-/// the preset's value, or `ScoringConfig::default()`'s (the `chatbot` preset) without one. Mirrors
-/// [`ScoringConfig`] field for field (plus `preset`).
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ScoringSection {
-    /// Named preset (docs/design.md §4): `chatbot`, `latency-api`, `batch`, `multi-lora`.
-    /// Default none (= `chatbot`).
-    #[serde(default)]
-    pub preset: Option<String>,
-    /// Factor weights, each in [0,1], summing to 1 (default 0.60/0.20/0.10/0.05/0.05).
-    #[serde(default)]
-    pub weights: Option<Weights>,
-    /// Queue depth (requests) at which a pod is full. Default 20.
-    #[serde(default)]
-    pub max_queue: Option<u32>,
-    /// GPU utilization, in [0,1], that counts as fully loaded. Default 1.0.
-    #[serde(default)]
-    pub max_utilization: Option<f64>,
-    /// Pods with a health score below this are not candidates. Default 0.3.
-    #[serde(default)]
-    pub health_exclusion_threshold: Option<f64>,
-    /// Answer 429 when every pod is at `max_queue` instead of degrading. Default false.
-    #[serde(default)]
-    pub shed_when_saturated: Option<bool>,
-    /// Seed of the tie-break random choice. Default 0.
-    #[serde(default)]
-    pub seed: Option<u64>,
-    /// Custom scorers with their weights, e.g. `[{scorer: cost, weight: 0.15, margin: 0.20}]`;
-    /// the built-in weights must leave room for them (sum 1.0). Default none.
-    #[serde(default)]
-    pub custom: Option<Vec<CustomScorerConfig>>,
-}
-
-impl ScoringSection {
-    /// The section applied over its preset (or the defaults); fails on an unknown preset.
-    pub fn resolve(&self) -> Result<ScoringConfig, ScoringConfigError> {
-        let base = match &self.preset {
-            None => ScoringConfig::default(),
-            Some(name) => ScoringConfig::preset(name).ok_or_else(|| ScoringConfigError::UnknownPreset(name.clone()))?,
-        };
-        Ok(self.apply(base))
-    }
-
-    /// The section applied over its preset or the defaults. An unknown preset (which
-    /// [`PickerConfig::validate`] refuses) falls back to the defaults here.
-    pub fn to_scoring_config(&self) -> ScoringConfig {
-        self.resolve().unwrap_or_else(|_| self.apply(ScoringConfig::default()))
-    }
-
-    fn apply(&self, base: ScoringConfig) -> ScoringConfig {
-        let mut c = base;
-        if let Some(v) = &self.custom {
-            c.custom.clone_from(v);
-        }
-        if let Some(w) = &self.weights {
-            c.weights = *w;
-        }
-        if let Some(v) = self.max_queue {
-            c.max_queue = v;
-        }
-        if let Some(v) = self.max_utilization {
-            c.max_utilization = v;
-        }
-        if let Some(v) = self.health_exclusion_threshold {
-            c.health_exclusion_threshold = v;
-        }
-        if let Some(v) = self.shed_when_saturated {
-            c.shed_when_saturated = v;
-        }
-        if let Some(v) = self.seed {
-            c.seed = v;
-        }
-        c
-    }
-}
-
 impl PickerConfig {
     /// Reads, parses and validates `path`; relative tokenizer paths are resolved against the
     /// file's directory.
@@ -276,72 +269,105 @@ impl PickerConfig {
         }
     }
 
-    /// Checks ranges and consistency; the error names the field and the fix.
+    /// The pool's settings.
+    pub fn pool(&self) -> PoolConfig {
+        PoolConfig {
+            block_size: self.block_size,
+            grace_ttl_ms: self.pod_grace_ttl_ms,
+            max_blocks_per_pod: self.max_blocks_per_pod,
+        }
+    }
+
+    /// Checks ranges and consistency; the error names the field, its value and the fix.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.block_size == 0 {
-            return Err(ConfigError::Invalid(
-                "block_size must be > 0 (tokens per KV block, equal to vLLM's --block-size)".into(),
+            return Err(ConfigError::invalid(
+                "block_size",
+                0,
+                "must be > 0 (tokens per KV block, equal to vLLM's --block-size)",
             ));
         }
         if self.body_limit_bytes == 0 || self.body_limit_bytes > MAX_BODY_LIMIT_BYTES {
-            return Err(ConfigError::Invalid(format!(
-                "body_limit_bytes = {} must be in 1..={MAX_BODY_LIMIT_BYTES}",
-                self.body_limit_bytes
-            )));
+            return Err(ConfigError::invalid(
+                "body_limit_bytes",
+                self.body_limit_bytes,
+                format!("must be in 1..={MAX_BODY_LIMIT_BYTES}"),
+            ));
+        }
+        if self.max_blocks_per_pod == 0 {
+            return Err(ConfigError::invalid(
+                "max_blocks_per_pod",
+                0,
+                "must be >= 1 (blocks); omit it for the default",
+            ));
         }
         let addrs =
             [("ext_proc_addr", self.ext_proc_addr), ("ingest_addr", self.ingest_addr), ("admin_addr", self.admin_addr)];
         for (i, (na, a)) in addrs.iter().enumerate() {
             for (nb, b) in &addrs[i + 1..] {
                 if a.port() != 0 && a == b {
-                    return Err(ConfigError::Invalid(format!(
-                        "{na} and {nb} are both {a}; give each listener its own port"
-                    )));
+                    return Err(ConfigError::invalid(
+                        *nb,
+                        b,
+                        format!("{na} is also {a}; give each listener its own port"),
+                    ));
                 }
             }
         }
         let mut names = HashSet::new();
         for m in &self.models {
+            let field = |f: &str| format!("models[{:?}].{f}", m.name);
             if m.name.trim().is_empty() {
-                return Err(ConfigError::Invalid("models[].name must not be empty".into()));
+                return Err(ConfigError::invalid("models[].name", format!("{:?}", m.name), "must not be empty"));
             }
             if !names.insert(m.name.as_str()) {
-                return Err(ConfigError::Invalid(format!("model {:?} is listed twice under models", m.name)));
+                return Err(ConfigError::invalid(
+                    field("name"),
+                    &m.name,
+                    "is listed twice under models; give each InferenceModel one entry",
+                ));
             }
             if m.target().trim().is_empty() {
-                return Err(ConfigError::Invalid(format!("model {:?}: target_model must not be empty", m.name)));
+                return Err(ConfigError::invalid(
+                    field("target_model"),
+                    format!("{:?}", m.target()),
+                    "must not be empty",
+                ));
             }
-            if let Some(field) = m.approximate.invalid_field() {
-                return Err(ConfigError::Invalid(format!(
-                    "model {:?}: approximate.{field} must be >= 1 (omit it for the default)",
-                    m.name
-                )));
+            if let Some((f, v)) = m.approximate.invalid_field() {
+                return Err(ConfigError::invalid(
+                    field(&format!("approximate.{f}")),
+                    v,
+                    "must be >= 1 (omit it for the default)",
+                ));
             }
             if m.mode == Some(RoutingMode::Precise) && m.tokenizer.is_none() {
-                return Err(ConfigError::Invalid(format!(
-                    "model {:?}: mode precise needs a tokenizer directory; set tokenizer or use mode approximate",
-                    m.name
-                )));
+                return Err(ConfigError::invalid(
+                    field("mode"),
+                    "precise",
+                    "mode precise needs a tokenizer directory; set tokenizer or use mode approximate",
+                ));
             }
             if let Some(a) = &m.adapter
                 && a.trim().is_empty()
             {
-                return Err(ConfigError::Invalid(format!(
-                    "model {:?}: adapter is empty; use null for the base model",
-                    m.name
-                )));
+                return Err(ConfigError::invalid(
+                    field("adapter"),
+                    format!("{a:?}"),
+                    "is empty; use null for the base model",
+                ));
             }
             if let Some(dir) = &m.tokenizer
                 && !dir.join("tokenizer.json").is_file()
             {
-                return Err(ConfigError::Invalid(format!(
-                    "model {:?}: tokenizer directory {} has no tokenizer.json",
-                    m.name,
-                    dir.display()
-                )));
+                return Err(ConfigError::invalid(
+                    field("tokenizer"),
+                    dir.display(),
+                    "this directory has no tokenizer.json; point it at a HuggingFace tokenizer directory",
+                ));
             }
         }
-        self.scoring.resolve().and_then(|c| c.validate()).map_err(|e| ConfigError::Invalid(format!("scoring: {e}")))?;
+        self.scoring.validate()?;
         Ok(())
     }
 }
@@ -350,6 +376,7 @@ impl PickerConfig {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+    use crate::score::CustomScorerConfig;
 
     const EXAMPLE: &str = r#"
 ext_proc_addr: 127.0.0.1:9002
@@ -378,7 +405,7 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         c.validate().unwrap();
         assert_eq!(c.models.len(), 1);
         assert_eq!(c.body_limit_bytes, 8 * 1024 * 1024);
-        assert_eq!(c.scoring.to_scoring_config().max_queue, 20);
+        assert_eq!(c.scoring.max_queue, 20);
     }
 
     #[test]
@@ -441,15 +468,16 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         )
         .unwrap();
         c.validate().unwrap();
-        let s = c.scoring.to_scoring_config();
+        let s = &c.scoring;
         assert_eq!((s.max_queue, s.seed), (10, 7), "preset's maxQueue, own seed");
         assert_eq!(s.custom, vec![CustomScorerConfig::Cost { weight: 0.10, margin: 0.20 }]);
         // A custom weight on top of full built-in weights breaks the sum rule, naming it.
         let c = PickerConfig::from_yaml("scoring: {custom: [{scorer: cost, weight: 0.15, margin: 0.1}]}").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("cost=0.15") && err.contains("sum 1.15"), "{err}");
-        let c = PickerConfig::from_yaml("scoring: {preset: fastest}").unwrap();
-        assert!(c.validate().unwrap_err().to_string().contains("fastest"));
+        // An unknown preset is refused when the file is read, naming it (no silent fallback).
+        let err = PickerConfig::from_yaml("scoring: {preset: fastest}").unwrap_err().to_string();
+        assert!(err.contains("fastest") && err.contains("latency-api"), "{err}");
         assert!(PickerConfig::from_yaml("scoring: {custom: [{scorer: cost, weight: 0.1, bogus: 1}]}").is_err());
         assert!(PickerConfig::from_yaml("scoring: {custom: [{scorer: nope, weight: 0.1}]}").is_err());
     }
@@ -466,5 +494,31 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert!(c.validate().is_err());
         let c = PickerConfig::from_yaml("ext_proc_addr: 127.0.0.1:9100\nadmin_addr: 127.0.0.1:9100").unwrap();
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn errors_name_the_field_the_value_and_the_fix() {
+        let invalid = |yaml: &str| match PickerConfig::from_yaml(yaml).unwrap().validate() {
+            Err(ConfigError::Invalid { field, value, fix }) => (field, value, fix),
+            other => panic!("{yaml}: {other:?}"),
+        };
+        let (field, value, _) = invalid("block_size: 0");
+        assert_eq!((field.as_str(), value.as_str()), ("block_size", "0"));
+        let (field, value, fix) = invalid("max_blocks_per_pod: 0");
+        assert_eq!((field.as_str(), value.as_str()), ("max_blocks_per_pod", "0"));
+        assert!(fix.contains("default"), "{fix}");
+        let (field, value, fix) = invalid("ext_proc_addr: 127.0.0.1:9100\nadmin_addr: 127.0.0.1:9100");
+        assert_eq!((field.as_str(), value.as_str()), ("admin_addr", "127.0.0.1:9100"));
+        assert!(fix.contains("ext_proc_addr"), "{fix}");
+        let (field, value, _) = invalid("models: [{name: a, approximate: {max_blocks: 0}}]");
+        assert_eq!((field.as_str(), value.as_str()), ("models[\"a\"].approximate.max_blocks", "0"));
+        // Scoring errors keep their typed source.
+        let err = PickerConfig::from_yaml("scoring: {max_queue: 0}").unwrap().validate().unwrap_err();
+        assert!(matches!(err, ConfigError::Scoring { source: ScoringConfigError::MaxQueue }), "{err:?}");
+        // Overrides apply over the preset, with ScoringConfig's own field checks.
+        let c = PickerConfig::from_yaml("scoring: {preset: batch, max_queue: 7}").unwrap();
+        assert_eq!((c.scoring.max_queue, c.scoring.weights.queue), (7, 0.0));
+        let err = PickerConfig::from_yaml("scoring: {preset: batch, max_qeue: 7}").unwrap_err().to_string();
+        assert!(err.contains("max_qeue"), "{err}");
     }
 }

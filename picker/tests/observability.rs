@@ -537,7 +537,8 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     for line in &lines {
         let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
         let target = v["target"].as_str().unwrap_or_default();
-        if !target.starts_with("kvroute_picker::ext_proc") {
+        // The request path: the ext_proc stream and the decision pipeline it runs.
+        if !["kvroute_picker::ext_proc", "kvroute_picker::decision"].iter().any(|m| target.starts_with(m)) {
             continue;
         }
         about_request += 1;

@@ -69,9 +69,10 @@ const GIB: u64 = 1 << 30;
 impl MockGpuSource {
     /// Loads a scenario file; the clock starts now.
     pub fn from_file(path: &str) -> Result<Self, GpuError> {
-        let err = |detail: String| GpuError::Scenario { path: path.to_string(), detail };
-        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        let scenario: Scenario = serde_norway::from_str(&text).map_err(|e| err(e.to_string()))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| GpuError::ScenarioRead { path: path.into(), source })?;
+        let scenario: Scenario =
+            serde_norway::from_str(&text).map_err(|source| GpuError::ScenarioParse { path: path.into(), source })?;
         Ok(Self::new(scenario))
     }
 

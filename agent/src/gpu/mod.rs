@@ -16,29 +16,37 @@ use std::sync::Arc;
 pub enum GpuError {
     /// The NVML library could not be loaded or initialised.
     #[error(
-        "cannot initialise NVML ({detail}): libnvidia-ml.so is missing or unusable on this host. \
+        "cannot initialise NVML ({source}): libnvidia-ml.so is missing or unusable on this host. \
          Install the NVIDIA driver, or run without a GPU with --gpu-source mock:<scenario.yaml> \
          (e.g. mock:agent/scenarios/healthy.yaml)"
     )]
     NvmlUnavailable {
-        /// NVML's own error text.
-        detail: String,
+        /// NVML's own error.
+        source: nvml_wrapper::error::NvmlError,
     },
     /// A query for one GPU failed.
-    #[error("GPU {index}: {detail}")]
+    #[error("GPU {index}: {source}")]
     Query {
         /// GPU index.
         index: u32,
-        /// What failed.
-        detail: String,
+        /// NVML's error.
+        source: nvml_wrapper::error::NvmlError,
     },
-    /// The mock scenario file is unreadable or invalid.
-    #[error("mock GPU scenario {path}: {detail}")]
-    Scenario {
+    /// The mock scenario file is unreadable.
+    #[error("cannot read mock GPU scenario {path}: {source}")]
+    ScenarioRead {
         /// Scenario path.
         path: String,
-        /// What was wrong.
-        detail: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// The mock scenario file is not a scenario.
+    #[error("invalid mock GPU scenario {path}: {source}")]
+    ScenarioParse {
+        /// Scenario path.
+        path: String,
+        /// Parser error (names the field and position).
+        source: serde_norway::Error,
     },
 }
 

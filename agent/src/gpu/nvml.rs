@@ -19,19 +19,13 @@ pub struct NvmlGpuSource {
 impl NvmlGpuSource {
     /// Loads and initialises NVML.
     pub fn new() -> Result<Self, GpuError> {
-        match Nvml::init() {
-            Ok(nvml) => Ok(Self { nvml }),
-            Err(e @ (NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound)) => {
-                Err(GpuError::NvmlUnavailable { detail: e.to_string() })
-            }
-            Err(e) => Err(GpuError::NvmlUnavailable { detail: e.to_string() }),
-        }
+        Nvml::init().map(|nvml| Self { nvml }).map_err(|source| GpuError::NvmlUnavailable { source })
     }
 }
 
 impl GpuSource for NvmlGpuSource {
     fn sample(&self, index: u32, _engine_load: f64) -> Result<GpuSample, GpuError> {
-        let q = |e: NvmlError| GpuError::Query { index, detail: e.to_string() };
+        let q = |source: NvmlError| GpuError::Query { index, source };
         let dev = self.nvml.device_by_index(index).map_err(q)?;
         // ECC is unsupported on consumer GPUs: treat as zero rather than failing the sample.
         let ecc = |t, c| dev.total_ecc_errors(t, c).unwrap_or(0);

@@ -16,6 +16,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::broadcast;
 
+/// Smallest broadcast backlog of deltas (config `delta_queue` is at least this).
+pub const MIN_DELTA_QUEUE: usize = 16;
+
 /// Queue jump (requests waiting) that triggers an immediate stats delta.
 pub const QUEUE_JUMP: u32 = 5;
 
@@ -149,10 +152,10 @@ pub struct Hub {
 }
 
 impl Hub {
-    /// Creates pods from their static info; `capacity` bounds the broadcast backlog (a slower
-    /// picker stream gets `Lagged` and resends snapshots).
+    /// Creates pods from their static info; `capacity` (deltas, at least [`MIN_DELTA_QUEUE`])
+    /// bounds the broadcast backlog (a slower picker stream gets `Lagged` and resends snapshots).
     pub fn new(pods: Vec<PodInfo>, capacity: usize) -> Arc<Self> {
-        let (tx, _) = broadcast::channel(capacity.max(16));
+        let (tx, _) = broadcast::channel(capacity.max(MIN_DELTA_QUEUE));
         let pods = pods
             .into_iter()
             .map(|info| {

@@ -15,13 +15,11 @@ use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvroute_common::BlockHash;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::Gateway;
-use crate::model::{ModelError, parse_body};
-use crate::score::RouteRequest;
+use crate::decision::{DecisionInput, Rejection, explain};
+use crate::gateway::Gateway;
 
 /// The admin routes over `gateway`.
 pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
@@ -56,29 +54,23 @@ async fn explain_handler(State(gw): State<Arc<Gateway>>, Query(q): Query<Explain
         return error(StatusCode::PAYLOAD_TOO_LARGE, "request body exceeds the limit".into());
     }
     let path = q.path.unwrap_or_default();
-    let joined = tokio::task::spawn_blocking(move || explain(&gw, &path, &body)).await;
+    let joined = tokio::task::spawn_blocking(move || explain_json(&gw, &path, &body)).await;
     match joined {
         Ok(Ok(v)) => axum::Json(v).into_response(),
-        Ok(Err(ModelError::UnknownModel(m))) => error(StatusCode::NOT_FOUND, format!("model `{m}` does not exist")),
-        Ok(Err(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(Err(rej)) => {
+            error(StatusCode::from_u16(rej.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), rej.message)
+        }
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("explain task failed: {e}")),
     }
 }
 
-fn explain(gw: &Gateway, path: &str, body: &[u8]) -> Result<serde_json::Value, ModelError> {
-    let parsed = parse_body(path, body)?;
-    let model = gw.models.resolve(&parsed.model).ok_or_else(|| ModelError::UnknownModel(parsed.model.clone()))?;
-    let tokens = model.tokens(&parsed.prompt, "explain");
-    let mut hashes: Vec<BlockHash> = Vec::new();
-    model.hasher.hash_prompt(&tokens, &mut hashes);
-    let req = RouteRequest {
-        model: &model.target_model,
-        adapter: model.adapter.as_deref(),
-        block_hashes: &hashes,
-        subset: None,
-    };
-    let ex = gw.router.explain(&req);
+/// The decision pipeline's explanation of `body` as JSON.
+fn explain_json(gw: &Gateway, path: &str, body: &[u8]) -> Result<serde_json::Value, Rejection> {
+    let input = DecisionInput { request_id: "explain", path, body: Some(body), subset: None };
+    let ex = explain(gw, &input)?;
+    let (req, model) = (&ex.request, ex.request.model);
     let candidates: Vec<_> = ex
+        .explanation
         .candidates
         .iter()
         .map(|c| {
@@ -86,14 +78,16 @@ fn explain(gw: &Gateway, path: &str, body: &[u8]) -> Result<serde_json::Value, M
                    "queue": c.queue, "health": c.health, "adapter": c.adapter, "matched_blocks": c.matched_blocks})
         })
         .collect();
-    let excluded: Vec<_> = ex.excluded.iter().map(|(pod, reason)| json!({"pod": pod, "reason": reason})).collect();
+    let excluded: Vec<_> =
+        ex.explanation.excluded.iter().map(|(pod, reason)| json!({"pod": pod, "reason": reason})).collect();
     Ok(json!({
-        "model": parsed.model,
+        "model": req.model_name,
         "target_model": model.target_model,
         "adapter": model.adapter,
-        "input_tokens": tokens.len(),
-        "total_blocks": hashes.len(),
-        "choice": ex.choice,
+        "mode": req.mode.as_str(),
+        "input_tokens": req.tokens.len(),
+        "total_blocks": req.block_hashes().len(),
+        "choice": ex.explanation.choice,
         "candidates": candidates,
         "excluded": excluded,
     }))

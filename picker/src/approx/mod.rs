@@ -53,6 +53,16 @@ pub enum RoutingMode {
     Approximate,
 }
 
+impl RoutingMode {
+    /// The config and log spelling: `precise` or `approximate`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingMode::Precise => "precise",
+            RoutingMode::Approximate => "approximate",
+        }
+    }
+}
+
 /// `models[].approximate`: settings of approximate mode. Every field has a default (GIE's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -76,8 +86,8 @@ impl Default for ApproxConfig {
 }
 
 impl ApproxConfig {
-    /// Which field is out of range, if any (each must be ≥ 1).
-    pub fn invalid_field(&self) -> Option<&'static str> {
+    /// Which field is out of range and its value, if any (each must be ≥ 1).
+    pub fn invalid_field(&self) -> Option<(&'static str, usize)> {
         [
             ("block_chars", self.block_chars),
             ("capacity_blocks_per_pod", self.capacity_blocks_per_pod),
@@ -85,6 +95,5 @@ impl ApproxConfig {
         ]
         .into_iter()
         .find(|(_, v)| *v == 0)
-        .map(|(n, _)| n)
     }
 }

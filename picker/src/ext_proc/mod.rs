@@ -21,7 +21,6 @@
 //! released when the response ends or the stream ends in any way (it lives in the task's state,
 //! dropped when the task returns); nothing here panics on bad input.
 
-pub mod decide;
 pub mod reply;
 pub mod usage;
 
@@ -41,9 +40,9 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use futures::Stream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming};
 
-use crate::Gateway;
-use crate::score::InFlightSlot;
-use decide::{DecisionInput, Rejection, decide};
+use crate::decision::{DecisionInput, Rejection, decide, observe};
+use crate::gateway::Gateway;
+use crate::pool::InFlightSlot;
 use usage::UsageScanner;
 
 /// Filter-metadata namespace and key of Envoy's subset hint (GIE protocol).
@@ -194,11 +193,11 @@ async fn on_request_headers(
         .filter(|v| !v.is_empty() && v.len() <= 128)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     if h.end_of_stream {
-        match route(gw, st, None).await {
-            Ok((endpoint, trace)) => {
+        match route_request(gw, st, None).await {
+            Routing::Routed { endpoint, trace, .. } => {
                 out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
             }
-            Err(r) => out.push(*r),
+            Routing::Rejected(r) => out.push(*r),
         }
     } else if !st.full_duplex {
         out.push(reply::continue_request_headers());
@@ -257,44 +256,30 @@ async fn finish_request_body(
     out: &mut Vec<ProcessingResponse>,
 ) {
     let body = std::mem::take(&mut st.body);
-    let (body, result) = route_body(gw, st, body).await;
-    match result {
-        Ok((endpoint, trace)) if st.full_duplex => {
+    match route_request(gw, st, Some(body)).await {
+        Routing::Routed { endpoint, trace, body } if st.full_duplex => {
             out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
-            reply::streamed_body_chunks(body, end_of_stream, out);
+            reply::streamed_body_chunks(body.unwrap_or_default(), end_of_stream, out);
         }
-        Ok((endpoint, trace)) => {
+        Routing::Routed { endpoint, trace, .. } => {
             out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, false), &trace));
         }
-        Err(r) => out.push(*r),
+        Routing::Rejected(r) => out.push(*r),
     }
 }
 
-async fn route_body(
-    gw: &Arc<Gateway>,
-    st: &mut StreamState,
-    body: Vec<u8>,
-) -> (Vec<u8>, Result<Routed, Box<ProcessingResponse>>) {
-    let (body, result) = decide_blocking(gw, st, Some(body)).await;
-    (body.unwrap_or_default(), finish_decision(gw, st, result))
+/// How the stream answers a routed request.
+enum Routing {
+    /// Send the request to `endpoint` with `trace` set upstream (the W3C headers naming the
+    /// `epp.decision` span; empty when no trace is recorded). `body` is the request body given
+    /// back (full duplex re-emits it). The in-flight slot is in the stream state.
+    Routed { endpoint: String, trace: HashMap<String, String>, body: Option<Vec<u8>> },
+    /// Answer Envoy with this immediate response (already counted and logged).
+    Rejected(Box<ProcessingResponse>),
 }
 
-async fn route(
-    gw: &Arc<Gateway>,
-    st: &mut StreamState,
-    body: Option<Vec<u8>>,
-) -> Result<Routed, Box<ProcessingResponse>> {
-    let (_, result) = decide_blocking(gw, st, body).await;
-    finish_decision(gw, st, result)
-}
-
-/// A routed request: the endpoint and the W3C trace headers to set upstream (empty when no trace
-/// is recorded).
-type Routed = (String, HashMap<String, String>);
-
-/// Runs [`decide`] inside the request's `epp.decision` span (child of the request's `traceparent`,
-/// if any); gives the body back, with the trace headers naming that span as the upstream request's
-/// parent.
+/// Runs [`decide`] once for the request, inside its `epp.decision` span (child of the request's
+/// `traceparent`, if any), keeps the decision's in-flight slot in `st`, and says how to answer.
 ///
 /// Parse + tokenize are CPU-bound (milliseconds for a cold 8 MiB body), so they must not stall the
 /// async workers. On the multi-thread runtime the decision runs in place with
@@ -302,11 +287,7 @@ type Routed = (String, HashMap<String, String>);
 /// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
 /// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
 /// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`.
-async fn decide_blocking(
-    gw: &Arc<Gateway>,
-    st: &mut StreamState,
-    body: Option<Vec<u8>>,
-) -> (Option<Vec<u8>>, Result<(crate::score::Decision, HashMap<String, String>), Rejection>) {
+async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Routing {
     st.decided = true;
     let span = tracing::info_span!(
         "epp.decision",
@@ -318,72 +299,61 @@ async fn decide_blocking(
         otel.status_code = tracing::field::Empty,
     );
     kvroute_common::telemetry::extract_parent(&span, &st.trace_headers);
-    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-        let input = DecisionInput {
-            request_id: &st.request_id,
-            path: &st.path,
-            body: body.as_deref(),
-            subset: st.subset.as_deref(),
+    // The decision inside `span`, recording the pod or the error on it; the trace headers name `span`.
+    let run = move |gw: &Gateway, input: &DecisionInput<'_>| {
+        let _entered = span.enter();
+        let result = decide(gw, input);
+        match &result {
+            Ok(d) => span.record("pod", d.pod.as_str()),
+            Err(_) => span.record("otel.status_code", "ERROR"),
         };
-        let result = tokio::task::block_in_place(|| decide_in_span(gw, &span, &input));
-        return (body, result);
-    }
-    let gw2 = gw.clone();
-    let request_id = st.request_id.clone();
-    let path = st.path.clone();
-    let subset = st.subset.clone();
-    let joined = tokio::task::spawn_blocking(move || {
-        let input =
-            DecisionInput { request_id: &request_id, path: &path, body: body.as_deref(), subset: subset.as_deref() };
-        let result = decide_in_span(&gw2, &span, &input);
-        (body, result)
-    })
-    .await;
-    match joined {
-        Ok(r) => r,
-        Err(e) => {
-            (None, Err(Rejection { status: 500, kind: "internal_error", message: format!("routing task failed: {e}") }))
-        }
-    }
-}
-
-/// [`decide`] inside `span`, recording the pod or the error on it; the trace headers name `span`.
-fn decide_in_span(
-    gw: &Gateway,
-    span: &tracing::Span,
-    input: &DecisionInput<'_>,
-) -> Result<(crate::score::Decision, HashMap<String, String>), Rejection> {
-    let _entered = span.enter();
-    let result = decide(gw, input);
-    match &result {
-        Ok(d) => span.record("pod", d.pod.as_str()),
-        Err(_) => span.record("otel.status_code", "ERROR"),
+        result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
     };
-    result.map(|d| (d, kvroute_common::telemetry::inject(span)))
-}
-
-/// Keeps the slot of a successful decision and returns its endpoint, or the error reply.
-fn finish_decision(
-    gw: &Gateway,
-    st: &mut StreamState,
-    result: Result<(crate::score::Decision, HashMap<String, String>), Rejection>,
-) -> Result<Routed, Box<ProcessingResponse>> {
+    let (body, result) =
+        if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+            let result = {
+                let input = DecisionInput {
+                    request_id: &st.request_id,
+                    path: &st.path,
+                    body: body.as_deref(),
+                    subset: st.subset.as_deref(),
+                };
+                tokio::task::block_in_place(|| run(gw, &input))
+            };
+            (body, result)
+        } else {
+            let gw = gw.clone();
+            let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
+            let joined = tokio::task::spawn_blocking(move || {
+                let input = DecisionInput {
+                    request_id: &request_id,
+                    path: &path,
+                    body: body.as_deref(),
+                    subset: subset.as_deref(),
+                };
+                let result = run(&gw, &input);
+                (body, result)
+            })
+            .await;
+            joined.unwrap_or_else(|e| {
+                let message = format!("routing task failed: {e}");
+                (None, Err(Rejection { status: 500, kind: "internal_error", message }))
+            })
+        };
     match result {
         Ok((decision, trace)) => {
             if let Some(tp) = trace.get("traceparent") {
                 tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context passed upstream");
             }
             st.slot = Some(decision.slot);
-            Ok((decision.endpoint, trace))
+            Routing::Routed { endpoint: decision.endpoint, trace, body }
         }
-        Err(rej) => Err(Box::new(reject(gw, st, rej))),
+        Err(rej) => Routing::Rejected(Box::new(reject(gw, st, rej))),
     }
 }
 
 fn reject(gw: &Gateway, st: &StreamState, rej: Rejection) -> ProcessingResponse {
-    gw.metrics.request_errors.get_or_create(&crate::admin::metrics::CodeLabel { code: rej.status }).inc();
-    tracing::info!(request_id = %st.request_id, status = rej.status, kind = rej.kind, message = %rej.message,
-        "request rejected");
+    observe::rejected(&gw.metrics, &st.request_id, &rej);
     reply::immediate_error(rej.status, rej.kind, &rej.message, &st.request_id)
 }
 

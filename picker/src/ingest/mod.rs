@@ -41,7 +41,8 @@ pub const ACK_EVERY: u64 = 100;
 pub const ACK_INTERVAL: Duration = Duration::from_secs(1);
 /// Minimum time between two resync requests for the same pod.
 pub const RESYNC_RETRY: Duration = Duration::from_secs(1);
-/// Largest agent message accepted (a 2M-block snapshot is ~20 MB), in bytes.
+/// Largest agent message accepted, in bytes: a full snapshot of a big pod (≈ 8 bytes per block;
+/// 2M blocks ≈ 16 MiB, ~20 MB with framing) fits.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// Capacity of each stream's response channel (messages).
 const RESPONSE_QUEUE: usize = 256;

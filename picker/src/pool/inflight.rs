@@ -5,13 +5,21 @@
 //! `num_requests_waiting` + the in-flight requests routed at or after that report's
 //! `observed_at_unix_ms` (earlier ones were already counted by the engine).
 //!
+//! A decision holds its reservation as an [`InFlightSlot`] for the life of the request; dropping
+//! the slot releases it.
+//!
 //! Concurrency: a tiny `parking_lot::Mutex` per pod, held for a binary search and an insert or a
-//! remove; never across an await. Reservation happens under the pool's selection lock, so a
-//! decision and its reservation are atomic with respect to other decisions.
+//! remove; never across an await. Reservation happens under the pool's selection lock (see
+//! [`Selection`](super::Selection)), so a decision and its reservation are atomic with respect to
+//! other decisions.
 
+use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::Mutex;
+
+use super::PodRecord;
 
 /// The in-flight requests of one pod.
 #[derive(Debug, Default)]
@@ -53,6 +61,47 @@ impl InFlight {
         let s = self.slots.lock();
         let first = s.partition_point(|e| e.0 < since_ms);
         u32::try_from(s.len() - first).unwrap_or(u32::MAX)
+    }
+}
+
+/// Held for the life of the request. Dropping it (stream ended, any way) releases the pod's
+/// in-flight count.
+pub struct InFlightSlot {
+    pub(super) rec: Arc<PodRecord>,
+    pub(super) id: u64,
+    pub(super) routed_ms: i64,
+    /// Predicted cached prompt tokens (matched blocks × block size).
+    pub(super) predicted_tokens: u64,
+    pub(super) block_size: u64,
+}
+
+impl fmt::Debug for InFlightSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InFlightSlot")
+            .field("pod", &self.rec.name)
+            .field("id", &self.id)
+            .field("routed_ms", &self.routed_ms)
+            .field("predicted_tokens", &self.predicted_tokens)
+            .finish()
+    }
+}
+
+impl InFlightSlot {
+    /// Called when the engine's usage arrives: returns true when the routing was stale (actual
+    /// cached tokens < predicted matched tokens by more than one block, docs/design.md §5).
+    pub fn observe_cached_tokens(&self, cached_tokens: u32) -> bool {
+        self.predicted_tokens > u64::from(cached_tokens) + self.block_size
+    }
+
+    /// The pod this slot is reserved on.
+    pub fn pod(&self) -> &str {
+        &self.rec.name
+    }
+}
+
+impl Drop for InFlightSlot {
+    fn drop(&mut self) {
+        self.rec.inflight.release(self.routed_ms, self.id);
     }
 }
 

@@ -10,7 +10,8 @@
 //! - Readers (`Router`, metrics) load the pod table, each pod's status and the index through
 //!   `arc-swap`: never blocked by the writer.
 //! - In-flight counters are per pod (see `inflight`); decisions that reserve them serialise on
-//!   [`Pool`]'s selection mutex for the few microseconds of scoring + reservation only.
+//!   [`Pool`]'s selection mutex ([`Pool::lock_selection`]) for the few microseconds of scoring +
+//!   reservation only.
 //!
 //! Invariants: a pod's [`PodIdx`] is unique among live pods; a freed index is reused only after all
 //! 65 536 fresh ones were handed out (so a reader holding an old index snapshot cannot attribute a
@@ -26,32 +27,45 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::{mpsc, oneshot};
 
 pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
 pub(crate) use inflight::InFlight;
+pub use inflight::InFlightSlot;
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;
 
-/// Pool settings.
+/// Default of [`PoolConfig::grace_ttl_ms`] (and the config's `pod_grace_ttl_ms`), in ms.
+pub const DEFAULT_POD_GRACE_TTL_MS: u64 = 10_000;
+/// Default of [`PoolConfig::max_blocks_per_pod`] (and the config's field), in blocks: an H100
+/// holding ~30 GB of KV cache at 16 tokens per block is well under this (≈ 8 bytes of index per
+/// block, 16 MB per full pod).
+pub const DEFAULT_MAX_BLOCKS_PER_POD: usize = 2_000_000;
+
+/// Pool settings. The picker builds them from its config file (`PickerConfig::pool`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolConfig {
-    /// Tokens per block (vLLM `--block-size`). Default 16. Pods reporting another size are logged.
+    /// Tokens per block (vLLM `--block-size`). Default [`kvroute_common::DEFAULT_BLOCK_SIZE`] (16).
+    /// Pods reporting another size are logged.
     pub block_size: usize,
     /// How long a pod whose agent stream ended keeps its blocks and stays a candidate, in ms.
-    /// Default 10 000.
+    /// Default [`DEFAULT_POD_GRACE_TTL_MS`].
     pub grace_ttl_ms: u64,
     /// Cap on blocks (index entries) per pod; stores beyond it are dropped and counted.
-    /// Default 2 000 000.
+    /// Default [`DEFAULT_MAX_BLOCKS_PER_POD`].
     pub max_blocks_per_pod: usize,
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig { block_size: 16, grace_ttl_ms: 10_000, max_blocks_per_pod: 2_000_000 }
+        PoolConfig {
+            block_size: kvroute_common::DEFAULT_BLOCK_SIZE,
+            grace_ttl_ms: DEFAULT_POD_GRACE_TTL_MS,
+            max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
+        }
     }
 }
 
@@ -177,8 +191,8 @@ pub struct Pool {
     config: PoolConfig,
     pub(crate) table: Arc<ArcSwap<PodTable>>,
     pub(crate) index: Arc<ArcSwap<IndexSnapshot>>,
-    /// Held only while a decision scores candidates and reserves its slot.
-    pub(crate) select_lock: Mutex<()>,
+    /// Held only while a decision scores candidates and reserves its slot ([`Selection`]).
+    select_lock: Mutex<()>,
     tx: mpsc::Sender<WriterMsg>,
     next_slot: AtomicU64,
 }
@@ -293,8 +307,40 @@ impl Pool {
         self.index.load().stats()
     }
 
-    pub(crate) fn next_slot_id(&self) -> u64 {
-        self.next_slot.fetch_add(1, Ordering::Relaxed)
+    /// Takes the selection lock: queue depths read while it is held count every reservation made
+    /// before, and the reservation made through it is atomic with the read (see the module docs).
+    /// Never hold it across an await.
+    pub(crate) fn lock_selection(&self) -> Selection<'_> {
+        Selection { pool: self, _guard: self.select_lock.lock() }
+    }
+}
+
+/// The selection lock, held ([`Pool::lock_selection`]); released when dropped or when it reserves.
+pub(crate) struct Selection<'a> {
+    pool: &'a Pool,
+    _guard: MutexGuard<'a, ()>,
+}
+
+impl Selection<'_> {
+    /// Reserves an in-flight slot on `rec` (whose published status is `status`) routed now,
+    /// predicting `matched_blocks` cached blocks, and releases the lock.
+    pub(crate) fn reserve(self, rec: &Arc<PodRecord>, status: &PodStatus, matched_blocks: u32) -> InFlightSlot {
+        let Selection { pool, _guard: guard } = self;
+        let id = pool.next_slot.fetch_add(1, Ordering::Relaxed);
+        let routed_ms = now_unix_ms();
+        rec.inflight.reserve(routed_ms, id);
+        drop(guard);
+        let block_size = match status.block_size {
+            0 => pool.config.block_size as u64,
+            b => u64::from(b),
+        };
+        InFlightSlot {
+            rec: rec.clone(),
+            id,
+            routed_ms,
+            predicted_tokens: u64::from(matched_blocks) * block_size,
+            block_size,
+        }
     }
 }
 

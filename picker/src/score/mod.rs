@@ -7,7 +7,7 @@
 //! Concurrency: [`Router::route`] walks the prefix index and reads pod state lock-free (arc-swap),
 //! then takes the pool's selection mutex for the scoring + choice + in-flight reservation only
 //! (microseconds), so concurrent decisions see each other's reservations (docs/design.md §4). A decision's
-//! [`InFlightSlot`] releases the reservation when dropped.
+//! [`InFlightSlot`](crate::pool::InFlightSlot) releases the reservation when dropped.
 //!
 //! Custom scorers (docs/design.md §4) add terms `w_i·factor_i` to S. They register with their weight:
 //! from config (`scoring.custom`, e.g. the shipped [`CostAwareScorer`]) or in code through
@@ -34,9 +34,11 @@ pub use cost::{COST_ANNOTATION, CostAwareScorer};
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
 pub use queue::QueueDepthScorer;
-pub use router::{InFlightSlot, ORDERED_CANDIDATES, Router};
+pub use router::{ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
+
+use crate::pool::InFlightSlot;
 
 /// Factor weights (docs/design.md §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
 /// when given in a config file.
@@ -55,9 +57,18 @@ pub struct Weights {
     pub adapter: f64,
 }
 
+/// The default weights (the `chatbot` preset, docs/design.md §4).
+pub const DEFAULT_WEIGHTS: Weights = Weights { cache: 0.60, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.05 };
+/// Default [`ScoringConfig::max_queue`], in requests (the `chatbot` preset).
+pub const DEFAULT_MAX_QUEUE: u32 = 20;
+/// Default [`ScoringConfig::max_utilization`] (fraction of GPU busy counted as fully loaded).
+pub const DEFAULT_MAX_UTILIZATION: f64 = 1.0;
+/// Default [`ScoringConfig::health_exclusion_threshold`] (docs/design.md §7: below 0.3 = excluded band).
+pub const DEFAULT_HEALTH_EXCLUSION_THRESHOLD: f64 = 0.3;
+
 impl Default for Weights {
     fn default() -> Self {
-        Weights { cache: 0.60, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.05 }
+        DEFAULT_WEIGHTS
     }
 }
 
@@ -78,13 +89,15 @@ impl Weights {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScoringConfig {
-    /// Factor weights. Default 0.60/0.20/0.10/0.05/0.05.
+    /// Factor weights. Default [`DEFAULT_WEIGHTS`] (0.60/0.20/0.10/0.05/0.05).
     pub weights: Weights,
-    /// Queue depth (requests) at which the queue factor reaches 0 and the pod spills. Default 20.
+    /// Queue depth (requests) at which the queue factor reaches 0 and the pod spills. Default
+    /// [`DEFAULT_MAX_QUEUE`] (20).
     pub max_queue: u32,
-    /// GPU utilization (fraction) counted as fully loaded. Default 1.0.
+    /// GPU utilization (fraction) counted as fully loaded. Default [`DEFAULT_MAX_UTILIZATION`] (1.0).
     pub max_utilization: f64,
-    /// Pods with a health score below this are excluded. Default 0.3.
+    /// Pods with a health score below this are excluded. Default
+    /// [`DEFAULT_HEALTH_EXCLUSION_THRESHOLD`] (0.3).
     pub health_exclusion_threshold: f64,
     /// When every candidate is at `max_queue`: true → refuse (429), false → keep them all.
     /// Default false.
@@ -142,10 +155,10 @@ impl CustomScorerConfig {
 impl Default for ScoringConfig {
     fn default() -> Self {
         ScoringConfig {
-            weights: Weights::default(),
-            max_queue: 20,
-            max_utilization: 1.0,
-            health_exclusion_threshold: 0.3,
+            weights: DEFAULT_WEIGHTS,
+            max_queue: DEFAULT_MAX_QUEUE,
+            max_utilization: DEFAULT_MAX_UTILIZATION,
+            health_exclusion_threshold: DEFAULT_HEALTH_EXCLUSION_THRESHOLD,
             shed_when_saturated: false,
             seed: 0,
             custom: Vec::new(),
@@ -153,9 +166,10 @@ impl Default for ScoringConfig {
     }
 }
 
-/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue.
+/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue. `chatbot` is the
+/// default.
 pub const PRESETS: [(&str, Weights, u32); 4] = [
-    ("chatbot", Weights { cache: 0.60, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.05 }, 20),
+    ("chatbot", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE),
     ("latency-api", Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 }, 10),
     ("batch", Weights { cache: 0.60, load: 0.30, queue: 0.00, health: 0.05, adapter: 0.05 }, 40),
     ("multi-lora", Weights { cache: 0.45, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.20 }, 20),

@@ -1,13 +1,11 @@
-//! [`Router`]: one routing decision end to end (prefix walk → filter → score → select → reserve),
-//! and the [`InFlightSlot`] that a decision holds for the life of its request.
+//! [`Router`]: one routing decision end to end (prefix walk → filter → score → select → reserve).
 //!
 //! Concurrency: the prefix walk and the static filters read arc-swap snapshots without locks; the
-//! queue-depth read, spill, scoring, choice and reservation run under `Pool::select_lock` (a
-//! `parking_lot::Mutex<()>`, never held across an await), so two concurrent decisions can never
+//! queue-depth read, spill, scoring, choice and reservation run under the pool's selection lock
+//! ([`Pool::lock_selection`], never held across an await), so two concurrent decisions can never
 //! both miss each other's reservation. `explain` does the same without the lock or a reservation.
 
 use std::cell::RefCell;
-use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -22,7 +20,7 @@ use super::{
     ScoringConfig, ScoringConfigError, load_ratio, validate_weights,
 };
 use crate::index::MatchScratch;
-use crate::pool::{PodRecord, PodTable, Pool, now_unix_ms};
+use crate::pool::{PodTable, Pool};
 
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
 #[derive(Debug)]
@@ -33,47 +31,6 @@ pub struct Router {
     scorers: Vec<(Box<dyn Scorer>, f64)>,
     /// Decisions made; mixed with the seed for the random tie-break.
     decisions: AtomicU64,
-}
-
-/// Held for the life of the request. Dropping it (stream ended, any way) releases the pod's
-/// in-flight count.
-pub struct InFlightSlot {
-    rec: Arc<PodRecord>,
-    id: u64,
-    routed_ms: i64,
-    /// Predicted cached prompt tokens (matched blocks × block size).
-    predicted_tokens: u64,
-    block_size: u64,
-}
-
-impl fmt::Debug for InFlightSlot {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InFlightSlot")
-            .field("pod", &self.rec.name)
-            .field("id", &self.id)
-            .field("routed_ms", &self.routed_ms)
-            .field("predicted_tokens", &self.predicted_tokens)
-            .finish()
-    }
-}
-
-impl InFlightSlot {
-    /// Called when the engine's usage arrives: returns true when the routing was stale (actual
-    /// cached tokens < predicted matched tokens by more than one block, docs/design.md §5).
-    pub fn observe_cached_tokens(&self, cached_tokens: u32) -> bool {
-        self.predicted_tokens > u64::from(cached_tokens) + self.block_size
-    }
-
-    /// The pod this slot is reserved on.
-    pub fn pod(&self) -> &str {
-        &self.rec.name
-    }
-}
-
-impl Drop for InFlightSlot {
-    fn drop(&mut self) {
-        self.rec.inflight.release(self.routed_ms, self.id);
-    }
 }
 
 /// A pod of the requested model that passed the static filters, for one decision.
@@ -259,29 +216,14 @@ impl Router {
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         }
         let tick = self.decisions.fetch_add(1, Ordering::Relaxed);
-        let guard = self.pool.select_lock.lock();
+        let selection = self.pool.lock_selection();
         let Some(choice) = self.score(sc, table, req, total_blocks, tick)? else {
-            drop(guard);
+            drop(selection);
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         };
         let row = &sc.rows[choice];
         let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
-        let id = self.pool.next_slot_id();
-        let routed_ms = now_unix_ms();
-        rec.inflight.reserve(routed_ms, id);
-        drop(guard);
-
-        let block_size = match status.block_size {
-            0 => self.pool.config().block_size as u64,
-            b => u64::from(b),
-        };
-        let slot = InFlightSlot {
-            rec: rec.clone(),
-            id,
-            routed_ms,
-            predicted_tokens: u64::from(row.matched) * block_size,
-            block_size,
-        };
+        let slot = selection.reserve(rec, status, row.matched);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
         let candidates: Vec<CandidateScore> = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
         let best = &sc.scored[choice];
@@ -301,13 +243,25 @@ impl Router {
 
     /// Same computation as [`Router::route`], no reservation, no state change (explain endpoint).
     pub fn explain(&self, req: &RouteRequest<'_>) -> Explanation {
-        let table = self.pool.table.load();
-        with_scratch(|sc| self.explain_in(sc, &table, req))
+        self.explain_with(req, None)
     }
 
-    fn explain_in(&self, sc: &mut Scratch, table: &PodTable, req: &RouteRequest<'_>) -> Explanation {
+    /// Same computation as [`Router::route_with`] (the same second source of matched blocks), no
+    /// reservation, no state change: the choice is the one `route_with` would make now.
+    pub fn explain_with(&self, req: &RouteRequest<'_>, matches: Option<&dyn PrefixMatches>) -> Explanation {
+        let table = self.pool.table.load();
+        with_scratch(|sc| self.explain_in(sc, &table, req, matches))
+    }
+
+    fn explain_in(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
+    ) -> Explanation {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
-        self.prefilter(sc, table, req, None);
+        self.prefilter(sc, table, req, matches);
         let named = |sc: &Scratch, from: usize| -> Vec<(String, String)> {
             sc.excluded[from..]
                 .iter()

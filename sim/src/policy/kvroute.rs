@@ -20,8 +20,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use kvroute_picker::pool::InFlightSlot;
 use kvroute_picker::pool::{Pool, PoolConfig, PoolUpdate};
-use kvroute_picker::score::{InFlightSlot, RouteRequest, Router, ScoringConfig};
+use kvroute_picker::score::{RouteRequest, Router, ScoringConfig};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 
 use super::routed::RoutedMemory;

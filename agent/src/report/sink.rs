@@ -1,0 +1,217 @@
+//! Where KV events enter the reporting state: [`PodSink`], the [`EventSink`] the reader thread
+//! (see [`crate::engine::subscriber`]) calls for one pod. It applies each batch to the pod's
+//! record on the reader thread and, at the end of each read pass, sends what the pod applied as
+//! one delta. So a change waits at most one `block_flush_ms` window and the tokio side is woken
+//! once per window by the deltas, with no per-batch hand-off and no flush timer of its own.
+//!
+//! Concurrency: runs on the reader thread only; writes the pod under the pod's mutex (see
+//! [`crate::report::hub`]). The sink closes when the agent drops the strong `alive` it holds a
+//! weak reference to.
+
+use crate::engine::kv_events::{KvEvent, KvMessage};
+use crate::engine::subscriber::EventSink;
+use crate::report::hub::Pod;
+use crate::telemetry::{AgentMetrics, pod_label};
+use prometheus_client::metrics::counter::Counter;
+use std::sync::{Arc, Weak};
+
+/// The agent's [`EventSink`] for one pod.
+pub(crate) struct PodSink {
+    pod: Arc<Pod>,
+    alive: Weak<()>,
+    dropped: Counter,
+    block_events: Counter,
+}
+
+impl PodSink {
+    /// A sink writing into `pod` while `alive` has a strong reference.
+    pub(crate) fn new(pod: Arc<Pod>, alive: Weak<()>, metrics: &AgentMetrics) -> Self {
+        let labels = pod_label(pod.name());
+        let dropped = metrics.kv_blocks_dropped.get_or_create(&labels).clone();
+        let block_events = metrics.kv_block_events.get_or_create(&labels).clone();
+        Self { pod, alive, dropped, block_events }
+    }
+}
+
+impl EventSink for PodSink {
+    fn batch(&mut self, msg: KvMessage) {
+        let blocks: usize = msg
+            .batch
+            .events
+            .iter()
+            .map(|e| match e {
+                KvEvent::Stored(s) => s.block_hashes.len(),
+                KvEvent::Removed { block_hashes, .. } => block_hashes.len(),
+                KvEvent::AllCleared => 0,
+            })
+            .sum();
+        self.block_events.inc_by(blocks as u64);
+        let out = self.pod.apply_batch(&msg.batch);
+        let dropped = out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens;
+        if dropped > 0 {
+            self.dropped.inc_by(dropped);
+            tracing::debug!(pod = %self.pod.name(), seq = msg.seq, ?out, "blocks dropped");
+        }
+    }
+
+    fn reset(&mut self, reason: &str) {
+        tracing::warn!(pod = %self.pod.name(), %reason, "clearing pod blocks");
+        self.pod.clear_blocks();
+    }
+
+    fn flush(&mut self) {
+        self.pod.flush_blocks();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.alive.strong_count() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The reader thread with the agent's sink, over real ZeroMQ sockets: batches of several pods
+    //! published inside one window go out as one delta per pod; a gap that cannot be replayed
+    //! clears the pod; the thread exits once the sinks are closed.
+    use super::*;
+    use crate::engine::subscriber::{self, SubscriberConfig};
+    use crate::report::hub::Hub;
+    use kvroute_proto::agent::v1::PodInfo;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+    /// The three frames (topic, seq, payload) of fixture batch `n` (seq = n).
+    fn frames(n: usize) -> Vec<Vec<u8>> {
+        let dir = format!("{}/../tests/fixtures/vllm-kv-events/v0.33", env!("CARGO_MANIFEST_DIR"));
+        ["topic", "seq", "msgpack"]
+            .iter()
+            .map(|e| std::fs::read(format!("{dir}/batch-{n}.{e}")).expect("fixture"))
+            .collect()
+    }
+
+    fn info(pod: &str) -> PodInfo {
+        PodInfo { pod: pod.into(), model: MODEL.into(), block_size: 16, ..Default::default() }
+    }
+
+    /// An engine's publisher: XPUB (a PUB that also reports subscriptions) on a free port.
+    struct Publisher {
+        socket: zmq::Socket,
+        endpoint: String,
+    }
+
+    impl Publisher {
+        fn new(ctx: &zmq::Context) -> Self {
+            let socket = ctx.socket(zmq::XPUB).expect("xpub");
+            socket.set_rcvtimeo(10_000).expect("rcvtimeo");
+            socket.bind("tcp://127.0.0.1:*").expect("bind");
+            let endpoint = socket.get_last_endpoint().expect("endpoint").expect("utf-8");
+            Self { socket, endpoint }
+        }
+
+        /// Blocks until a subscriber has subscribed (so nothing published after is lost).
+        fn wait_subscriber(&self) {
+            self.socket.recv_bytes(0).expect("a subscription within 10 s");
+        }
+
+        fn publish(&self, n: usize) {
+            self.socket.send_multipart(frames(n), 0).expect("publish");
+        }
+    }
+
+    /// Starts the reader on one publisher per pod of `hub`; returns the thread, the publishers,
+    /// the strong `alive` of the sinks and the stop flag.
+    fn start_reader(
+        hub: &Hub,
+        window: Duration,
+        metrics: &Arc<AgentMetrics>,
+    ) -> (std::thread::JoinHandle<()>, Vec<Publisher>, Arc<()>, Arc<AtomicBool>) {
+        let ctx = zmq::Context::new();
+        let alive = Arc::new(());
+        let publishers: Vec<Publisher> = hub.pods().iter().map(|_| Publisher::new(&ctx)).collect();
+        let subscriptions = hub
+            .pods()
+            .iter()
+            .zip(&publishers)
+            .map(|(pod, p)| {
+                let cfg = SubscriberConfig {
+                    pod: pod.name().into(),
+                    kv_events: p.endpoint.clone(),
+                    kv_replay: None,
+                    replay_timeout: Duration::from_secs(1),
+                };
+                (cfg, PodSink::new(pod.clone(), Arc::downgrade(&alive), metrics))
+            })
+            .collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader =
+            subscriber::spawn(ctx, subscriptions, window, metrics.clone(), stop.clone()).expect("reader thread");
+        for p in &publishers {
+            p.wait_subscriber();
+        }
+        (reader, publishers, alive, stop)
+    }
+
+    async fn next_delta(
+        deltas: &mut tokio::sync::broadcast::Receiver<Arc<crate::report::hub::Outgoing>>,
+    ) -> kvroute_proto::agent::v1::PodDelta {
+        let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
+        o.delta.clone()
+    }
+
+    #[tokio::test]
+    async fn one_window_sends_one_delta_per_pod_with_every_batch() {
+        let hub = Hub::new(vec![info("a"), info("b")], 64);
+        let mut deltas = hub.subscribe();
+        let metrics = AgentMetrics::new();
+        let (reader, publishers, alive, _stop) = start_reader(&hub, Duration::from_millis(200), &metrics);
+        // Both pods' engines publish two batches, well inside one 200 ms window.
+        for p in &publishers {
+            p.publish(0);
+            p.publish(1);
+        }
+        let got = [next_delta(&mut deltas).await, next_delta(&mut deltas).await];
+        let mut pods: Vec<&str> = got.iter().map(|d| d.pod.as_str()).collect();
+        pods.sort_unstable();
+        assert_eq!(pods, ["a", "b"]);
+        let events: u64 = ["a", "b"].iter().map(|p| metrics.kv_block_events.get_or_create(&pod_label(p)).get()).sum();
+        // Per pod: batch 0 stores 3 blocks, batch 1 stores 2.
+        assert_eq!(events, 2 * 5);
+        for d in &got {
+            let blocks = d.blocks.as_ref().expect("block changes");
+            let stored: usize = blocks.stored.iter().map(|r| r.hashes.len()).sum();
+            // Batch 0 stores A's 3 blocks, batch 1 B's 2 new ones: both in the one delta.
+            assert_eq!((d.seq, stored), (1, 5), "{d:?}");
+        }
+        // Nothing else in that window.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(deltas.try_recv().is_err());
+        // A later batch opens a new window.
+        publishers[0].publish(2);
+        let d = next_delta(&mut deltas).await;
+        assert_eq!((d.pod.as_str(), d.seq), ("a", 2));
+        assert_eq!(d.blocks.as_ref().map(|b| b.removed.len()), Some(1));
+        // The sinks closed (the agent's tasks gone), the thread exits.
+        drop(alive);
+        tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
+    }
+
+    #[tokio::test]
+    async fn a_gap_without_replay_clears_the_pod_and_stop_ends_the_reader() {
+        let hub = Hub::new(vec![info("a")], 64);
+        let mut deltas = hub.subscribe();
+        let (reader, publishers, _alive, stop) = start_reader(&hub, Duration::from_millis(20), &AgentMetrics::new());
+        publishers[0].publish(0);
+        let d = next_delta(&mut deltas).await;
+        assert!(!d.blocks.as_ref().expect("blocks").cleared, "{d:?}");
+        // seq 1 lost, no replay endpoint: the record is cleared (under-claim), then batch 2
+        // applies to the empty record.
+        publishers[0].publish(2);
+        let d = next_delta(&mut deltas).await;
+        assert!(d.blocks.as_ref().expect("blocks").cleared, "{d:?}");
+        assert_eq!(hub.pods()[0].snapshot().blocks.iter().map(|r| r.hashes.len()).sum::<usize>(), 0);
+        stop.store(true, Ordering::Relaxed);
+        tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
+    }
+}

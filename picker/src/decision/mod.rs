@@ -1,0 +1,239 @@
+//! One routing decision, the same for the request path (ext_proc) and `/explain` (admin).
+//!
+//! [`prepare`] turns a request into what the router needs: parse the body, resolve the model,
+//! tokenize (precise mode), hash the block chain (token blocks; text blocks in approximate mode,
+//! docs/design.md §6) and, in approximate mode, look the chain up in the model's `ApproxStore`.
+//! [`decide`] routes the prepared request (and, in approximate mode, records the chosen pod as
+//! holding the chain); [`explain`] scores it without routing. Both read the same chain and the
+//! same matches, so `/explain` names the pod routing would choose.
+//!
+//! Synchronous and CPU-bound (JSON parse of up to `body_limit_bytes`, tokenization): callers run
+//! it off the async workers (`block_in_place` / `spawn_blocking`). Block hashes go into a
+//! per-thread buffer reused across requests. The pipeline computes; its logs and metrics are
+//! [`observe`]'s.
+
+pub mod observe;
+
+use std::cell::RefCell;
+use std::time::Instant;
+
+use kvroute_common::BlockHash;
+
+use crate::approx::{ApproxMatches, RoutingMode};
+use crate::gateway::Gateway;
+use crate::model::{ModelError, PromptInput, ResolvedModel, parse_body};
+use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
+use observe::DecisionObserver;
+
+thread_local! {
+    /// Block hashes of this thread's current decision (see [`HashBuf`]).
+    static HASHES: RefCell<Vec<BlockHash>> = RefCell::new(Vec::with_capacity(1024));
+    /// Code points of an approximate-mode prompt.
+    static CODEPOINTS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A request the picker answers itself. `status` is the HTTP status; `kind` the error `type`.
+#[derive(Debug)]
+pub struct Rejection {
+    /// HTTP status code.
+    pub status: u16,
+    /// OpenAI-style error `type`.
+    pub kind: &'static str,
+    /// Human message: what was wrong and what to do.
+    pub message: String,
+}
+
+impl Rejection {
+    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, message: message.into() }
+    }
+}
+
+impl From<ModelError> for Rejection {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::UnknownModel(_) => Rejection::new(404, "not_found_error", e.to_string()),
+            _ => Rejection::new(400, "invalid_request_error", e.to_string()),
+        }
+    }
+}
+
+impl From<RouteError> for Rejection {
+    fn from(e: RouteError) -> Self {
+        match e {
+            RouteError::Shed { .. } => Rejection::new(429, "rate_limit_exceeded", e.to_string()),
+            _ => Rejection::new(503, "service_unavailable", e.to_string()),
+        }
+    }
+}
+
+/// What one stream needs to know about the request to make a decision.
+#[derive(Debug)]
+pub struct DecisionInput<'a> {
+    /// Request id (for logs).
+    pub request_id: &'a str,
+    /// `:path`.
+    pub path: &'a str,
+    /// Full request body; `None` for a request without one.
+    pub body: Option<&'a [u8]>,
+    /// Envoy subset hint: allowed `ip:port`s.
+    pub subset: Option<&'a [String]>,
+}
+
+/// A request ready for the router: its model, tokens and block chain, and (approximate mode) where
+/// earlier routing sent that chain.
+#[derive(Debug)]
+pub struct PreparedRequest<'g> {
+    /// The client-facing model name the request named (or the default model's).
+    pub model_name: String,
+    /// What that name resolved to.
+    pub model: &'g ResolvedModel,
+    /// How the chain is matched.
+    pub mode: RoutingMode,
+    /// Token ids (precise mode); empty in approximate mode or when the prompt has none.
+    pub tokens: Vec<u32>,
+    /// Why the prompt cannot be prefix-matched (e.g. `cache_salt`, docs/design.md §2); "" when it can.
+    pub unmatched_reason: &'static str,
+    hashes: HashBuf,
+    approx_matches: Option<ApproxMatches>,
+}
+
+impl PreparedRequest<'_> {
+    /// The chain of the prompt's full blocks.
+    pub fn block_hashes(&self) -> &[BlockHash] {
+        &self.hashes.0
+    }
+
+    /// The routing question, restricted to `subset` when Envoy gave one.
+    pub fn route_request<'a>(&'a self, subset: Option<&'a [String]>) -> RouteRequest<'a> {
+        RouteRequest {
+            model: &self.model.target_model,
+            adapter: self.model.adapter.as_deref(),
+            block_hashes: &self.hashes.0,
+            subset,
+        }
+    }
+
+    /// The second source of matched blocks (approximate mode), for `Router::route_with` and
+    /// `Router::explain_with`.
+    pub fn matches(&self) -> Option<&dyn PrefixMatches> {
+        self.approx_matches.as_ref().map(|m| m as &dyn PrefixMatches)
+    }
+}
+
+/// The block-hash buffer of one decision: this thread's, taken for the decision and given back
+/// when dropped, so a decision does not allocate its chain.
+#[derive(Debug)]
+struct HashBuf(Vec<BlockHash>);
+
+impl HashBuf {
+    fn take() -> Self {
+        HashBuf(HASHES.with(|h| h.try_borrow_mut().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()))
+    }
+}
+
+impl Drop for HashBuf {
+    fn drop(&mut self) {
+        let mut v = std::mem::take(&mut self.0);
+        v.clear();
+        // `try_with`: the thread may be exiting; `try_borrow_mut`: never panic in a drop.
+        let _ = HASHES.try_with(|h| {
+            if let Ok(mut slot) = h.try_borrow_mut()
+                && slot.capacity() < v.capacity()
+            {
+                *slot = v;
+            }
+        });
+    }
+}
+
+/// Parse → model → tokens → chain → matches: everything a decision computes before scoring.
+/// Errors: an invalid body (400), an unknown model (404), no model for a body-less request (503).
+pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest<'g>, Rejection> {
+    // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
+    let parse_span = tracing::info_span!("epp.parse").entered();
+    let (model_name, prompt) = match input.body {
+        Some(body) => {
+            let parsed = parse_body(input.path, body)?;
+            (parsed.model, parsed.prompt)
+        }
+        None => match &gw.default_model {
+            Some(m) => (m.clone(), PromptInput::None("request without body")),
+            None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
+        },
+    };
+    let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(model_name.clone()))?;
+    drop(parse_span);
+    tracing::Span::current().record("model", model_name.as_str());
+    let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };
+    let tokens = match mode {
+        RoutingMode::Approximate => Vec::new(),
+        RoutingMode::Precise => {
+            tracing::info_span!("epp.tokenize").in_scope(|| model.tokens(&prompt, input.request_id))
+        }
+    };
+    let unmatched_reason = match &prompt {
+        PromptInput::None(why) => *why,
+        _ if model.tokenizer.is_none() && mode == RoutingMode::Precise => "no tokenizer",
+        _ => "",
+    };
+    let mut hashes = HashBuf::take();
+    tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
+        let done = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
+            Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes.0),
+            Err(_) => model.approx_chain(&prompt, &mut Vec::new(), &mut hashes.0),
+        });
+        if !done {
+            model.hasher.hash_prompt(&tokens, &mut hashes.0);
+        }
+        tracing::Span::current().record("blocks", hashes.0.len());
+    });
+    let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes.0));
+    Ok(PreparedRequest { model_name, model, mode, tokens, unmatched_reason, hashes, approx_matches })
+}
+
+/// Routes one request. On success the returned decision holds the pod's in-flight slot.
+pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
+    let observer = DecisionObserver::start(&gw.metrics, input.request_id);
+    let prepared = prepare(gw, input)?;
+    observer.received(&prepared);
+    let t_route = Instant::now();
+    let result = tracing::info_span!("epp.score")
+        .in_scope(|| gw.router.route_with(&prepared.route_request(input.subset), prepared.matches()));
+    let route_elapsed = t_route.elapsed();
+    observer.scored(route_elapsed);
+    match result {
+        Ok(decision) => {
+            // Approximate mode: the chosen pod will hold this chain once it has served it.
+            if let Some(a) = &prepared.model.approx {
+                a.store.record(&decision.pod, prepared.block_hashes());
+            }
+            observer.routed(&prepared, &decision, route_elapsed);
+            Ok(decision)
+        }
+        Err(e) => {
+            observer.no_pod(&prepared, &e);
+            Err(e.into())
+        }
+    }
+}
+
+/// What `/explain` reports: the prepared request and every candidate's scores.
+#[derive(Debug)]
+pub struct Explained<'g> {
+    /// The request as [`decide`] would see it.
+    pub request: PreparedRequest<'g>,
+    /// Candidates, exclusions and the pod [`decide`] would choose now.
+    pub explanation: Explanation,
+}
+
+/// Scores one request like [`decide`] (same chain, same matches) without routing it: no
+/// reservation, no record, no metric.
+pub fn explain<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Explained<'g>, Rejection> {
+    let request = prepare(gw, input)?;
+    let explanation = gw.router.explain_with(&request.route_request(input.subset), request.matches());
+    Ok(Explained { request, explanation })
+}
+
+#[cfg(test)]
+mod tests;
