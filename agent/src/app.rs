@@ -18,6 +18,7 @@ use crate::report::sink::PodSink;
 use crate::report::stream::{AgentIdentity, run_picker_stream};
 use crate::scrape_loop::scrape_task;
 use crate::telemetry::AgentMetrics;
+use kvroute_common::listener::{self, ListenerLimits};
 use kvroute_proto::agent::v1::PodInfo;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -105,20 +106,25 @@ pub async fn start(config: AgentConfig, gpu: Arc<dyn GpuSource>) -> Result<Runni
         })
         .collect();
     let hub = Hub::new(infos, config.delta_queue);
+    for pod in hub.pods() {
+        pod.set_block_capacity(config.max_blocks_per_engine);
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_threads = Arc::new(AtomicBool::new(false));
     let mut tasks = JoinSet::new();
 
+    // Header-read and idle timeouts and a connection bound (issue 17): a half-sent request does
+    // not hold a socket for ever, and many of them do not starve /healthz.
+    let limits = ListenerLimits {
+        header_read_timeout: Duration::from_millis(config.metrics_header_timeout_ms),
+        max_connections: config.metrics_max_connections,
+        ..ListenerLimits::default()
+    };
     let router = metrics.router();
     let mut srv_stop = stop_rx.clone();
-    tasks.spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = srv_stop.wait_for(|s| *s).await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "metrics listener failed");
-        }
-    });
+    tasks.spawn(listener::serve(listener, router, limits, async move {
+        let _ = srv_stop.wait_for(|s| *s).await;
+    }));
 
     // The report ticker holds the only strong `alive`: when it ends (or is aborted with the task
     // set), the reader thread sees its sinks closed and exits.
