@@ -5,7 +5,10 @@
 //! - 1.0 healthy: no penalty at all.
 //! - 0.7–0.9 minor: intermittent corrected ECC (< 1/min), moderate thermal or power throttling,
 //!   host memory pressure, a slow probe, a probe that timed out while the engine kept processing
-//!   tokens (busy, not stuck), engine stats that just went stale.
+//!   tokens (busy, not stuck), engine stats that just went stale, GPUs the agent cannot see
+//!   (0.3: "GPU not found on this node" when NVML has no GPU of that index or UUID, "GPU assignment unknown" when the kubelet's
+//!   PodResources API has not told which GPUs the pod holds): the pod may be fine, but its ECC,
+//!   thermal and power state are unknown, so it must not pass for healthy (docs/design.md §14).
 //! - Stale stats (issue 17: when `/metrics` stopped parsing, the last good queue and KV figures
 //!   were reported for ever with health 1.0): once the last `/metrics` page that parsed is older
 //!   than `metrics_stale_after_ms`, a soft penalty of 0.1 grows linearly to 0.5 over
@@ -42,6 +45,21 @@ pub enum ProbeOutcome {
     TimedOutBusy,
 }
 
+/// Whether the agent sees the pod's GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuVisibility {
+    /// Every GPU of the pod was sampled (or the pod declares none).
+    #[default]
+    Seen,
+    /// A GPU named for the pod does not exist on this node (NVML has no such index or UUID).
+    NotFound,
+    /// Which GPUs the pod holds is not known (PodResources unreachable or listing none).
+    Unknown,
+}
+
+/// Soft penalty for GPUs the agent cannot see.
+pub const GPU_UNSEEN_PENALTY: f64 = 0.3;
+
 /// Everything the score depends on, for one pod.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HealthInputs {
@@ -73,6 +91,8 @@ pub struct HealthInputs {
     /// Age past which the figures count as stale, ms (the agent uses 5 scrape intervals, at
     /// least 1 s).
     pub metrics_stale_after_ms: f64,
+    /// Whether the pod's GPUs could be sampled.
+    pub gpus: GpuVisibility,
 }
 
 impl Default for HealthInputs {
@@ -91,6 +111,7 @@ impl Default for HealthInputs {
             host_memory_used: 0.3,
             metrics_age_ms: 0.0,
             metrics_stale_after_ms: 1000.0,
+            gpus: GpuVisibility::Seen,
         }
     }
 }
@@ -165,6 +186,11 @@ pub fn health_score(i: &HealthInputs) -> Health {
     let stale_for = i.metrics_age_ms - i.metrics_stale_after_ms;
     if stale_for > 0.0 {
         penalties.push((0.1 + 0.4 * (stale_for / STALE_RAMP_MS).min(1.0), "engine stats stale"));
+    }
+    match i.gpus {
+        GpuVisibility::Seen => {}
+        GpuVisibility::NotFound => penalties.push((GPU_UNSEEN_PENALTY, "GPU not found on this node")),
+        GpuVisibility::Unknown => penalties.push((GPU_UNSEEN_PENALTY, "GPU assignment unknown")),
     }
     let total: f64 = penalties.iter().map(|(p, _)| p).sum();
     let reason = penalties.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map_or("", |(_, r)| r);
@@ -268,6 +294,20 @@ mod tests {
             .score,
             0.0
         );
+    }
+
+    #[test]
+    fn unseen_gpus_are_a_named_penalty_never_silently_healthy() {
+        let missing = with(|i| i.gpus = GpuVisibility::NotFound);
+        assert_eq!((band(missing.score), missing.reason.as_str()), (3, "GPU not found on this node"));
+        let unknown = with(|i| i.gpus = GpuVisibility::Unknown);
+        assert_eq!((band(unknown.score), unknown.reason.as_str()), (3, "GPU assignment unknown"));
+        // A hard condition still decides.
+        let both = with(|i| {
+            i.gpus = GpuVisibility::NotFound;
+            i.probe = ProbeOutcome::Failed
+        });
+        assert_eq!(both.reason, "inference probe failing");
     }
 
     #[test]

@@ -78,7 +78,7 @@ async fn agent_with(scenario: &str, faults: Arc<Faults>) -> RunningAgent {
 
 /// Polls the pod's reported stats until `pred(score, reason)` holds; returns them.
 async fn wait_health(agent: &RunningAgent, what: &str, pred: impl Fn(f64, &str) -> bool) -> (f64, String) {
-    let pod = agent.hub.pod("engine-0").expect("pod");
+    let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let stats = pod.snapshot().stats.expect("stats");
@@ -164,7 +164,7 @@ async fn failing_engine_health_scores_zero() {
     let agent = agent_with("healthy.yaml", faults.clone()).await;
     wait_health(&agent, "healthy first", |s, _| s == 1.0).await;
     faults.unhealthy.store(true, Ordering::Relaxed);
-    let pod = agent.hub.pod("engine-0").expect("pod");
+    let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let s = pod.snapshot().stats.expect("stats");
@@ -191,7 +191,7 @@ async fn config_annotations_are_reported_in_pod_info() {
     let config: AgentConfig = serde_norway::from_str(&yaml).expect("config");
     let path = format!("{}/scenarios/healthy.yaml", env!("CARGO_MANIFEST_DIR"));
     let agent = app::start(config, Arc::new(MockGpuSource::from_file(&path).expect("scenario"))).await.expect("starts");
-    let pod = agent.hub.pod("engine-0").expect("pod");
+    let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     // Hello and every snapshot carry this PodInfo.
     let info = pod.snapshot().info.expect("info");
     assert_eq!(info.annotations.get("kvroute.io/cost-per-hour").map(String::as_str), Some("3.67"));
@@ -211,7 +211,7 @@ async fn stats_frozen_by_a_broken_metrics_page_age_into_a_penalty_and_recover() 
     // growing; the figures themselves stay the last good page's (7 running, 3 waiting).
     let (score, reason) = wait_health(&agent, "stale", |_, r| r == "engine stats stale").await;
     assert!((0.7..1.0).contains(&score), "{score} {reason}");
-    let stats = agent.hub.pod("engine-0").expect("pod").snapshot().stats.expect("stats");
+    let stats = agent.hub.pod("engine-0-rank-0").expect("pod").snapshot().stats.expect("stats");
     assert_eq!((stats.num_requests_running, stats.num_requests_waiting), (7, 3));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (later, _) = wait_health(&agent, "still stale", |_, r| r == "engine stats stale").await;

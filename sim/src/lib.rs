@@ -1,11 +1,13 @@
 //! kvroute-sim: a discrete-event simulator that measures routing quality (issue 9, docs/design.md §10).
 //!
-//! It drives kvroute's *real* pool, prefix index and router ([`policy::KvroutePolicy`]) and
-//! re-implementations of the peers' policies ([`policy`]) with seeded workloads ([`workload`]) on
-//! modelled vLLM pods ([`engine`]: prefill per uncached token, decode per token, bounded batch,
-//! per-pod KV capacity with LRU eviction) whose cache changes reach the router after a report delay
-//! ([`sim`]). [`report`] turns runs into tables (cache hit rate, TTFT p50/p90/p99, throughput,
-//! per-pod load spread) and SVG charts.
+//! It drives kvroute's *real* pool, prefix index, router and approximate store
+//! ([`policy::KvroutePolicy`]) and re-implementations of the peers' policies ([`policy`]) with
+//! seeded workloads ([`workload`]) on modelled vLLM pods ([`engine`]: vLLM-style steps with chunked
+//! prefill, decode slowing with batch size, KV held by running requests, prefix cache with LRU
+//! eviction, preemption) whose cache changes reach the routers after a report delay ([`sim`]:
+//! router replicas, traffic straight to pods, cache resets). [`report`] turns runs into tables
+//! (cache hit rate, TTFT p50/p90/p99, throughput, per-pod load spread; warm-up left out) and
+//! charts (SVG and PNG).
 //!
 //! Single-threaded apart from each kvroute pool's own writer thread; every run is deterministic
 //! for a given seed.
@@ -34,6 +36,17 @@ pub enum SimError {
     /// No tokio runtime for the pool's async API.
     #[error("cannot build a tokio runtime: {0}")]
     Runtime(std::io::Error),
+    /// A pod's engine cannot make progress (a request larger than its KV capacity).
+    #[error("pod {pod}: {message}")]
+    Engine {
+        /// Pod index.
+        pod: usize,
+        /// What is stuck.
+        message: String,
+    },
+    /// A run was given no router.
+    #[error("a run needs at least one router replica")]
+    NoRouter,
     /// A policy returned a pod outside the fleet.
     #[error("policy {policy} picked pod {pod}, outside the fleet")]
     BadPick {

@@ -1,34 +1,54 @@
-//! The discrete-event loop: arrivals → policy → pod queues → prefill → decode → finish, with
-//! periodic reports that reach the policy after `report_delay_us` (docs/design.md §7: block changes coalesced
-//! for `blockFlushMs`, stats on every scrape).
+//! The discrete-event loop: arrivals → a router replica's policy (or straight to a pod) → pod
+//! queues → engine steps → finish, with periodic reports that reach every replica after
+//! `report_delay_us` (docs/design.md §7: block changes coalesced for `blockFlushMs`, stats on every
+//! scrape).
+//!
+//! - **Router replicas**: `routers` independent instances of the policy; requests go to them in
+//!   turn (as Envoy spreads requests over picker replicas). Each keeps its own view where the
+//!   policy has one (approximate memories, in-flight counts); every replica receives every pod
+//!   report (agents stream to all pickers).
+//! - **Direct traffic**: a `direct_share` of the requests goes to a uniformly random pod without
+//!   any router seeing it (clients or jobs that bypass the gateway); routers learn of it only from
+//!   KV events and stats. Those requests are left out of the figures.
+//! - **Cache resets**: every `cache_reset_interval_us`, the next pod in turn empties its prefix
+//!   cache (an engine restart or `reset_prefix_cache`); KV-event consumers are told
+//!   (AllBlocksCleared), approximate routers are not.
 //!
 //! Time is simulated (µs); events at the same instant run in the order they were scheduled, so a
-//! run is a pure function of (workload, policy, config): deterministic.
+//! run is a pure function of (workload, policies, config): deterministic.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use indicatif::ProgressBar;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::SimError;
 use crate::engine::{CostModel, PodEngine};
 use crate::policy::{PodReport, Policy};
 use crate::workload::Workload;
 
-/// Fleet and reporting settings.
+/// Fleet, routers and reporting settings.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     /// Pods in the fleet. Default 8 (docs/design.md §10).
     pub pods: usize,
     /// Engine timing and capacity.
     pub cost: CostModel,
-    /// Block changes are flushed to the router every this many µs. Default 10 000 (docs/design.md §7).
+    /// Block changes are flushed to the routers every this many µs. Default 10 000 (docs/design.md §7).
     pub kv_flush_us: u64,
     /// Stats (waiting, running, utilisation) are read every this many µs. Default 200 000
     /// (docs/design.md §7's /metrics scrape).
     pub stats_interval_us: u64,
-    /// Delay from an engine read to the router seeing it, µs. Default 20 000.
+    /// Delay from an engine read to the routers seeing it, µs. Default 20 000.
     pub report_delay_us: u64,
+    /// Share of requests sent straight to a random pod, in [0,1]. Default 0.
+    pub direct_share: f64,
+    /// Every this many µs one pod (in turn) empties its prefix cache; 0 = never. Default 0.
+    pub cache_reset_interval_us: u64,
+    /// Seed of the direct-traffic choices.
+    pub seed: u64,
 }
 
 impl Default for SimConfig {
@@ -39,6 +59,9 @@ impl Default for SimConfig {
             kv_flush_us: 10_000,
             stats_interval_us: 200_000,
             report_delay_us: 20_000,
+            direct_share: 0.0,
+            cache_reset_interval_us: 0,
+            seed: 1,
         }
     }
 }
@@ -48,9 +71,12 @@ impl Default for SimConfig {
 pub struct Outcome {
     /// Pod it was routed to.
     pub pod: usize,
-    /// Time to first token, µs (queue + adapter load + prefill + one decode step).
+    /// Router replica that routed it (`None`: sent straight to the pod).
+    pub router: Option<usize>,
+    /// Time to first token, µs (queue + prefill of the uncached tokens, in steps shared with
+    /// other requests).
     pub ttft_us: u64,
-    /// Prompt blocks found cached when its prefill started.
+    /// Prompt blocks found cached when it was first admitted.
     pub hit_blocks: usize,
     /// Full blocks in its prompt.
     pub total_blocks: usize,
@@ -64,8 +90,17 @@ pub struct Outcome {
     pub finish_us: u64,
     /// Load stage.
     pub stage: usize,
+    /// Its stage is a warm-up (left out of the figures).
+    pub warmup: bool,
     /// Conversation id, if any.
     pub session: Option<u64>,
+}
+
+impl Outcome {
+    /// Counted in the figures: routed (not direct) and not warm-up.
+    pub fn measured(&self) -> bool {
+        self.router.is_some() && !self.warmup
+    }
 }
 
 /// One policy's run of one workload.
@@ -77,14 +112,16 @@ pub struct RunResult {
     pub pods: usize,
     /// Per request, by request id.
     pub outcomes: Vec<Outcome>,
+    /// Preemptions over all pods.
+    pub preemptions: u64,
 }
 
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     Deliver(usize),
     Arrival(usize),
-    PrefillDone { pod: usize, req: usize },
-    Finish { pod: usize, req: usize },
+    StepDone(usize),
+    Reset(usize),
     Tick,
 }
 
@@ -105,19 +142,19 @@ impl Loop<'_> {
         self.heap.push(Reverse((t, self.seq, ev)));
     }
 
-    fn try_start(&mut self, pod: usize, now: u64) {
-        let Some(p) = self.pods.get_mut(pod) else { return };
-        if !p.can_start() {
-            return;
+    /// Starts the pod's next step if it is idle and has work.
+    fn kick(&mut self, pod: usize, now: u64) -> Result<(), SimError> {
+        let p = &mut self.pods[pod];
+        if p.stepping {
+            return Ok(());
         }
-        let Some(&req) = p.waiting.front() else { return };
-        let r = &self.w.requests[req];
-        if let Some(a) = p.start_next(&r.blocks, r.prompt_tokens, r.adapter.as_deref(), &self.cfg.cost) {
-            let o = &mut self.outcomes[a.req];
-            o.hit_blocks = a.hit_blocks;
-            let per_block = if r.blocks.is_empty() { 0 } else { u64::from(r.prompt_tokens) / r.blocks.len() as u64 };
-            o.cached_tokens = (a.hit_blocks as u64 * per_block).min(u64::from(r.prompt_tokens));
-            self.at(now + a.prefill_us, Ev::PrefillDone { pod, req: a.req });
+        match p.schedule(&self.w.requests) {
+            Ok(Some(us)) => {
+                self.at(now + us, Ev::StepDone(pod));
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(message) => Err(SimError::Engine { pod, message }),
         }
     }
 
@@ -125,7 +162,7 @@ impl Loop<'_> {
         for pod in 0..self.pods.len() {
             let stats_due = now >= self.next_stats_us[pod];
             let p = &mut self.pods[pod];
-            if !stats_due && p.stored.is_empty() && p.removed.is_empty() {
+            if !stats_due && p.stored.is_empty() && p.removed.is_empty() && !p.cleared {
                 continue;
             }
             let stats = stats_due.then(|| p.stats());
@@ -137,6 +174,7 @@ impl Loop<'_> {
                 engine_time_us: now,
                 stored: std::mem::take(&mut p.stored),
                 removed: std::mem::take(&mut p.removed),
+                cleared: std::mem::take(&mut p.cleared),
                 stats,
             };
             self.reports.push(Some(report));
@@ -146,70 +184,104 @@ impl Loop<'_> {
     }
 }
 
-/// Runs `workload` under `policy` to completion (every request finished).
+/// Runs `workload` to completion (every request finished) with one router replica per element of
+/// `routers` (all the same policy).
 pub fn run(
     workload: &Workload,
-    policy: &mut dyn Policy,
+    routers: &mut [Box<dyn Policy>],
     cfg: &SimConfig,
     progress: Option<&ProgressBar>,
 ) -> Result<RunResult, SimError> {
+    let name = routers.first().map(|p| p.name().to_string()).ok_or(SimError::NoRouter)?;
     let n = workload.requests.len();
+    let pods = cfg.pods.max(1);
     let mut l = Loop {
         w: workload,
         cfg,
         heap: BinaryHeap::new(),
         seq: 0,
-        pods: (0..cfg.pods.max(1)).map(|_| PodEngine::new(&cfg.cost)).collect(),
+        pods: (0..pods).map(|_| PodEngine::new(&cfg.cost)).collect(),
         outcomes: vec![Outcome::default(); n],
         reports: Vec::new(),
-        next_stats_us: vec![0; cfg.pods.max(1)],
+        next_stats_us: vec![0; pods],
     };
+    let mut rng = StdRng::seed_from_u64(cfg.seed ^ 0xD1EC7);
+    let mut direct = vec![false; n];
     for r in &workload.requests {
+        direct[r.id] = cfg.direct_share > 0.0 && rng.random::<f64>() < cfg.direct_share;
         l.outcomes[r.id] = Outcome {
             arrival_us: r.arrival_us,
             total_blocks: r.blocks.len(),
             prompt_tokens: u64::from(r.prompt_tokens),
             stage: r.stage,
+            warmup: workload.stages.get(r.stage).is_some_and(|s| s.warmup),
             session: r.session,
             ..Outcome::default()
         };
         l.at(r.arrival_us, Ev::Arrival(r.id));
     }
     l.at(0, Ev::Tick);
+    if cfg.cache_reset_interval_us > 0 {
+        l.at(cfg.cache_reset_interval_us, Ev::Reset(0));
+    }
     let mut unfinished = n;
+    let mut next_router = 0usize;
     while let Some(Reverse((now, _, ev))) = l.heap.pop() {
         match ev {
             Ev::Arrival(id) => {
                 let req = &workload.requests[id];
-                let pod = policy.pick(req, now)?;
-                if pod >= l.pods.len() {
-                    return Err(SimError::BadPick { policy: policy.name().to_string(), pod });
-                }
+                let (pod, router) = if direct[id] {
+                    (rng.random_range(0..pods), None)
+                } else {
+                    let r = next_router % routers.len();
+                    next_router += 1;
+                    let pod = routers[r].pick(req, now)?;
+                    if pod >= pods {
+                        return Err(SimError::BadPick { policy: name.clone(), pod });
+                    }
+                    (pod, Some(r))
+                };
                 l.outcomes[id].pod = pod;
-                l.pods[pod].waiting.push_back(id);
-                l.try_start(pod, now);
+                l.outcomes[id].router = router;
+                l.pods[pod].enqueue(id);
+                l.kick(pod, now)?;
                 if let Some(pb) = progress {
                     pb.inc(1);
                 }
             }
-            Ev::PrefillDone { pod, req } => {
-                let r = &workload.requests[req];
-                l.pods[pod].prefill_done(&r.blocks);
-                let step = (cfg.cost.decode_s_per_token * 1e6) as u64;
-                l.outcomes[req].ttft_us = now + step - r.arrival_us;
-                l.at(now + step * u64::from(r.output_tokens.max(1)), Ev::Finish { pod, req });
-                l.try_start(pod, now);
-            }
-            Ev::Finish { pod, req } => {
-                l.pods[pod].finish();
-                l.outcomes[req].finish_us = now;
-                policy.on_finish(&workload.requests[req], pod);
-                unfinished -= 1;
-                l.try_start(pod, now);
+            Ev::StepDone(pod) => {
+                let result = l.pods[pod].complete(&workload.requests);
+                for (req, hit) in result.admitted {
+                    let r = &workload.requests[req];
+                    let o = &mut l.outcomes[req];
+                    o.hit_blocks = hit;
+                    let per_block =
+                        if r.blocks.is_empty() { 0 } else { u64::from(r.prompt_tokens) / r.blocks.len() as u64 };
+                    o.cached_tokens = (hit as u64 * per_block).min(u64::from(r.prompt_tokens));
+                }
+                for req in result.first_token {
+                    l.outcomes[req].ttft_us = now - workload.requests[req].arrival_us;
+                }
+                for req in result.finished {
+                    l.outcomes[req].finish_us = now;
+                    if let Some(r) = l.outcomes[req].router {
+                        routers[r].on_finish(&workload.requests[req], pod);
+                    }
+                    unfinished -= 1;
+                }
+                l.kick(pod, now)?;
             }
             Ev::Deliver(idx) => {
                 if let Some(report) = l.reports.get_mut(idx).and_then(Option::take) {
-                    policy.on_report(&report);
+                    for r in routers.iter_mut() {
+                        r.on_report(&report);
+                    }
+                }
+            }
+            Ev::Reset(pod) => {
+                l.pods[pod].reset_cache(&workload.requests);
+                if unfinished > 0 {
+                    l.at(now + cfg.cache_reset_interval_us, Ev::Reset((pod + 1) % pods));
                 }
             }
             Ev::Tick => {
@@ -220,5 +292,82 @@ pub fn run(
             }
         }
     }
-    Ok(RunResult { policy: policy.name().to_string(), pods: l.pods.len(), outcomes: l.outcomes })
+    let preemptions = l.pods.iter().map(|p| p.preemptions).sum();
+    Ok(RunResult { policy: name, pods, outcomes: l.outcomes, preemptions })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy;
+    use crate::workload::{self, SharedPrefixConfig};
+
+    fn small() -> Workload {
+        let cfg = SharedPrefixConfig {
+            groups: 10,
+            prefix_tokens: 512,
+            question_tokens: 64,
+            stages: vec![workload::Stage::warmup(4.0, 5.0), workload::Stage::measured(4.0, 10.0)],
+            ..SharedPrefixConfig::default()
+        };
+        workload::shared_prefix(&cfg, 3, 16)
+    }
+
+    fn replicas(name: &str, n: usize, pods: usize) -> Vec<Box<dyn Policy>> {
+        (0..n)
+            .map(|i| match policy::build(name, pods, 31_250, i as u64) {
+                Ok(p) => p,
+                Err(e) => panic!("{e}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn replicas_share_the_traffic_and_warm_up_is_marked() {
+        let w = small();
+        let cfg = SimConfig { pods: 4, ..SimConfig::default() };
+        let mut routers = replicas("round-robin", 3, 4);
+        let run = match run(&w, &mut routers, &cfg, None) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        };
+        let per_router: Vec<usize> =
+            (0..3).map(|r| run.outcomes.iter().filter(|o| o.router == Some(r)).count()).collect();
+        assert!(per_router.iter().all(|c| c.abs_diff(run.outcomes.len() / 3) <= 1), "{per_router:?}");
+        assert!(run.outcomes.iter().any(|o| o.warmup) && run.outcomes.iter().any(|o| o.measured()));
+        assert!(run.outcomes.iter().all(|o| o.finish_us >= o.arrival_us + o.ttft_us));
+    }
+
+    #[test]
+    fn direct_traffic_bypasses_the_routers() {
+        let w = small();
+        let cfg = SimConfig { pods: 4, direct_share: 0.5, ..SimConfig::default() };
+        let mut routers = replicas("least-connections", 1, 4);
+        let run = match run(&w, &mut routers, &cfg, None) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        };
+        let direct = run.outcomes.iter().filter(|o| o.router.is_none()).count() as f64;
+        let share = direct / run.outcomes.len() as f64;
+        assert!((0.35..0.65).contains(&share), "{share}");
+        assert!(run.outcomes.iter().filter(|o| o.router.is_none()).all(|o| !o.measured()));
+    }
+
+    /// A reset empties a pod's cache: kvroute (told through KV events) forgets it; the requests
+    /// after it on that pod prefill again.
+    #[test]
+    fn cache_resets_cost_hits() {
+        let w = small();
+        let hit = |interval_us: u64| {
+            let cfg = SimConfig { pods: 4, cache_reset_interval_us: interval_us, ..SimConfig::default() };
+            let mut routers = replicas("kvroute", 1, 4);
+            let run = match run(&w, &mut routers, &cfg, None) {
+                Ok(r) => r,
+                Err(e) => panic!("{e}"),
+            };
+            run.outcomes.iter().map(|o| o.cached_tokens).sum::<u64>()
+        };
+        let (none, frequent) = (hit(0), hit(500_000));
+        assert!(frequent < none * 9 / 10, "resets every 0.5 s: {frequent} vs {none} cached tokens");
+    }
 }

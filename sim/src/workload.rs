@@ -8,12 +8,23 @@
 //!
 //! Arrivals are open-loop (Poisson per stage); multi-turn chat schedules turn k+1 a think time after
 //! turn k's arrival (think times ≫ TTFT, so the turn almost always follows its answer).
+//!
+//! Every request also carries the chain approximate routers see: its prompt as *text*, about 4
+//! characters per token (each token becomes 4 characters derived from its id), cut into GIE's
+//! 64-character chunks and capped at 256 chunks, hashed by the picker's own
+//! [`kvroute_picker::approx::TextHasher`]. With a 6 000-token system prompt the 256 chunks
+//! (16 384 characters ≈ 4 096 tokens) never reach past it, which is how GIE's text view loses
+//! conversations.
+//!
+//! The December 2026 workloads (docs/design.md §10) come with their fleet: KV tokens per pod and
+//! router replicas ([`Fleet`]), and warm-up stages excluded from the figures.
 
 use std::io::BufRead;
 use std::path::Path;
 
 use kvroute_common::BlockHash;
 use kvroute_common::hash::{hash_block, root_hash};
+use kvroute_picker::approx::{DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS, TextHasher};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
@@ -49,8 +60,12 @@ pub struct SimRequest {
     pub session: Option<u64>,
     /// Load stage the request belongs to (index into [`Workload::stages`]).
     pub stage: usize,
+    /// Sent straight to a pod, past the routers (set by the simulation's `direct_share`).
+    pub direct: bool,
     /// Full-block chain of the prompt (docs/design.md §2).
     pub blocks: Vec<BlockHash>,
+    /// The prompt's text chain as approximate routers hash it (64-character chunks, at most 256).
+    pub text_blocks: Vec<BlockHash>,
 }
 
 /// A constant-rate phase of a workload.
@@ -58,6 +73,31 @@ pub struct SimRequest {
 pub struct Stage {
     /// Offered rate, requests per second.
     pub rate_rps: f64,
+    /// Length, seconds of simulated time (0 for workloads that are not rate-staged).
+    pub duration_s: f64,
+    /// Warm-up: its requests run but are left out of every figure.
+    pub warmup: bool,
+}
+
+impl Stage {
+    /// A measured stage of `rate_rps` for `duration_s`.
+    pub fn measured(rate_rps: f64, duration_s: f64) -> Stage {
+        Stage { rate_rps, duration_s, warmup: false }
+    }
+
+    /// A warm-up stage.
+    pub fn warmup(rate_rps: f64, duration_s: f64) -> Stage {
+        Stage { rate_rps, duration_s, warmup: true }
+    }
+}
+
+/// Fleet settings a workload prescribes (`None`: the command line's).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Fleet {
+    /// KV capacity per pod, tokens.
+    pub kv_tokens: Option<usize>,
+    /// Router (picker) replicas.
+    pub routers: Option<usize>,
 }
 
 /// A named list of requests sorted by arrival.
@@ -71,19 +111,75 @@ pub struct Workload {
     pub requests: Vec<SimRequest>,
     /// Load stages (one for single-rate workloads).
     pub stages: Vec<Stage>,
+    /// The fleet it is defined on.
+    pub fleet: Fleet,
 }
+
+/// Characters per token in the text view (GIE's estimate).
+pub const CHARS_PER_TOKEN: usize = 4;
 
 /// Builds request chains from segment lists (`block_size` tokens per block).
 #[derive(Clone, Debug)]
 pub struct ChainBuilder {
     block_size: usize,
     tokens: Vec<u32>,
+    text: String,
+    codepoints: Vec<u32>,
+    /// Text chains by (adapter, the segments the 256 chunks reach): requests sharing a long
+    /// prefix share their whole text chain.
+    text_memo: std::collections::HashMap<TextKey, Vec<BlockHash>>,
 }
+
+/// (adapter, the `(segment id, tokens)` the text view reaches).
+type TextKey = (Option<String>, Vec<(u64, u32)>);
 
 impl ChainBuilder {
     /// A builder for `block_size`-token blocks (vLLM default 16).
     pub fn new(block_size: usize) -> Self {
-        ChainBuilder { block_size: block_size.max(1), tokens: Vec::new() }
+        ChainBuilder {
+            block_size: block_size.max(1),
+            tokens: Vec::new(),
+            text: String::new(),
+            codepoints: Vec::new(),
+            text_memo: std::collections::HashMap::new(),
+        }
+    }
+
+    /// The text chain of `segments` under `adapter` as approximate routing hashes it: each token
+    /// as [`CHARS_PER_TOKEN`] letters, GIE's 64-character chunks, at most 256 of them.
+    pub fn text_chain(&mut self, adapter: Option<&str>, segments: &[Segment]) -> Vec<BlockHash> {
+        let limit = DEFAULT_BLOCK_CHARS * DEFAULT_MAX_BLOCKS;
+        let mut key = Vec::new();
+        let mut chars = 0usize;
+        for s in segments {
+            if chars >= limit {
+                break;
+            }
+            let take = s.tokens.min(u32::try_from((limit - chars).div_ceil(CHARS_PER_TOKEN)).unwrap_or(u32::MAX));
+            key.push((s.id, take));
+            chars += take as usize * CHARS_PER_TOKEN;
+        }
+        let key = (adapter.map(str::to_string), key);
+        if let Some(chain) = self.text_memo.get(&key) {
+            return chain.clone();
+        }
+        let hasher = TextHasher::new(MODEL, adapter, DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS);
+        self.text.clear();
+        'outer: for s in segments {
+            for off in 0..s.tokens {
+                if self.text.len() >= limit {
+                    break 'outer;
+                }
+                let t = synth_token(s.id, off);
+                for k in 0..CHARS_PER_TOKEN {
+                    self.text.push(char::from(b'a' + ((t >> (8 * k)) & 0xFF) as u8 % 26));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        hasher.hash_text(&self.text, &mut self.codepoints, &mut out);
+        self.text_memo.insert(key, out.clone());
+        out
     }
 
     /// The full-block chain of `segments` under `adapter` (a trailing partial block is ignored).
@@ -142,12 +238,14 @@ fn finish(name: &str, description: String, stages: Vec<Stage>, mut drafts: Vec<D
             prompt_tokens: d.segments.iter().map(|s| s.tokens).sum(),
             output_tokens: d.output_tokens,
             blocks: cb.chain(d.adapter.as_deref(), &d.segments),
+            text_blocks: cb.text_chain(d.adapter.as_deref(), &d.segments),
             adapter: d.adapter,
             session: d.session,
             stage: d.stage,
+            direct: false,
         })
         .collect();
-    Workload { name: name.into(), description, requests, stages }
+    Workload { name: name.into(), description, requests, stages, fleet: Fleet::default() }
 }
 
 /// docs/design.md §10's routing-quality shape (llm-d's benchmark, scaled).
@@ -163,10 +261,8 @@ pub struct SharedPrefixConfig {
     pub question_tokens: u32,
     /// Output tokens. Default 100.
     pub output_tokens: u32,
-    /// Offered rate per stage, requests/s, rising. Default 2, 4, 6, 8, 10.
-    pub rates_rps: Vec<f64>,
-    /// Length of each stage, seconds of simulated time. Default 60.
-    pub stage_s: f64,
+    /// Poisson stages, in order. Default 2, 4, 6, 8, 10 req/s × 60 s, all measured.
+    pub stages: Vec<Stage>,
 }
 
 impl Default for SharedPrefixConfig {
@@ -177,20 +273,36 @@ impl Default for SharedPrefixConfig {
             questions_per_group: 5,
             question_tokens: 1200,
             output_tokens: 100,
-            rates_rps: vec![2.0, 4.0, 6.0, 8.0, 10.0],
-            stage_s: 60.0,
+            stages: staged(&[2.0, 4.0, 6.0, 8.0, 10.0], 60.0),
         }
     }
 }
 
+/// Measured stages of `rates` req/s, `stage_s` seconds each.
+pub fn staged(rates: &[f64], stage_s: f64) -> Vec<Stage> {
+    rates.iter().map(|r| Stage::measured(*r, stage_s)).collect()
+}
+
+fn describe_stages(stages: &[Stage]) -> String {
+    stages
+        .iter()
+        .map(|s| format!("{} req/s × {} s{}", s.rate_rps, s.duration_s, if s.warmup { " (warm-up)" } else { "" }))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Shared-prefix groups: each request is one group's prefix + one of its questions, both uniform.
 pub fn shared_prefix(cfg: &SharedPrefixConfig, seed: u64, block_size: usize) -> Workload {
+    shared_prefix_named("shared-prefix", cfg, seed, block_size)
+}
+
+fn shared_prefix_named(name: &str, cfg: &SharedPrefixConfig, seed: u64, block_size: usize) -> Workload {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut drafts = Vec::new();
     let mut start_us = 0u64;
-    for (stage, rate) in cfg.rates_rps.iter().enumerate() {
-        let end_us = start_us + (cfg.stage_s * 1e6) as u64;
-        let mut t = start_us + exp_gap_us(&mut rng, *rate);
+    for (stage, st) in cfg.stages.iter().enumerate() {
+        let end_us = start_us + (st.duration_s * 1e6) as u64;
+        let mut t = start_us + exp_gap_us(&mut rng, st.rate_rps);
         while t < end_us {
             let g = u64::from(rng.random_range(0..cfg.groups.max(1)));
             let q = u64::from(rng.random_range(0..cfg.questions_per_group.max(1)));
@@ -205,37 +317,77 @@ pub fn shared_prefix(cfg: &SharedPrefixConfig, seed: u64, block_size: usize) -> 
                 session: None,
                 stage,
             });
-            t += exp_gap_us(&mut rng, *rate);
+            t += exp_gap_us(&mut rng, st.rate_rps);
         }
         start_us = end_us;
     }
-    let rates = cfg.rates_rps.iter().map(|r| format!("{r}")).collect::<Vec<_>>().join("/");
     let description = format!(
-        "{} groups × {}-token prefix × {} questions of {} tokens, {} output tokens; Poisson stages {} req/s × {} s",
+        "{} groups × {}-token prefix × {} questions of {} tokens, {} output tokens; Poisson stages {}",
         cfg.groups,
         cfg.prefix_tokens,
         cfg.questions_per_group,
         cfg.question_tokens,
         cfg.output_tokens,
-        rates,
-        cfg.stage_s
+        describe_stages(&cfg.stages)
     );
-    let stages = cfg.rates_rps.iter().map(|r| Stage { rate_rps: *r }).collect();
-    finish("shared-prefix", description, stages, drafts, block_size)
+    finish(name, description, cfg.stages.clone(), drafts, block_size)
+}
+
+/// Multi-turn chat shape.
+#[derive(Clone, Debug)]
+pub struct ChatConfig {
+    /// Conversations. Default 300.
+    pub sessions: u32,
+    /// Turns per conversation. Default 5.
+    pub turns: u32,
+    /// New conversations per second. Default 2.
+    pub sessions_per_s: f64,
+    /// The system prompt every conversation shares, tokens. Default 2 000.
+    pub system_tokens: u32,
+    /// User message per turn, tokens. Default 300.
+    pub user_tokens: u32,
+    /// Answer per turn, tokens (generated, and part of the next turn's prompt). Default 200.
+    pub answer_tokens: u32,
+    /// Mean think time between turns (exponential), seconds. Default 15.
+    pub think_s: f64,
+    /// Requests arriving before this many seconds are warm-up. Default 0.
+    pub warmup_s: f64,
+}
+
+impl Default for ChatConfig {
+    fn default() -> Self {
+        ChatConfig {
+            sessions: 300,
+            turns: 5,
+            sessions_per_s: 2.0,
+            system_tokens: 2000,
+            user_tokens: 300,
+            answer_tokens: 200,
+            think_s: 15.0,
+            warmup_s: 0.0,
+        }
+    }
 }
 
 /// Multi-turn chat: every conversation starts with one shared system prompt; each turn appends the
 /// previous answer and a new user message. Conversations start Poisson at `sessions_per_s`.
 pub fn chat(sessions: u32, turns: u32, sessions_per_s: f64, seed: u64, block_size: usize) -> Workload {
+    chat_with("chat", &ChatConfig { sessions, turns, sessions_per_s, ..ChatConfig::default() }, seed, block_size)
+}
+
+/// [`chat`] with every knob; requests before `warmup_s` form a warm-up stage (stage 0).
+pub fn chat_with(name: &str, cfg: &ChatConfig, seed: u64, block_size: usize) -> Workload {
     let mut rng = StdRng::seed_from_u64(seed);
-    let (system, user, answer, think_s) = (2000u32, 300u32, 200u32, 15.0f64);
+    let (system, user, answer) = (cfg.system_tokens, cfg.user_tokens, cfg.answer_tokens);
+    let warm = cfg.warmup_s > 0.0;
+    let warmup_us = (cfg.warmup_s * 1e6) as u64;
     let mut drafts = Vec::new();
     let mut t = 0u64;
-    for s in 0..u64::from(sessions) {
-        t += exp_gap_us(&mut rng, sessions_per_s);
+    for s in 0..u64::from(cfg.sessions) {
+        t += exp_gap_us(&mut rng, cfg.sessions_per_s);
         let mut segments = vec![Segment { id: 3 << 48, tokens: system }];
         let mut at = t;
-        for k in 0..u64::from(turns) {
+        for k in 0..u64::from(cfg.turns) {
             segments.push(Segment { id: 4 << 48 | s << 8 | k, tokens: user });
             drafts.push(Draft {
                 arrival_us: at,
@@ -243,17 +395,84 @@ pub fn chat(sessions: u32, turns: u32, sessions_per_s: f64, seed: u64, block_siz
                 output_tokens: answer,
                 adapter: None,
                 session: Some(s),
-                stage: 0,
+                stage: usize::from(warm && at >= warmup_us),
             });
             segments.push(Segment { id: 5 << 48 | s << 8 | k, tokens: answer });
-            at += exp_gap_us(&mut rng, 1.0 / think_s);
+            at += exp_gap_us(&mut rng, 1.0 / cfg.think_s);
         }
     }
-    let description = format!(
-        "{sessions} conversations × {turns} turns, shared {system}-token system prompt, {user}-token user turns, \
-         {answer}-token answers, think time exp. mean {think_s} s, {sessions_per_s} new conversations/s"
+    let rate = cfg.sessions_per_s * f64::from(cfg.turns);
+    let mut description = format!(
+        "{} conversations × {} turns, shared {system}-token system prompt, {user}-token user turns, \
+         {answer}-token answers, think time exp. mean {} s, {} new conversations/s",
+        cfg.sessions, cfg.turns, cfg.think_s, cfg.sessions_per_s
     );
-    finish("chat", description, vec![Stage { rate_rps: sessions_per_s * f64::from(turns) }], drafts, block_size)
+    let stages = if warm {
+        description.push_str(&format!("; first {} s warm-up", cfg.warmup_s));
+        vec![Stage::warmup(rate, cfg.warmup_s), Stage::measured(rate, 0.0)]
+    } else {
+        vec![Stage::measured(rate, 0.0)]
+    };
+    finish(name, description, stages, drafts, block_size)
+}
+
+/// W1 (docs/design.md §10, December 2026): the shared-prefix stream on llm-d's benchmark pods
+/// (307 328 KV tokens each) behind 3 router replicas; Poisson 5 then 10 req/s × 60 s warm-up,
+/// then 10 req/s × 120 s measured.
+pub fn w1(seed: u64, block_size: usize) -> Workload {
+    let cfg = SharedPrefixConfig {
+        stages: vec![Stage::warmup(5.0, 60.0), Stage::warmup(10.0, 60.0), Stage::measured(10.0, 120.0)],
+        ..SharedPrefixConfig::default()
+    };
+    let mut w = shared_prefix_named("w1", &cfg, seed, block_size);
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(3) };
+    w.description.push_str("; 307 328 KV tokens per pod, 3 router replicas");
+    w
+}
+
+/// KV tokens per pod of llm-d's benchmark pods (W1, W2, llm-d's shape).
+pub const W1_KV_TOKENS: usize = 307_328;
+
+/// W2, agent chat: 300 conversations × 5 turns on a shared 6 000-token system prompt, 300-token user
+/// turns, 200-token answers, 2 new conversations/s, think time exp. mean 15 s; 307k KV per pod,
+/// one router, 30 s warm-up.
+pub fn w2(seed: u64, block_size: usize) -> Workload {
+    let cfg = ChatConfig { system_tokens: 6000, warmup_s: 30.0, ..ChatConfig::default() };
+    let mut w = chat_with("w2", &cfg, seed, block_size);
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(1) };
+    w.description.push_str("; 307 328 KV tokens per pod, one router");
+    w
+}
+
+/// Pressure: W1's stream with 100 000 KV tokens per pod and one router (working set 2.25× the
+/// fleet's cache).
+pub fn pressure(seed: u64, block_size: usize) -> Workload {
+    let mut w = w1(seed, block_size);
+    w.name = "pressure".into();
+    w.fleet = Fleet { kv_tokens: Some(100_000), routers: Some(1) };
+    w.description =
+        w.description.replace("307 328 KV tokens per pod, 3 router replicas", "100 000 KV tokens per pod, one router");
+    w
+}
+
+/// Cold start: W1's stream (its fleet: 307k KV per pod, 3 router replicas) begun at 15 req/s
+/// on empty caches, 120 s, all measured.
+pub fn cold_start(seed: u64, block_size: usize) -> Workload {
+    let cfg = SharedPrefixConfig { stages: vec![Stage::measured(15.0, 120.0)], ..SharedPrefixConfig::default() };
+    let mut w = shared_prefix_named("cold-start", &cfg, seed, block_size);
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(3) };
+    w.description.push_str("; empty caches, no warm-up; 307 328 KV tokens per pod, 3 router replicas");
+    w
+}
+
+/// llm-d's benchmark shape: W1's groups with 1 000 output tokens (working set 1.8M tokens = 73 % of
+/// the fleet's 8 × 307k KV), one router, Poisson `stages` rising to saturation.
+pub fn llmd(stages: &[Stage], seed: u64, block_size: usize) -> Workload {
+    let cfg = SharedPrefixConfig { output_tokens: 1000, stages: stages.to_vec(), ..SharedPrefixConfig::default() };
+    let mut w = shared_prefix_named("llm-d", &cfg, seed, block_size);
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(1) };
+    w.description.push_str("; 307 328 KV tokens per pod (working set 73 % of the fleet's), one router");
+    w
 }
 
 /// Thundering herd (docs/design.md §15): per wave, one warm-up request for a new prefix, then `herd`
@@ -279,7 +498,7 @@ pub fn herd(waves: u32, herd: u32, prefix_tokens: u32, seed: u64, block_size: us
     let description = format!(
         "{waves} waves: a warm-up request, then {herd} identical {prefix_tokens}-token requests at one instant 10 s later"
     );
-    finish("herd", description, vec![Stage { rate_rps: 0.0 }], drafts, block_size)
+    finish("herd", description, vec![Stage::measured(0.0, 0.0)], drafts, block_size)
 }
 
 /// Zipf(s) sampler over ranks 0..n (rank 0 most popular), by inverse CDF.
@@ -334,7 +553,7 @@ pub fn lora(adapters: u32, rate_rps: f64, duration_s: f64, seed: u64, block_size
         "{adapters} LoRA adapters, Zipf(1.0) popularity, 2000-token per-tenant system prompt + unique 300-token question, \
          {rate_rps} req/s × {duration_s} s"
     );
-    finish("lora", description, vec![Stage { rate_rps }], drafts, block_size)
+    finish("lora", description, vec![Stage::measured(rate_rps, duration_s)], drafts, block_size)
 }
 
 /// Zipf-popular prefixes: `prefixes` documents of 3 000 tokens, Zipf(1.1), unique 200-token question.
@@ -361,7 +580,7 @@ pub fn zipf_prefixes(prefixes: u32, rate_rps: f64, duration_s: f64, seed: u64, b
     let description = format!(
         "{prefixes} 3000-token documents, Zipf(1.1) popularity, unique 200-token question, {rate_rps} req/s × {duration_s} s"
     );
-    finish("zipf", description, vec![Stage { rate_rps }], drafts, block_size)
+    finish("zipf", description, vec![Stage::measured(rate_rps, duration_s)], drafts, block_size)
 }
 
 /// Unique-prefix pairs (docs/design.md §16's random-routing claim): `prefixes` distinct prompts, each sent
@@ -382,7 +601,7 @@ pub fn repeated_pairs(prefixes: u32, tokens: u32, spacing_s: f64, gap_s: f64, bl
         }
     }
     let description = format!("{prefixes} distinct {tokens}-token prompts, each repeated once {gap_s} s later");
-    finish("pairs", description, vec![Stage { rate_rps: 2.0 / spacing_s }], drafts, block_size)
+    finish("pairs", description, vec![Stage::measured(2.0 / spacing_s, 0.0)], drafts, block_size)
 }
 
 /// One line of a JSONL trace.
@@ -448,7 +667,7 @@ pub fn trace(path: &Path, block_size: usize) -> Result<Workload, SimError> {
     }
     let description = format!("{} requests from {}", drafts.len(), path.display());
     let name = path.file_stem().map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
-    Ok(finish(&name, description, vec![Stage { rate_rps: 0.0 }], drafts, block_size))
+    Ok(finish(&name, description, vec![Stage::measured(0.0, 0.0)], drafts, block_size))
 }
 
 #[cfg(test)]
@@ -469,7 +688,7 @@ mod tests {
 
     #[test]
     fn generators_are_seeded_and_sorted() {
-        let cfg = SharedPrefixConfig { rates_rps: vec![5.0, 10.0], stage_s: 10.0, ..SharedPrefixConfig::default() };
+        let cfg = SharedPrefixConfig { stages: staged(&[5.0, 10.0], 10.0), ..SharedPrefixConfig::default() };
         let w1 = shared_prefix(&cfg, 7, 16);
         let w2 = shared_prefix(&cfg, 7, 16);
         assert_eq!(w1.requests.len(), w2.requests.len());
@@ -495,5 +714,36 @@ mod tests {
         assert!(std::fs::write(&p, format!("{ok}\n{ok}\n")).is_ok());
         let w = trace(&p, 16);
         assert!(matches!(&w, Ok(w) if w.requests.len() == 2 && w.requests[0].blocks == w.requests[1].blocks));
+    }
+
+    #[test]
+    fn text_chains_see_only_the_first_256_chunks() {
+        let mut cb = ChainBuilder::new(16);
+        let sys = Segment { id: 3 << 48, tokens: 6000 };
+        let a = cb.text_chain(None, &[sys.clone(), Segment { id: 9, tokens: 300 }]);
+        let b = cb.text_chain(None, &[sys, Segment { id: 10, tokens: 300 }]);
+        assert_eq!(a.len(), 256, "16 384 characters ≈ 4 096 tokens");
+        assert_eq!(a, b, "a 6 000-token system prompt hides what follows it");
+        let short = cb.text_chain(None, &[Segment { id: 1, tokens: 160 }, Segment { id: 2, tokens: 40 }]);
+        let other = cb.text_chain(None, &[Segment { id: 1, tokens: 160 }, Segment { id: 3, tokens: 40 }]);
+        assert_eq!(short.len(), 200 * CHARS_PER_TOKEN / 64);
+        assert_eq!(short[..10], other[..10]);
+        assert_ne!(short[10], other[10]);
+    }
+
+    #[test]
+    fn december_workloads_have_their_fleet_and_warm_up() {
+        let w = w1(1, 16);
+        assert_eq!(w.fleet, Fleet { kv_tokens: Some(307_328), routers: Some(3) });
+        assert_eq!(w.stages.iter().filter(|s| s.warmup).count(), 2);
+        let measured = w.requests.iter().filter(|r| r.stage == 2).count() as f64;
+        assert!((measured - 1200.0).abs() < 120.0, "10 req/s × 120 s: {measured}");
+        let c = w2(1, 16);
+        assert_eq!(c.stages.len(), 2);
+        assert!(c.requests.iter().all(|r| (r.stage == 0) == (r.arrival_us < 30_000_000)));
+        assert_eq!(c.requests.iter().find(|r| r.session == Some(0)).map(|r| r.prompt_tokens), Some(6300));
+        assert_eq!(pressure(1, 16).fleet.kv_tokens, Some(100_000));
+        assert!(llmd(&staged(&[2.0], 10.0), 1, 16).requests.iter().all(|r| r.output_tokens == 1000));
+        assert!(cold_start(1, 16).stages.iter().all(|s| !s.warmup));
     }
 }

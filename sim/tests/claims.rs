@@ -10,11 +10,11 @@ use kvroute_sim::workload::{self, Workload};
 
 fn run(w: &Workload, name: &str, pods: usize) -> RunResult {
     let cfg = SimConfig { pods, ..SimConfig::default() };
-    let mut p: Box<dyn Policy> = match policy::build(name, pods, cfg.cost.kv_capacity_blocks, 3) {
+    let p: Box<dyn Policy> = match policy::build(name, pods, policy::GIE_CAPACITY_BLOCKS, 3) {
         Ok(p) => p,
         Err(e) => panic!("building {name}: {e}"),
     };
-    match sim::run(w, p.as_mut(), &cfg, None) {
+    match sim::run(w, &mut [p], &cfg, None) {
         Ok(r) => r,
         Err(e) => panic!("running {name}: {e}"),
     }
@@ -88,7 +88,8 @@ fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
     }
     // The hot pod serves its 20 from cache; each other pod prefills once and serves the rest of
     // its share from the cache that first prefill built (the herd warms the fleet).
-    assert!(order[1..].iter().filter(|o| o.pod == hot).all(|o| o.hit_blocks == o.total_blocks));
+    // (vLLM recomputes a prompt's last token, so a full hit is every block but the last.)
+    assert!(order[1..].iter().filter(|o| o.pod == hot).all(|o| o.hit_blocks + 1 == o.total_blocks));
     let cold = order[1..].iter().filter(|o| o.hit_blocks == 0).count();
     assert_eq!(cold, 3, "one cold prefill per spill pod: {per_pod:?}");
     eprintln!("herd: per pod {per_pod:?}, hot pod {hot}, cold prefills {cold}");
@@ -96,7 +97,7 @@ fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
 
 #[test]
 fn runs_are_deterministic() {
-    let cfg = workload::SharedPrefixConfig { groups: 20, rates_rps: vec![4.0], stage_s: 15.0, ..Default::default() };
+    let cfg = workload::SharedPrefixConfig { groups: 20, stages: workload::staged(&[4.0], 15.0), ..Default::default() };
     let w = workload::shared_prefix(&cfg, 9, 16);
     for name in ["random", "kvroute", "sglang-cache-aware"] {
         let (a, b) = (run(&w, name, 4), run(&w, name, 4));

@@ -16,11 +16,11 @@ fn example_trace_second_turns_return_to_their_pod() {
     };
     assert_eq!(w.requests.len(), 5);
     let cfg = SimConfig::default();
-    let mut p = match policy::build("kvroute", cfg.pods, cfg.cost.kv_capacity_blocks, 1) {
+    let p = match policy::build("kvroute", cfg.pods, policy::GIE_CAPACITY_BLOCKS, 1) {
         Ok(p) => p,
         Err(e) => panic!("{e}"),
     };
-    let run = match sim::run(&w, p.as_mut(), &cfg, None) {
+    let run = match sim::run(&w, &mut [p], &cfg, None) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
     };

@@ -68,6 +68,9 @@ impl Policy for DynamoCost {
 
     fn on_report(&mut self, report: &PodReport) {
         if let Some(set) = self.held.get_mut(report.pod) {
+            if report.cleared {
+                set.clear();
+            }
             set.extend(report.stored.iter().map(|b| b.0));
             for b in &report.removed {
                 set.remove(&b.0);

@@ -13,20 +13,27 @@
 //!   [`InFlightSlot`] when the first stats report read at or after its routing time reaches the
 //!   picker (the engine's `num_requests_waiting` counts it from then on) or when its response ends,
 //!   whichever is first. That is docs/design.md §4's queueDepth definition exactly.
-//! - [`CacheView::Approximate`]: the same router, but the index is fed from the policy's own memory
-//!   of where it routed each chain (GIE's estimated prefix cache, docs/design.md §6 approximate mode) instead
-//!   of the engines' KV events.
+//! - [`CacheView::Approximate`]: kvroute's approximate mode (docs/design.md §6) as the picker runs it:
+//!   the request's text chain (64-character chunks, at most 256) matched against the shipped
+//!   [`ApproxStore`] and given to [`Router::route_with`]; the chosen pod is recorded in the store.
+//!   The engines' KV events are not used (stats still are).
+//!
+//! Every decision goes through `Router::route`/`route_with`, so a change to the picker's routing
+//! (scoring, filters, what the router records) shows in the simulation without a change here.
+//! One caveat: the pool's time-based rules run on the wall clock (`now_unix_ms`), not simulated
+//! time; a rule with a time-to-live (such as a TTL on routed-but-unconfirmed chains) would need the
+//! pool to take its clock from the caller to be simulated faithfully.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvroute_picker::pool::InFlightSlot;
-use kvroute_picker::pool::{Pool, PoolConfig, PoolUpdate};
-use kvroute_picker::score::{RouteRequest, Router, ScoringConfig};
+use kvroute_picker::approx::{ApproxStore, DEFAULT_MAX_BLOCKS};
+use kvroute_picker::pool::{InFlightSlot, Pool, PoolConfig, PoolUpdate};
+use kvroute_picker::score::{PrefixMatches, RouteRequest, Router, ScoringConfig};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 
-use super::routed::RoutedMemory;
-use super::{PodReport, Policy};
+use super::routed::approx_store;
+use super::{PodReport, Policy, pod_names};
 use crate::SimError;
 use crate::engine::EngineStats;
 use crate::workload::{MODEL, SimRequest};
@@ -36,9 +43,9 @@ use crate::workload::{MODEL, SimRequest};
 pub enum CacheView {
     /// The engines' KV events (kvroute's precise mode).
     Precise,
-    /// The router's own record of what it routed where, `capacity_blocks` per pod, LRU.
+    /// The router's own record of what it routed where (text chunks), `capacity_blocks` per pod, LRU.
     Approximate {
-        /// Blocks each pod is assumed to hold.
+        /// Chunks each pod is assumed to hold.
         capacity_blocks: usize,
     },
 }
@@ -50,11 +57,12 @@ pub struct KvroutePolicy {
     pool: Arc<Pool>,
     router: Router,
     names: HashMap<String, usize>,
+    pod_names: Vec<String>,
     pending: Vec<PoolUpdate>,
     seq: Vec<u64>,
     /// Per pod: (routed at µs, request id, slot) not yet covered by a report.
     slots: Vec<Vec<(u64, usize, InFlightSlot)>>,
-    memory: Option<RoutedMemory>,
+    store: Option<ApproxStore>,
     /// Route errors answered by falling back to pod 0.
     pub fallbacks: u64,
 }
@@ -63,10 +71,6 @@ impl std::fmt::Debug for KvroutePolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvroutePolicy").field("name", &self.name).finish_non_exhaustive()
     }
-}
-
-fn pod_name(i: usize) -> String {
-    format!("pod-{i}")
 }
 
 fn to_stats(s: &EngineStats) -> PodStats {
@@ -91,10 +95,11 @@ impl KvroutePolicy {
         let router = Router::new(pool.clone(), config).map_err(|e| SimError::Scoring(e.to_string()))?;
         let mut names = HashMap::new();
         let mut pending = Vec::new();
-        for i in 0..pods {
-            names.insert(pod_name(i), i);
+        let pod_names = pod_names(pods);
+        for (i, name) in pod_names.iter().enumerate() {
+            names.insert(name.clone(), i);
             let info = PodInfo {
-                pod: pod_name(i),
+                pod: name.clone(),
                 endpoint: format!("10.0.{}.{}:8000", i / 256, i % 256),
                 model: MODEL.into(),
                 block_size: 16,
@@ -103,9 +108,9 @@ impl KvroutePolicy {
             let stats = Some(to_stats(&EngineStats::default()));
             pending.push(PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats, blocks: Vec::new() });
         }
-        let memory = match view {
+        let store = match view {
             CacheView::Precise => None,
-            CacheView::Approximate { capacity_blocks } => Some(RoutedMemory::new(pods, capacity_blocks)),
+            CacheView::Approximate { capacity_blocks } => Some(approx_store(capacity_blocks, DEFAULT_MAX_BLOCKS)),
         };
         let mut p = KvroutePolicy {
             name: name.to_string(),
@@ -113,10 +118,11 @@ impl KvroutePolicy {
             pool,
             router,
             names,
+            pod_names,
             pending,
             seq: vec![0; pods],
             slots: (0..pods).map(|_| Vec::new()).collect(),
-            memory,
+            store,
             fallbacks: 0,
         };
         p.flush()?;
@@ -142,6 +148,7 @@ impl KvroutePolicy {
     fn delta(
         &mut self,
         pod: usize,
+        cleared: bool,
         stored: Vec<kvroute_common::BlockHash>,
         removed: Vec<kvroute_common::BlockHash>,
         stats: Option<PodStats>,
@@ -150,9 +157,9 @@ impl KvroutePolicy {
         *seq += 1;
         self.pending.push(PoolUpdate::Delta {
             stream: 1,
-            pod: pod_name(pod),
+            pod: self.pod_names[pod].clone(),
             seq: *seq,
-            cleared: false,
+            cleared,
             stored,
             removed,
             stats,
@@ -167,9 +174,13 @@ impl Policy for KvroutePolicy {
 
     fn pick(&mut self, req: &SimRequest, now_us: u64) -> Result<usize, SimError> {
         self.flush()?;
-        let rr =
-            RouteRequest { model: MODEL, adapter: req.adapter.as_deref(), block_hashes: &req.blocks, subset: None };
-        let (pod, slot) = match self.router.route(&rr) {
+        let (chain, matches) = match &self.store {
+            Some(store) => (&req.text_blocks, Some(store.match_chain(&req.text_blocks))),
+            None => (&req.blocks, None),
+        };
+        let rr = RouteRequest { model: MODEL, adapter: req.adapter.as_deref(), block_hashes: chain, subset: None };
+        let routed = self.router.route_with(&rr, matches.as_ref().map(|m| m as &dyn PrefixMatches));
+        let (pod, slot) = match routed {
             Ok(d) => (self.names.get(&d.pod).copied().unwrap_or(0), Some(d.slot)),
             Err(_) => {
                 self.fallbacks += 1;
@@ -181,12 +192,8 @@ impl Policy for KvroutePolicy {
         {
             list.push((now_us, req.id, slot));
         }
-        if let Some(mem) = self.memory.as_mut() {
-            let (stored, evicted) = mem.record(pod, &req.blocks);
-            let (stored, evicted) = (stored.to_vec(), evicted.to_vec());
-            if !stored.is_empty() || !evicted.is_empty() {
-                self.delta(pod, stored, evicted, None);
-            }
+        if let Some(store) = &self.store {
+            store.record(&self.pod_names[pod], &req.text_blocks);
         }
         Ok(pod)
     }
@@ -199,13 +206,15 @@ impl Policy for KvroutePolicy {
             // The engine's counters now include every request routed up to the read.
             list.retain(|(at, _, _)| *at > report.engine_time_us);
         }
-        let (stored, removed) = if self.memory.is_some() {
-            (Vec::new(), Vec::new())
+        // Approximate mode has no KV events: only the stats reach its pool.
+        let precise = self.store.is_none();
+        let (cleared, stored, removed) = if precise {
+            (report.cleared, report.stored.clone(), report.removed.clone())
         } else {
-            (report.stored.clone(), report.removed.clone())
+            (false, Vec::new(), Vec::new())
         };
-        if stats.is_some() || !stored.is_empty() || !removed.is_empty() {
-            self.delta(report.pod, stored, removed, stats);
+        if stats.is_some() || cleared || !stored.is_empty() || !removed.is_empty() {
+            self.delta(report.pod, cleared, stored, removed, stats);
         }
     }
 

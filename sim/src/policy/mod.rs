@@ -34,6 +34,8 @@ pub struct PodReport {
     pub stored: Vec<BlockHash>,
     /// Blocks evicted since the previous report.
     pub removed: Vec<BlockHash>,
+    /// The pod's cache was emptied before `stored`/`removed` (vLLM's AllBlocksCleared).
+    pub cleared: bool,
     /// Stats, when this report carries them.
     pub stats: Option<EngineStats>,
 }
@@ -65,10 +67,20 @@ pub const ALL: [&str; 11] = [
     "kvroute-approximate",
 ];
 
-/// Builds the named policy for `pods` pods. `kv_capacity_blocks` sizes the approximate policies'
-/// estimated caches (they assume each pod holds that many blocks; the engines' real capacity is
-/// the simulator's, and the two may differ).
-pub fn build(name: &str, pods: usize, kv_capacity_blocks: usize, seed: u64) -> Result<Box<dyn Policy>, SimError> {
+/// The pods' names as routers know them (`pod-0`, `pod-1`, …).
+pub fn pod_names(pods: usize) -> Vec<String> {
+    (0..pods.max(1)).map(|i| format!("pod-{i}")).collect()
+}
+
+/// GIE's default estimated-cache capacity per pod, in 64-character chunks (≈ 500k tokens).
+pub const GIE_CAPACITY_BLOCKS: usize = kvroute_picker::approx::DEFAULT_CAPACITY_BLOCKS_PER_POD;
+
+/// Builds the named policy for `pods` pods. `approx_capacity_blocks` sizes the approximate
+/// policies' estimated caches (GIE's default 31 250 chunks per pod; the engines' real capacity is
+/// the simulator's, and the two differ). `seed` seeds random choices (give each router replica its
+/// own).
+pub fn build(name: &str, pods: usize, approx_capacity_blocks: usize, seed: u64) -> Result<Box<dyn Policy>, SimError> {
+    let kv_capacity_blocks = approx_capacity_blocks;
     let kv = |preset: &str, view: CacheView| -> Result<Box<dyn Policy>, SimError> {
         let config = kvroute_picker::score::ScoringConfig::preset(preset)
             .ok_or_else(|| SimError::UnknownPolicy(name.to_string()))?;
@@ -78,7 +90,7 @@ pub fn build(name: &str, pods: usize, kv_capacity_blocks: usize, seed: u64) -> R
         "random" => Ok(Box::new(Random::new(pods, seed))),
         "round-robin" => Ok(Box::new(RoundRobin::new(pods))),
         "least-connections" => Ok(Box::new(LeastConnections::new(pods))),
-        "approximate-prefix" => Ok(Box::new(routed::GieApproximate::new(pods, kv_capacity_blocks))),
+        "approximate-prefix" => Ok(Box::new(routed::GieApproximate::new(pods, kv_capacity_blocks, seed))),
         "sglang-cache-aware" => Ok(Box::new(SglangCacheAware::new(pods, kv_capacity_blocks))),
         "dynamo-cost" => Ok(Box::new(DynamoCost::new(pods, seed))),
         "kvroute" => kv("chatbot", CacheView::Precise),

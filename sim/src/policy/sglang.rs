@@ -1,21 +1,25 @@
-//! SGLang model gateway's cache-aware policy: an approximate radix tree per worker of the text it
+//! SGLang model gateway's cache-aware policy: an approximate radix tree per worker of what it
 //! routed there; when load is balanced, the worker with the longest match if the match rate beats
 //! `cache_threshold`, else the worker with the smallest tree; when load is imbalanced
 //! (max − min > `balance_abs_threshold` and max > min × `balance_rel_threshold`), the least
 //! loaded worker. Load = requests the router has in flight on the worker.
 //!
 //! Thresholds: 0.3 / 64 / 1.5, sgl-router's `RouterArgs` defaults as we know them (not verified
-//! against a copy of the source here).
+//! against a copy of the source here). The tree is the picker's [`ApproxStore`] over the token
+//! chain (SGLang's tree is over characters with no 256-chunk cap; the token chain stands for it).
 
-use super::routed::RoutedMemory;
-use super::{PodReport, Policy};
+use kvroute_picker::approx::ApproxStore;
+
+use super::routed::approx_store;
+use super::{PodReport, Policy, pod_names};
 use crate::SimError;
 use crate::workload::SimRequest;
 
 /// SGLang-style cache-aware routing with balance thresholds.
 #[derive(Debug)]
 pub struct SglangCacheAware {
-    memory: RoutedMemory,
+    store: ApproxStore,
+    names: Vec<String>,
     open: Vec<u32>,
     cache_threshold: f64,
     balance_abs: u32,
@@ -26,7 +30,8 @@ impl SglangCacheAware {
     /// For `pods` workers whose trees hold at most `capacity_blocks` blocks each.
     pub fn new(pods: usize, capacity_blocks: usize) -> Self {
         SglangCacheAware {
-            memory: RoutedMemory::new(pods, capacity_blocks),
+            store: approx_store(capacity_blocks, usize::MAX),
+            names: pod_names(pods),
             open: vec![0; pods.max(1)],
             cache_threshold: 0.3,
             balance_abs: 64,
@@ -51,20 +56,24 @@ impl Policy for SglangCacheAware {
         let pod = if imbalanced {
             self.least_loaded()
         } else {
-            let matches = self.memory.matches(&req.blocks);
-            let (best, hit) = matches
+            let matches = self.store.match_chain(&req.blocks);
+            let (best, hit) = self
+                .names
                 .iter()
                 .enumerate()
-                .max_by_key(|(p, m)| (**m, std::cmp::Reverse(*p)))
-                .map_or((0, 0), |(p, m)| (p, *m));
-            let rate = hit as f64 / req.blocks.len().max(1) as f64;
+                .map(|(p, n)| (p, matches.matched(n)))
+                .max_by_key(|(p, m)| (*m, std::cmp::Reverse(*p)))
+                .unwrap_or((0, 0));
+            let rate = f64::from(hit) / req.blocks.len().max(1) as f64;
             if rate > self.cache_threshold {
                 best
             } else {
-                (0..self.open.len()).min_by_key(|p| (self.memory.pods[*p].len(), self.open[*p])).unwrap_or(0)
+                (0..self.open.len())
+                    .min_by_key(|p| (self.store.pod_blocks(&self.names[*p]), self.open[*p]))
+                    .unwrap_or(0)
             }
         };
-        self.memory.record(pod, &req.blocks);
+        self.store.record(&self.names[pod], &req.blocks);
         self.open[pod] += 1;
         Ok(pod)
     }

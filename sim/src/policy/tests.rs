@@ -14,7 +14,9 @@ fn req(id: usize, base: u64, n: u64) -> SimRequest {
         adapter: None,
         session: None,
         stage: 0,
+        direct: false,
         blocks: (0..n).map(|i| BlockHash(base * 10_000 + i)).collect(),
+        text_blocks: (0..n).map(|i| BlockHash(base * 10_000 + i + 5_000)).collect(),
     }
 }
 
@@ -55,7 +57,14 @@ fn sglang_follows_the_cache_until_load_is_imbalanced() {
 fn dynamo_trades_overlap_against_active_blocks() {
     let mut p = DynamoCost::new(2, 0);
     // Pod 0 holds the prefix (10 blocks) per its KV events.
-    p.on_report(&PodReport { pod: 0, engine_time_us: 0, stored: req(0, 1, 10).blocks, removed: vec![], stats: None });
+    p.on_report(&PodReport {
+        pod: 0,
+        engine_time_us: 0,
+        stored: req(0, 1, 10).blocks,
+        removed: vec![],
+        cleared: false,
+        stats: None,
+    });
     assert_eq!(pick(&mut p, &req(1, 1, 10)), 0, "cost 0 + 10 vs 10 + 10");
     // Pod 0 now has 10 active blocks; the same prompt again shares them: cost 0 + 10 vs 10 + 10.
     assert_eq!(pick(&mut p, &req(2, 1, 10)), 0);

@@ -74,6 +74,18 @@ pub struct EmulatorConfig {
     /// Maximum prompt + output tokens per request. Default 32768.
     #[arg(long, default_value_t = 32768)]
     pub max_model_len: u32,
+    /// Largest request body read, in bytes; a larger one is a 413. Default 268435456 (256 MiB,
+    /// the largest `body_limit_bytes` the picker accepts; vLLM itself sets no limit).
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// The tokenizer's image placeholder token, which the chat template renders once per image and
+    /// the emulator expands to `--mm-tokens-per-image` tokens. Default `<|image_pad|>` (Qwen).
+    #[arg(long, default_value = "<|image_pad|>")]
+    pub mm_placeholder_token: String,
+    /// Placeholder tokens per image (vLLM's processor derives it from the image size; the
+    /// emulator cannot decode images). Default 256 (a 448×448 image under Qwen2-VL).
+    #[arg(long, default_value_t = 256)]
+    pub mm_tokens_per_image: usize,
     /// Prefill time per uncached prompt token, in microseconds. Default 220.
     #[arg(long, default_value_t = 220.0)]
     pub prefill_us_per_token: f64,
@@ -154,6 +166,12 @@ impl EmulatorConfig {
                 return Err(ConfigError::OutOfRange { flag, reason: format!("{value} is not a finite number >= 0") });
             }
         }
+        if self.max_body_bytes == 0 {
+            return Err(ConfigError::OutOfRange { flag: "max-body-bytes", reason: "must be at least 1".into() });
+        }
+        if self.mm_tokens_per_image == 0 {
+            return Err(ConfigError::OutOfRange { flag: "mm-tokens-per-image", reason: "must be at least 1".into() });
+        }
         if self.kv_replay_buffer == 0 {
             return Err(ConfigError::OutOfRange { flag: "kv-replay-buffer", reason: "must be at least 1".into() });
         }
@@ -175,7 +193,6 @@ impl EmulatorConfig {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -8,7 +8,16 @@
 //! the longest run of cached leading full blocks, capped so that the last prompt token is never
 //! counted (vLLM: hit tokens ≤ prompt_len − 1, whole blocks). After prefill the prompt's full blocks
 //! are stored; at the end the full blocks of prompt + output are stored too; then every block the
-//! request referenced is released (LRU order), as vLLM does.
+//! request referenced is released (LRU order), as vLLM does. Block identity includes the request's
+//! extra keys ([`BlockKeys`]: adapter, images, `cache_salt`), so a salted prompt never hits an
+//! unsalted (or differently salted) cache.
+//!
+//! KV usage (`vllm:kv_cache_usage_perc`) counts blocks the way vLLM's block pool does: a cached
+//! block referenced by running requests once, however many share it, plus each running request's
+//! own blocks outside the cache (its partial last block, tokens decoded since its last store,
+//! blocks the cache had no room for). Cached blocks no request references are free (evictable)
+//! and not counted. One simplification: two requests that prefill the same block at the same time
+//! hold two physical blocks in vLLM and one here.
 //!
 //! Concurrency: each request runs in its own tokio task, which owns the request's lifecycle and
 //! streams [`GenerationEvent`]s to the HTTP side through a bounded channel; a closed channel means
@@ -26,7 +35,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio::time::Instant;
 
-use crate::cache::{EngineHasher, PrefixCache};
+use crate::cache::{BlockKeys, EngineHasher, PrefixCache};
 use crate::faults::FaultState;
 use crate::kv_events::{KvEvent, KvEventSink};
 use crate::metrics::{FinishReason, Metrics};
@@ -61,6 +70,8 @@ pub struct GenerationRequest {
     pub max_tokens: u32,
     /// LoRA adapter (id, name), if any.
     pub lora: Option<(u32, String)>,
+    /// Multimodal placeholders and `cache_salt` (the adapter name is taken from `lora`).
+    pub keys: BlockKeys,
 }
 
 /// What a running request reports to its HTTP handler, in order.
@@ -93,7 +104,7 @@ pub enum GenerationEvent {
 pub struct Engine {
     config: EngineConfig,
     hasher: EngineHasher,
-    cache: Mutex<PrefixCache>,
+    cache: Mutex<KvState>,
     slots: Semaphore,
     /// `None` when prefills are not limited.
     prefill_slots: Option<Semaphore>,
@@ -106,10 +117,28 @@ pub struct Engine {
 /// The client left before the request finished.
 struct Aborted;
 
-/// Blocks and metric state a request holds; released exactly once.
+/// The prefix cache and the running requests' blocks outside it, under one lock.
+#[derive(Debug)]
+struct KvState {
+    cache: PrefixCache,
+    /// Sum over running requests of [`Held::private`].
+    private: u64,
+}
+
+impl KvState {
+    /// Blocks in use, vLLM's way: referenced cached blocks once each, plus private blocks.
+    fn in_use(&self) -> u64 {
+        self.cache.referenced() as u64 + self.private
+    }
+}
+
+/// Blocks a request holds; released exactly once.
+#[derive(Default)]
 struct Held {
+    /// Cached blocks it references.
     pinned: Vec<u64>,
-    blocks_in_use: u64,
+    /// Its blocks outside the cache: `ceil(tokens / block_size) − pinned.len()`.
+    private: u64,
 }
 
 impl Engine {
@@ -124,7 +153,7 @@ impl Engine {
         let filler = if filler.is_empty() { vec![(1000, " the".to_string())] } else { filler };
         Self {
             hasher: EngineHasher::new(config.hash_seed, config.block_size),
-            cache: Mutex::new(PrefixCache::new(config.num_gpu_blocks as usize)),
+            cache: Mutex::new(KvState { cache: PrefixCache::new(config.num_gpu_blocks as usize), private: 0 }),
             slots: Semaphore::new(config.max_num_seqs as usize),
             prefill_slots: (config.max_num_partial_prefills > 0)
                 .then(|| Semaphore::new(config.max_num_partial_prefills as usize)),
@@ -146,14 +175,23 @@ impl Engine {
 
     /// Clears the prefix cache and publishes AllBlocksCleared.
     pub fn reset_prefix_cache(&self) {
-        self.cache.lock().clear();
+        {
+            let mut kv = self.cache.lock();
+            kv.cache.clear();
+            self.metrics.blocks_in_use.store(kv.in_use(), Ordering::Relaxed);
+        }
         self.events.send([KvEvent::AllBlocksCleared]);
         tracing::info!("prefix cache reset");
     }
 
     /// Number of blocks cached now.
     pub fn cached_blocks(&self) -> usize {
-        self.cache.lock().len()
+        self.cache.lock().cache.len()
+    }
+
+    /// Blocks in use now (the numerator of `vllm:kv_cache_usage_perc`).
+    pub fn blocks_in_use(&self) -> u64 {
+        self.cache.lock().in_use()
     }
 
     fn scaled(&self, seconds: f64) -> Duration {
@@ -187,13 +225,17 @@ impl Engine {
         if let Some(name) = &adapter {
             self.metrics.lora_request(name, 0, 1);
         }
-        let mut held = Held { pinned: Vec::new(), blocks_in_use: 0 };
+        let mut held = Held::default();
         let reason = match self.generate(&request, &tx, arrived, &mut held, prefill_permit).await {
             Ok(()) => FinishReason::Length,
             Err(Aborted) => FinishReason::Abort,
         };
-        self.cache.lock().release(&held.pinned);
-        self.metrics.blocks_in_use.fetch_sub(held.blocks_in_use, Ordering::Relaxed);
+        {
+            let mut kv = self.cache.lock();
+            kv.cache.release(&held.pinned);
+            kv.private -= held.private;
+            self.metrics.blocks_in_use.store(kv.in_use(), Ordering::Relaxed);
+        }
         self.metrics.running.fetch_sub(1, Ordering::Relaxed);
         if let Some(name) = &adapter {
             self.metrics.lora_request(name, 0, -1);
@@ -228,25 +270,29 @@ impl Engine {
     ) -> Result<(), Aborted> {
         let bs = self.config.block_size as usize;
         let prompt_len = request.prompt.len();
-        let lora_name = request.lora.as_ref().map(|(_, name)| name.as_str());
-        let chain = self.hasher.chain(&request.prompt, lora_name);
+        let mut keys = request.keys.clone();
+        keys.lora = request.lora.as_ref().map(|(_, name)| name.clone());
+        let chain = self.hasher.chain(&request.prompt, &keys);
         let max_hit_blocks = prompt_len.saturating_sub(1) / bs;
         let hit_blocks = {
-            let mut cache = self.cache.lock();
-            let hit = cache.match_prefix(&chain).min(max_hit_blocks);
-            held.pinned = cache.pin(&chain[..hit]);
+            let mut kv = self.cache.lock();
+            let hit = kv.cache.match_prefix(&chain).min(max_hit_blocks);
+            held.pinned = kv.cache.pin(&chain[..hit]);
+            self.hold(&mut kv, held, prompt_len);
             hit
         };
         let cached_tokens = hit_blocks * bs;
         self.metrics.record_prefix_lookup(prompt_len as u64, cached_tokens as u64);
-        held.blocks_in_use = self.blocks_for(prompt_len);
-        self.metrics.blocks_in_use.fetch_add(held.blocks_in_use, Ordering::Relaxed);
 
         let uncached = (prompt_len - cached_tokens) as f64;
         self.sleep_or_abort(self.scaled(uncached * self.config.prefill_us_per_token / 1e6), tx).await?;
-        let stored = self.cache.lock().store(&chain, hit_blocks, &request.prompt, bs, request.lora.as_ref());
-        held.pinned.extend(stored.pinned);
-        self.events.send(stored.events);
+        {
+            let mut kv = self.cache.lock();
+            let stored = kv.cache.store(&chain, hit_blocks, &request.prompt, bs, request.lora.as_ref(), &keys);
+            held.pinned.extend(stored.pinned);
+            self.hold(&mut kv, held, prompt_len);
+            self.events.send(stored.events);
+        }
         drop(prefill_permit);
         self.metrics.observe_ttft(arrived.elapsed().as_secs_f64());
 
@@ -258,19 +304,23 @@ impl Engine {
             let (id, text) = self.filler[index as usize % self.filler.len()].clone();
             all_tokens.push(id);
             self.metrics.record_generated_token();
-            let now_blocks = self.blocks_for(all_tokens.len());
-            if now_blocks > held.blocks_in_use {
-                self.metrics.blocks_in_use.fetch_add(now_blocks - held.blocks_in_use, Ordering::Relaxed);
-                held.blocks_in_use = now_blocks;
+            if all_tokens.len() % bs == 1 || bs == 1 {
+                // A new block was started.
+                let mut kv = self.cache.lock();
+                self.hold(&mut kv, held, all_tokens.len());
             }
             tx.send(GenerationEvent::Token { index, id, text }).await.map_err(|_| Aborted)?;
         }
 
-        let full_chain = self.hasher.chain(&all_tokens, lora_name);
+        let full_chain = self.hasher.chain(&all_tokens, &keys);
         let prompt_blocks = chain.len();
-        let stored = self.cache.lock().store(&full_chain, prompt_blocks, &all_tokens, bs, request.lora.as_ref());
-        held.pinned.extend(stored.pinned);
-        self.events.send(stored.events);
+        {
+            let mut kv = self.cache.lock();
+            let stored = kv.cache.store(&full_chain, prompt_blocks, &all_tokens, bs, request.lora.as_ref(), &keys);
+            held.pinned.extend(stored.pinned);
+            self.hold(&mut kv, held, all_tokens.len());
+            self.events.send(stored.events);
+        }
         let finished = GenerationEvent::Finished {
             prompt_tokens: prompt_len as u32,
             cached_tokens: cached_tokens as u32,
@@ -278,6 +328,15 @@ impl Engine {
             reason: FinishReason::Length,
         };
         tx.send(finished).await.map_err(|_| Aborted)
+    }
+
+    /// Sets the request's private block count for `tokens` tokens held (the blocks it needs minus
+    /// the cached ones it references) and republishes the usage gauge.
+    fn hold(&self, kv: &mut KvState, held: &mut Held, tokens: usize) {
+        let private = (self.blocks_for(tokens)).saturating_sub(held.pinned.len() as u64);
+        kv.private = kv.private - held.private + private;
+        held.private = private;
+        self.metrics.blocks_in_use.store(kv.in_use(), Ordering::Relaxed);
     }
 
     async fn sleep_or_abort(&self, duration: Duration, tx: &mpsc::Sender<GenerationEvent>) -> Result<(), Aborted> {

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use rmpv::Value;
 
+use crate::cache::ExtraKey;
 use crate::faults::FaultState;
 
 /// How long the publisher waits for more events before sending a batch.
@@ -66,6 +67,10 @@ pub enum KvEvent {
         block_size: u32,
         /// LoRA adapter id and name, if the blocks belong to an adapter.
         lora: Option<(u32, String)>,
+        /// Per block (same length as `block_hashes`), the extra keys folded into its hash: LoRA
+        /// name, multimodal `(identifier, offset)` pairs, `cache_salt`. Sent as vLLM's
+        /// `extra_keys` (a list with one tuple or nil per block) when any block has some.
+        extra_keys: Vec<Option<Vec<ExtraKey>>>,
     },
     /// Blocks evicted from the GPU cache.
     BlockRemoved {
@@ -78,11 +83,13 @@ pub enum KvEvent {
 
 impl KvEvent {
     /// The event as vLLM's msgspec encodes it: a map tagged by `"type"`, fields in declaration
-    /// order, fields at their default (`extra_keys: None`) omitted.
+    /// order, fields at their default (`extra_keys: None`) omitted. A block's extra keys are a
+    /// tuple (msgpack array): the LoRA name and the salt as strings, a multimodal item as the
+    /// pair `[identifier, offset]`.
     pub fn to_msgpack_value(&self) -> Value {
         let kv = |k: &str, v: Value| (Value::from(k), v);
         match self {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora } => {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora, extra_keys } => {
                 let mut fields = vec![
                     kv("type", Value::from("BlockStored")),
                     kv("block_hashes", Value::Array(block_hashes.iter().map(|h| Value::from(*h)).collect())),
@@ -93,10 +100,12 @@ impl KvEvent {
                     kv("medium", Value::from("GPU")),
                     kv("lora_name", lora.as_ref().map_or(Value::Nil, |(_, name)| Value::from(name.as_str()))),
                 ];
-                if let Some((_, name)) = lora {
-                    // vLLM puts the adapter name in each block's extra keys.
-                    let per_block = Value::Array(vec![Value::from(name.as_str())]);
-                    fields.push(kv("extra_keys", Value::Array(vec![per_block; block_hashes.len()])));
+                if extra_keys.iter().any(Option::is_some) {
+                    let per_block = extra_keys
+                        .iter()
+                        .map(|keys| keys.as_ref().map_or(Value::Nil, |keys| extra_keys_value(keys)))
+                        .collect();
+                    fields.push(kv("extra_keys", Value::Array(per_block)));
                 }
                 Value::Map(fields)
             }
@@ -108,6 +117,21 @@ impl KvEvent {
             KvEvent::AllBlocksCleared => Value::Map(vec![kv("type", Value::from("AllBlocksCleared"))]),
         }
     }
+}
+
+/// One block's extra keys as vLLM's msgspec writes the tuple.
+fn extra_keys_value(keys: &[ExtraKey]) -> Value {
+    Value::Array(
+        keys.iter()
+            .map(|k| match k {
+                ExtraKey::Lora(name) => Value::from(name.as_str()),
+                ExtraKey::Salt(salt) => Value::from(salt.as_str()),
+                ExtraKey::Mm { identifier, offset } => {
+                    Value::Array(vec![Value::from(identifier.as_str()), Value::from(*offset)])
+                }
+            })
+            .collect(),
+    )
 }
 
 /// Encodes a `KVEventBatch` `[ts, events, data_parallel_rank = 0]` to msgpack bytes.
@@ -377,7 +401,6 @@ fn replay_loop(socket: &zmq::Socket, config: &KvEventsConfig, ring: &Mutex<VecDe
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 
@@ -425,6 +448,7 @@ mod tests {
                             .collect(),
                         block_size: field(e, "block_size").as_u64().unwrap() as u32,
                         lora: None,
+                        extra_keys: Vec::new(),
                     },
                     "BlockRemoved" => KvEvent::BlockRemoved {
                         block_hashes: field(e, "block_hashes")
@@ -454,6 +478,7 @@ mod tests {
             token_ids: (1000..1016).collect(),
             block_size: 16,
             lora: Some((1, "sql-lora".into())),
+            extra_keys: vec![Some(vec![ExtraKey::Lora("sql-lora".into())])],
         }
         .to_msgpack_value();
         assert_eq!(ours, theirs);

@@ -1,8 +1,9 @@
 //! kvroute-emulator: a vLLM stand-in for tests, the demo and benchmarks (docs/design.md §8).
 //!
-//! It speaks vLLM 0.33's formats: the OpenAI server (completions, chat, models, tokenize, LoRA
-//! load/unload), `/metrics` names and labels, and KV events over ZeroMQ PUB + ROUTER replay in
-//! msgpack. Behind them: a prefix cache of `--num-gpu-blocks` blocks with LRU eviction and opaque
+//! It speaks vLLM 0.33's formats: the OpenAI server (completions with prompt batches, chat, the
+//! Responses API, models, tokenize, LoRA load/unload), `/metrics` names and labels, and KV events
+//! over ZeroMQ PUB + ROUTER replay in msgpack, with `cache_salt` and images part of block
+//! identity. Behind them: a prefix cache of `--num-gpu-blocks` blocks with LRU eviction and opaque
 //! chained engine hashes, a timing model (prefill ∝ uncached tokens, per-token decode, bounded
 //! running batch) scaled by `--time-scale`, and fault injection.
 //!
@@ -122,6 +123,10 @@ pub async fn start(config: EmulatorConfig) -> Result<RunningEmulator, EmulatorEr
             .unwrap_or_else(|e| Err(format!("tokenizer loader panicked: {e}")))
     };
     let filler = filler(&tokenizer);
+    let mm = server::MmSettings {
+        placeholder_token: tokenizer.as_ref().ok().and_then(|t| t.token_id(&config.mm_placeholder_token)),
+        tokens_per_image: config.mm_tokens_per_image,
+    };
 
     let faults = Arc::new(FaultState::new(Faults {
         unhealthy: config.fault_unhealthy,
@@ -172,6 +177,8 @@ pub async fn start(config: EmulatorConfig) -> Result<RunningEmulator, EmulatorEr
         metrics,
         pod_name,
         max_model_len: config.max_model_len,
+        mm,
+        max_body_bytes: config.max_body_bytes,
     });
 
     let addr = format!("{}:{}", config.host, config.port);

@@ -2,8 +2,10 @@
 //! and the emulator's own `/emulator/faults`.
 //!
 //! Errors are mapped to HTTP in exactly one place ([`ApiError`]'s `IntoResponse`), with vLLM's body
-//! `{"object":"error","message","type","param":null,"code"}`. Every response carries
-//! `x-served-by: <pod>` and echoes the request's `x-request-id`.
+//! `{"error": {"message", "type", "param", "code"}}`. Every response carries `x-served-by: <pod>`
+//! and echoes the request's `x-request-id`. Request bodies up to `--max-body-bytes` are read
+//! (default 256 MiB, the largest body the picker can be configured to pass; vLLM itself has no
+//! limit); a larger one is a 413 in the same shape.
 //!
 //! Concurrency: handlers share one [`AppState`]; the model table is a short `parking_lot` mutex;
 //! generation runs in engine tasks, and a streaming response is fed by a pump task that ends (and
@@ -14,7 +16,8 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -26,12 +29,14 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::cache::{BlockKeys, MmPlaceholder};
 use crate::engine::{Engine, GenerationEvent, GenerationRequest};
 use crate::faults::{FaultState, FaultsPatch};
 use crate::metrics::Metrics;
 use crate::openai::{
-    Api, ChatCompletionRequest, CompletionRequest, DEFAULT_MAX_TOKENS, LoraAdapterRequest, Prompt, ResponseMeta,
-    SSE_DONE, TokenizeRequest, Usage, error_body, sse,
+    Api, ChatCompletionRequest, CompletionRequest, DEFAULT_MAX_TOKENS, LoraAdapterRequest, MAX_BATCH_PROMPTS, Prompt,
+    ResponseMeta, ResponsesRequest, SSE_DONE, TokenizeRequest, Usage, error_body, responses_sse, responses_to_messages,
+    sse,
 };
 
 /// A request the server refuses, with its HTTP status and vLLM error type.
@@ -47,6 +52,20 @@ pub enum ApiError {
     /// Malformed or invalid request (400).
     #[error("{0}")]
     BadRequest(String),
+    /// A request vLLM's validation refuses naming the parameter (400); the message ends with
+    /// `(parameter=…, value=…)` as `VLLMValidationError` renders it.
+    #[error("{message} (parameter={param}, value={value})")]
+    Validation {
+        /// What is wrong.
+        message: String,
+        /// The offending parameter, also the body's `param`.
+        param: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// The body is larger than `--max-body-bytes` (413).
+    #[error("request body too large: {0}")]
+    TooLarge(String),
     /// The engine stopped without finishing the request (500).
     #[error("the engine ended the request without finishing it")]
     EngineGone,
@@ -54,13 +73,31 @@ pub enum ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, kind) = match &self {
-            ApiError::ModelNotFound(_) | ApiError::LoraNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
-            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError"),
-            ApiError::EngineGone => (StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError"),
+        let (status, kind, param) = match &self {
+            ApiError::ModelNotFound(_) | ApiError::LoraNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError", None),
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError", None),
+            ApiError::Validation { param, .. } => (StatusCode::BAD_REQUEST, "BadRequestError", Some(*param)),
+            ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "RequestEntityTooLarge", None),
+            ApiError::EngineGone => (StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", None),
         };
         tracing::info!(status = status.as_u16(), error = %self, "request refused");
-        json_response(status, &error_body(&self.to_string(), kind, status.as_u16()))
+        json_response(status, &error_body(&self.to_string(), kind, param, status.as_u16()))
+    }
+}
+
+impl ApiError {
+    fn validation(message: String, param: &'static str, value: u64) -> Self {
+        ApiError::Validation { message, param, value }
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> Self {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::TooLarge(rejection.body_text())
+        } else {
+            ApiError::BadRequest(format!("reading the request body: {}", rejection.body_text()))
+        }
     }
 }
 
@@ -119,6 +156,10 @@ pub struct AppState {
     pub pod_name: HeaderValue,
     /// Maximum prompt + output tokens.
     pub max_model_len: u32,
+    /// Image placeholder handling.
+    pub mm: MmSettings,
+    /// Largest request body read, bytes.
+    pub max_body_bytes: usize,
 }
 
 type Shared = State<Arc<AppState>>;
@@ -128,6 +169,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -136,6 +178,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/load_lora_adapter", post(load_lora))
         .route("/v1/unload_lora_adapter", post(unload_lora))
         .route("/emulator/faults", get(get_faults).post(set_faults))
+        .layer(DefaultBodyLimit::max(state.max_body_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), served_by))
         .with_state(state)
 }
@@ -182,99 +225,289 @@ impl AppState {
             .map_err(|e| ApiError::BadRequest(format!("rendering the chat template: {e}")))
     }
 
-    fn check_lengths(&self, prompt_len: usize, max_tokens: u32) -> Result<(), ApiError> {
+    /// vLLM's length checks (`TokenizeParams` of `vllm/renderers/params.py`), in its words:
+    /// `requested` is the request's explicit output budget (`max_tokens`, `max_completion_tokens`,
+    /// `max_output_tokens`; completions default to 16 as vLLM's do), `param` its name. The prompt
+    /// may use at most `max_model_len − requested` tokens. Returns the tokens to generate: the
+    /// request's budget, or without one the emulator's default 16 capped to what is left.
+    fn check_lengths(&self, prompt_len: usize, requested: Option<u32>, param: &'static str) -> Result<u32, ApiError> {
         if prompt_len == 0 {
             return Err(ApiError::BadRequest("The decoder prompt cannot be empty".into()));
         }
-        if max_tokens == 0 {
-            return Err(ApiError::BadRequest("max_tokens must be at least 1, got 0.".into()));
+        let total = u64::from(self.max_model_len);
+        let output = u64::from(requested.unwrap_or(0));
+        if output > total {
+            return Err(ApiError::validation(
+                format!(
+                    "{param}={output} cannot be greater than max_model_len={total}. Please request fewer output tokens."
+                ),
+                param,
+                output,
+            ));
         }
-        if prompt_len as u64 + u64::from(max_tokens) > u64::from(self.max_model_len) {
+        let max_input = total - output;
+        if prompt_len as u64 > max_input {
+            return Err(ApiError::validation(
+                format!(
+                    "You passed {prompt_len} input tokens and requested {output} output tokens. However, the model's \
+                     context length is only {total} tokens, resulting in a maximum input length of {max_input} tokens. \
+                     Please reduce the length of the input prompt."
+                ),
+                "input_tokens",
+                prompt_len as u64,
+            ));
+        }
+        match requested {
+            Some(0) => Err(ApiError::BadRequest("max_tokens must be at least 1, got 0.".into())),
+            Some(n) => Ok(n),
+            None => {
+                let left = u32::try_from(total - prompt_len as u64).unwrap_or(u32::MAX);
+                if left == 0 {
+                    return Err(ApiError::validation(
+                        format!(
+                            "This model's maximum context length is {total} tokens. However, your request has \
+                             {prompt_len} input tokens. Please reduce the length of the input messages."
+                        ),
+                        "input_tokens",
+                        prompt_len as u64,
+                    ));
+                }
+                Ok(DEFAULT_MAX_TOKENS.min(left))
+            }
+        }
+    }
+
+    /// Renders `messages` with the chat template and expands each image placeholder to
+    /// `mm_tokens_per_image` tokens, giving every image its [`MmPlaceholder`] (identifier: the
+    /// part's `uuid` if given, as vLLM's `multi_modal_uuids`, else [`image_identifier`] of its URL).
+    fn encode_chat_mm(
+        &self,
+        messages: Vec<Value>,
+        tools: Option<Vec<Value>>,
+    ) -> Result<(Vec<u32>, Vec<MmPlaceholder>), ApiError> {
+        let images = image_identifiers(&messages);
+        let rendered = self.encode_chat(messages, tools)?;
+        if images.is_empty() {
+            return Ok((rendered, Vec::new()));
+        }
+        let Some(pad) = self.mm.placeholder_token else {
+            return Err(ApiError::BadRequest(
+                "this model takes no images: its tokenizer has no image placeholder token".into(),
+            ));
+        };
+        let found = rendered.iter().filter(|t| **t == pad).count();
+        if found != images.len() {
             return Err(ApiError::BadRequest(format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the \
-                 messages, {} in the completion). Please reduce the length of the messages or completion.",
-                self.max_model_len,
-                prompt_len as u64 + u64::from(max_tokens),
-                prompt_len,
-                max_tokens
+                "the chat template rendered {found} image placeholders for {} images",
+                images.len()
             )));
         }
-        Ok(())
+        let per_image = self.mm.tokens_per_image.max(1);
+        let mut prompt = Vec::with_capacity(rendered.len() + images.len() * per_image);
+        let mut items = Vec::with_capacity(images.len());
+        let mut next = images.into_iter();
+        for token in rendered {
+            if token == pad
+                && let Some(identifier) = next.next()
+            {
+                items.push(MmPlaceholder { identifier, offset: prompt.len(), length: per_image });
+                prompt.extend(std::iter::repeat_n(pad, per_image));
+            } else {
+                prompt.push(token);
+            }
+        }
+        Ok((prompt, items))
     }
 }
 
-async fn completions(State(state): Shared, body: Bytes) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse(&body)?;
-    let lora = state.resolve_model(&req.model)?;
-    let prompt = match req.prompt {
-        Prompt::Tokens(ids) => ids,
-        Prompt::Text(text) => state.encode_text(&text)?,
-        Prompt::TokensBatch(mut batch) if batch.len() == 1 => batch.remove(0),
-        Prompt::TextBatch(batch) if batch.len() == 1 => state.encode_text(&batch[0])?,
-        Prompt::TokensBatch(_) | Prompt::TextBatch(_) => {
-            return Err(ApiError::BadRequest("the emulator serves one prompt per request, not a batch".into()));
+/// Multimodal settings of the emulated model.
+#[derive(Debug, Clone, Copy)]
+pub struct MmSettings {
+    /// Token id of the image placeholder (`<|image_pad|>` for Qwen), if the tokenizer has one.
+    pub placeholder_token: Option<u32>,
+    /// Placeholder tokens each image expands to (vLLM's processor: from the image size).
+    pub tokens_per_image: usize,
+}
+
+/// The emulator's stand-in for vLLM's multimodal content hash (blake3 of the decoded image in
+/// vLLM): XXH3-128 of the image reference's bytes (URL or data URL), 32 hex digits.
+pub fn image_identifier(reference: &str) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(reference.as_bytes()))
+}
+
+/// Identifiers of the images in `messages`, in the order the chat template renders them (messages
+/// in order, parts in order): `image_url` / `image` / `input_image` parts.
+fn image_identifiers(messages: &[Value]) -> Vec<String> {
+    let mut out = Vec::new();
+    for message in messages {
+        let Some(Value::Array(parts)) = message.get("content") else { continue };
+        for part in parts {
+            let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+            if !matches!(kind, "image_url" | "image" | "input_image") {
+                continue;
+            }
+            if let Some(uuid) = part.get("uuid").and_then(Value::as_str) {
+                out.push(uuid.to_string());
+                continue;
+            }
+            let reference = match part.get("image_url").or_else(|| part.get("image")) {
+                Some(Value::String(url)) => url.clone(),
+                Some(Value::Object(o)) => o.get("url").and_then(Value::as_str).unwrap_or_default().to_string(),
+                _ => String::new(),
+            };
+            out.push(image_identifier(&reference));
         }
-    };
-    let max_tokens = req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    serve(
-        &state,
-        Api::Completions,
-        req.model,
-        GenerationRequest { prompt, max_tokens, lora },
-        req.stream,
-        include_usage,
-    )
-    .await
+    }
+    out
 }
 
-async fn chat_completions(State(state): Shared, body: Bytes) -> Result<Response, ApiError> {
-    let req: ChatCompletionRequest = parse(&body)?;
+/// vLLM refuses an empty `cache_salt` ("Parameter 'cache_salt' must be a non-empty string if
+/// provided.").
+fn check_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
+    match salt {
+        Some(s) if s.is_empty() => Err(ApiError::validation(
+            "Parameter 'cache_salt' must be a non-empty string if provided.".into(),
+            "cache_salt",
+            0,
+        )),
+        other => Ok(other),
+    }
+}
+
+async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(&body?)?;
     let lora = state.resolve_model(&req.model)?;
-    let prompt = state.encode_chat(req.messages, req.tools)?;
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS);
+    let cache_salt = check_salt(req.cache_salt)?;
+    let prompts = match req.prompt {
+        Prompt::Tokens(ids) => vec![ids],
+        Prompt::Text(text) => vec![state.encode_text(&text)?],
+        Prompt::TokensBatch(batch) => batch,
+        Prompt::TextBatch(batch) => batch.iter().map(|t| state.encode_text(t)).collect::<Result<_, _>>()?,
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::BadRequest("The decoder prompt cannot be empty".into()));
+    }
+    if prompts.len() > MAX_BATCH_PROMPTS {
+        return Err(ApiError::BadRequest(format!(
+            "a batch of {} prompts is more than the emulator serves at once ({MAX_BATCH_PROMPTS})",
+            prompts.len()
+        )));
+    }
+    let requested = req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let mut requests = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let max_tokens = state.check_lengths(prompt.len(), Some(requested), "max_tokens")?;
+        let keys = BlockKeys { cache_salt: cache_salt.clone(), ..BlockKeys::default() };
+        requests.push(GenerationRequest { prompt, max_tokens, lora: lora.clone(), keys });
+    }
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    serve(&state, Api::Chat, req.model, GenerationRequest { prompt, max_tokens, lora }, req.stream, include_usage).await
+    serve(&state, ResponseMeta::new(Api::Completions, req.model), requests, req.stream, include_usage).await
 }
 
-async fn serve(
-    state: &AppState,
-    api: Api,
-    model: String,
-    request: GenerationRequest,
-    stream: bool,
-    include_usage: bool,
-) -> Result<Response, ApiError> {
-    state.check_lengths(request.prompt.len(), request.max_tokens)?;
-    let max_tokens = request.max_tokens;
-    let meta = ResponseMeta::new(api, model);
+async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse(&body?)?;
+    let lora = state.resolve_model(&req.model)?;
+    let cache_salt = check_salt(req.cache_salt)?;
+    let (prompt, mm) = state.encode_chat_mm(req.messages, req.tools)?;
+    let (requested, param) = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(n), _) => (Some(n), "max_completion_tokens"),
+        (None, n) => (n, "max_tokens"),
+    };
+    let max_tokens = state.check_lengths(prompt.len(), requested, param)?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let request = GenerationRequest { prompt, max_tokens, lora, keys: BlockKeys { lora: None, mm, cache_salt } };
+    serve(&state, ResponseMeta::new(Api::Chat, req.model), vec![request], req.stream, include_usage).await
+}
+
+/// `/v1/responses`: `instructions` + `input` rendered as a chat ([`responses_to_messages`]),
+/// answered as a Responses API `response` (or its event stream).
+async fn responses(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body?;
+    if body.is_empty() {
+        return Err(ApiError::BadRequest("invalid request body: the body is empty".into()));
+    }
+    let req: ResponsesRequest = parse(&body)?;
+    let lora = state.resolve_model(&req.model)?;
+    let cache_salt = check_salt(req.cache_salt)?;
+    if let Some(id) = req.previous_response_id {
+        return Err(ApiError::BadRequest(format!(
+            "previous_response_id {id:?}: the emulator stores no responses; send the whole conversation as `input`"
+        )));
+    }
+    let messages = responses_to_messages(req.instructions.as_deref(), &req.input).map_err(ApiError::BadRequest)?;
+    let (prompt, mm) = state.encode_chat_mm(messages, req.tools)?;
+    let max_tokens = state.check_lengths(prompt.len(), req.max_output_tokens, "max_output_tokens")?;
+    let meta = ResponseMeta::new(Api::Responses, req.model);
+    let request = GenerationRequest { prompt, max_tokens, lora, keys: BlockKeys { lora: None, mm, cache_salt } };
     let events = state.engine.submit(request);
-    if stream {
-        let die_mid_stream = state.faults.get().die_mid_stream;
+    if req.stream {
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(pump(events, meta, max_tokens, include_usage, die_mid_stream, tx));
+        tokio::spawn(pump_responses(events, meta, max_tokens, tx));
         let body = Body::from_stream(ReceiverStream::new(rx));
         return Ok(([(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")], body).into_response());
     }
+    let message_id = format!("msg_{}", uuid::Uuid::new_v4().simple());
     let mut events = events;
     let mut text = String::new();
     while let Some(event) = events.recv().await {
         match event {
             GenerationEvent::Token { text: piece, .. } => text.push_str(&piece),
-            GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, reason } => {
+            GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, .. } => {
                 let usage = Usage { prompt_tokens, completion_tokens, cached_tokens };
-                return Ok(json_response(StatusCode::OK, &meta.full_response(&text, reason.as_str(), usage)));
+                let body = meta.response_object(&message_id, Some(&text), Some(usage), max_tokens);
+                return Ok(json_response(StatusCode::OK, &body));
             }
         }
     }
     Err(ApiError::EngineGone)
 }
 
-/// Turns engine events into SSE bytes; returning drops `events`, which aborts the request.
-async fn pump(
-    mut events: mpsc::Receiver<GenerationEvent>,
+/// Serves `requests` (one per prompt of a batch) as one response; choice `i` is request `i`.
+async fn serve(
+    state: &AppState,
     meta: ResponseMeta,
-    max_tokens: u32,
+    requests: Vec<GenerationRequest>,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let budgets: Vec<u32> = requests.iter().map(|r| r.max_tokens).collect();
+    let receivers: Vec<_> = requests.into_iter().map(|r| state.engine.submit(r)).collect();
+    if stream {
+        let die_mid_stream = state.faults.get().die_mid_stream;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(pump(receivers, meta, budgets, include_usage, die_mid_stream, tx));
+        let body = Body::from_stream(ReceiverStream::new(rx));
+        return Ok(([(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")], body).into_response());
+    }
+    let mut choices = Vec::with_capacity(receivers.len());
+    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 };
+    for mut events in receivers {
+        let mut text = String::new();
+        let mut finished = None;
+        while let Some(event) = events.recv().await {
+            match event {
+                GenerationEvent::Token { text: piece, .. } => text.push_str(&piece),
+                GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, reason } => {
+                    usage.prompt_tokens += prompt_tokens;
+                    usage.completion_tokens += completion_tokens;
+                    usage.cached_tokens += cached_tokens;
+                    finished = Some(reason);
+                    break;
+                }
+            }
+        }
+        let reason = finished.ok_or(ApiError::EngineGone)?;
+        choices.push((text, reason.as_str()));
+    }
+    Ok(json_response(StatusCode::OK, &meta.full_response(&choices, usage)))
+}
+
+/// Turns engine events into SSE bytes; returning drops the receivers, which aborts the requests.
+/// Choices of a batch stream one after another, each chunk naming its `index`.
+async fn pump(
+    receivers: Vec<mpsc::Receiver<GenerationEvent>>,
+    meta: ResponseMeta,
+    budgets: Vec<u32>,
     include_usage: bool,
     die_mid_stream: bool,
     out: mpsc::Sender<Result<Bytes, std::io::Error>>,
@@ -285,30 +518,104 @@ async fn pump(
     {
         return;
     }
+    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 };
+    for (choice, (mut events, max_tokens)) in receivers.into_iter().zip(budgets).enumerate() {
+        let mut finished = false;
+        while let Some(event) = events.recv().await {
+            match event {
+                GenerationEvent::Token { index, text, .. } => {
+                    let finish = (index + 1 == max_tokens).then_some("length");
+                    if send(sse(&meta.token_chunk(choice, &text, finish))).await.is_err() {
+                        return;
+                    }
+                    if die_mid_stream {
+                        tracing::info!(id = %meta.id, "fault injection: cutting the stream after its first chunk");
+                        // Let hyper flush the chunk first: an error right behind it aborts the
+                        // connection before the buffered chunk is written.
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        let _ = out.send(Err(std::io::Error::other("fault injection: die_mid_stream"))).await;
+                        return;
+                    }
+                }
+                GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, .. } => {
+                    usage.prompt_tokens += prompt_tokens;
+                    usage.completion_tokens += completion_tokens;
+                    usage.cached_tokens += cached_tokens;
+                    finished = true;
+                    break;
+                }
+            }
+        }
+        if !finished {
+            let _ = out.send(Err(std::io::Error::other("engine ended the request without finishing it"))).await;
+            return;
+        }
+    }
+    if include_usage && send(sse(&meta.usage_chunk(usage))).await.is_err() {
+        return;
+    }
+    let _ = send(SSE_DONE.to_string()).await;
+}
+
+/// The Responses API event stream: `response.created`, `response.in_progress`, the output item
+/// and content part opening, one `response.output_text.delta` per token, their closing events and
+/// `response.completed` with the whole response and usage.
+async fn pump_responses(
+    mut events: mpsc::Receiver<GenerationEvent>,
+    meta: ResponseMeta,
+    max_tokens: u32,
+    out: mpsc::Sender<Result<Bytes, std::io::Error>>,
+) {
+    let message_id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let mut seq = 0u64;
+    let mut next = |event: Value| {
+        let s = responses_sse(event, seq);
+        seq += 1;
+        Bytes::from(s)
+    };
+    let shell = meta.response_object(&message_id, None, None, max_tokens);
+    let opening = [
+        json!({"type": "response.created", "response": shell}),
+        json!({"type": "response.in_progress", "response": shell}),
+        json!({"type": "response.output_item.added", "output_index": 0,
+               "item": {"id": message_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}}),
+        json!({"type": "response.content_part.added", "item_id": message_id, "output_index": 0, "content_index": 0,
+               "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+    ];
+    for event in opening {
+        if out.send(Ok(next(event))).await.is_err() {
+            return;
+        }
+    }
+    let mut text = String::new();
     while let Some(event) = events.recv().await {
         match event {
-            GenerationEvent::Token { index, text, .. } => {
-                let finish = (index + 1 == max_tokens).then_some("length");
-                if send(sse(&meta.token_chunk(&text, finish))).await.is_err() {
-                    return;
-                }
-                if die_mid_stream {
-                    tracing::info!(id = %meta.id, "fault injection: cutting the stream after its first chunk");
-                    // Let hyper flush the chunk first: an error right behind it aborts the
-                    // connection before the buffered chunk is written.
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    let _ = out.send(Err(std::io::Error::other("fault injection: die_mid_stream"))).await;
+            GenerationEvent::Token { text: piece, .. } => {
+                let delta = json!({"type": "response.output_text.delta", "item_id": message_id, "output_index": 0,
+                                   "content_index": 0, "delta": piece, "logprobs": []});
+                text.push_str(&piece);
+                if out.send(Ok(next(delta))).await.is_err() {
                     return;
                 }
             }
             GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, .. } => {
-                if include_usage {
-                    let usage = Usage { prompt_tokens, completion_tokens, cached_tokens };
-                    if send(sse(&meta.usage_chunk(usage))).await.is_err() {
+                let usage = Usage { prompt_tokens, completion_tokens, cached_tokens };
+                let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                let closing = [
+                    json!({"type": "response.output_text.done", "item_id": message_id, "output_index": 0,
+                           "content_index": 0, "text": text, "logprobs": []}),
+                    json!({"type": "response.content_part.done", "item_id": message_id, "output_index": 0,
+                           "content_index": 0, "part": part}),
+                    json!({"type": "response.output_item.done", "output_index": 0,
+                           "item": meta.response_message(&message_id, &text, "completed")}),
+                    json!({"type": "response.completed",
+                           "response": meta.response_object(&message_id, Some(&text), Some(usage), max_tokens)}),
+                ];
+                for event in closing {
+                    if out.send(Ok(next(event))).await.is_err() {
                         return;
                     }
                 }
-                let _ = send(SSE_DONE.to_string()).await;
                 return;
             }
         }

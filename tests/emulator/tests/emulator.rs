@@ -436,14 +436,14 @@ async fn errors_use_vllm_error_shape() {
     assert_eq!(resp.status(), 404);
     assert_eq!(resp.headers()["x-served-by"], "engine-7");
     let body: Json = resp.json().await.unwrap();
-    assert_eq!(body["object"], "error");
-    assert_eq!(body["type"], "NotFoundError");
-    assert_eq!(body["code"], 404);
-    assert_eq!(body["param"], Json::Null);
+    assert_eq!(body["error"]["type"], "NotFoundError");
+    assert_eq!(body["error"]["code"], 404);
+    assert_eq!(body["error"]["param"], Json::Null);
+    assert_eq!(body["error"]["message"], "The model `nope` does not exist.");
     let resp = client.post(url(&emu, "/v1/completions")).body("{not json").send().await.unwrap();
     assert_eq!(resp.status(), 400);
     let body: Json = resp.json().await.unwrap();
-    assert_eq!((body["type"].as_str(), body["code"].as_u64()), (Some("BadRequestError"), Some(400)));
+    assert_eq!((body["error"]["type"].as_str(), body["error"]["code"].as_u64()), (Some("BadRequestError"), Some(400)));
     let resp = client
         .post(url(&emu, "/v1/completions"))
         .json(&json!({"model": "test-model", "prompt": [], "max_tokens": 1}))
@@ -565,9 +565,252 @@ async fn chat_uses_the_tokenizer_or_says_why_not() {
     } else {
         assert_eq!(resp.status(), 400);
         let body: Json = resp.json().await.unwrap();
-        assert!(body["message"].as_str().unwrap().contains("tokenizer"));
+        assert!(body["error"]["message"].as_str().unwrap().contains("tokenizer"));
     }
     emu.shutdown().await;
+}
+
+fn tokenizer_dir() -> String {
+    format!("{}/../fixtures/tokenizer-qwen2.5", env!("CARGO_MANIFEST_DIR"))
+}
+
+async fn metric(emu: &RunningEmulator, name: &str) -> f64 {
+    let text = reqwest::get(url(emu, "/metrics")).await.unwrap().text().await.unwrap();
+    let line = text.lines().find(|l| l.starts_with(&format!("{name}{{"))).unwrap_or_else(|| panic!("{name} in {text}"));
+    line.rsplit_once(' ').unwrap().1.parse().unwrap()
+}
+
+/// vLLM counts a cached block once however many running requests share it; two requests on the
+/// same 4-block prompt hold 4 shared blocks + one private partial block each = 6 of 100.
+#[tokio::test(flavor = "multi_thread")]
+async fn kv_usage_counts_shared_prefix_blocks_once() {
+    let emu = start(&["--num-gpu-blocks", "100", "--decode-ms-per-token", "150"]).await;
+    let u = url(&emu, "/v1/completions");
+    let a = tokio::spawn(complete_owned(u.clone(), tokens(0, 64), 6));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = tokio::spawn(complete_owned(u, tokens(0, 64), 6));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(metric(&emu, "vllm:num_requests_running").await, 2.0);
+    let usage = metric(&emu, "vllm:kv_cache_usage_perc").await;
+    assert!((usage - 0.06).abs() < 1e-9, "usage {usage}, want 6 of 100 blocks (shared counted once)");
+    a.await.unwrap();
+    b.await.unwrap();
+    assert_eq!(metric(&emu, "vllm:kv_cache_usage_perc").await, 0.0, "finished requests hold nothing");
+    emu.shutdown().await;
+}
+
+/// vLLM 0.33: the salt is part of the first block's identity, so a salted prompt never hits an
+/// unsalted (or differently salted) cache, and the BlockStored events carry it in `extra_keys`.
+#[tokio::test(flavor = "multi_thread")]
+async fn cache_salt_isolates_caches_and_travels_in_extra_keys() {
+    let emu = start(&[]).await;
+    let sub = subscribe(&emu);
+    let cached = |v: Json| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let body = |salt: Option<&str>| {
+        let mut b = json!({"model": "test-model", "prompt": tokens(0, 48), "max_tokens": 1});
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    assert_eq!(cached(complete(&emu, body(None)).await), 0);
+    tokio::time::sleep(BATCH_GAP).await;
+    assert_eq!(
+        cached(complete(&emu, body(Some("tenant-a"))).await),
+        0,
+        "unsalted cache must not serve a salted prompt"
+    );
+    tokio::time::sleep(BATCH_GAP).await;
+    assert_eq!(cached(complete(&emu, body(Some("tenant-a"))).await), 32, "same salt: its own cache");
+    assert_eq!(cached(complete(&emu, body(Some("tenant-b"))).await), 0, "another salt: disjoint");
+    let (plain, salted) = tokio::task::block_in_place(|| (events(&recv_batch(&sub).2), events(&recv_batch(&sub).2)));
+    assert_eq!(field(&plain[0], "extra_keys"), &Value::Nil, "no extra keys: field omitted, as vLLM does");
+    let keys = field(&salted[0], "extra_keys").as_array().unwrap().clone();
+    assert_eq!(keys.len(), 3, "one entry per block");
+    assert_eq!(keys[0], Value::Array(vec![Value::from("tenant-a")]));
+    assert_eq!(keys[1], Value::Nil);
+    assert_ne!(u64s(field(&plain[0], "block_hashes")), u64s(field(&salted[0], "block_hashes")));
+    let resp = reqwest::Client::new().post(url(&emu, "/v1/completions")).json(&body(Some(""))).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let err: Json = resp.json().await.unwrap();
+    assert_eq!(err["error"]["param"], "cache_salt");
+    emu.shutdown().await;
+}
+
+/// Each image's placeholder tokens carry `(identifier, offset)` in the keys of the blocks they
+/// cover: a different image misses from its first block on, the same image (same URL, or the same
+/// `uuid`) hits.
+async fn images_are_part_of_block_identity(emu: &RunningEmulator) {
+    let sub = subscribe(emu);
+    let chat = |image: &str| {
+        json!({"model": "test-model", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Describe this picture in detail, please, all of it."},
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": "And say what colour it mostly is."}]}]})
+    };
+    let send = |body: Json| {
+        let u = url(emu, "/v1/chat/completions");
+        async move {
+            let resp = reqwest::Client::new().post(u).json(&body).send().await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.json::<Json>().await.unwrap()
+        }
+    };
+    let first = send(chat("https://example.com/cat.png")).await;
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 40, "the image expands to 40 placeholder tokens: {first}");
+    let (stored,) = tokio::task::block_in_place(|| (events(&recv_batch(&sub).2),));
+    let keys = field(&stored[0], "extra_keys").as_array().unwrap().clone();
+    let mm: Vec<(usize, String, i64)> = keys
+        .iter()
+        .enumerate()
+        .filter_map(|(i, k)| {
+            let k = k.as_array()?;
+            let pair = k[0].as_array()?;
+            Some((i, pair[0].as_str()?.to_string(), pair[1].as_i64()?))
+        })
+        .collect();
+    assert!(mm.len() >= 3, "40 placeholder tokens cover 3 or 4 blocks: {keys:?}");
+    assert!(mm.windows(2).all(|w| w[0].1 == w[1].1 && w[1].0 == w[0].0 + 1 && w[1].2 == w[0].2 - 16));
+    assert!(mm[0].2 >= 0 && mm[1].2 < 0, "offset relative to each block's start: {mm:?}");
+    let cached = |v: &Json| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let first_image_block = mm[0].0 as u64;
+    let other = send(chat("https://example.com/dog.png")).await;
+    assert_eq!(cached(&other), first_image_block * 16, "a different image misses from its first block");
+    let again = send(chat("https://example.com/cat.png")).await;
+    assert!(cached(&again) > first_image_block * 16 + 40, "the same image hits: {again}");
+}
+
+/// One emulator with the real tokenizer (loading it is the slow part of a debug test) for the
+/// tests that render chats.
+#[tokio::test(flavor = "multi_thread")]
+async fn tokenizer_backed_images_and_responses() {
+    let dir = tokenizer_dir();
+    if kvroute_tokenize::ModelTokenizer::from_dir(std::path::Path::new(&dir)).is_err() {
+        return;
+    }
+    let emu = start(&["--tokenizer", &dir, "--mm-tokens-per-image", "40"]).await;
+    images_are_part_of_block_identity(&emu).await;
+    responses_api_is_served_like_chat(&emu).await;
+    emu.shutdown().await;
+}
+
+/// A body of several MB goes through (up to `--max-body-bytes`) and gets vLLM's context-length
+/// 400, not a refusal of the body; above the limit the answer is a 413 in vLLM's error shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn large_bodies_reach_the_context_length_check() {
+    let emu = start(&["--max-model-len", "4096", "--max-body-bytes", "8388608"]).await;
+    let client = reqwest::Client::new();
+    // 6 MB of token ids: ~1.2M tokens.
+    let huge: Vec<u32> = (0..1_200_000u32).map(|i| i % 50_000).collect();
+    let body = serde_json::to_vec(&json!({"model": "test-model", "prompt": huge, "max_tokens": 16})).unwrap();
+    assert!(body.len() > 6_000_000 && body.len() < 8_388_608, "{}", body.len());
+    let resp = client.post(url(&emu, "/v1/completions")).body(body).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let err: Json = resp.json().await.unwrap();
+    assert_eq!(
+        err["error"]["message"],
+        "You passed 1200000 input tokens and requested 16 output tokens. However, the model's context length is only \
+         4096 tokens, resulting in a maximum input length of 4080 tokens. Please reduce the length of the input \
+         prompt. (parameter=input_tokens, value=1200000)"
+    );
+    assert_eq!(
+        (err["error"]["type"].as_str(), err["error"]["param"].as_str()),
+        (Some("BadRequestError"), Some("input_tokens"))
+    );
+    // Exactly at the limit: 4080 + 16 = 4096 passes.
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 4080), "max_tokens": 16})).await;
+    let over = vec![b'x'; 9 * 1024 * 1024];
+    let resp = client.post(url(&emu, "/v1/completions")).body(over).send().await.unwrap();
+    assert_eq!(resp.status(), 413);
+    let err: Json = resp.json().await.unwrap();
+    assert_eq!(err["error"]["code"], 413);
+    emu.shutdown().await;
+}
+
+/// A `prompt` list is a batch: one choice per prompt, `index` in order, usage summed; streamed,
+/// each chunk names its choice.
+#[tokio::test(flavor = "multi_thread")]
+async fn completions_serve_prompt_batches() {
+    let emu = start(&[]).await;
+    let body =
+        complete(&emu, json!({"model": "test-model", "prompt": [tokens(0, 20), tokens(100, 36)], "max_tokens": 3}))
+            .await;
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!((choices[0]["index"].as_u64(), choices[1]["index"].as_u64()), (Some(0), Some(1)));
+    assert!(choices.iter().all(|c| c["finish_reason"] == "length"));
+    assert_eq!(body["usage"]["prompt_tokens"], 56);
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+    let text = reqwest::Client::new()
+        .post(url(&emu, "/v1/completions"))
+        .json(&json!({"model": "test-model", "prompt": [tokens(0, 20), tokens(100, 36)], "max_tokens": 2,
+                      "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let chunks: Vec<Json> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+        .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+        .collect();
+    let indexes: Vec<u64> = chunks.iter().filter_map(|c| c["choices"][0]["index"].as_u64()).collect();
+    assert_eq!(indexes, vec![0, 0, 1, 1]);
+    assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], 56);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    let empty = reqwest::Client::new()
+        .post(url(&emu, "/v1/completions"))
+        .json(&json!({"model": "test-model", "prompt": Vec::<Vec<u32>>::new()}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(empty.status(), 400);
+    emu.shutdown().await;
+}
+
+/// `/v1/responses`: `instructions` + `input` (text or message items) rendered as a chat, answered
+/// as a Responses API object or event stream; repeating it hits the prefix cache; an empty body is
+/// a 400.
+async fn responses_api_is_served_like_chat(emu: &RunningEmulator) {
+    let client = reqwest::Client::new();
+    let long = "You answer questions about the emulator. ".repeat(20);
+    let body = json!({"model": "test-model", "instructions": long, "max_output_tokens": 3,
+                      "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}]}]});
+    let first: Json = client.post(url(emu, "/v1/responses")).json(&body).send().await.unwrap().json().await.unwrap();
+    assert_eq!(first["object"], "response");
+    assert!(first["id"].as_str().unwrap().starts_with("resp_"));
+    assert_eq!(first["output"][0]["type"], "message");
+    assert_eq!(first["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(first["usage"]["output_tokens"], 3);
+    let prompt_tokens = first["usage"]["input_tokens"].as_u64().unwrap();
+    // The same conversation through chat renders the same prompt.
+    let chat = complete_chat(
+        emu,
+        json!({"model": "test-model", "max_tokens": 1, "messages": [
+        {"role": "system", "content": long}, {"role": "user", "content": "What is it?"}]}),
+    )
+    .await;
+    assert_eq!(chat["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens));
+    assert!(chat["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= prompt_tokens - 16);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["input"] = json!("What is it?");
+    let text = client.post(url(emu, "/v1/responses")).json(&streamed).send().await.unwrap().text().await.unwrap();
+    let kinds: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(kinds.first(), Some(&"response.created"));
+    assert_eq!(kinds.iter().filter(|k| **k == "response.output_text.delta").count(), 3);
+    assert_eq!(kinds.last(), Some(&"response.completed"));
+    let resp = client.post(url(emu, "/v1/responses")).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+}
+
+async fn complete_chat(emu: &RunningEmulator, body: Json) -> Json {
+    let resp = reqwest::Client::new().post(url(emu, "/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.json().await.unwrap()
 }
 
 #[test]
