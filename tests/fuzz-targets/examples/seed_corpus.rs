@@ -148,6 +148,7 @@ fn main() -> std::io::Result<()> {
 
     // Config files: the shipped examples.
     write("agent_config", "example", &std::fs::read(root().join("agent/agent.example.yaml"))?)?;
+    write("agent_config", "kubernetes", &std::fs::read(root().join("agent/agent.kubernetes.example.yaml"))?)?;
     for node in ["gpu-node-1.yaml", "gpu-node-2.yaml"] {
         write("agent_config", node, &std::fs::read(root().join("deploy/k8s/base/agent/nodes").join(node))?)?;
     }
@@ -155,5 +156,29 @@ fn main() -> std::io::Result<()> {
     let presets = "models:\n  - name: m\n    mode: approximate\n    approximate: {block_chars: 32, max_blocks: 8}\n\
                    scoring:\n  preset: multi-lora\n  max_queue: 5\n  custom: [{scorer: cost, weight: 0.0, margin: 0.2}]\n";
     write("picker_config", "presets", presets.as_bytes())?;
+
+    // Cluster inputs: a pool file (0), an engine file (1), a vLLM pod as the API server sends it (2).
+    let pool = "target_ports: [8000]\npods:\n  - name: vllm-0\n    ip: 127.0.0.1\n    ports: [8000, 8001]\n\
+                    node: node-1\n    annotations: {kvroute.io/cost-per-hour: \"3.67\"}\n  - {name: vllm-1, ip: 10.0.0.2, ready: false}\n\
+                models:\n  - name: chat\n    targets: [{model: base, adapter: my-lora, weight: 90}, {model: base, weight: 10}]\n\
+                  - name: base\nobjectives: [{name: premium, priority: 10}]\n";
+    write("cluster_inputs", "pool-file", &[b"\x00".as_slice(), pool.as_bytes()].concat())?;
+    let engines = "engines:\n  - pod: vllm-0\n    endpoint: 127.0.0.1:8000\n    kv_events: tcp://127.0.0.1:5557\n\
+                   kv_replay: tcp://127.0.0.1:5558\n    gpus: [0, GPU-0b2d]\n    model: Qwen/Qwen2.5-7B-Instruct\n\
+                   max_num_seqs: 256\n    block_size: 16\n  - {pod: vllm-0, endpoint: 127.0.0.1:8001, rank: 1}\n";
+    write("cluster_inputs", "engine-file", &[b"\x01".as_slice(), engines.as_bytes()].concat())?;
+    let pod = serde_json::json!({
+        "metadata": {"name": "vllm-0", "namespace": "inference", "uid": "u-1",
+                     "annotations": {"kvroute.io/kv-replay-port": "5558"}},
+        "spec": {"nodeName": "node-1", "containers": [{
+            "name": "vllm", "image": "vllm/vllm-openai",
+            "command": ["sh", "-c"],
+            "args": ["vllm serve Qwen/Qwen2.5-7B-Instruct --port 8000 --data-parallel-size 2 --served-model-name qwen \
+                      --kv-events-config '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$(KV_PORT)\",\"topic\":\"kv\"}'"],
+            "env": [{"name": "KV_PORT", "value": "5557"}],
+            "ports": [{"containerPort": 8000}, {"containerPort": 8001}]}]},
+        "status": {"podIP": "10.0.0.11", "conditions": [{"type": "Ready", "status": "True"}]}
+    });
+    write("cluster_inputs", "vllm-pod", &[b"\x02".as_slice(), pod.to_string().as_bytes()].concat())?;
     Ok(())
 }

@@ -19,7 +19,8 @@
 //! | `prometheus` | a `/metrics` page | the agent's Prometheus text parser |
 //! | `agent_messages` | length-delimited protobuf `AgentMessage`s | proto decoding and the picker's ingest of one agent stream into a fresh pool |
 //! | `picker_config` | YAML | the picker's config parser and validation |
-//! | `agent_config` | YAML | the agent's config parser and validation |
+//! | `agent_config` | YAML | the agent's config parser, validation and source resolution |
+//! | `cluster_inputs` | byte 0 picks: a pool file, an engine file (YAML), or a Kubernetes Pod (JSON, as the API server sends it) | the pool and engine file parsers and views, the pod's pool facts and its engines (vLLM argv, `--kv-events-config`, env expansion, KV endpoints) |
 
 use std::sync::OnceLock;
 
@@ -44,6 +45,7 @@ pub const TARGETS: &[Target] = &[
     ("agent_messages", agent_messages),
     ("picker_config", picker_config),
     ("agent_config", agent_config),
+    ("cluster_inputs", cluster_inputs),
 ];
 
 /// The tokenizer fixture (a real 151k-vocabulary BPE with Qwen's ChatML template).
@@ -216,7 +218,50 @@ pub fn picker_config(data: &[u8]) {
 /// The agent's config file.
 pub fn agent_config(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
-    if let Ok(c) = serde_norway::from_str::<kvroute_agent::config::AgentConfig>(text) {
-        let _ = c.validate();
+    if let Ok(c) = serde_norway::from_str::<kvroute_agent::config::AgentConfig>(text)
+        && c.validate().is_ok()
+    {
+        let _ = c.picker_source();
+        // A `pool:` source reads the namespace from the environment only; nothing is dialled.
+        let _ = c.engine_source();
+    }
+}
+
+/// What the cluster tells the agent and the picker: byte 0 picks a pool file (0), an engine file
+/// (1) or a Pod object as JSON (2, 3: with the target ports 8000 and 8001); the rest is the input.
+pub fn cluster_inputs(data: &[u8]) {
+    use kvroute_cluster::engine::engines_of;
+    use kvroute_cluster::file::{EngineFile, PoolFile};
+    use kvroute_cluster::{PoolPod, PoolSpecView};
+    let Some((&sel, rest)) = data.split_first() else { return };
+    let path = std::path::Path::new("fuzz.yaml");
+    match sel & 3 {
+        0 => {
+            if let Ok(f) = PoolFile::parse(path, rest) {
+                let view = f.pool_view(path);
+                let _ = view.candidates().count();
+                let _ = f.model_table(path);
+            }
+        }
+        1 => {
+            if let Ok(f) = EngineFile::parse(path, rest) {
+                let view = f.node_view(path, "node-a");
+                let mut names: Vec<&str> = view.engines.iter().map(|e| e.endpoint.as_str()).collect();
+                names.sort_unstable();
+                let n = names.len();
+                names.dedup();
+                assert_eq!(n, names.len(), "engine names are unique");
+            }
+        }
+        _ => {
+            let Ok(pod) = serde_json::from_slice::<k8s_openapi::api::core::v1::Pod>(rest) else { return };
+            let spec =
+                PoolSpecView { target_ports: vec![8000, 8001], app_protocol: "http".into(), ..Default::default() };
+            let Some(pool_pod) = PoolPod::from_pod(&pod, &spec) else { return };
+            assert!(pool_pod.ports.len() <= spec.target_ports.len(), "ports {:?}", pool_pod.ports);
+            for e in engines_of(&pod, &pool_pod) {
+                assert!(!e.endpoint.is_empty(), "an engine has a name");
+            }
+        }
     }
 }
