@@ -57,6 +57,26 @@ pub struct AgentIdentity {
     pub node_name: String,
 }
 
+/// HTTP/2 keepalive PING interval on a picker connection, idle or not.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a PING may go unanswered before the connection (and the stream) is dropped and the
+/// agent reconnects: a SIGSTOPped or partitioned picker, whose kernel still ACKs TCP, is seen as
+/// dead within [`KEEPALIVE_INTERVAL`] + this (issue 17).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest TCP connect to a picker.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The connection settings of a picker stream: HTTP/2 keepalive both ways (the picker PINGs too,
+/// `picker/src/limits.rs`) and a connect deadline.
+fn picker_endpoint(endpoint: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::new(endpoint.to_string())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true))
+}
+
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long a closing stream waits for the picker to end its side after ours ended.
@@ -160,9 +180,11 @@ async fn stream_once(
     metrics: &AgentMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), ReportError> {
-    let connect = AgentIngestClient::connect(endpoint.to_string());
+    let connect_err = |source| ReportError::Connect { endpoint: endpoint.into(), source };
+    let target = picker_endpoint(endpoint).map_err(connect_err)?;
+    let connect = target.connect();
     let mut client = tokio::select! {
-        c = connect => c.map_err(|source| ReportError::Connect { endpoint: endpoint.into(), source })?,
+        c = connect => AgentIngestClient::new(c.map_err(connect_err)?),
         () = stopped(&mut shutdown) => return Ok(()),
     };
     let picker_label = vec![("picker".to_string(), endpoint.to_string())];
