@@ -12,6 +12,7 @@
 //! block_size: 16
 //! body_limit_bytes: 8388608         # 8 MiB → 413 above it
 //! pod_grace_ttl_ms: 10000
+//! limits: { body_timeout_ms: 30000, keepalive_ms: 10000 }   # listener bounds: crate::limits
 //! models:                           # InferenceModel-style: client model name → base model (+ LoRA)
 //!   - name: Qwen/Qwen2.5-7B-Instruct
 //!     target_model: Qwen/Qwen2.5-7B-Instruct
@@ -51,6 +52,7 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
 use crate::approx::{ApproxConfig, RoutingMode};
+use crate::limits::Limits;
 use crate::pool::{DEFAULT_MAX_BLOCKS_PER_POD, DEFAULT_POD_GRACE_TTL_MS, PoolConfig};
 use crate::score::{ScoringConfig, ScoringConfigError};
 
@@ -136,6 +138,9 @@ pub struct PickerConfig {
     /// [`ScoringConfig`] field over it. Default: the `chatbot` preset ([`ScoringConfig::default`]).
     #[serde(deserialize_with = "scoring_over_preset")]
     pub scoring: ScoringConfig,
+    /// Time and count bounds of the listeners (body deadline, HTTP/2 keepalive, stream and
+    /// connection caps): see [`crate::limits`]. Default [`Limits::default`].
+    pub limits: Limits,
 }
 
 impl Default for PickerConfig {
@@ -150,6 +155,7 @@ impl Default for PickerConfig {
             max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
             models: Vec::new(),
             scoring: ScoringConfig::default(),
+            limits: Limits::default(),
         }
     }
 }
@@ -289,6 +295,9 @@ impl PickerConfig {
                 self.body_limit_bytes,
                 format!("must be in 1..={MAX_BODY_LIMIT_BYTES}"),
             ));
+        }
+        if let Some(field) = self.limits.zero_field() {
+            return Err(ConfigError::invalid(field, 0, "must be > 0; omit it for the default"));
         }
         if self.max_blocks_per_pod == 0 {
             return Err(ConfigError::invalid(

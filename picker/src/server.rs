@@ -143,6 +143,8 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     };
     let mut tasks = JoinSet::new();
 
+    let limits = config.limits;
+    let admin_limits = limits.admin_listener();
     let max_msg = MIN_GRPC_MESSAGE_BYTES.max(config.body_limit_bytes.saturating_mul(2));
     let ext = ExtProcService::new(gateway.clone()).into_server(max_msg);
     // grpc.health.v1 on the ext_proc port, for Envoy's cluster health checks and Kubernetes probes.
@@ -150,7 +152,10 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
+        // HTTP/2 keepalive finds a vanished Envoy; the stream cap bounds one connection's requests.
+        limits
+            .grpc_server()
+            .max_concurrent_streams(Some(limits.ext_proc_max_streams))
             .add_service(health)
             .add_service(ext)
             // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
@@ -167,7 +172,10 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     let ingest = IngestService::new(gateway.pool.clone()).into_server();
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
+        // HTTP/2 keepalive finds a silent or vanished agent (its stream ends, its pods enter the
+        // grace period) within keepalive_ms + keepalive_timeout_ms.
+        limits
+            .grpc_server()
             .add_service(ingest)
             .serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop)
             .await
@@ -178,11 +186,9 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     let app = admin::router(gateway.clone());
     let admin_stop = stop(rx);
     tasks.spawn(async move {
-        axum::serve(admin_l, app)
-            .with_graceful_shutdown(admin_stop)
-            .await
-            .map_err(|e| StartError::Serve { what: "admin", source: e.into() })
-            .map(|()| "admin")
+        // Header-read/idle timeout and a connection bound: half-sent requests cannot starve /healthz.
+        kvroute_common::listener::serve(admin_l, app, admin_limits, admin_stop).await;
+        Ok("admin")
     });
 
     tracing::info!(%ext_proc_addr, %ingest_addr, %admin_addr, models = gateway.models.len(), "picker listening");

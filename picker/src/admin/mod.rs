@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
-use axum::extract::{Query, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -21,12 +21,15 @@ use serde_json::json;
 use crate::decision::{DecisionInput, Rejection, explain};
 use crate::gateway::Gateway;
 
-/// The admin routes over `gateway`.
+/// The admin routes over `gateway`. `/explain` accepts bodies up to the ext_proc limit
+/// (`body_limit_bytes`), not axum's 2 MiB default, so any body the picker routes can be explained;
+/// a larger one gets the same 413.
 pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
+    let body_limit = gateway.body_limit_bytes;
     HttpRouter::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/explain", post(explain_handler))
+        .route("/explain", post(explain_handler).layer(DefaultBodyLimit::max(body_limit)))
         .with_state(gateway)
 }
 
