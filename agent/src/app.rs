@@ -27,6 +27,7 @@ use crate::report::sink::PodSink;
 use crate::report::stream::AgentIdentity;
 use crate::telemetry::AgentMetrics;
 use kvroute_cluster::{ClusterError, NodeView, PodResourcesClient};
+use kvroute_common::listener::{self, ListenerLimits};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -203,16 +204,18 @@ pub async fn start_with(
     let stop_threads = Arc::new(AtomicBool::new(false));
     let mut tasks = JoinSet::new();
 
+    // Header-read and idle timeouts and a connection bound (issue 17): a half-sent request does
+    // not hold a socket for ever, and many of them do not starve /healthz.
+    let limits = ListenerLimits {
+        header_read_timeout: Duration::from_millis(config.metrics_header_timeout_ms),
+        max_connections: config.metrics_max_connections,
+        ..ListenerLimits::default()
+    };
     let router = metrics.router();
     let mut srv_stop = stop_rx.clone();
-    tasks.spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = srv_stop.wait_for(|s| *s).await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "metrics listener failed");
-        }
-    });
+    tasks.spawn(listener::serve(listener, router, limits, async move {
+        let _ = srv_stop.wait_for(|s| *s).await;
+    }));
 
     // One ZeroMQ context (one I/O thread) and one reader thread for every engine, engines added
     // and removed as they come and go. The report ticker holds the only strong `alive`: when it

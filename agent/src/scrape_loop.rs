@@ -6,6 +6,11 @@
 //! Every engine's loop ticks from one shared start ([`NodeSources::first_scrape`]), so the tokio
 //! timer wakes once per scrape interval for all engines rather than once per engine.
 //!
+//! Stale figures (issue 17): when `/metrics` fails or stops parsing, the last good page's figures
+//! are still reported (with its `observed_at_unix_ms`), but their age feeds the health score
+//! ([`HealthInputs::metrics_age_ms`]): past [`stale_after`] they cost a growing penalty with the
+//! reason "engine stats stale", so frozen figures never pass for a healthy pod.
+//!
 //! Concurrency: one task per engine; it owns its loop state and writes only its own pod (under
 //! the pod's mutex). It ends when the agent's stop channel turns true.
 
@@ -26,6 +31,11 @@ use tokio::sync::watch;
 
 /// Window over which corrected ECC errors are counted into a per-minute rate.
 const ECC_RATE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Age past which the engine's figures are stale: 5 scrape intervals, at least 1 s.
+pub(crate) fn stale_after(scrape_every: Duration) -> Duration {
+    (scrape_every * 5).max(Duration::from_secs(1))
+}
 
 /// Scrapes the engine, samples its GPUs (`gpus`, which may change while it runs) and the host,
 /// computes health and updates the pod, until `stop` turns true.
@@ -72,6 +82,8 @@ struct ScrapeLoop {
     ecc: EccRate,
     /// The latest `/metrics` page that parsed and when it was read (unix ms).
     last_metrics: Option<(EngineMetrics, i64)>,
+    /// When that page was read; the loop's start before the first one.
+    last_good_metrics: Instant,
 }
 
 impl ScrapeLoop {
@@ -102,6 +114,7 @@ impl ScrapeLoop {
             probe: ProbeOutcome::Unknown,
             ecc: EccRate::default(),
             last_metrics: None,
+            last_good_metrics: Instant::now(),
         }
     }
 
@@ -183,6 +196,7 @@ impl ScrapeLoop {
                     self.pod.set_model(&self.pod.model(), Some(b));
                 }
                 self.last_metrics = Some((m, observed_at));
+                self.last_good_metrics = Instant::now();
             }
             Err(e) => self.scrape_err(e),
         }
@@ -203,6 +217,8 @@ impl ScrapeLoop {
             probe: self.probe,
             probe_timeout_ms: self.probe_timeout.as_millis() as f64,
             max_temperature_c: 0,
+            metrics_age_ms: self.last_good_metrics.elapsed().as_secs_f64() * 1e3,
+            metrics_stale_after_ms: stale_after(self.scrape_every).as_secs_f64() * 1e3,
             ..Default::default()
         };
         let (mut util, mut corrected) = (0.0f64, 0u64);

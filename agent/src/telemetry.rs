@@ -27,13 +27,18 @@ pub struct AgentMetrics {
     pub kv_events_received: Family<Labels, Counter>,
     /// KV-event batches recovered through replay, per pod.
     pub kv_events_replayed: Family<Labels, Counter>,
-    /// Blocks dropped (unknown parent, gap beyond replay, opaque extra keys), per pod.
+    /// Blocks dropped (unknown parent, opaque extra keys, short token ids, record full), per pod.
     pub kv_blocks_dropped: Family<Labels, Counter>,
     /// Block events applied (blocks named by `BlockStored` and `BlockRemoved`, any medium), per
     /// pod: the agent's work, which its CPU use follows.
     pub kv_block_events: Family<Labels, Counter>,
     /// Malformed KV-event messages, per pod.
     pub kv_events_malformed: Family<Labels, Counter>,
+    /// KV events skipped inside batches that were otherwise kept, per pod and `reason`
+    /// (`unknown_type`: a type this agent does not know, e.g. from a newer vLLM; `unreadable`:
+    /// a store whose fields could not be read; `untrusted`: an unreadable removal or a payload
+    /// cut short, which cleared the pod's record).
+    pub kv_events_skipped: Family<Labels, Counter>,
     /// Times the pod's record was cleared because events were lost or the engine restarted.
     pub kv_resyncs: Family<Labels, Counter>,
     /// Failed engine scrapes (`/metrics`, `/health`, `/v1/models`), per pod.
@@ -57,6 +62,11 @@ pub fn pod_label(pod: &str) -> Labels {
     vec![("pod".into(), pod.into())]
 }
 
+/// `[("pod", pod), ("reason", reason)]`.
+pub fn pod_reason_labels(pod: &str, reason: &str) -> Labels {
+    vec![("pod".into(), pod.into()), ("reason".into(), reason.into())]
+}
+
 impl AgentMetrics {
     /// Creates and registers every metric (prefix `kvroute_agent_`).
     pub fn new() -> Arc<Self> {
@@ -67,6 +77,7 @@ impl AgentMetrics {
             kv_blocks_dropped: Family::default(),
             kv_block_events: Family::default(),
             kv_events_malformed: Family::default(),
+            kv_events_skipped: Family::default(),
             kv_resyncs: Family::default(),
             scrape_errors: Family::default(),
             health_score: Family::default(),
@@ -94,6 +105,11 @@ impl AgentMetrics {
             m.kv_block_events.clone(),
         );
         registry.register("kv_events_malformed", "Undecodable KV-event messages", m.kv_events_malformed.clone());
+        registry.register(
+            "kv_events_skipped",
+            "KV events skipped in kept batches, by reason (unknown_type, unreadable, untrusted)",
+            m.kv_events_skipped.clone(),
+        );
         registry.register(
             "kv_resyncs",
             "Pod records cleared after lost events or engine restart",

@@ -21,6 +21,7 @@
 //! max_pods: 16384                   # pods all agent streams may hold
 //! # ext_proc_tls: {cert_file: .., key_file: ..}   # TLS on ext_proc (GIE's --secure-serving)
 //! # explain_token_file: /etc/kvroute/admin/token  # /explain from off-host with "Authorization: Bearer <token>"
+//! limits: { body_timeout_ms: 30000, keepalive_ms: 10000 }   # listener bounds: crate::limits
 //! models:                           # InferenceModel-style: client model name → base model (+ LoRA)
 //!   - name: Qwen/Qwen2.5-7B-Instruct
 //!     target_model: Qwen/Qwen2.5-7B-Instruct
@@ -72,6 +73,7 @@ use serde::{Deserialize, Deserializer};
 use crate::approx::{ApproxConfig, RoutingMode};
 use crate::ingest::guard::{DEFAULT_MAX_PODS, DEFAULT_MAX_PODS_PER_STREAM};
 use crate::ingest::tls::TlsFiles;
+use crate::limits::Limits;
 use crate::pool::{DEFAULT_MAX_BLOCKS_PER_POD, DEFAULT_POD_GRACE_TTL_MS, PoolConfig};
 use crate::score::{ScoringConfig, ScoringConfigError};
 
@@ -186,6 +188,9 @@ pub struct PickerConfig {
     /// [`ScoringConfig`] field over it. Default: the `chatbot` preset ([`ScoringConfig::default`]).
     #[serde(deserialize_with = "scoring_over_preset")]
     pub scoring: ScoringConfig,
+    /// Time and count bounds of the listeners (body deadline, HTTP/2 keepalive, stream and
+    /// connection caps): see [`crate::limits`]. Default [`Limits::default`].
+    pub limits: Limits,
     /// The InferencePool whose Ready pods are the candidates (Kubernetes). `--pool-name` /
     /// `--pool-namespace` override it. Exclusive with `pool_file`.
     pub pool: Option<PoolRefConfig>,
@@ -260,6 +265,7 @@ impl Default for PickerConfig {
             ext_proc_tls: None,
             explain_token_file: None,
             shutdown_drain_ms: DEFAULT_SHUTDOWN_DRAIN_MS,
+            limits: Limits::default(),
         }
     }
 }
@@ -462,6 +468,9 @@ impl PickerConfig {
                 self.body_limit_bytes,
                 format!("must be in 1..={MAX_BODY_LIMIT_BYTES}"),
             ));
+        }
+        if let Some(field) = self.limits.zero_field() {
+            return Err(ConfigError::invalid(field, 0, "must be > 0; omit it for the default"));
         }
         if self.max_blocks_per_pod == 0 {
             return Err(ConfigError::invalid(

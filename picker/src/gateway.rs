@@ -31,6 +31,8 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// Largest request body parsed, in bytes (413 above).
     pub body_limit_bytes: usize,
+    /// Longest wait from an ext_proc stream's request headers to the end of its body (408 after).
+    pub body_timeout: std::time::Duration,
     /// Model used for requests without a body (the first configured model).
     pub default_model: Option<String>,
     /// The pool source's model table (InferenceObjective priorities, docs/design.md §14);
@@ -56,6 +58,7 @@ impl Gateway {
             models: ModelRegistry::load(&config.models, config.block_size),
             metrics,
             body_limit_bytes: config.body_limit_bytes,
+            body_timeout: config.limits.body_timeout(),
             default_model: config.models.first().map(|m| m.name.clone()),
             model_table: ArcSwapOption::empty(),
             ready: AtomicBool::new(config.pool_source().is_none()),

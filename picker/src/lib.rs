@@ -18,6 +18,7 @@ pub mod decision;
 pub mod ext_proc;
 pub mod gateway;
 pub mod ingest;
+pub mod limits;
 pub mod model;
 pub mod pool;
 pub mod score;

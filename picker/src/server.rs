@@ -254,6 +254,8 @@ pub async fn start_with_scope(
     };
     let mut tasks = JoinSet::new();
 
+    let limits = config.limits;
+    let admin_limits = limits.admin_listener();
     let max_msg = MIN_GRPC_MESSAGE_BYTES.max(config.body_limit_bytes.saturating_mul(2));
     let ext = ExtProcService::new(gateway.clone()).into_server(max_msg);
     // grpc.health.v1 on the ext_proc port, for Envoy's cluster health checks and Kubernetes probes.
@@ -266,7 +268,12 @@ pub async fn start_with_scope(
     }
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
-        let server = tonic::transport::Server::builder().add_service(health).add_service(ext);
+        // HTTP/2 keepalive finds a vanished Envoy; the stream cap bounds one connection's requests.
+        let server = limits
+            .grpc_server()
+            .max_concurrent_streams(Some(limits.ext_proc_max_streams))
+            .add_service(health)
+            .add_service(ext);
         // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
         // (measured: +40-50 ms at p90 through Envoy, gateway-bench). `tls::incoming` sets it too.
         let served = match ext_proc_tls {
@@ -297,7 +304,9 @@ pub async fn start_with_scope(
     let ingest = IngestService::with_trust(gateway.pool.clone(), trust).into_server();
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
-        let server = tonic::transport::Server::builder().add_service(ingest);
+        // HTTP/2 keepalive finds a silent or vanished agent (its stream ends, its pods enter the
+        // grace period) within keepalive_ms + keepalive_timeout_ms.
+        let server = limits.grpc_server().add_service(ingest);
         let served = match ingest_tls {
             Some(tls) => {
                 server.serve_with_incoming_shutdown(tls::incoming(ingest_l, tls, Some(refusals)), ingest_stop).await
@@ -310,11 +319,9 @@ pub async fn start_with_scope(
     let app = admin::router_with_token(gateway.clone(), explain_token.map(Arc::from));
     let admin_stop = stop(rx);
     tasks.spawn(async move {
-        axum::serve(admin_l, app.into_make_service_with_connect_info::<SocketAddr>())
-            .with_graceful_shutdown(admin_stop)
-            .await
-            .map_err(|e| StartError::Serve { what: "admin", source: e.into() })
-            .map(|()| "admin")
+        // The peer address reaches handlers as `ConnectInfo` (the `/explain` loopback rule).
+        kvroute_common::listener::serve(admin_l, app, admin_limits, admin_stop).await;
+        Ok("admin")
     });
 
     let health = health_reporter.clone();

@@ -67,6 +67,26 @@ pub struct AgentIdentity {
     pub tls: Option<Arc<crate::config::PickerTlsConfig>>,
 }
 
+/// HTTP/2 keepalive PING interval on a picker connection, idle or not.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a PING may go unanswered before the connection (and the stream) is dropped and the
+/// agent reconnects: a SIGSTOPped or partitioned picker, whose kernel still ACKs TCP, is seen as
+/// dead within [`KEEPALIVE_INTERVAL`] + this (issue 17).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest TCP connect to a picker.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The connection settings of a picker stream: HTTP/2 keepalive both ways (the picker PINGs too,
+/// `picker/src/limits.rs`) and a connect deadline.
+fn picker_endpoint(endpoint: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::new(endpoint.to_string())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true))
+}
+
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long a closing stream waits for the picker to end its side after ours ended.
@@ -169,10 +189,11 @@ async fn connect(
     endpoint: &str,
     tls: Option<&crate::config::PickerTlsConfig>,
 ) -> Result<AgentIngestClient<tonic::transport::Channel>, ReportError> {
-    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
     let err = |source| ReportError::Connect { endpoint: endpoint.into(), source };
     let Some(tls) = tls else {
-        return AgentIngestClient::connect(endpoint.to_string()).await.map_err(err);
+        let channel = picker_endpoint(endpoint).map_err(err)?.connect().await.map_err(err)?;
+        return Ok(AgentIngestClient::new(channel));
     };
     let read = |path: &str| std::fs::read(path).map_err(|source| ReportError::TlsFile { path: path.into(), source });
     let (ca, cert, key) = (read(&tls.ca_file)?, read(&tls.cert_file)?, read(&tls.key_file)?);
@@ -184,8 +205,7 @@ async fn connect(
         Some(rest) => format!("https://{rest}"),
         None => endpoint.to_string(),
     };
-    let channel =
-        Endpoint::from_shared(url).map_err(err)?.tls_config(config).map_err(err)?.connect().await.map_err(err)?;
+    let channel = picker_endpoint(&url).map_err(err)?.tls_config(config).map_err(err)?.connect().await.map_err(err)?;
     Ok(AgentIngestClient::new(channel))
 }
 

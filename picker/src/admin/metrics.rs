@@ -87,7 +87,7 @@ pub struct Metrics {
     pub stale_cache_routing: Counter,
     /// `epp_adapter_loads_triggered_total{adapter}`: routed to a pod not running the adapter.
     pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
-    /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/413/429/503).
+    /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/408/413/429/503).
     pub request_errors: Family<CodeLabel, Counter>,
     /// `epp_ingest_refusals_total{reason}`: agent connections and reports refused
     /// (docs/design.md §14 "Trust"; reasons in `ingest::Refusal`).

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Query, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Query, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -36,10 +36,12 @@ pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
 }
 
 /// The admin routes over `gateway`; `/explain` also opens to callers presenting `token` as a
-/// bearer token.
+/// bearer token. `/explain` accepts bodies up to the ext_proc limit (`body_limit_bytes`), not
+/// axum's 2 MiB default, so any body the picker routes can be explained; a larger one gets 413.
 pub fn router_with_token(gateway: Arc<Gateway>, token: Option<Arc<str>>) -> HttpRouter {
-    let explain =
-        post(explain_handler).layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
+    let body_limit = gateway.body_limit_bytes;
+    let explain = post(explain_handler).layer(DefaultBodyLimit::max(body_limit)).layer(axum::middleware::from_fn(
+        move |req: Request, next: axum::middleware::Next| {
             let allowed = explain_allowed(&req, token.as_deref());
             async move {
                 if allowed {
@@ -51,7 +53,8 @@ pub fn router_with_token(gateway: Arc<Gateway>, token: Option<Arc<str>>) -> Http
                     )
                 }
             }
-        }));
+        },
+    ));
     HttpRouter::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))

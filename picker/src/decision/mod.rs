@@ -43,10 +43,29 @@ pub struct Rejection {
     pub message: String,
 }
 
+/// Longest rejection message, in bytes: messages may quote the client's input (a model name, a
+/// value the JSON parser refused), which is echoed into the error body and the log only this far
+/// (issue 17: a 4 MB model name was echoed whole into the 404 and the logs).
+pub const MAX_MESSAGE_BYTES: usize = 512;
+
 impl Rejection {
     fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, kind, message: message.into() }
+        Self { status, kind, message: bounded_message(message.into()) }
     }
+}
+
+/// `message` cut to [`MAX_MESSAGE_BYTES`] at a character boundary (with the total length named),
+/// control characters replaced by U+FFFD so a quoted input cannot forge log lines.
+pub fn bounded_message(message: String) -> String {
+    let clean = |s: &str| s.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect::<String>();
+    if message.len() <= MAX_MESSAGE_BYTES {
+        return if message.chars().any(char::is_control) { clean(&message) } else { message };
+    }
+    let mut end = MAX_MESSAGE_BYTES;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", clean(&message[..end]), message.len())
 }
 
 impl From<ModelError> for Rejection {
@@ -65,6 +84,20 @@ impl From<RouteError> for Rejection {
             _ => Rejection::new(503, "service_unavailable", e.to_string()),
         }
     }
+}
+
+/// Longest client-sent name quoted in an error, in characters.
+const MAX_ECHOED_NAME_CHARS: usize = 128;
+
+/// A client-sent name as errors quote it: at most [`MAX_ECHOED_NAME_CHARS`] characters, control
+/// characters replaced (the 404 for an unknown model quotes the name).
+fn echo_name(name: &str) -> String {
+    let mut out: String =
+        name.chars().take(MAX_ECHOED_NAME_CHARS).map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect();
+    if name.chars().nth(MAX_ECHOED_NAME_CHARS).is_some() {
+        out.push('…');
+    }
+    out
 }
 
 /// What one stream needs to know about the request to make a decision.
@@ -167,7 +200,7 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
             None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
         },
     };
-    let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(model_name.clone()))?;
+    let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(echo_name(&model_name)))?;
     drop(parse_span);
     tracing::Span::current().record("model", model_name.as_str());
     let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };

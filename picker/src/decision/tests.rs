@@ -104,3 +104,29 @@ async fn explain_rejects_like_routing() {
     let ex = explain(&gw, &input(br#"{"model":"Qwen/Qwen2.5-7B-Instruct","prompt":"x"}"#)).unwrap();
     assert_eq!(ex.explanation.choice, None);
 }
+
+/// Issue 17: a 4 MB model name, or one carrying line breaks, is quoted in the 404 only bounded
+/// and cleaned; so is a parser error quoting a huge string value.
+#[test]
+fn errors_quote_client_input_bounded_and_without_control_characters() {
+    let gw = gateway("{name: m}");
+    let huge = format!("evil\nINFO forged line {}", "x".repeat(4 << 20));
+    let body = serde_json::json!({"model": huge, "prompt": "hi"}).to_string().into_bytes();
+    let input =
+        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(&body), subset: None, objective: None };
+    let Err(rej) = prepare(&gw, &input) else { panic!("unknown model accepted") };
+    assert_eq!(rej.status, 404);
+    assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
+    assert!(rej.message.contains("evil\u{FFFD}INFO forged line"), "{}", rej.message);
+    assert!(!rej.message.chars().any(char::is_control), "{:?}", rej.message);
+
+    let bad = format!(r#"{{"model":"m","prompt":"hi","max_tokens":"{}"}}"#, "9".repeat(1 << 20)).into_bytes();
+    let input =
+        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(&bad), subset: None, objective: None };
+    if let Err(rej) = prepare(&gw, &input) {
+        assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
+    }
+    assert_eq!(bounded_message("short".into()), "short");
+    let cut = bounded_message("é".repeat(400));
+    assert!(cut.ends_with("… (800 bytes)") && cut.len() <= MAX_MESSAGE_BYTES + 32, "{cut}");
+}

@@ -440,6 +440,44 @@ impl Session {
     }
 }
 
+/// One agent stream's handling driven without a network: each message goes through the same
+/// checks, sequence rules and pool updates as a message read from a `Report` stream, and the
+/// picker's replies (Acks, resync requests) are returned. For fuzzing (`fuzz/`) and tests.
+#[doc(hidden)]
+pub struct StreamDriver {
+    session: Session,
+    replies: mpsc::Receiver<PickerMessage>,
+}
+
+impl StreamDriver {
+    /// A new stream feeding `pool`.
+    pub fn new(pool: Arc<Pool>) -> StreamDriver {
+        let (tx, replies) = mpsc::channel(RESPONSE_QUEUE);
+        let stream = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
+        StreamDriver { session: Session::new(pool, stream, tx), replies }
+    }
+
+    /// Handles `msg` as the stream would (an Ack round every [`ACK_EVERY`] messages included);
+    /// returns the replies it queued.
+    pub async fn feed(&mut self, msg: AgentMessage) -> Result<Vec<PickerMessage>, crate::pool::PoolError> {
+        self.session.handle(msg).await?;
+        self.session.since_ack += 1;
+        if self.session.since_ack >= ACK_EVERY {
+            self.session.ack().await;
+        }
+        let mut out = Vec::new();
+        while let Ok(m) = self.replies.try_recv() {
+            out.push(m);
+        }
+        Ok(out)
+    }
+
+    /// Ends the stream as a disconnect would (its pods enter the grace period).
+    pub async fn end(self) -> Result<(), crate::pool::PoolError> {
+        self.session.pool.update(PoolUpdate::StreamEnded { stream: self.session.stream }).await
+    }
+}
+
 /// Flattens block runs into hashes (the hashes are chained already: the index needs no parents).
 fn flatten_runs(runs: &[BlockRun]) -> Vec<BlockHash> {
     runs.iter().flat_map(|r| r.hashes.iter().map(|h| BlockHash(*h))).collect()
