@@ -52,9 +52,11 @@ pub struct AgentMetrics {
     pub picker_streams: Gauge,
 }
 
-/// `[("pod", pod)]`.
+/// `[("model_server_pod", pod)]`: GIE's label for the model-server pod. Not `pod`: a Prometheus
+/// Operator scrape sets `pod` to the agent's own pod and renames a clashing exposed `pod` label to
+/// `exported_pod`.
 pub fn pod_label(pod: &str) -> Labels {
-    vec![("pod".into(), pod.into())]
+    vec![("model_server_pod".into(), pod.into())]
 }
 
 impl AgentMetrics {

@@ -36,11 +36,16 @@ impl Gateway {
     pub fn new(config: &PickerConfig) -> Result<Self, StartError> {
         let pool = Pool::new(config.pool());
         let router = Router::new(pool.clone(), config.scoring.clone())?;
+        let metrics = Metrics::new();
+        // GIE's target model is what the engine serves: the adapter when there is one.
+        metrics.register_models(
+            config.models.iter().map(|m| (m.name.as_str(), m.adapter.as_deref().unwrap_or(m.target()))),
+        );
         Ok(Self {
             pool,
             router,
             models: ModelRegistry::load(&config.models, config.block_size),
-            metrics: Metrics::new(),
+            metrics,
             body_limit_bytes: config.body_limit_bytes,
             default_model: config.models.first().map(|m| m.name.clone()),
         })

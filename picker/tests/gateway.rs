@@ -267,8 +267,8 @@ async fn prefix_holder_wins_and_envoy_contract_holds() {
     let metrics = metrics_text(&picker).await;
     assert!(metrics.contains(&format!("epp_routing_decisions_total{{model=\"{MODEL}\"}} 1")), "{metrics}");
     assert!(metrics.contains("epp_stale_cache_routing_total 0"), "{metrics}");
-    assert!(metrics.contains("epp_queue_depth{pod=\"pod-b\"}"), "{metrics}");
-    assert!(metrics.contains("epp_pod_health_score{pod=\"pod-a\"} 1"), "{metrics}");
+    assert!(metrics.contains("epp_queue_depth{model_server_pod=\"pod-b\"}"), "{metrics}");
+    assert!(metrics.contains("epp_pod_health_score{model_server_pod=\"pod-a\"} 1"), "{metrics}");
     assert!(metrics.contains("epp_prefix_tree_nodes 4"), "{metrics}");
     for name in ["epp_cache_match_ratio_bucket", "epp_scoring_latency_us_bucket", "epp_composite_score_bucket"] {
         assert!(metrics.contains(name), "{name} missing: {metrics}");

@@ -133,7 +133,7 @@ async fn wait_pods(admin: SocketAddr, pods: &[FakePod]) {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let m = metrics_text(admin).await;
-        if pods.iter().all(|p| m.contains(&format!("epp_pod_health_score{{pod=\"{}\"}}", p.name))) {
+        if pods.iter().all(|p| m.contains(&format!("epp_pod_health_score{{model_server_pod=\"{}\"}}", p.name))) {
             return;
         }
         assert!(Instant::now() < deadline, "pods never showed up: {m}");

@@ -41,11 +41,22 @@ pub struct Rejection {
     pub kind: &'static str,
     /// Human message: what was wrong and what to do.
     pub message: String,
+    /// The request's (client model, target model), when it got as far as resolving its model
+    /// (for `inference_objective_request_error_total`).
+    pub model: Option<(String, String)>,
 }
 
 impl Rejection {
-    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, kind, message: message.into() }
+    /// A rejection with `status`, error `type` `kind` and a message for the client.
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, message: message.into(), model: None }
+    }
+
+    /// The same rejection, naming the request's client model and target model.
+    #[must_use]
+    pub fn for_model(mut self, model: &str, target: &str) -> Self {
+        self.model = Some((model.to_owned(), target.to_owned()));
+        self
     }
 }
 
@@ -213,7 +224,9 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         }
         Err(e) => {
             observer.no_pod(&prepared, &e);
-            Err(e.into())
+            // GIE's target model is what the engine serves: the adapter when there is one.
+            let target = prepared.model.adapter.as_ref().unwrap_or(&prepared.model.target_model);
+            Err(Rejection::from(e).for_model(&prepared.model_name, target))
         }
     }
 }

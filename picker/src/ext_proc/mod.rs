@@ -222,7 +222,7 @@ async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody, o
         st.decided = true;
         st.body = Vec::new();
         let msg = format!("request body exceeds the limit of {} bytes", gw.body_limit_bytes);
-        out.push(reject(gw, st, Rejection { status: 413, kind: "request_too_large", message: msg }));
+        out.push(reject(gw, st, Rejection::new(413, "request_too_large", msg)));
         return;
     }
     if st.body.is_empty() && b.end_of_stream {
@@ -337,7 +337,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
             .await;
             joined.unwrap_or_else(|e| {
                 let message = format!("routing task failed: {e}");
-                (None, Err(Rejection { status: 500, kind: "internal_error", message }))
+                (None, Err(Rejection::new(500, "internal_error", message)))
             })
         };
     match result {
