@@ -146,3 +146,39 @@ impl AgentMetrics {
 async fn metrics(State(m): State<Arc<AgentMetrics>>) -> impl IntoResponse {
     (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dashboard's agent panels (deploy/observability/grafana-dashboard.json) query only
+    /// families this exposition has, by the per-pod label it uses.
+    #[test]
+    fn dashboard_agent_panels_query_exported_families() {
+        let m = AgentMetrics::new();
+        // Labelled families show their samples once a pod has one.
+        let l = pod_label("engine-0");
+        m.scrape_errors.get_or_create(&l).inc();
+        m.kv_resyncs.get_or_create(&l).inc();
+        m.health_score.get_or_create(&l).set(1.0);
+        let text = m.encode();
+        assert!(text.contains("kvroute_agent_health_score{model_server_pod=\"engine-0\"}"), "{text}");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/observability/grafana-dashboard.json");
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("dashboard")).expect("json");
+        let mut queried = 0;
+        for panel in dashboard["panels"].as_array().expect("panels") {
+            for t in panel["targets"].as_array().expect("targets") {
+                let expr = t["expr"].as_str().expect("expr");
+                for (i, _) in expr.match_indices("kvroute_agent_") {
+                    let name: String =
+                        expr[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    let sample = text.lines().any(|l| !l.starts_with('#') && l.starts_with(&name));
+                    assert!(sample, "dashboard queries {name}, which the agent does not export: {text}");
+                    queried += 1;
+                }
+            }
+        }
+        assert!(queried >= 4, "the dashboard has agent panels");
+    }
+}
