@@ -419,6 +419,15 @@ async fn chunked_large_body_subset_hint_and_headers_only() {
     assert_eq!(endpoint.as_deref(), Some("10.0.0.1:8000"));
     let rid = header_value(h.response.as_ref().unwrap(), "x-request-id").unwrap();
     assert_eq!(uuid::Uuid::parse_str(&rid).map(|u| u.get_version_num()).ok(), Some(4));
+
+    // An inference request without a body is a 400 with a JSON error, answered on the headers.
+    let mut envoy = Envoy::open(&picker).await;
+    envoy.send(request_headers("/v1/responses", &[], true)).await;
+    let r = envoy.recv().await;
+    let (i, v) = immediate(&r);
+    assert_eq!(i.status.as_ref().unwrap().code, 400);
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("needs a JSON request body"), "{v}");
     picker.shutdown();
 }
 

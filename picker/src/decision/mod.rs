@@ -159,7 +159,8 @@ impl Drop for HashBuf {
 }
 
 /// Parse → model → tokens → chain → matches: everything a decision computes before scoring.
-/// Errors: an invalid body (400), an unknown model (404), no model for a body-less request (503).
+/// Errors: an invalid or empty body (400; an inference path without a body is empty), an
+/// unknown model (404), no model for a body-less request (503).
 pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest<'g>, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
@@ -167,6 +168,9 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
         Some(body) => {
             let parsed = parse_body(input.path, body)?;
             (parsed.model, parsed.prompt)
+        }
+        None if crate::model::needs_body(input.path) => {
+            return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
         }
         None => match &gw.default_model {
             Some(m) => (m.clone(), PromptInput::None("request without body")),
