@@ -50,6 +50,8 @@ pub struct AgentMetrics {
     pub engine_changes: Family<Labels, Counter>,
     /// Picker report streams the agent keeps now (one per picker replica).
     pub picker_streams: Gauge,
+    /// Picker report streams open now (connected, snapshots sent); `/healthz` is 503 at 0.
+    pub pickers_connected: Gauge,
 }
 
 /// `[("model_server_pod", pod)]`: GIE's label for the model-server pod. Not `pod`: a Prometheus
@@ -77,6 +79,7 @@ impl AgentMetrics {
             engines: Gauge::default(),
             engine_changes: Family::default(),
             picker_streams: Gauge::default(),
+            pickers_connected: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("kv_event_batches_received", "KV-event batches received", m.kv_events_received.clone());
@@ -108,6 +111,11 @@ impl AgentMetrics {
         registry.register("engines", "Engines served now", m.engines.clone());
         registry.register("engine_changes", "Engines added, removed or restarted", m.engine_changes.clone());
         registry.register("picker_streams", "Picker report streams open or opening", m.picker_streams.clone());
+        registry.register(
+            "pickers_connected",
+            "Picker report streams connected now (0: the agent reaches no picker)",
+            m.pickers_connected.clone(),
+        );
         Arc::new(Self { registry, ..m })
     }
 
@@ -137,14 +145,51 @@ impl AgentMetrics {
         out
     }
 
-    /// The HTTP router: `/metrics` and `/healthz`.
+    /// The HTTP router: `/metrics`, `/healthz` (200 while at least one picker stream is
+    /// connected, else 503 naming the problem: the readiness probe) and `/livez` (200 while the
+    /// process serves: the liveness probe, so a picker outage does not restart every agent).
     pub fn router(self: &Arc<Self>) -> Router {
-        Router::new().route("/metrics", get(metrics)).route("/healthz", get(|| async { "ok" })).with_state(self.clone())
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(healthz))
+            .route("/livez", get(|| async { "ok" }))
+            .with_state(self.clone())
+    }
+}
+
+async fn healthz(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
+    health_of(&m)
+}
+
+/// `/healthz`'s answer: whether the agent reaches a picker.
+fn health_of(m: &AgentMetrics) -> (StatusCode, String) {
+    match m.pickers_connected.get() {
+        n if n > 0 => (StatusCode::OK, format!("ok: {n} picker stream(s) connected\n")),
+        _ => {
+            (StatusCode::SERVICE_UNAVAILABLE, "no picker stream connected: see the agent's log for the cause\n".into())
+        }
     }
 }
 
 async fn metrics(State(m): State<Arc<AgentMetrics>>) -> impl IntoResponse {
     (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
+}
+
+/// Counts one connected picker stream in [`AgentMetrics::pickers_connected`] while alive.
+pub struct PickerConnected<'a>(&'a AgentMetrics);
+
+impl<'a> PickerConnected<'a> {
+    /// A stream just connected.
+    pub fn new(m: &'a AgentMetrics) -> Self {
+        m.pickers_connected.inc();
+        Self(m)
+    }
+}
+
+impl Drop for PickerConnected<'_> {
+    fn drop(&mut self) {
+        self.0.pickers_connected.dec();
+    }
 }
 
 #[cfg(test)]
@@ -180,5 +225,15 @@ mod tests {
             }
         }
         assert!(queried >= 4, "the dashboard has agent panels");
+    }
+
+    #[test]
+    fn healthz_reflects_picker_streams() {
+        let m = AgentMetrics::new();
+        assert_eq!(health_of(&m).0, StatusCode::SERVICE_UNAVAILABLE);
+        let open = PickerConnected::new(&m);
+        assert_eq!(health_of(&m).0, StatusCode::OK);
+        drop(open);
+        assert_eq!(health_of(&m).0, StatusCode::SERVICE_UNAVAILABLE);
     }
 }
