@@ -281,11 +281,14 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
 }
 
 /// `promtool` (`$KVROUTE_PROMTOOL`, else on `PATH`); Debian's `prometheus` package ships it
-/// (.ci/run installs it).
+/// (`scripts/install-promtool`, run by scripts/test, installs it).
 fn promtool() -> PathBuf {
     let p = std::env::var_os("KVROUTE_PROMTOOL").map_or_else(|| PathBuf::from("promtool"), PathBuf::from);
     let found = Command::new(&p).arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(found, "promtool not found: `apt-get install prometheus` (Debian) or set KVROUTE_PROMTOOL");
+    assert!(
+        found,
+        "promtool not found: run scripts/install-promtool (Debian package prometheus) or set KVROUTE_PROMTOOL"
+    );
     p
 }
 
