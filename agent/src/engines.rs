@@ -321,7 +321,7 @@ impl EngineSet {
             d.metrics.clone(),
             stop_rx,
         ));
-        tracing::info!(engine = %name, http = %spec.http, kv_events = ?spec.kv_events, "engine started");
+        tracing::info!(engine = %name, http = %spec.http, kv_events = spec.kv_events.as_deref().unwrap_or(""), "engine started");
         d.metrics.engine_changes.get_or_create(&vec![("change".into(), "added".into())]).inc();
         let annotations = spec.annotations.clone();
         self.running.insert(name, RunningEngine { key, annotations, stop, gpus, task });

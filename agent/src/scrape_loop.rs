@@ -16,7 +16,7 @@
 
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::metrics::EngineMetrics;
-use crate::engine::scrape::EngineClient;
+use crate::engine::scrape::{EngineClient, ScrapeError};
 use crate::engines::GpuBinding;
 use crate::gpu::{GpuError, gpu_name};
 use crate::health::{GpuVisibility, HealthInputs, ProbeOutcome, health_score};
@@ -84,7 +84,14 @@ struct ScrapeLoop {
     last_metrics: Option<(EngineMetrics, i64)>,
     /// When that page was read; the loop's start before the first one.
     last_good_metrics: Instant,
+    /// When the last "engine not answering" WARN was logged; `None` while the engine answers.
+    last_scrape_warn: Option<Instant>,
+    /// Failed engine requests since that line.
+    scrape_failures_unlogged: u64,
 }
+
+/// Least time between two "engine not answering" WARN lines of one engine.
+const SCRAPE_WARN_EVERY: Duration = Duration::from_secs(30);
 
 impl ScrapeLoop {
     fn new(
@@ -115,6 +122,8 @@ impl ScrapeLoop {
             ecc: EccRate::default(),
             last_metrics: None,
             last_good_metrics: Instant::now(),
+            last_scrape_warn: None,
+            scrape_failures_unlogged: 0,
         }
     }
 
@@ -197,6 +206,7 @@ impl ScrapeLoop {
                 }
                 self.last_metrics = Some((m, observed_at));
                 self.last_good_metrics = Instant::now();
+                self.scrape_ok();
             }
             Err(e) => self.scrape_err(e),
         }
@@ -274,9 +284,30 @@ impl ScrapeLoop {
         }
     }
 
-    fn scrape_err(&self, e: impl std::fmt::Display) {
+    /// Counts a failed engine request and logs it: WARN with the cause (refused, DNS, TLS,
+    /// timeout, ...) on the first failure and then at most once per [`SCRAPE_WARN_EVERY`] while
+    /// the engine keeps failing (with the count since the last line); DEBUG otherwise.
+    fn scrape_err(&mut self, e: ScrapeError) {
         self.metrics.scrape_errors.get_or_create(&self.labels).inc();
-        tracing::debug!(pod = %self.engine.pod, error = %e, "engine scrape failed");
+        let now = Instant::now();
+        self.scrape_failures_unlogged += 1;
+        let due = self.last_scrape_warn.is_none_or(|t| now.duration_since(t) >= SCRAPE_WARN_EVERY);
+        if due {
+            tracing::warn!(pod = %self.engine.pod, cause = e.cause(), error = %e,
+                failures = self.scrape_failures_unlogged, "engine not answering");
+            self.last_scrape_warn = Some(now);
+            self.scrape_failures_unlogged = 0;
+        } else {
+            tracing::debug!(pod = %self.engine.pod, cause = e.cause(), error = %e, "engine scrape failed");
+        }
+    }
+
+    /// The engine answered `/metrics` again after failures: say so once.
+    fn scrape_ok(&mut self) {
+        if self.last_scrape_warn.take().is_some() {
+            tracing::info!(pod = %self.engine.pod, "engine answering again");
+            self.scrape_failures_unlogged = 0;
+        }
     }
 }
 

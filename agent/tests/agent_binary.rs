@@ -52,6 +52,29 @@ fn nvml_absent_is_a_clear_startup_error() {
     assert!(String::from_utf8_lossy(&out.stdout).trim().is_empty(), "no READY");
 }
 
+/// `--check-config` exits 0 on a valid config (mock GPUs) and 2 on an invalid one or a missing
+/// mock scenario, like a failed start; `--version` names the commit; errors are printed once.
+#[test]
+fn check_config_version_and_exit_codes() {
+    let dir = temp_dir("check");
+    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/scenarios/healthy.yaml");
+    let good = write_config(&dir, "http://127.0.0.1:1", &format!("mock:{scenario}"));
+    let run = |args: &[&str]| Command::new(BIN).args(args).stdin(Stdio::null()).output().expect("runs");
+    let out = run(&["--config", good.to_str().unwrap(), "--check-config"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "config OK");
+    let out = run(&["--config", good.to_str().unwrap(), "--check-config", "--gpu-source", "mock:/no/such.yaml"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run(&["--config", "/no/such/agent.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("No such file or directory").count(), 1, "cause printed once: {err}");
+    assert_eq!(run(&["--no-such-flag"]).status.code(), Some(2));
+    let out = run(&["--version"]);
+    let v = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && v.contains("(commit ") && !v.contains("(commit )"), "{v}");
+}
+
 /// How each report stream ended: `Ok` (clean end of stream) or `Err(status)`.
 struct Picker {
     events: mpsc::UnboundedSender<Result<AgentMessage, String>>,

@@ -101,7 +101,7 @@ async fn engines_and_pickers_follow_the_cluster() {
     assert!(
         eventually_async(|| async {
             let m = reqwest::get(&metrics_url).await.unwrap().text().await.unwrap();
-            m.contains("kvroute_agent_engines 1") && !m.contains("pod=\"a-rank-0\"")
+            m.contains("kvroute_agent_engines 1") && !m.contains("model_server_pod=\"a-rank-0\"")
         })
         .await,
         "a's metric series dropped"

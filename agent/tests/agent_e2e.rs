@@ -184,8 +184,11 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
     assert!(hello && snapshot);
     let metrics =
         reqwest::get(format!("http://{}/metrics", agent.metrics_addr)).await.expect("get").text().await.expect("text");
-    assert!(metrics.contains("kvroute_agent_kv_event_batches_received_total{pod=\"engine-0-rank-0\"} 3"), "{metrics}");
-    assert!(metrics.contains("kvroute_agent_health_score{pod=\"engine-0-rank-0\"}"));
+    assert!(
+        metrics.contains("kvroute_agent_kv_event_batches_received_total{model_server_pod=\"engine-0-rank-0\"} 3"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("kvroute_agent_health_score{model_server_pod=\"engine-0-rank-0\"}"));
     agent.shutdown().await;
     publisher.join().expect("publisher thread");
 }

@@ -52,6 +52,10 @@ impl Gateway {
         let pool = Pool::new(config.pool());
         let router = Router::new(pool.clone(), config.scoring.clone())?;
         let metrics = Metrics::new();
+        // GIE's target model is what the engine serves: the adapter when there is one.
+        metrics.register_models(
+            config.models.iter().map(|m| (m.name.as_str(), m.adapter.as_deref().unwrap_or(m.target()))),
+        );
         Ok(Self {
             pool,
             router,

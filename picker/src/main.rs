@@ -1,7 +1,10 @@
-//! `kvroute-picker --config picker.yaml [--pool-name P [--pool-namespace NS]] [--log-level info]`:
-//! load and validate the config (a pool source is required: docs/design.md §14), bind the
-//! ext_proc, AgentIngest and admin listeners, print `READY` on stdout, serve until SIGINT/SIGTERM.
-//! An invalid config or a listener that cannot bind exits non-zero with the reason on stderr.
+//! `kvroute-picker --config picker.yaml [--pool-name P [--pool-namespace NS]] [--log-level info]
+//! [--check-config]`: load and validate the config (a pool source is required: docs/design.md
+//! §14), bind the ext_proc, AgentIngest and admin listeners, print `READY` on stdout, serve until
+//! SIGINT/SIGTERM. Exit codes (`kvroute_cli`, the same in every binary): 2 for a bad flag, log
+//! level or config (the reason on stderr), 1 for a runtime failure (a listener cannot bind, a
+//! server failed). `--check-config` loads the config and builds what it names (tokenizers,
+//! scoring) without binding anything, prints `config OK` and exits 0 (or 2).
 //! Traces go over OTLP gRPC when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (flushed on exit).
 
 use std::io::Write as _;
@@ -9,6 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use kvroute_cli::Exit;
 use kvroute_picker::config::PickerConfig;
 
 /// mimalloc instead of glibc malloc: a decision allocates a JSON tree, the template's values and
@@ -20,7 +24,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// KV-cache-aware Envoy ext_proc endpoint picker.
 #[derive(Debug, Parser)]
-#[command(name = "kvroute-picker", version)]
+#[command(name = "kvroute-picker", version = kvroute_cli::LONG_VERSION)]
 struct Cli {
     /// Picker configuration file (YAML).
     #[arg(long)]
@@ -43,6 +47,10 @@ struct Cli {
     /// mounted cert-manager Secret); sets the config's `ingest_tls`.
     #[arg(long, conflicts_with = "insecure_ingest")]
     ingest_tls_dir: Option<PathBuf>,
+    /// Load and validate the config (and the tokenizers and scoring it names), print `config OK`
+    /// and exit without serving.
+    #[arg(long)]
+    check_config: bool,
 }
 
 #[tokio::main]
@@ -56,7 +64,7 @@ async fn main() -> ExitCode {
         Ok(t) => t,
         Err(e) => {
             eprintln!("kvroute-picker: {e}");
-            return ExitCode::from(2);
+            return Exit::Usage.into();
         }
     };
     let config = match PickerConfig::load(&cli.config).and_then(|mut c| {
@@ -77,9 +85,22 @@ async fn main() -> ExitCode {
         Err(e) => {
             tracing::error!(error = %e, "refusing to start");
             eprintln!("kvroute-picker: {e}");
-            return ExitCode::from(2);
+            return Exit::Usage.into();
         }
     };
+    if cli.check_config {
+        // What start() builds before binding: the pool, router (scoring) and models (tokenizers).
+        return match kvroute_picker::gateway::Gateway::new(&config) {
+            Ok(_) => {
+                println!("config OK");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvroute-picker: {e}");
+                Exit::Usage.into()
+            }
+        };
+    }
     let running = match kvroute_picker::start(&config).await {
         Ok(r) => r,
         Err(e @ kvroute_picker::StartError::InsecureIngest { .. }) => {
@@ -90,9 +111,13 @@ async fn main() -> ExitCode {
         Err(e) => {
             tracing::error!(error = %e, "refusing to start");
             eprintln!("kvroute-picker: {e}");
-            return ExitCode::from(1);
+            return match e {
+                kvroute_picker::server::StartError::Scoring(_) => Exit::Usage.into(),
+                _ => Exit::Runtime.into(),
+            };
         }
     };
+    running.gateway.metrics.set_build_info(kvroute_cli::GIT_COMMIT, kvroute_cli::VERSION);
     // The SIGTERM handler is in place before READY: a stop right after READY must not kill us.
     #[cfg(unix)]
     let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -130,7 +155,7 @@ async fn main() -> ExitCode {
         Err(e) => {
             tracing::error!(error = %e, "picker stopped");
             eprintln!("kvroute-picker: {e}");
-            ExitCode::from(1)
+            Exit::Runtime.into()
         }
     }
 }

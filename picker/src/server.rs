@@ -237,7 +237,18 @@ pub async fn start_with_scope(
     let gateway = Arc::new(Gateway::new(config)?);
     let scope = scope.unwrap_or_else(|| gateway.pool.clone());
     let sources = match config.pool_source() {
-        Some(source) => Some(watch_sources(&source).await?),
+        Some(source) => {
+            // GIE's pool metrics carry the InferencePool's name (a pool file: its file stem).
+            match &source {
+                PoolSource::Kubernetes(pool) => gateway.metrics.set_pool_name(&pool.name),
+                PoolSource::File(path) => {
+                    if let Some(stem) = path.file_stem().and_then(|s| s.to_str()) {
+                        gateway.metrics.set_pool_name(stem);
+                    }
+                }
+            }
+            Some(watch_sources(&source).await?)
+        }
         None => None,
     };
     let ext_l = bind("ext_proc", config.ext_proc_addr).await?;

@@ -92,6 +92,47 @@ impl ScrapeError {
     pub fn is_timeout(&self) -> bool {
         matches!(self, Self::Http { source, .. } if source.is_timeout())
     }
+
+    /// Why the engine did not answer, for an operator: `connection refused` (nothing listens:
+    /// engine down or wrong port), `DNS resolution failed` (wrong host name), `TLS handshake
+    /// failed`, `timeout` (listening but not answering in time), `connection reset`, `connect
+    /// failed` (other connect errors: unreachable network, ...), `transport error`, or the
+    /// non-transport kinds `HTTP error status`, `unparsable /metrics`, `unexpected /v1/models body`,
+    /// `answer over its size bound`.
+    pub fn cause(&self) -> &'static str {
+        let source = match self {
+            Self::Http { source, .. } => source,
+            Self::Status { .. } => return "HTTP error status",
+            Self::Metrics { .. } => return "unparsable /metrics",
+            Self::Models(_) => return "unexpected /v1/models body",
+            Self::TooLarge { .. } => return "answer over its size bound",
+        };
+        if source.is_timeout() {
+            return "timeout";
+        }
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source);
+        while let Some(e) = cause {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                match io.kind() {
+                    std::io::ErrorKind::ConnectionRefused => return "connection refused",
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted => {
+                        return "connection reset";
+                    }
+                    std::io::ErrorKind::TimedOut => return "timeout",
+                    _ => {}
+                }
+            }
+            let text = e.to_string().to_ascii_lowercase();
+            if text.contains("dns error") || text.contains("failed to lookup address") {
+                return "DNS resolution failed";
+            }
+            if text.contains("tls") || text.contains("certificate") || text.contains("handshake") {
+                return "TLS handshake failed";
+            }
+            cause = e.source();
+        }
+        if source.is_connect() { "connect failed" } else { "transport error" }
+    }
 }
 
 /// Client for one engine's HTTP endpoint (`ip:port`).
@@ -218,3 +259,25 @@ impl EngineClient {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod cause_tests {
+    use super::*;
+
+    /// Real failures, classified: nothing listening, a name that does not resolve, a listener
+    /// that never answers, an HTTP error status.
+    #[tokio::test]
+    async fn connect_failures_name_their_cause() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let refused = EngineClient::new(&closed.to_string(), Duration::from_secs(2)).health().await.unwrap_err();
+        assert_eq!(refused.cause(), "connection refused", "{refused}");
+        let dns = EngineClient::new("no-such-engine.invalid:8000", Duration::from_secs(5)).health().await.unwrap_err();
+        assert_eq!(dns.cause(), "DNS resolution failed", "{dns}");
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = silent.local_addr().unwrap();
+        let slow = EngineClient::new(&addr.to_string(), Duration::from_millis(200)).health().await.unwrap_err();
+        assert_eq!(slow.cause(), "timeout", "{slow}");
+        let status = ScrapeError::Status { url: "u".into(), status: 503 };
+        assert_eq!(status.cause(), "HTTP error status");
+    }
+}

@@ -819,7 +819,7 @@ fn replay(ctx: &zmq::Context, requests: &[(&SubscriberConfig, u64)]) -> Vec<Opti
                 Some(p.out)
             } else {
                 if p.dealer.is_some() {
-                    tracing::warn!(pod = %p.cfg.pod, endpoint = ?p.cfg.kv_replay, "replay timed out");
+                    tracing::warn!(pod = %p.cfg.pod, endpoint = p.cfg.kv_replay.as_deref().unwrap_or(""), "replay timed out");
                 }
                 None
             }

@@ -237,6 +237,7 @@ async fn stream_once(
         () = stopped(&mut shutdown) => return Ok(()),
     };
     tracing::info!(picker = %endpoint, pods = sent.len(), "picker stream open, snapshots sent");
+    let _connected = crate::telemetry::PickerConnected::new(metrics);
     let mut in_flight: HashMap<String, (u64, Instant)> = HashMap::new();
     // A delta goes out only for a pod this stream described, and only past that snapshot.
     let wanted = |sent: &Sent, d: &PodDelta| sent.get(&d.pod).is_some_and(|(s, _)| d.seq > *s);

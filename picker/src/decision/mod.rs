@@ -41,6 +41,9 @@ pub struct Rejection {
     pub kind: &'static str,
     /// Human message: what was wrong and what to do.
     pub message: String,
+    /// The request's (client model, target model), when it got as far as resolving its model
+    /// (for `inference_objective_request_error_total`).
+    pub model: Option<(String, String)>,
 }
 
 /// Longest rejection message, in bytes: messages may quote the client's input (a model name, a
@@ -49,8 +52,16 @@ pub struct Rejection {
 pub const MAX_MESSAGE_BYTES: usize = 512;
 
 impl Rejection {
-    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, kind, message: bounded_message(message.into()) }
+    /// A rejection with `status`, error `type` `kind` and a message for the client.
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, message: bounded_message(message.into()), model: None }
+    }
+
+    /// The same rejection, naming the request's client model and target model.
+    #[must_use]
+    pub fn for_model(mut self, model: &str, target: &str) -> Self {
+        self.model = Some((model.to_owned(), target.to_owned()));
+        self
     }
 }
 
@@ -186,7 +197,8 @@ impl Drop for HashBuf {
 }
 
 /// Parse → model → tokens → chain → matches: everything a decision computes before scoring.
-/// Errors: an invalid body (400), an unknown model (404), no model for a body-less request (503).
+/// Errors: an invalid or empty body (400; an inference path without a body is empty), an
+/// unknown model (404), no model for a body-less request (503).
 pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest<'g>, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
@@ -194,6 +206,9 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
         Some(body) => {
             let parsed = parse_body(input.path, body)?;
             (parsed.model, parsed.prompt)
+        }
+        None if crate::model::needs_body(input.path) => {
+            return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
         }
         None => match &gw.default_model {
             Some(m) => (m.clone(), PromptInput::None("request without body")),
@@ -252,7 +267,9 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         }
         Err(e) => {
             observer.no_pod(&prepared, &e);
-            Err(e.into())
+            // GIE's target model is what the engine serves: the adapter when there is one.
+            let target = prepared.model.adapter.as_ref().unwrap_or(&prepared.model.target_model);
+            Err(Rejection::from(e).for_model(&prepared.model_name, target))
         }
     }
 }

@@ -171,7 +171,7 @@ fn body_timed_out(gw: &Gateway, st: &mut StreamState) -> ProcessingResponse {
     st.decided = true;
     st.body = Vec::new();
     let message = format!("request body not received within {} ms", gw.body_timeout.as_millis());
-    reject(gw, st, Rejection { status: 408, kind: "request_timeout", message })
+    reject(gw, st, Rejection::new(408, "request_timeout", message))
 }
 
 /// Handles one message from Envoy; the replies it needs (none, one, or a decision and body chunks)
@@ -261,7 +261,7 @@ async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody, o
         st.decided = true;
         st.body = Vec::new();
         let msg = format!("request body exceeds the limit of {} bytes", gw.body_limit_bytes);
-        out.push(reject(gw, st, Rejection { status: 413, kind: "request_too_large", message: msg }));
+        out.push(reject(gw, st, Rejection::new(413, "request_too_large", msg)));
         return;
     }
     if st.body.is_empty() && b.end_of_stream {
@@ -379,7 +379,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
             .await;
             joined.unwrap_or_else(|e| {
                 let message = format!("routing task failed: {e}");
-                (None, Err(Rejection { status: 500, kind: "internal_error", message }))
+                (None, Err(Rejection::new(500, "internal_error", message)))
             })
         };
     match result {

@@ -368,3 +368,46 @@ fn picker_body_limit_above_envoy_buffer_fails() {
         "must exceed the picker's body_limit_bytes 33554432",
     );
 }
+
+/// components/monitoring added to the standalone overlay: its ServiceMonitor selects the picker's
+/// Service and names a port that Service has; its PodMonitor selects the agent's pods and names a
+/// container port they declare. (Prometheus Operator kinds are not in the typed model: read raw.)
+#[test]
+fn monitoring_component_targets_the_picker_service_and_agent_pods() {
+    let dir = repo_root().join("target/deploy-check-monitoring");
+    std::fs::create_dir_all(&dir).unwrap();
+    // kustomize wants relative roots: `dir` is two levels below the repository root.
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources: [../../deploy/k8s/overlays/standalone]\ncomponents: [../../deploy/k8s/components/monitoring]\n",
+    )
+    .unwrap();
+    let docs = split_documents(&render(&dir).unwrap_or_else(|e| panic!("{e}"))).unwrap();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("{kind}/{name} not rendered"))
+    };
+    let matches = |selector: &serde_json::Value, labels: &serde_json::Value| {
+        let sel = selector["matchLabels"].as_object().unwrap();
+        !sel.is_empty() && sel.iter().all(|(k, v)| labels[k] == *v)
+    };
+    let sm = find("ServiceMonitor", "kvroute-picker");
+    assert_eq!(sm["metadata"]["namespace"], "kvroute");
+    let svc = find("Service", "kvroute-picker");
+    assert!(matches(&sm["spec"]["selector"], &svc["metadata"]["labels"]), "{sm} does not select {svc}");
+    let port = sm["spec"]["endpoints"][0]["port"].as_str().unwrap();
+    assert!(svc["spec"]["ports"].as_array().unwrap().iter().any(|p| p["name"] == port), "no port {port} on {svc}");
+    let pm = find("PodMonitor", "kvroute-agent");
+    let ds = find("DaemonSet", "kvroute-agent");
+    let pod = &ds["spec"]["template"];
+    assert!(matches(&pm["spec"]["selector"], &pod["metadata"]["labels"]), "{pm} does not select the agent pods");
+    let port = pm["spec"]["podMetricsEndpoints"][0]["port"].as_str().unwrap();
+    let declared = pod["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default());
+    assert!(declared.clone().any(|p| p["name"] == port), "agent pods declare no port {port}");
+}

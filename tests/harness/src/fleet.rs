@@ -310,10 +310,10 @@ impl Fleet {
         Ok(r.error_for_status()?.text().await?)
     }
 
-    /// A gauge of the picker's metrics for one pod (`name{pod="<pod>"}`), if exported.
+    /// A gauge of the picker's metrics for one pod (`name{model_server_pod="<pod>"}`), if exported.
     pub async fn pod_gauge(&self, name: &str, pod: &str) -> Result<Option<f64>> {
         let text = self.picker_metrics().await?;
-        Ok(metric_value(&text, name, &format!("pod=\"{pod}\"")))
+        Ok(metric_value(&text, name, &format!("model_server_pod=\"{pod}\"")))
     }
 
     /// Waits until the picker reports a health score for every named pod.
@@ -323,7 +323,7 @@ impl Fleet {
             let text = self.picker_metrics().await.unwrap_or_default();
             let missing: Vec<&String> = pods
                 .iter()
-                .filter(|p| metric_value(&text, "epp_pod_health_score", &format!("pod=\"{p}\"")).is_none())
+                .filter(|p| metric_value(&text, "epp_pod_health_score", &format!("model_server_pod=\"{p}\"")).is_none())
                 .collect();
             if missing.is_empty() {
                 return Ok(());
@@ -354,10 +354,10 @@ impl Fleet {
                     return Ok(v);
                 }
                 if Instant::now() > deadline {
-                    bail!("{name}{{pod={pod}}} = {v} did not reach the expected value within {timeout:?}");
+                    bail!("{name}{{model_server_pod={pod}}} = {v} did not reach the expected value within {timeout:?}");
                 }
             } else if Instant::now() > deadline {
-                bail!("{name}{{pod={pod}}} not exported within {timeout:?}");
+                bail!("{name}{{model_server_pod={pod}}} not exported within {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -476,7 +476,7 @@ impl Fleet {
     }
 }
 
-/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0-rank-0"`).
+/// Value of the first sample of `name` whose label set contains `label` (e.g. `model_server_pod="engine-0-rank-0"`).
 pub fn metric_value(text: &str, name: &str, label: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let rest = l.strip_prefix(name)?;
