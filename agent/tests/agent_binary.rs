@@ -194,8 +194,8 @@ fn half_sent_requests_neither_hold_sockets_nor_starve_healthz() {
     std::fs::write(
         &cfg,
         format!(
-            "pickers: [\"http://{nobody}\"]\ngpu_source: \"{scenario}\"\nmetrics_addr: 127.0.0.1:{port}\n\
-             metrics_header_timeout_ms: 1000\n\
+            "pickers: [\"http://{nobody}\"]\ninsecure_ingest: true\ngpu_source: \"{scenario}\"\n\
+             metrics_addr: 127.0.0.1:{port}\nmetrics_header_timeout_ms: 1000\n\
              engines:\n  - pod: engine-0\n    endpoint: {nobody}\n    model: m\n"
         ),
     )
@@ -212,7 +212,7 @@ fn half_sent_requests_neither_hold_sockets_nor_starve_healthz() {
     let _child = KillOnDrop(child);
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
     let deadline = Instant::now() + Duration::from_secs(15);
-    while get_status(addr, "/healthz").is_err() {
+    while get_status(addr, "/livez").is_err() {
         assert!(Instant::now() < deadline, "agent never answered /healthz");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -225,7 +225,8 @@ fn half_sent_requests_neither_hold_sockets_nor_starve_healthz() {
     }
     assert!(slow.len() > 1000, "the flood connected: {}", slow.len());
     let t = Instant::now();
-    assert_eq!(get_status(addr, "/healthz").as_deref(), Ok("HTTP/1.1 200 OK"), "healthz during the flood");
+    // /livez (not /healthz, which is 503 while no picker is reachable, as here).
+    assert_eq!(get_status(addr, "/livez").as_deref(), Ok("HTTP/1.1 200 OK"), "livez during the flood");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     drop(slow);
     // A half-sent request is closed after metrics_header_timeout_ms (1 s), not held.

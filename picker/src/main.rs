@@ -112,7 +112,12 @@ async fn main() -> ExitCode {
             tracing::error!(error = %e, "refusing to start");
             eprintln!("kvroute-picker: {e}");
             return match e {
-                kvroute_picker::server::StartError::Scoring(_) => Exit::Usage.into(),
+                // Files named in the config that cannot be read (pool file, TLS material, the
+                // /explain token) are config errors too.
+                kvroute_picker::server::StartError::Scoring(_)
+                | kvroute_picker::server::StartError::Pool(_)
+                | kvroute_picker::server::StartError::Tls { .. }
+                | kvroute_picker::server::StartError::ExplainToken { .. } => Exit::Usage.into(),
                 _ => Exit::Runtime.into(),
             };
         }
@@ -146,7 +151,16 @@ async fn main() -> ExitCode {
             drainer.drain().await;
             tokio::time::sleep(drain).await;
             shutdown.shutdown();
-            wait.await
+            // Open streams get STREAM_CLOSE_GRACE to finish; a peer that keeps its stream open
+            // (an agent that ignores GOAWAY) must not keep the process from exiting.
+            match tokio::time::timeout(STREAM_CLOSE_GRACE, &mut wait).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(grace_ms = STREAM_CLOSE_GRACE.as_millis() as u64,
+                        "open streams did not finish after shutdown; exiting anyway");
+                    Ok(())
+                }
+            }
         }
     };
     telemetry.shutdown().await;
@@ -162,6 +176,9 @@ async fn main() -> ExitCode {
 
 /// SIGINT or `term` (SIGTERM, registered by the caller; `None` if that failed: SIGINT only).
 #[cfg(unix)]
+/// How long open streams may take to finish once the listeners stopped (after the drain).
+const STREAM_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
 async fn shutdown_signal(term: Option<tokio::signal::unix::Signal>) {
     match term {
         Some(mut term) => {

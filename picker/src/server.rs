@@ -238,14 +238,9 @@ pub async fn start_with_scope(
     let scope = scope.unwrap_or_else(|| gateway.pool.clone());
     let sources = match config.pool_source() {
         Some(source) => {
-            // GIE's pool metrics carry the InferencePool's name (a pool file: its file stem).
-            match &source {
-                PoolSource::Kubernetes(pool) => gateway.metrics.set_pool_name(&pool.name),
-                PoolSource::File(path) => {
-                    if let Some(stem) = path.file_stem().and_then(|s| s.to_str()) {
-                        gateway.metrics.set_pool_name(stem);
-                    }
-                }
+            // GIE's pool metrics carry the InferencePool's name (`kvroute` for a pool file).
+            if let PoolSource::Kubernetes(pool) = &source {
+                gateway.metrics.set_pool_name(&pool.name);
             }
             Some(watch_sources(&source).await?)
         }

@@ -111,10 +111,11 @@ fn check_config_version_and_exit_codes() {
         "check",
         &format!(
             "ext_proc_addr: 127.0.0.1:{port}\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
-             models: [{{name: m, tokenizer: {}}}]\n",
+             insecure_ingest: true\npool_file: pool.yaml\nmodels: [{{name: m, tokenizer: {}}}]\n",
             tokenizer_dir()
         ),
     );
+    std::fs::write(good.with_file_name("pool.yaml"), "pods: [{name: p, ip: 127.0.0.1, ports: [8000]}]\n").unwrap();
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_kvroute-picker")).args(args).stdin(Stdio::null()).output().unwrap()
     };

@@ -22,7 +22,7 @@ const BODY_TIMEOUT_MS: u64 = 300;
 
 async fn start_picker(body_limit_bytes: usize) -> RunningPicker {
     let yaml = format!(
-        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
          body_limit_bytes: {body_limit_bytes}\nmodels: [{{name: m}}]\n\
          limits: {{body_timeout_ms: {BODY_TIMEOUT_MS}, admin_header_timeout_ms: 300}}\n"
     );

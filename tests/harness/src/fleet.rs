@@ -181,7 +181,10 @@ impl Fleet {
 
         let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
         // File mode (docs/design.md §14): the pool file is the picker's only source of endpoints.
-        write_yaml(&work.join(POOL_FILE), &pool_file(engines.iter().map(|e| (e, true))))?;
+        write_yaml(
+            &work.join(POOL_FILE),
+            &pool_file(spec.engines_per_agent, engines.iter().enumerate().map(|(i, e)| (i, e, true))),
+        )?;
         let picker_cfg = work.join("picker.yaml");
         let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
         picker_yaml["ingest_tls"] = json!({
@@ -395,8 +398,8 @@ impl Fleet {
     /// Rewrites the picker's pool file: the engines `(index, ready)` listed are the pool's pods,
     /// the others leave it. The picker follows within its poll period (500 ms), without a restart.
     pub fn set_pool(&self, members: &[(usize, bool)]) -> Result<()> {
-        let listed = members.iter().filter_map(|&(i, ready)| self.engines.get(i).map(|e| (e, ready)));
-        write_yaml(&self.work.join(POOL_FILE), &pool_file(listed))
+        let listed = members.iter().filter_map(|&(i, ready)| self.engines.get(i).map(|e| (i, e, ready)));
+        write_yaml(&self.work.join(POOL_FILE), &pool_file(self.spec.engines_per_agent, listed))
     }
 
     /// Kills the picker and starts it again with the same config and ports (empty index; the
@@ -512,10 +515,15 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
 /// The picker's pool file, next to its config.
 const POOL_FILE: &str = "pool.yaml";
 
-/// A pool file (`kvroute_cluster::file`) listing `engines` as pods `engine-<i>` on 127.0.0.1.
-fn pool_file<'a>(engines: impl Iterator<Item = (&'a Engine, bool)>) -> Value {
+/// A pool file (`kvroute_cluster::file`) listing `engines` `(index, engine, ready)` as pods
+/// `engine-<i>` on 127.0.0.1, each on the node of the agent that reports it (`node-<index /
+/// engines_per_agent>`): the picker accepts a pod's reports only from its node's agent.
+fn pool_file<'a>(engines_per_agent: usize, engines: impl Iterator<Item = (usize, &'a Engine, bool)>) -> Value {
     let pods: Vec<Value> = engines
-        .map(|(e, ready)| json!({"name": e.pod, "ip": "127.0.0.1", "ports": [e.port], "ready": ready}))
+        .map(|(i, e, ready)| {
+            let node = format!("node-{}", i / engines_per_agent.max(1));
+            json!({"name": e.pod, "ip": "127.0.0.1", "ports": [e.port], "ready": ready, "node": node})
+        })
         .collect();
     json!({ "pods": pods })
 }
