@@ -520,8 +520,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     let addr = |p: u16| format!("127.0.0.1:{p}");
     // The binary routes only to its pool's pods (docs/design.md §14): a pool file with the fake
     // pods, named as the pool names its endpoints (`<pod>-rank-0`).
-    write_pool_file(&dir);
-    let yaml = format!("{}pool_file: pool.yaml\n", config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin)));
+    let yaml = binary_config_yaml(&dir, &addr(ext_proc), &addr(ingest), &addr(admin));
     std::fs::write(&config, yaml).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap()])
@@ -559,13 +558,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     let admin: SocketAddr = addr(admin).parse().unwrap();
 
     let prompt = tokens(64, 0);
-    let fleet: Vec<FakePod> = pods(hashes_of(&prompt))
-        .into_iter()
-        .map(|mut p| {
-            p.name = format!("{}-rank-0", p.name);
-            p
-        })
-        .collect();
+    let fleet = pool_pods(hashes_of(&prompt));
     let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
     wait_pods(admin, &fleet).await;
 
@@ -630,12 +623,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     }
 
     // Stop the picker (flushes), then read every log line.
-    let _ = Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status();
-    let deadline = Instant::now() + TIMEOUT;
-    while child.0.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "picker did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stop_on_sigterm(&mut child);
     log_reader.join().unwrap();
     let lines = log_lines.lock().unwrap().clone();
     let mut about_request = 0;
@@ -659,8 +647,36 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     assert!(about_request >= 6, "{about_request} request lines: {lines:?}");
 }
 
-/// The fake pods as a pool file in `dir` (`pool.yaml`), on the fake agent's node: the binary
-/// routes only to its pool's pods and accepts their reports only from their node's agent.
+/// The binary's config for these listeners, with the fake pods as its pool file (written to
+/// `dir/pool.yaml`): the binary routes only to its pool's pods and accepts their reports only
+/// from their node's agent.
+fn binary_config_yaml(dir: &std::path::Path, ext_proc: &str, ingest: &str, admin: &str) -> String {
+    write_pool_file(dir);
+    format!("{}pool_file: pool.yaml\n", config_yaml(ext_proc, ingest, admin))
+}
+
+/// [`pods`] named as the pool file names its endpoints (`<pod>-rank-0`), for the binary's tests.
+fn pool_pods(hot: Vec<BlockHash>) -> Vec<FakePod> {
+    pods(hot)
+        .into_iter()
+        .map(|mut p| {
+            p.name = format!("{}-rank-0", p.name);
+            p
+        })
+        .collect()
+}
+
+/// Sends SIGTERM to the picker and waits (at most [`TIMEOUT`]) until it exited.
+fn stop_on_sigterm(child: &mut KillOnDrop) {
+    let _ = Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status();
+    let deadline = Instant::now() + TIMEOUT;
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "picker did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The fake pods as a pool file in `dir` (`pool.yaml`), on the fake agent's node.
 fn write_pool_file(dir: &std::path::Path) {
     let pool: String = ["pod-a:10.0.0.1", "pod-b:10.0.0.2", "pod-sick:10.0.0.3"]
         .iter()
@@ -680,8 +696,7 @@ async fn binary_at_debug_without_otlp_logs_candidates_and_timings() {
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("picker.yaml");
     let addr = |p: u16| format!("127.0.0.1:{p}");
-    write_pool_file(&dir);
-    let yaml = format!("{}pool_file: pool.yaml\n", config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin)));
+    let yaml = binary_config_yaml(&dir, &addr(ext_proc), &addr(ingest), &addr(admin));
     std::fs::write(&config, yaml).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap(), "--log-level", "debug"])
@@ -701,25 +716,13 @@ async fn binary_at_debug_without_otlp_logs_candidates_and_timings() {
     let log_reader =
         std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
     let prompt = tokens(64, 0);
-    // Named as the pool names its endpoints (`<pod>-rank-0`).
-    let fleet: Vec<FakePod> = pods(hashes_of(&prompt))
-        .into_iter()
-        .map(|mut p| {
-            p.name = format!("{}-rank-0", p.name);
-            p
-        })
-        .collect();
+    let fleet = pool_pods(hashes_of(&prompt));
     let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
     wait_pods(addr(admin).parse().unwrap(), &fleet).await;
     let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
     let r = route_one(addr(ext_proc).parse().unwrap(), &[("x-request-id", "req-debug-1")], &body).await;
     assert!(matches!(r.response, Some(Response::RequestBody(_))), "{r:?}");
-    let _ = Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status();
-    let deadline = Instant::now() + TIMEOUT;
-    while child.0.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "picker did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stop_on_sigterm(&mut child);
     let lines = log_reader.join().unwrap();
     let about = |msg: &str| -> Vec<serde_json::Value> {
         lines
