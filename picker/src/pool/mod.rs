@@ -302,9 +302,10 @@ impl Pool {
         self.membership.load_full()
     }
 
-    /// Whether an agent may report for endpoint `name` (`<pod>-rank-<i>`): always without a pool
-    /// source, otherwise only for an endpoint of the pool view. Use it before queuing a report;
-    /// the writer checks again when it applies it.
+    /// Whether endpoint `name` (`<pod>-rank-<i>`) is a member: always without a pool source,
+    /// otherwise only an endpoint of the pool view. The ingest checks reports with the stricter
+    /// `ReportScope for Pool` (member and on the reporting agent's node); the writer checks
+    /// membership again when it applies a report.
     pub fn admits(&self, name: &str) -> bool {
         match &*self.membership.load() {
             None => true,
