@@ -186,3 +186,61 @@ fn runs_follow_stores_and_cuts() {
     assert_eq!(m.t.match_prefix(&chain, &mut s), 300);
     assert_eq!((s.matched(PodIdx(1)), s.matched(PodIdx(2))), (300, 50));
 }
+
+/// A chain removed in order in one call leaves no tail queued (its blocks leave with it), while
+/// a removal that leaves part of a run behind — a prefix only, a run another pod shares, the
+/// removal list out of order — still gets the rest made a run again; the walk stays exact.
+#[test]
+fn in_order_removal_queues_no_tail_and_keeps_the_rest() {
+    let chain: Vec<BlockHash> = (1..=200u64).map(|k| BlockHash(k.wrapping_mul(FIB))).collect();
+    let keys: Vec<u64> = chain.iter().map(|b| b.0).collect();
+    let walk_counts = |m: &Map| {
+        let (mut a, mut b) = (MatchScratch::default(), MatchScratch::default());
+        let runs = m.t.match_prefix(&chain, &mut a);
+        assert_eq!(runs, walk_blocks(&m.t, &chain, &mut b));
+        (a.matched(PodIdx(1)), a.matched(PodIdx(2)))
+    };
+    // The whole chain, in order: everything leaves, nothing to settle.
+    let mut m = Map::default();
+    m.store(1, &keys, usize::MAX);
+    m.e.remove(&mut m.t, PodIdx(1), &chain);
+    m.check();
+    assert_eq!(m.e.pending_tails(), 0);
+    assert!(m.t.is_empty());
+    assert!(m.live_runs().is_empty());
+    m.settle();
+    m.check();
+    // A middle stretch in order: the blocks after it stay and are made a run again.
+    let mut m = Map::default();
+    m.store(1, &keys, usize::MAX);
+    m.e.remove(&mut m.t, PodIdx(1), &chain[60..120]);
+    m.check();
+    assert_eq!(m.e.pending_tails(), 1);
+    m.settle();
+    m.check();
+    assert_eq!(m.live_runs(), BTreeSet::from([60, 80]));
+    assert_eq!(m.t.len(), 140);
+    // Another pod holds the first 100: removing pod 1's chain in order keeps pod 2's blocks a run.
+    let mut m = Map::default();
+    m.store(1, &keys, usize::MAX);
+    m.store(2, &keys[..100], usize::MAX);
+    m.settle();
+    m.e.remove(&mut m.t, PodIdx(1), &chain);
+    m.check();
+    m.settle();
+    m.check();
+    // (Block 0 itself changed pods: the run re-made is the tail after it.)
+    assert_eq!(m.live_runs(), BTreeSet::from([99]));
+    assert_eq!(walk_counts(&m), (0, 100));
+    // Out of order (the tail first block last): the tail must still be re-made where it stays.
+    let mut m = Map::default();
+    m.store(1, &keys, usize::MAX);
+    let mut gone: Vec<BlockHash> = chain[10..20].to_vec();
+    gone.reverse();
+    m.e.remove(&mut m.t, PodIdx(1), &gone);
+    m.check();
+    m.settle();
+    m.check();
+    assert_eq!(m.live_runs(), BTreeSet::from([10, 180]));
+    assert_eq!(walk_counts(&m), (10, 0));
+}
