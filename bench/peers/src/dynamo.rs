@@ -18,7 +18,7 @@ use kvroute_common::BlockHash;
 use stats_alloc::Region;
 
 use crate::workload::{SplitMix, Workload};
-use crate::{GLOBAL, LOADS, best_median, fresh_chains, net_bytes, percentiles, steady};
+use crate::{GLOBAL, LOADS, best_median, fresh_chains, net_bytes, percentiles, steady, thread_schedstat};
 
 fn local(chain: &[BlockHash]) -> Vec<LocalBlockHash> {
     chain.iter().map(|b| LocalBlockHash(b.0)).collect()
@@ -107,10 +107,16 @@ pub fn run(w: &Workload) {
 fn concurrent(w: &Workload, events: &[RouterEvent]) {
     let tree = Arc::new(ConcurrentRadixTreeCompressed::new());
     let (tx, rx) = flume::unbounded::<WorkerTask>();
+    let (stat_tx, stat_rx) = std::sync::mpsc::channel();
     let worker = {
         let tree = tree.clone();
-        std::thread::spawn(move || tree.worker(rx, None))
+        std::thread::spawn(move || {
+            let _ = stat_tx.send(thread_schedstat());
+            tree.worker(rx, None)
+        })
     };
+    // The worker applies the events: its CPU time is the writer's.
+    let workers: Vec<std::path::PathBuf> = stat_rx.recv().ok().flatten().into_iter().collect();
     // Sends `events`, the last with an acknowledgement, and waits for it: applied and visible.
     let apply = |events: Vec<RouterEvent>| {
         let n = events.len();
@@ -144,6 +150,7 @@ fn concurrent(w: &Workload, events: &[RouterEvent]) {
         move || {
             std::hint::black_box(SyncIndexer::find_matches(&*reader, &q, false));
         },
+        &workers,
     );
     drop(tx);
     let _ = worker.join();

@@ -9,7 +9,10 @@
 //! (each lookup timed alone, 20,000 runs: hit, partial, miss, and hits over 600 chains in turn);
 //! steady ingest with two reader threads spinning on lookups (rounds of 8 fresh 256-block chains
 //! stored on one pod, made visible, removed, made visible: block events/s, best and median of 4
-//! stretches of ~0.5 s).
+//! stretches of ~0.5 s), and the same per CPU-second of the writing threads (the caller's, and
+//! Dynamo's worker thread) over all stretches: on a shared machine the readers and other load
+//! take cores from the writer, and readers that never wait (kvroute's) take the most, so this
+//! column compares the writers' own cost and the wall-clock column what is left of the cores.
 //! Run: `cargo run --release --features dynamo -- [kvroute] [kv-index] [dynamo]` in
 //! `bench/peers/` (no names: all).
 
@@ -98,10 +101,32 @@ pub fn fresh_chains() -> Vec<Vec<BlockHash>> {
     (0..ROUND_CHAINS).map(|_| rng.chain(CHAIN_BLOCKS)).collect()
 }
 
+/// `/proc` path of the calling thread's `schedstat` (its first field: ns spent on a CPU).
+pub fn thread_schedstat() -> Option<std::path::PathBuf> {
+    let task = std::fs::read_link("/proc/thread-self").ok()?;
+    Some(std::path::Path::new("/proc").join(task).join("schedstat"))
+}
+
+/// Nanoseconds on a CPU so far of the threads whose `schedstat` files are `paths`.
+fn cpu_ns(paths: &[std::path::PathBuf]) -> u64 {
+    paths
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .filter_map(|s| s.split_ascii_whitespace().next().and_then(|x| x.parse::<u64>().ok()))
+        .sum()
+}
+
 /// Runs `round(i)` (one store + remove round of `ROUND_CHAINS` chains, made visible) while two
-/// threads run `read` in a loop; prints block events/s per stretch (best, median) and the
+/// threads run `read` in a loop; prints block events/s per stretch (best, median), the events
+/// per CPU-second of the writing threads (this one and `workers`' `schedstat` files) and the
 /// readers' lookups.
-pub fn steady(name: &str, mut round: impl FnMut(u64), read: impl Fn() + Send + Sync + Clone + 'static) {
+pub fn steady(
+    name: &str,
+    mut round: impl FnMut(u64),
+    read: impl Fn() + Send + Sync + Clone + 'static,
+    workers: &[std::path::PathBuf],
+) {
+    let writers: Vec<std::path::PathBuf> = thread_schedstat().into_iter().chain(workers.iter().cloned()).collect();
     let stop = Arc::new(AtomicBool::new(false));
     let readers: Vec<_> = (0..2)
         .map(|_| {
@@ -124,6 +149,7 @@ pub fn steady(name: &str, mut round: impl FnMut(u64), read: impl Fn() + Send + S
         i += 1;
     }
     let mut rates = Vec::new();
+    let (cpu0, wall0, i0) = (cpu_ns(&writers), Instant::now(), i);
     for _ in 0..STRETCHES {
         let (t, mut n) = (Instant::now(), 0u64);
         while t.elapsed() < STRETCH {
@@ -133,11 +159,17 @@ pub fn steady(name: &str, mut round: impl FnMut(u64), read: impl Fn() + Send + S
         }
         rates.push(n as f64 * events_per_round / t.elapsed().as_secs_f64() / 1e6);
     }
+    let (cpu, wall) = (cpu_ns(&writers).saturating_sub(cpu0) as f64 / 1e9, wall0.elapsed().as_secs_f64());
     stop.store(true, Ordering::Relaxed);
     let reads: u64 = readers.into_iter().map(|h| h.join().unwrap_or(0)).sum();
     println!(
         "{name:>10} steady with 2 readers: {} M block events/s ({i} rounds; readers did {reads} lookups)",
         best_median(rates)
+    );
+    println!(
+        "{name:>10} steady per writer CPU-second: {:.2} M block events (writers on a CPU {:.0} % of the time)",
+        (i - i0) as f64 * events_per_round / cpu.max(1e-9) / 1e6,
+        100.0 * cpu / wall
     );
 }
 
@@ -193,6 +225,7 @@ fn kvroute(w: &Workload) {
             thread_local!(static SCRATCH: std::cell::RefCell<MatchScratch> = std::cell::RefCell::new(MatchScratch::default()));
             SCRATCH.with(|s| black_box(reader.load().match_prefix(&q, &mut s.borrow_mut())));
         },
+        &[],
     );
     let b = writer.backend();
     println!(
@@ -290,6 +323,7 @@ fn kv_index(w: &Workload) {
         move || {
             black_box(reader.find_matches(&q, false));
         },
+        &[],
     );
 }
 
