@@ -5,7 +5,6 @@
 //! `find_matches` inline). Built only with `--features dynamo` (it pins tokio =1.52.4).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use dynamo_kv_router::concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed;
 use dynamo_kv_router::indexer::{SyncIndexer, WorkerTask};
@@ -18,7 +17,7 @@ use kvroute_common::BlockHash;
 use stats_alloc::Region;
 
 use crate::workload::{SplitMix, Workload};
-use crate::{GLOBAL, LOADS, best_median, fresh_chains, net_bytes, percentiles, steady, thread_schedstat};
+use crate::{GLOBAL, LOADS, LoadTimer, best_median, fresh_chains, net_bytes, percentiles, steady, thread_schedstat};
 
 fn local(chain: &[BlockHash]) -> Vec<LocalBlockHash> {
     chain.iter().map(|b| LocalBlockHash(b.0)).collect()
@@ -68,11 +67,11 @@ pub fn run(w: &Workload) {
     let bytes = net_bytes(&region);
     drop(sized);
     // Load throughput: the events moved in, as an indexer receives them.
-    let mut rates = Vec::new();
+    let (mut rates, mut cpu_rates) = (Vec::new(), Vec::new());
     let mut kept = None;
     for _ in 0..LOADS {
         let batch = events.clone();
-        let t = Instant::now();
+        let t = LoadTimer::start();
         let mut tree = RadixTree::new();
         let mut failed = 0usize;
         for ev in batch {
@@ -80,13 +79,19 @@ pub fn run(w: &Workload) {
                 failed += 1;
             }
         }
-        rates.push(w.entries() as f64 / t.elapsed().as_secs_f64() / 1e6);
+        t.finish(w.entries(), &mut rates, &mut cpu_rates);
         assert_eq!(failed, 0, "dynamo refused stores");
         kept = Some(tree);
     }
     let Some(tree) = kept else { return };
     let entries = w.entries() as f64;
-    println!("{:>10} load {} M block events/s, {:.1} B/entry", "dynamo", best_median(rates), bytes as f64 / entries);
+    println!(
+        "{:>10} load {} M block events/s ({} per CPU-second), {:.1} B/entry",
+        "dynamo",
+        best_median(rates),
+        best_median(cpu_rates),
+        bytes as f64 / entries
+    );
     let mut rng = SplitMix(99);
     for (case, q) in [("hit", w.hit()), ("partial", w.partial(&mut rng)), ("miss", w.miss(&mut rng))] {
         let mut scores: Vec<(u64, u32)> =
