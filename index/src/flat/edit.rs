@@ -553,8 +553,8 @@ impl Editor {
         self.unlink_with(t, pod, key, &[], &mut Memo::default())
     }
 
-    #[inline(always)]
     /// `rest`: the blocks the same call unlinks next (see [`Editor::cut_leaving`]).
+    #[inline(always)]
     fn unlink_with(
         &mut self,
         t: &mut FlatSnapshot,
