@@ -32,7 +32,11 @@ fn store_event(i: u64, chain: &[BlockHash], pod: u64) -> RouterEvent {
     let blocks = chain
         .iter()
         .enumerate()
-        .map(|(k, b)| KvCacheStoredBlockData { block_hash: seq(i, k, *b), tokens_hash: LocalBlockHash(b.0), mm_extra_info: None })
+        .map(|(k, b)| KvCacheStoredBlockData {
+            block_hash: seq(i, k, *b),
+            tokens_hash: LocalBlockHash(b.0),
+            mm_extra_info: None,
+        })
         .collect();
     let event = KvCacheEvent {
         event_id: 0,
@@ -44,7 +48,8 @@ fn store_event(i: u64, chain: &[BlockHash], pod: u64) -> RouterEvent {
 
 fn remove_event(i: u64, chain: &[BlockHash], pod: u64) -> RouterEvent {
     let block_hashes = chain.iter().enumerate().map(|(k, b)| seq(i, k, *b)).collect();
-    let event = KvCacheEvent { event_id: 0, data: KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }), dp_rank: 0 };
+    let event =
+        KvCacheEvent { event_id: 0, data: KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }), dp_rank: 0 };
     RouterEvent::new(pod, event)
 }
 
