@@ -173,12 +173,18 @@ impl<B: Backend> Writer<B> {
         let Some(p) = pods.get_mut(pod.as_usize()) else {
             return;
         };
+        // Sized once for the pod's blocks: filling it from empty rehashed it several times.
+        seen.reserve(p.held);
+        let mut stretch = [BlockHash(0); STRETCH];
         let mut kept = 0;
         for at in (0..p.list.len()).step_by(STRETCH) {
             let end = p.list.len().min(at + STRETCH);
-            let stretch: Vec<BlockHash> = p.list[at..end].iter().map(|h| BlockHash(*h)).collect();
-            backend.touch(&stretch);
-            for b in stretch {
+            let n = end - at;
+            for (d, h) in stretch.iter_mut().zip(&p.list[at..end]) {
+                *d = BlockHash(*h);
+            }
+            backend.touch(&stretch[..n]);
+            for b in &stretch[..n] {
                 if backend.holds(pod, b.0) && seen.insert(b.0) {
                     p.list[kept] = b.0;
                     kept += 1;
