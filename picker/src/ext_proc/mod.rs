@@ -410,7 +410,22 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
     reply::response_headers(&st.request_id)
 }
 
+/// The start of the body of Envoy's own 503 when it could not connect to (or lost) the upstream
+/// before its response headers ("upstream connect error or disconnect/reset before headers. reset
+/// reason: connection failure ..."), plain or quoted inside deploy/'s JSON error body.
+pub const UPSTREAM_CONNECT_ERROR: &[u8] = b"upstream connect error or disconnect/reset before headers";
+
 fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> ProcessingResponse {
+    // Envoy's signal that the chosen endpoint is down: mark it at once (issue 17; the agent may
+    // be silent), a probe brings it back when it accepts connections again.
+    if st.response_status == Some(503)
+        && let Some(slot) = &st.slot
+        && b.body.windows(UPSTREAM_CONNECT_ERROR.len()).any(|w| w == UPSTREAM_CONNECT_ERROR)
+    {
+        slot.mark_unreachable();
+        gw.metrics.upstream_connect_failures.inc();
+        tracing::info!(request_id = %st.request_id, pod = slot.pod(), "Envoy could not connect to the routed endpoint");
+    }
     let ok = st.response_status.is_none_or(|s| s < 400);
     if ok && st.slot.is_some() {
         let scanner = st.usage.get_or_insert_with(|| UsageScanner::new(None));
