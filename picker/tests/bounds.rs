@@ -149,3 +149,71 @@ async fn explain_takes_what_ext_proc_takes_and_admin_drops_half_sent_requests() 
     }
     picker.shutdown();
 }
+
+fn headers(path: &str, end_of_stream: bool) -> ProcessingRequest {
+    let headers = [(":path", path), (":method", if end_of_stream { "GET" } else { "POST" })]
+        .iter()
+        .map(|(k, v)| HeaderValue { key: (*k).into(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
+        .collect();
+    ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Opens `n` streams on one connection, sends `msg` on each and waits for each one's first answer;
+/// returns the senders (the streams stay open while they live) and the answers.
+async fn open_streams(
+    picker: &RunningPicker,
+    n: usize,
+    msg: impl Fn() -> ProcessingRequest,
+) -> (Vec<mpsc::Sender<ProcessingRequest>>, Vec<ProcessingResponse>) {
+    let client = ExternalProcessorClient::connect(format!("http://{}", picker.ext_proc_addr)).await.unwrap();
+    let (mut held, mut answers) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let (tx, rx) = mpsc::channel(4);
+        let mut stream = client.clone().process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        tx.send(msg()).await.unwrap();
+        let first = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.unwrap().unwrap().unwrap();
+        answers.push(first);
+        held.push(tx);
+        tokio::spawn(async move { while let Ok(Some(_)) = stream.message().await {} });
+    }
+    (held, answers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_only_streams_hold_no_in_flight_slot() {
+    use kvroute_picker::pool::PoolUpdate;
+    use kvroute_proto::agent::v1::{PodInfo, PodStats};
+    let yaml = "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
+                models: [{name: m}]\nscoring: {max_queue: 20}\nlimits: {body_timeout_ms: 5000}\n";
+    let config = PickerConfig::from_yaml(yaml).unwrap();
+    let picker = kvroute_picker::start(&config).await.unwrap();
+    let pool = picker.gateway.pool.clone();
+    let info = PodInfo { pod: "a".into(), endpoint: "127.0.0.1:9".into(), model: "m".into(), block_size: 16, ..Default::default() };
+    let stats = PodStats { ready: true, health_score: 1.0, ..Default::default() };
+    let snapshot = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats), blocks: vec![] };
+    pool.update(snapshot).await.unwrap();
+    pool.sync().await.unwrap();
+
+    // 100 inference requests whose body never comes: answered CONTINUE, nothing reserved.
+    let (held, answers) = open_streams(&picker, 100, || headers("/v1/completions", false)).await;
+    assert!(answers.iter().all(|a| matches!(a.response, Some(Response::RequestHeaders(_)))), "{:?}", answers[0]);
+    let a = &pool.pods()[0];
+    assert_eq!((a.in_flight, a.queue_depth), (0, 0), "headers without a body reserve nothing");
+    drop(held);
+
+    // 100 body-less requests (GET /v1/models), routed and then held open: no inference work, no slot.
+    let (held, answers) = open_streams(&picker, 100, || headers("/v1/models", true)).await;
+    assert!(answers.iter().all(|a| status_of(a).is_none()), "routed, not rejected: {:?}", answers[0]);
+    let a = &pool.pods()[0];
+    assert!(a.queue_depth < 20, "queue depth {} pushed to maxQueue by body-less requests", a.queue_depth);
+    assert_eq!(a.in_flight, 0, "a body-less request holds no in-flight slot");
+    drop(held);
+    picker.shutdown();
+}

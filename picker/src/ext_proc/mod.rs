@@ -10,7 +10,8 @@
 //! SEND, response body STREAMED, trailers SKIP):
 //! - request headers: remember `:path`, `x-request-id` (else a fresh UUID v4), `traceparent` and
 //!   `tracestate` (the parent of the `epp.decision` span, whose own `traceparent` is set upstream);
-//!   a request without a body (`end_of_stream`) is routed right there by load; otherwise CONTINUE.
+//!   a request without a body (`end_of_stream`) is routed right there by load, holding no
+//!   in-flight slot (no inference work); otherwise CONTINUE (nothing counted until the body).
 //! - request body: accumulated until `end_of_stream` (one message in BUFFERED mode, several also
 //!   accepted), decided exactly once. Over `body_limit_bytes` → 413 at once. A body that has not
 //!   ended `body_timeout` after the headers (a peer that sends headers and then nothing, or part of
@@ -232,6 +233,10 @@ async fn on_request_headers(
     if h.end_of_stream {
         match route_request(gw, st, None).await {
             Routing::Routed { endpoint, trace, .. } => {
+                // A request without a body (`GET /v1/models`) is no inference work: it must not
+                // count in the pod's queue depth, nor hold a slot for as long as its stream stays
+                // open (issue 17: 100 such streams pushed queue depth past maxQueue).
+                st.slot = None;
                 out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
             }
             Routing::Rejected(r) => out.push(*r),
