@@ -217,3 +217,63 @@ async fn header_only_streams_hold_no_in_flight_slot() {
     drop(held);
     picker.shutdown();
 }
+
+/// A large prompt's tokenization stops soon after its ext_proc stream ends: Envoy gave up, nobody
+/// waits for the decision (issue 17). Measured against the same-size decision run to its end in
+/// the same test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenization_stops_when_the_stream_ends() {
+    let tokenizer = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5");
+    let yaml = format!(
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
+         models: [{{name: m, tokenizer: {}}}]\n",
+        tokenizer.display()
+    );
+    let picker = kvroute_picker::start(&PickerConfig::from_yaml(&yaml).unwrap()).await.unwrap();
+    let cancelled = || picker.gateway.metrics.tokenizations_cancelled.get();
+    // Distinct words (the segment cache cannot shortcut them), different in each run.
+    let prompt = |seed: u64| {
+        let words: String = (0..1_000_000u64).map(|i| format!("w{} ", (i ^ seed).wrapping_mul(2_654_435_761) % 1_000_003)).collect();
+        format!(r#"{{"model":"m","prompt":"{words}"}}"#)
+    };
+    let open = |body_bytes: Vec<u8>| {
+        let addr = picker.ext_proc_addr;
+        async move {
+            let mut client = ExternalProcessorClient::connect(format!("http://{addr}")).await.unwrap();
+            let (tx, rx) = mpsc::channel(4);
+            let answers = client.process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+            tx.send(request_headers()).await.unwrap();
+            tx.send(body(&body_bytes, true)).await.unwrap();
+            (client, tx, answers)
+        }
+    };
+
+    // Baseline: the whole decision (no pod: it ends in a 503 once tokenized and scored).
+    let first = prompt(1);
+    assert!(first.len() > 6_000_000 && first.len() < 8 << 20, "{}", first.len());
+    let sent = Instant::now();
+    let (_c, _tx, mut answers) = open(first.into_bytes()).await;
+    let mut full = None;
+    while let Ok(Some(r)) = answers.message().await {
+        if status_of(&r).is_some() {
+            full = Some(sent.elapsed());
+            break;
+        }
+    }
+    let full = full.expect("the baseline decision answered");
+
+    // The same size, abandoned a third of the way in.
+    let (client, tx, answers) = open(prompt(2).into_bytes()).await;
+    tokio::time::sleep(full / 3).await;
+    assert_eq!(cancelled(), 0);
+    let gone = Instant::now();
+    drop((answers, tx, client));
+    while cancelled() == 0 {
+        assert!(gone.elapsed() < full, "tokenization ran on after its stream ended (full decision: {full:?})");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stopped = gone.elapsed();
+    eprintln!("a 7 MB prompt: full decision {full:?}; abandoned after {:?}, tokenization stopped {stopped:?} later", full / 3);
+    assert!(stopped < full / 3, "stopped {stopped:?} after the stream ended; the whole decision takes {full:?}");
+    picker.shutdown();
+}

@@ -158,6 +158,9 @@ pub struct Metrics {
     /// `epp_upstream_connect_failures_total`: Envoy's 503s for a connection failure to the
     /// endpoint the picker chose (each marks the pod unreachable until a TCP probe connects).
     pub upstream_connect_failures: Counter,
+    /// `epp_tokenizations_cancelled_total`: tokenizations stopped because the request's ext_proc
+    /// stream ended before the decision.
+    pub tokenizations_cancelled: Counter,
     pod_unreachable: Family<PodLabel, Gauge>,
     /// `epp_adapter_loads_triggered_total{adapter}`: routed to a pod not running the adapter.
     pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
@@ -218,6 +221,7 @@ impl Metrics {
         let candidate_pods = Gauge::default();
         let stale_cache_routing = Counter::default();
         let upstream_connect_failures = Counter::default();
+        let tokenizations_cancelled = Counter::default();
         let pod_unreachable = Family::<PodLabel, Gauge>::default();
         let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
         let request_errors = Family::<CodeLabel, Counter>::default();
@@ -269,6 +273,11 @@ impl Metrics {
             "epp_upstream_connect_failures",
             "Envoy 503s for a connection failure to the routed endpoint (the pod leaves the candidates until a TCP probe connects)",
             upstream_connect_failures.clone(),
+        );
+        registry.register(
+            "epp_tokenizations_cancelled",
+            "Tokenizations stopped because the request's ext_proc stream ended first (Envoy gave up)",
+            tokenizations_cancelled.clone(),
         );
         registry.register(
             "epp_pod_unreachable",
@@ -379,6 +388,7 @@ impl Metrics {
             candidate_pods,
             stale_cache_routing,
             upstream_connect_failures,
+            tokenizations_cancelled,
             pod_unreachable,
             adapter_loads_triggered,
             request_errors,

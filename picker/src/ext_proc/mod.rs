@@ -30,6 +30,7 @@ pub mod usage;
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -43,7 +44,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use futures::Stream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming};
 
-use crate::decision::{DecisionInput, Rejection, decide, observe};
+use crate::decision::{DecisionInput, Rejection, decide_cancellable, observe};
 use crate::gateway::Gateway;
 use crate::pool::InFlightSlot;
 use usage::UsageScanner;
@@ -322,6 +323,20 @@ enum Routing {
     Rejected(Box<ProcessingResponse>),
 }
 
+/// Bodies from this size (bytes) are decided on the blocking pool where an ended stream cancels
+/// their tokenization (≈ 30 ms of CPU per MiB in a release build); smaller ones in place.
+pub const CANCELLABLE_BODY_BYTES: usize = 256 * 1024;
+
+/// Sets its flag when dropped: the decision's future was dropped (its stream ended) before the
+/// decision finished, or the decision finished and nobody reads the flag any more.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Runs [`decide`] once for the request, inside its `epp.decision` span (child of the request's
 /// `traceparent`, if any), keeps the decision's in-flight slot in `st`, and says how to answer.
 ///
@@ -330,7 +345,8 @@ enum Routing {
 /// [`tokio::task::block_in_place`]: the worker's other tasks move to a fresh worker and this thread
 /// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
 /// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
-/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`.
+/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`, as do bodies of
+/// [`CANCELLABLE_BODY_BYTES`] or more, whose tokenization an ended stream cancels (issue 17).
 async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Routing {
     st.decided = true;
     let span = tracing::info_span!(
@@ -344,49 +360,57 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
     );
     kvroute_common::telemetry::extract_parent(&span, &st.trace_headers);
     // The decision inside `span`, recording the pod or the error on it; the trace headers name `span`.
-    let run = move |gw: &Gateway, input: &DecisionInput<'_>| {
+    let run = move |gw: &Gateway, input: &DecisionInput<'_>, cancel: &AtomicBool| {
         let _entered = span.enter();
-        let result = decide(gw, input);
+        let result = decide_cancellable(gw, input, cancel);
         match &result {
             Ok(d) => span.record("pod", d.pod.as_str()),
             Err(_) => span.record("otel.status_code", "ERROR"),
         };
         result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
     };
-    let (body, result) =
-        if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-            let result = {
-                let input = DecisionInput {
-                    request_id: &st.request_id,
-                    path: &st.path,
-                    body: body.as_deref(),
-                    subset: st.subset.as_deref(),
-                    objective: st.objective.as_deref(),
-                };
-                tokio::task::block_in_place(|| run(gw, &input))
+    let multi_thread =
+        tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+    let large = body.as_ref().is_some_and(|b| b.len() >= CANCELLABLE_BODY_BYTES);
+    let (body, result) = if multi_thread && !large {
+        let result = {
+            let input = DecisionInput {
+                request_id: &st.request_id,
+                path: &st.path,
+                body: body.as_deref(),
+                subset: st.subset.as_deref(),
+                objective: st.objective.as_deref(),
             };
-            (body, result)
-        } else {
-            let gw = gw.clone();
-            let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
-            let objective = st.objective.clone();
-            let joined = tokio::task::spawn_blocking(move || {
-                let input = DecisionInput {
-                    request_id: &request_id,
-                    path: &path,
-                    body: body.as_deref(),
-                    subset: subset.as_deref(),
-                    objective: objective.as_deref(),
-                };
-                let result = run(&gw, &input);
-                (body, result)
-            })
-            .await;
-            joined.unwrap_or_else(|e| {
-                let message = format!("routing task failed: {e}");
-                (None, Err(Rejection::new(500, "internal_error", message)))
-            })
+            static NEVER: AtomicBool = AtomicBool::new(false);
+            tokio::task::block_in_place(|| run(gw, &input, &NEVER))
         };
+        (body, result)
+    } else {
+        // On the blocking pool, cancellable: if Envoy ends the stream meanwhile, tonic drops this
+        // future, the guard sets the flag and tokenization stops at its next chunk.
+        let cancel = CancelOnDrop(Arc::new(AtomicBool::new(false)));
+        let flag = cancel.0.clone();
+        let gw = gw.clone();
+        let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
+        let objective = st.objective.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            let input = DecisionInput {
+                request_id: &request_id,
+                path: &path,
+                body: body.as_deref(),
+                subset: subset.as_deref(),
+                objective: objective.as_deref(),
+            };
+            let result = run(&gw, &input, &flag);
+            (body, result)
+        })
+        .await;
+        drop(cancel);
+        joined.unwrap_or_else(|e| {
+            let message = format!("routing task failed: {e}");
+            (None, Err(Rejection::new(500, "internal_error", message)))
+        })
+    };
     match result {
         Ok((decision, trace)) => {
             if let Some(tp) = trace.get("traceparent") {
