@@ -25,8 +25,8 @@ use std::sync::Arc;
 
 use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
-use std::sync::atomic::AtomicBool;
 use serde_json::Value;
+use std::sync::atomic::AtomicBool;
 
 use crate::approx::{ApproxStore, RoutingMode, TextHasher, prompt_text};
 use crate::config::ModelConfig;

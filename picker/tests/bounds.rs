@@ -195,7 +195,13 @@ async fn header_only_streams_hold_no_in_flight_slot() {
     let config = PickerConfig::from_yaml(yaml).unwrap();
     let picker = kvroute_picker::start(&config).await.unwrap();
     let pool = picker.gateway.pool.clone();
-    let info = PodInfo { pod: "a".into(), endpoint: "127.0.0.1:9".into(), model: "m".into(), block_size: 16, ..Default::default() };
+    let info = PodInfo {
+        pod: "a".into(),
+        endpoint: "127.0.0.1:9".into(),
+        model: "m".into(),
+        block_size: 16,
+        ..Default::default()
+    };
     let stats = PodStats { ready: true, health_score: 1.0, ..Default::default() };
     let snapshot = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats), blocks: vec![] };
     pool.update(snapshot).await.unwrap();
@@ -233,7 +239,8 @@ async fn tokenization_stops_when_the_stream_ends() {
     let cancelled = || picker.gateway.metrics.tokenizations_cancelled.get();
     // Distinct words (the segment cache cannot shortcut them), different in each run.
     let prompt = |seed: u64| {
-        let words: String = (0..1_000_000u64).map(|i| format!("w{} ", (i ^ seed).wrapping_mul(2_654_435_761) % 1_000_003)).collect();
+        let words: String =
+            (0..1_000_000u64).map(|i| format!("w{} ", (i ^ seed).wrapping_mul(2_654_435_761) % 1_000_003)).collect();
         format!(r#"{{"model":"m","prompt":"{words}"}}"#)
     };
     let open = |body_bytes: Vec<u8>| {
@@ -273,7 +280,10 @@ async fn tokenization_stops_when_the_stream_ends() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let stopped = gone.elapsed();
-    eprintln!("a 7 MB prompt: full decision {full:?}; abandoned after {:?}, tokenization stopped {stopped:?} later", full / 3);
+    eprintln!(
+        "a 7 MB prompt: full decision {full:?}; abandoned after {:?}, tokenization stopped {stopped:?} later",
+        full / 3
+    );
     assert!(stopped < full / 3, "stopped {stopped:?} after the stream ended; the whole decision takes {full:?}");
     picker.shutdown();
 }

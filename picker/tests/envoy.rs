@@ -693,7 +693,9 @@ async fn half_sent_requests_are_closed_and_do_not_starve_envoy() {
     let (engine, _seen) = fake_engine().await;
     let _agent = report_pods(&picker, &[pod("a", engine, vec![])]).await;
     let deployed = deploy_file("envoy.yaml");
-    for line in ["request_headers_timeout: 10s", "request_timeout: 60s", "stream_idle_timeout: 300s", "idle_timeout: 60s"] {
+    for line in
+        ["request_headers_timeout: 10s", "request_timeout: 60s", "stream_idle_timeout: 300s", "idle_timeout: 60s"]
+    {
         assert!(deployed.contains(line), "deploy/envoy/envoy.yaml lost `{line}`");
     }
     let config = deployed

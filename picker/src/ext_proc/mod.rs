@@ -369,8 +369,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         };
         result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
     };
-    let multi_thread =
-        tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+    let multi_thread = tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
     let large = body.as_ref().is_some_and(|b| b.len() >= CANCELLABLE_BODY_BYTES);
     let (body, result) = if multi_thread && !large {
         let result = {

@@ -16,11 +16,18 @@ pub(crate) enum Exclusion {
     PodNotReady,
     NotReady,
     GraceExpired,
-    Unhealthy { score: f64, threshold: f64, reason: String },
+    Unhealthy {
+        score: f64,
+        threshold: f64,
+        reason: String,
+    },
     NotInSubset,
     /// Envoy could not connect to the endpoint; no probe has connected since.
     Unreachable,
-    QueueFull { depth: u32, max: u32 },
+    QueueFull {
+        depth: u32,
+        max: u32,
+    },
 }
 
 impl fmt::Display for Exclusion {

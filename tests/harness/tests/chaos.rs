@@ -250,7 +250,9 @@ async fn faults_under_load_through_envoy() {
     let recs = load.window(t, end);
     let p = phase(&recs, None);
     let last_error = recs.iter().filter(|r| r.status >= 500).map(|r| r.sent - t).max();
-    report.push(format!("6 picker kill -9 (1 of 2) + restart: {p:?}; last 5xx sent {last_error:?} after the kill; ready {ready:?}"));
+    report.push(format!(
+        "6 picker kill -9 (1 of 2) + restart: {p:?}; last 5xx sent {last_error:?} after the kill; ready {ready:?}"
+    ));
     assert!(
         last_error.is_none_or(|d| d < Duration::from_secs(1)),
         "5xx from a killed replica stop within 1 s (Envoy's health check): {last_error:?}"
