@@ -313,7 +313,7 @@ impl PodStatus {
     /// at most [`STALE_REPORT_HEALTH`] with [`STALE_REPORT_REASON`]. `None` without stats.
     pub(crate) fn effective_health(&self, stale: bool) -> Option<(f64, &str)> {
         let s = self.stats.as_ref()?;
-        if stale && !(s.health_score < STALE_REPORT_HEALTH) {
+        if stale && s.health_score >= STALE_REPORT_HEALTH {
             return Some((STALE_REPORT_HEALTH, STALE_REPORT_REASON));
         }
         Some((s.health_score, s.health_reason.as_str()))
