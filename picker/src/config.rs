@@ -450,6 +450,7 @@ impl PickerConfig {
             block_size: self.block_size,
             grace_ttl_ms: self.pod_grace_ttl_ms,
             max_blocks_per_pod: self.max_blocks_per_pod,
+            max_report_age_ms: self.limits.max_report_age_ms,
         }
     }
 

@@ -9,6 +9,8 @@
 //!   ext_proc_max_streams: 4096      # ext_proc: concurrent streams per connection
 //!   admin_header_timeout_ms: 10000  # admin HTTP: request head / idle keep-alive
 //!   admin_max_connections: 256      # admin HTTP: open connections
+//!   max_report_age_ms: 10000        # agent stats older than this count as unknown
+//!   unreachable_probe_ms: 200       # TCP probe period of endpoints Envoy could not connect to
 //! ```
 //!
 //! - A stream that sends request headers and then no body, or part of a body and stalls, holds
@@ -20,6 +22,12 @@
 //! - The admin listener closes a connection whose request head does not arrive in
 //!   `admin_header_timeout_ms` and keeps at most `admin_max_connections` open (the oldest slow
 //!   one is closed first), so half-sent requests cannot starve `/healthz`.
+//! - A pod whose agent sent no stats for `max_report_age_ms` (a SIGSTOPped or wedged agent whose
+//!   TCP connection still stands) has its figures counted as unknown: health at most 0.5
+//!   ("agent report stale") and every in-flight request in its queue depth.
+//! - A pod Envoy could not connect to (its local 503 "upstream connect error", seen in the
+//!   response phase of the request the picker routed there) leaves the candidates at once and
+//!   returns when a TCP connect to it succeeds, tried every `unreachable_probe_ms`.
 
 use serde::Deserialize;
 use std::time::Duration;
@@ -56,7 +64,17 @@ pub struct Limits {
     /// Admin listener: most open connections (past it the oldest one that sent no request head
     /// is closed). Default 256.
     pub admin_max_connections: usize,
+    /// Age, in ms, past which a pod's last stats report counts as unknown (health at most 0.5,
+    /// every in-flight request queued). Default 10 000
+    /// ([`DEFAULT_MAX_REPORT_AGE_MS`](crate::pool::DEFAULT_MAX_REPORT_AGE_MS)).
+    pub max_report_age_ms: u64,
+    /// Period, in ms, of the TCP connect probe to endpoints Envoy could not connect to (each
+    /// probe bounded by the same time). Default [`DEFAULT_UNREACHABLE_PROBE_MS`] (200).
+    pub unreachable_probe_ms: u64,
 }
+
+/// Default [`Limits::unreachable_probe_ms`].
+pub const DEFAULT_UNREACHABLE_PROBE_MS: u64 = 200;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -67,6 +85,8 @@ impl Default for Limits {
             ext_proc_max_streams: DEFAULT_EXT_PROC_MAX_STREAMS,
             admin_header_timeout_ms: kvroute_common::listener::DEFAULT_HEADER_READ_TIMEOUT.as_millis() as u64,
             admin_max_connections: kvroute_common::listener::DEFAULT_MAX_CONNECTIONS,
+            max_report_age_ms: crate::pool::DEFAULT_MAX_REPORT_AGE_MS,
+            unreachable_probe_ms: DEFAULT_UNREACHABLE_PROBE_MS,
         }
     }
 }
@@ -81,6 +101,8 @@ impl Limits {
             ("limits.ext_proc_max_streams", self.ext_proc_max_streams == 0),
             ("limits.admin_header_timeout_ms", self.admin_header_timeout_ms == 0),
             ("limits.admin_max_connections", self.admin_max_connections == 0),
+            ("limits.max_report_age_ms", self.max_report_age_ms == 0),
+            ("limits.unreachable_probe_ms", self.unreachable_probe_ms == 0),
         ]
         .into_iter()
         .find_map(|(name, zero)| zero.then_some(name))

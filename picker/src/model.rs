@@ -26,6 +26,7 @@ use std::sync::Arc;
 use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
 use serde_json::Value;
+use std::sync::atomic::AtomicBool;
 
 use crate::approx::{ApproxStore, RoutingMode, TextHasher, prompt_text};
 use crate::config::ModelConfig;
@@ -354,25 +355,45 @@ impl ResolvedModel {
 
     /// Token ids of the prompt; empty (with a warning) when it cannot be tokenized.
     pub fn tokens(&self, prompt: &PromptInput, request_id: &str) -> Vec<u32> {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        self.tokens_cancellable(prompt, request_id, &NEVER).unwrap_or_default()
+    }
+
+    /// [`tokens`](Self::tokens) that stops once `cancel` is set (the request's ext_proc stream
+    /// ended): `Err(Cancelled)`, the work done so far dropped.
+    pub fn tokens_cancellable(
+        &self,
+        prompt: &PromptInput,
+        request_id: &str,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u32>, Cancelled> {
         let res = match (prompt, &self.tokenizer) {
-            (PromptInput::Tokens(t), _) => return t.clone(),
+            (PromptInput::Tokens(t), _) => return Ok(t.clone()),
             (PromptInput::None(why), _) => {
                 tracing::debug!(request_id, reason = why, "no prompt tokens");
-                return Vec::new();
+                return Ok(Vec::new());
             }
             (_, None) => {
                 tracing::debug!(request_id, model = %self.name, "no tokenizer: routing by load");
-                return Vec::new();
+                return Ok(Vec::new());
             }
-            (PromptInput::Text(s), Some(t)) => t.encode_prompt(s),
-            (PromptInput::Chat(c), Some(t)) => t.encode_chat(c),
+            (PromptInput::Text(s), Some(t)) => t.encode_prompt_cancellable(s, cancel),
+            (PromptInput::Chat(c), Some(t)) => t.encode_chat_cancellable(c, cancel),
         };
-        res.unwrap_or_else(|e| {
-            tracing::warn!(request_id, model = %self.name, error = %e, "tokenization failed: routing by load");
-            Vec::new()
-        })
+        match res {
+            Ok(ids) => Ok(ids),
+            Err(kvroute_tokenize::TokenizeError::Cancelled) => Err(Cancelled),
+            Err(e) => {
+                tracing::warn!(request_id, model = %self.name, error = %e, "tokenization failed: routing by load");
+                Ok(Vec::new())
+            }
+        }
     }
 }
+
+/// Tokenization stopped because its request was abandoned ([`ResolvedModel::tokens_cancellable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cancelled;
 
 #[cfg(test)]
 mod tests {

@@ -330,6 +330,22 @@ pub async fn start_with_scope(
         Ok("admin")
     });
 
+    // Endpoints Envoy could not connect to return once they accept a TCP connection.
+    let (gw, probe_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+    let probe_every = Duration::from_millis(limits.unreachable_probe_ms);
+    tasks.spawn(async move {
+        let probing = async {
+            loop {
+                tokio::time::sleep(probe_every).await;
+                gw.pool.probe_unreachable(probe_every).await;
+            }
+        };
+        tokio::select! {
+            () = probing => Ok("unreachable probe"),
+            () = probe_stop => Ok("unreachable probe"),
+        }
+    });
+
     let health = health_reporter.clone();
     if let Some((pool_view, models)) = sources {
         let (gw, pool_stop) = (gateway.clone(), stop(shutdown.subscribe()));

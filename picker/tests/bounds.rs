@@ -149,3 +149,141 @@ async fn explain_takes_what_ext_proc_takes_and_admin_drops_half_sent_requests() 
     }
     picker.shutdown();
 }
+
+fn headers(path: &str, end_of_stream: bool) -> ProcessingRequest {
+    let headers = [(":path", path), (":method", if end_of_stream { "GET" } else { "POST" })]
+        .iter()
+        .map(|(k, v)| HeaderValue { key: (*k).into(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
+        .collect();
+    ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Opens `n` streams on one connection, sends `msg` on each and waits for each one's first answer;
+/// returns the senders (the streams stay open while they live) and the answers.
+async fn open_streams(
+    picker: &RunningPicker,
+    n: usize,
+    msg: impl Fn() -> ProcessingRequest,
+) -> (Vec<mpsc::Sender<ProcessingRequest>>, Vec<ProcessingResponse>) {
+    let client = ExternalProcessorClient::connect(format!("http://{}", picker.ext_proc_addr)).await.unwrap();
+    let (mut held, mut answers) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let (tx, rx) = mpsc::channel(4);
+        let mut stream = client.clone().process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        tx.send(msg()).await.unwrap();
+        let first = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.unwrap().unwrap().unwrap();
+        answers.push(first);
+        held.push(tx);
+        tokio::spawn(async move { while let Ok(Some(_)) = stream.message().await {} });
+    }
+    (held, answers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_only_streams_hold_no_in_flight_slot() {
+    use kvroute_picker::pool::PoolUpdate;
+    use kvroute_proto::agent::v1::{PodInfo, PodStats};
+    let yaml = "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
+                models: [{name: m}]\nscoring: {max_queue: 20}\nlimits: {body_timeout_ms: 5000}\n";
+    let config = PickerConfig::from_yaml(yaml).unwrap();
+    let picker = kvroute_picker::start(&config).await.unwrap();
+    let pool = picker.gateway.pool.clone();
+    let info = PodInfo {
+        pod: "a".into(),
+        endpoint: "127.0.0.1:9".into(),
+        model: "m".into(),
+        block_size: 16,
+        ..Default::default()
+    };
+    let stats = PodStats { ready: true, health_score: 1.0, ..Default::default() };
+    let snapshot = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats), blocks: vec![] };
+    pool.update(snapshot).await.unwrap();
+    pool.sync().await.unwrap();
+
+    // 100 inference requests whose body never comes: answered CONTINUE, nothing reserved.
+    let (held, answers) = open_streams(&picker, 100, || headers("/v1/completions", false)).await;
+    assert!(answers.iter().all(|a| matches!(a.response, Some(Response::RequestHeaders(_)))), "{:?}", answers[0]);
+    let a = &pool.pods()[0];
+    assert_eq!((a.in_flight, a.queue_depth), (0, 0), "headers without a body reserve nothing");
+    drop(held);
+
+    // 100 body-less requests (GET /v1/models), routed and then held open: no inference work, no slot.
+    let (held, answers) = open_streams(&picker, 100, || headers("/v1/models", true)).await;
+    assert!(answers.iter().all(|a| status_of(a).is_none()), "routed, not rejected: {:?}", answers[0]);
+    let a = &pool.pods()[0];
+    assert!(a.queue_depth < 20, "queue depth {} pushed to maxQueue by body-less requests", a.queue_depth);
+    assert_eq!(a.in_flight, 0, "a body-less request holds no in-flight slot");
+    drop(held);
+    picker.shutdown();
+}
+
+/// A large prompt's tokenization stops soon after its ext_proc stream ends: Envoy gave up, nobody
+/// waits for the decision (issue 17). Measured against the same-size decision run to its end in
+/// the same test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenization_stops_when_the_stream_ends() {
+    let tokenizer = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5");
+    let yaml = format!(
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
+         models: [{{name: m, tokenizer: {}}}]\n",
+        tokenizer.display()
+    );
+    let picker = kvroute_picker::start(&PickerConfig::from_yaml(&yaml).unwrap()).await.unwrap();
+    let cancelled = || picker.gateway.metrics.tokenizations_cancelled.get();
+    // Distinct words (the segment cache cannot shortcut them), different in each run.
+    let prompt = |seed: u64| {
+        let words: String =
+            (0..1_000_000u64).map(|i| format!("w{} ", (i ^ seed).wrapping_mul(2_654_435_761) % 1_000_003)).collect();
+        format!(r#"{{"model":"m","prompt":"{words}"}}"#)
+    };
+    let open = |body_bytes: Vec<u8>| {
+        let addr = picker.ext_proc_addr;
+        async move {
+            let mut client = ExternalProcessorClient::connect(format!("http://{addr}")).await.unwrap();
+            let (tx, rx) = mpsc::channel(4);
+            let answers = client.process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+            tx.send(request_headers()).await.unwrap();
+            tx.send(body(&body_bytes, true)).await.unwrap();
+            (client, tx, answers)
+        }
+    };
+
+    // Baseline: the whole decision (no pod: it ends in a 503 once tokenized and scored).
+    let first = prompt(1);
+    assert!(first.len() > 6_000_000 && first.len() < 8 << 20, "{}", first.len());
+    let sent = Instant::now();
+    let (_c, _tx, mut answers) = open(first.into_bytes()).await;
+    let mut full = None;
+    while let Ok(Some(r)) = answers.message().await {
+        if status_of(&r).is_some() {
+            full = Some(sent.elapsed());
+            break;
+        }
+    }
+    let full = full.expect("the baseline decision answered");
+
+    // The same size, abandoned a third of the way in.
+    let (client, tx, answers) = open(prompt(2).into_bytes()).await;
+    tokio::time::sleep(full / 3).await;
+    assert_eq!(cancelled(), 0);
+    let gone = Instant::now();
+    drop((answers, tx, client));
+    while cancelled() == 0 {
+        assert!(gone.elapsed() < full, "tokenization ran on after its stream ended (full decision: {full:?})");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stopped = gone.elapsed();
+    eprintln!(
+        "a 7 MB prompt: full decision {full:?}; abandoned after {:?}, tokenization stopped {stopped:?} later",
+        full / 3
+    );
+    assert!(stopped < full / 3, "stopped {stopped:?} after the stream ended; the whole decision takes {full:?}");
+    picker.shutdown();
+}

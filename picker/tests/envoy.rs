@@ -668,3 +668,82 @@ async fn status_of(addr: SocketAddr, path: &str, body: &[u8]) -> std::io::Result
     let line = String::from_utf8_lossy(&got);
     Ok(line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0))
 }
+
+/// Reads until Envoy closes the connection (or 10 s pass); returns what it sent and when it closed.
+async fn read_until_closed(s: &mut tokio::net::TcpStream) -> (String, Option<Instant>) {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (String::from_utf8_lossy(&out).into_owned(), Some(Instant::now())),
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => return (String::from_utf8_lossy(&out).into_owned(), None),
+        }
+    }
+}
+
+/// deploy/'s listener bounds, with the real Envoy (issue 17): a request whose head never ends is
+/// closed at `request_headers_timeout`, one whose body stalls gets a 408 at `request_timeout`
+/// (both shortened here from the deploy file's 10 s / 60 s, the rest untouched), and 1,100
+/// half-open connections neither starve a normal request nor outlive the head timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_requests_are_closed_and_do_not_starve_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let (engine, _seen) = fake_engine().await;
+    let _agent = report_pods(&picker, &[pod("a", engine, vec![])]).await;
+    let deployed = deploy_file("envoy.yaml");
+    for line in
+        ["request_headers_timeout: 10s", "request_timeout: 60s", "stream_idle_timeout: 300s", "idle_timeout: 60s"]
+    {
+        assert!(deployed.contains(line), "deploy/envoy/envoy.yaml lost `{line}`");
+    }
+    let config = deployed
+        .replace("request_headers_timeout: 10s", "request_headers_timeout: 1s")
+        .replace("request_timeout: 60s", "request_timeout: 2s");
+    let (_envoy, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":1}}"#);
+
+    // A head that never ends: closed after ~1 s.
+    let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
+    let t = Instant::now();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n").await.unwrap();
+    let (_, closed) = read_until_closed(&mut s).await;
+    let head_took = closed.expect("a half-sent head is closed").duration_since(t);
+    assert!(head_took >= Duration::from_millis(900) && head_took < Duration::from_secs(4), "head: {head_took:?}");
+
+    // A body that stalls: 408 after ~2 s.
+    let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
+    let t = Instant::now();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n{\"model\"").await.unwrap();
+    let (answer, closed) = read_until_closed(&mut s).await;
+    let body_took = closed.expect("a stalled body is answered and closed").duration_since(t);
+    assert!(answer.starts_with("HTTP/1.1 408"), "stalled body: {answer}");
+    assert!(body_took >= Duration::from_millis(1900) && body_took < Duration::from_secs(5), "body: {body_took:?}");
+
+    // 1,100 half-open connections, then a normal request.
+    let mut open = Vec::new();
+    for _ in 0..1100 {
+        let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n").await.unwrap();
+        open.push(s);
+    }
+    let t = Instant::now();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    let normal = t.elapsed();
+    assert_eq!(status, 200, "{resp}");
+    assert!(normal < Duration::from_secs(2), "a normal request took {normal:?} beside 1,100 half-open ones");
+    let closers = open.into_iter().map(|mut s| tokio::spawn(async move { read_until_closed(&mut s).await.1 }));
+    let mut still_open = 0;
+    for c in closers {
+        if c.await.unwrap().is_none() {
+            still_open += 1;
+        }
+    }
+    assert_eq!(still_open, 0, "half-open connections outlived the head timeout");
+    eprintln!(
+        "envoy bounds: half-sent head closed after {head_took:?} (1 s timeout), stalled body 408+close after \
+         {body_took:?} (2 s timeout), a normal request beside 1,100 half-open connections {normal:?}"
+    );
+    picker.shutdown();
+}

@@ -9,6 +9,10 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TokenizeError {
+    /// The caller's cancellation flag was set while encoding (the request's client went away);
+    /// the work stopped at the next chunk.
+    #[error("tokenization cancelled: the request was abandoned")]
+    Cancelled,
     /// A file of the model directory could not be read (missing directory, missing file, permissions).
     #[error("cannot read {path}: {source} (expected a HuggingFace model directory with tokenizer.json)")]
     Io {

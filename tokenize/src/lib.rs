@@ -15,6 +15,11 @@
 //! internally locked cache; it is `Send + Sync` and meant to be shared (`Arc`) by all tasks that
 //! serve one model. Every method may be called concurrently and blocks only for a cache-shard lock.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A cancellation flag that is never set (the non-cancellable entry points).
+static NEVER: AtomicBool = AtomicBool::new(false);
+
 mod config;
 mod error;
 mod pyjson;
@@ -148,13 +153,22 @@ impl ModelTokenizer {
 
     /// Ids of a `/v1/completions` prompt string, as vLLM's completions endpoint tokenizes it.
     pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_prompt_cancellable(prompt, &NEVER)
+    }
+
+    /// [`encode_prompt`](Self::encode_prompt) that stops with [`TokenizeError::Cancelled`] once
+    /// `cancel` is set, checked between the segment cache's pieces (at most a chunk of
+    /// `segment::CHUNK_BYTES` is encoded after it is set; without the segment cache the text is
+    /// encoded whole and only checked before).
+    pub fn encode_prompt_cancellable(&self, prompt: &str, cancel: &AtomicBool) -> Result<Vec<u32>, TokenizeError> {
         match &self.prompt_wrap {
             Some((prefix, suffix)) => {
                 let mut ids = prefix.clone();
-                self.encode_text_into(prompt, &mut ids)?;
+                self.encode_text_into(prompt, &mut ids, cancel)?;
                 ids.extend_from_slice(suffix);
                 Ok(ids)
             }
+            None if cancel.load(Ordering::Relaxed) => Err(TokenizeError::Cancelled),
             None => self.encode_whole(prompt, true),
         }
     }
@@ -167,15 +181,23 @@ impl ModelTokenizer {
 
     /// Ids of a chat request, as vLLM's chat endpoint computes them.
     pub fn encode_chat(&self, chat: &ChatRequest) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_chat_cancellable(chat, &NEVER)
+    }
+
+    /// [`encode_chat`](Self::encode_chat) that stops once `cancel` is set (as
+    /// [`encode_prompt_cancellable`](Self::encode_prompt_cancellable)).
+    pub fn encode_chat_cancellable(&self, chat: &ChatRequest, cancel: &AtomicBool) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(chat)?;
-        self.encode_text(&text)
+        let mut ids = Vec::with_capacity(text.len() / 3 + 8);
+        self.encode_text_into(&text, &mut ids, cancel)?;
+        Ok(ids)
     }
 
     /// Ids of `text` with `add_special_tokens=False` (special tokens in it are matched): what vLLM
     /// feeds the engine for a rendered chat. Uses the segment cache when it is on.
     pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 8);
-        self.encode_text_into(text, &mut ids)?;
+        self.encode_text_into(text, &mut ids, &NEVER)?;
         Ok(ids)
     }
 
@@ -250,12 +272,18 @@ impl ModelTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
-    fn encode_text_into(&self, text: &str, ids: &mut Vec<u32>) -> Result<(), TokenizeError> {
+    fn encode_text_into(&self, text: &str, ids: &mut Vec<u32>, cancel: &AtomicBool) -> Result<(), TokenizeError> {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(TokenizeError::Cancelled);
+        }
         let Some((segmenter, cache)) = &self.segments else {
             ids.extend(self.encode_whole(text, false)?);
             return Ok(());
         };
         segmenter.for_each_piece(text, |piece| {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(TokenizeError::Cancelled);
+            }
             match piece {
                 Piece::Added(id) => ids.push(id),
                 Piece::Text(t) => ids.extend_from_slice(&cache.get_or_encode(t, |t| self.encode_whole(t, false))?),

@@ -155,6 +155,13 @@ pub struct Metrics {
     pub candidate_pods: Gauge,
     /// `epp_stale_cache_routing_total`: engine's cached tokens fell short of the prediction.
     pub stale_cache_routing: Counter,
+    /// `epp_upstream_connect_failures_total`: Envoy's 503s for a connection failure to the
+    /// endpoint the picker chose (each marks the pod unreachable until a TCP probe connects).
+    pub upstream_connect_failures: Counter,
+    /// `epp_tokenizations_cancelled_total`: tokenizations stopped because the request's ext_proc
+    /// stream ended before the decision.
+    pub tokenizations_cancelled: Counter,
+    pod_unreachable: Family<PodLabel, Gauge>,
     /// `epp_adapter_loads_triggered_total{adapter}`: routed to a pod not running the adapter.
     pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
     /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/408/413/429/503).
@@ -213,6 +220,9 @@ impl Metrics {
         let composite_score = Histogram::new((1..=20).map(|i| f64::from(i) * 0.05));
         let candidate_pods = Gauge::default();
         let stale_cache_routing = Counter::default();
+        let upstream_connect_failures = Counter::default();
+        let tokenizations_cancelled = Counter::default();
+        let pod_unreachable = Family::<PodLabel, Gauge>::default();
         let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
         let request_errors = Family::<CodeLabel, Counter>::default();
         let queue_depth = Family::<PodLabel, Gauge>::default();
@@ -258,6 +268,21 @@ impl Metrics {
             "epp_stale_cache_routing",
             "Requests whose engine-reported cached tokens fell more than a block short of the prediction",
             stale_cache_routing.clone(),
+        );
+        registry.register(
+            "epp_upstream_connect_failures",
+            "Envoy 503s for a connection failure to the routed endpoint (the pod leaves the candidates until a TCP probe connects)",
+            upstream_connect_failures.clone(),
+        );
+        registry.register(
+            "epp_tokenizations_cancelled",
+            "Tokenizations stopped because the request's ext_proc stream ended first (Envoy gave up)",
+            tokenizations_cancelled.clone(),
+        );
+        registry.register(
+            "epp_pod_unreachable",
+            "1 while Envoy's last connection to the pod failed and no probe connected since (not a candidate)",
+            pod_unreachable.clone(),
         );
         registry.register(
             "epp_adapter_loads_triggered",
@@ -362,6 +387,9 @@ impl Metrics {
             composite_score,
             candidate_pods,
             stale_cache_routing,
+            upstream_connect_failures,
+            tokenizations_cancelled,
+            pod_unreachable,
             adapter_loads_triggered,
             request_errors,
             ingest_refusals,
@@ -423,6 +451,7 @@ impl Metrics {
         self.queue_depth.clear();
         self.pod_health_score.clear();
         self.gie_pod_queue.clear();
+        self.pod_unreachable.clear();
         self.gie_ready_pods.clear();
         self.gie_avg_kv_cache.clear();
         self.gie_avg_queue.clear();
@@ -433,6 +462,7 @@ impl Metrics {
             let label = PodLabel { model_server_pod: p.name.clone() };
             self.queue_depth.get_or_create(&label).set(i64::from(p.queue_depth));
             self.pod_health_score.get_or_create(&label).set(p.health_score);
+            self.pod_unreachable.get_or_create(&label).set(i64::from(p.unreachable));
             self.gie_pod_queue
                 .get_or_create(&PoolPodLabel { name: pool_name.clone(), model_server_pod: p.name.clone() })
                 .set(i64::from(p.queue_depth));
@@ -440,7 +470,7 @@ impl Metrics {
                 ready += 1;
                 // NaN health is unhealthy, as in the router's filter.
                 let healthy = p.health_score >= scoring.health_exclusion_threshold;
-                if healthy && p.queue_depth < max_queue {
+                if healthy && !p.unreachable && p.queue_depth < max_queue {
                     routable += 1;
                 }
             }

@@ -15,6 +15,7 @@
 pub mod observe;
 
 use std::cell::RefCell;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use kvroute_common::BlockHash;
@@ -200,6 +201,17 @@ impl Drop for HashBuf {
 /// Errors: an invalid or empty body (400; an inference path without a body is empty), an
 /// unknown model (404), no model for a body-less request (503).
 pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest<'g>, Rejection> {
+    static NEVER: AtomicBool = AtomicBool::new(false);
+    prepare_cancellable(gw, input, &NEVER)
+}
+
+/// [`prepare`] whose tokenization stops once `cancel` is set: a 499 rejection (client closed
+/// request, nginx's code), counted in `epp_tokenizations_cancelled_total`.
+fn prepare_cancellable<'g>(
+    gw: &'g Gateway,
+    input: &DecisionInput<'_>,
+    cancel: &AtomicBool,
+) -> Result<PreparedRequest<'g>, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
     let (model_name, prompt) = match input.body {
@@ -222,7 +234,13 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
     let tokens = match mode {
         RoutingMode::Approximate => Vec::new(),
         RoutingMode::Precise => {
-            tracing::info_span!("epp.tokenize").in_scope(|| model.tokens(&prompt, input.request_id))
+            let tokens = tracing::info_span!("epp.tokenize")
+                .in_scope(|| model.tokens_cancellable(&prompt, input.request_id, cancel));
+            tokens.map_err(|_| {
+                gw.metrics.tokenizations_cancelled.inc();
+                tracing::info!(request_id = input.request_id, "tokenization cancelled: the ext_proc stream ended");
+                Rejection::new(499, "request_cancelled", "the request was abandoned while it was tokenized")
+            })?
         }
     };
     let unmatched_reason = match &prompt {
@@ -248,8 +266,16 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
 
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
 pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
+    static NEVER: AtomicBool = AtomicBool::new(false);
+    decide_cancellable(gw, input, &NEVER)
+}
+
+/// [`decide`] that gives up once `cancel` is set (checked between tokenization chunks): the
+/// request's ext_proc stream ended, so nobody waits for the answer (issue 17: an 8 MB prompt's
+/// tokenization ran on after Envoy gave up).
+pub fn decide_cancellable(gw: &Gateway, input: &DecisionInput<'_>, cancel: &AtomicBool) -> Result<Decision, Rejection> {
     let observer = DecisionObserver::start(&gw.metrics, input.request_id);
-    let prepared = prepare(gw, input)?;
+    let prepared = prepare_cancellable(gw, input, cancel)?;
     observer.received(&prepared);
     let t_route = Instant::now();
     let result = tracing::info_span!("epp.score")

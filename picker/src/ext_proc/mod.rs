@@ -10,7 +10,8 @@
 //! SEND, response body STREAMED, trailers SKIP):
 //! - request headers: remember `:path`, `x-request-id` (else a fresh UUID v4), `traceparent` and
 //!   `tracestate` (the parent of the `epp.decision` span, whose own `traceparent` is set upstream);
-//!   a request without a body (`end_of_stream`) is routed right there by load; otherwise CONTINUE.
+//!   a request without a body (`end_of_stream`) is routed right there by load, holding no
+//!   in-flight slot (no inference work); otherwise CONTINUE (nothing counted until the body).
 //! - request body: accumulated until `end_of_stream` (one message in BUFFERED mode, several also
 //!   accepted), decided exactly once. Over `body_limit_bytes` → 413 at once. A body that has not
 //!   ended `body_timeout` after the headers (a peer that sends headers and then nothing, or part of
@@ -29,6 +30,7 @@ pub mod usage;
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -42,7 +44,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use futures::Stream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming};
 
-use crate::decision::{DecisionInput, Rejection, decide, observe};
+use crate::decision::{DecisionInput, Rejection, decide_cancellable, observe};
 use crate::gateway::Gateway;
 use crate::pool::InFlightSlot;
 use usage::UsageScanner;
@@ -232,6 +234,10 @@ async fn on_request_headers(
     if h.end_of_stream {
         match route_request(gw, st, None).await {
             Routing::Routed { endpoint, trace, .. } => {
+                // A request without a body (`GET /v1/models`) is no inference work: it must not
+                // count in the pod's queue depth, nor hold a slot for as long as its stream stays
+                // open (issue 17: 100 such streams pushed queue depth past maxQueue).
+                st.slot = None;
                 out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
             }
             Routing::Rejected(r) => out.push(*r),
@@ -317,6 +323,20 @@ enum Routing {
     Rejected(Box<ProcessingResponse>),
 }
 
+/// Bodies from this size (bytes) are decided on the blocking pool where an ended stream cancels
+/// their tokenization (≈ 30 ms of CPU per MiB in a release build); smaller ones in place.
+pub const CANCELLABLE_BODY_BYTES: usize = 256 * 1024;
+
+/// Sets its flag when dropped: the decision's future was dropped (its stream ended) before the
+/// decision finished, or the decision finished and nobody reads the flag any more.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Runs [`decide`] once for the request, inside its `epp.decision` span (child of the request's
 /// `traceparent`, if any), keeps the decision's in-flight slot in `st`, and says how to answer.
 ///
@@ -325,7 +345,8 @@ enum Routing {
 /// [`tokio::task::block_in_place`]: the worker's other tasks move to a fresh worker and this thread
 /// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
 /// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
-/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`.
+/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`, as do bodies of
+/// [`CANCELLABLE_BODY_BYTES`] or more, whose tokenization an ended stream cancels (issue 17).
 async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Routing {
     st.decided = true;
     let span = tracing::info_span!(
@@ -339,49 +360,56 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
     );
     kvroute_common::telemetry::extract_parent(&span, &st.trace_headers);
     // The decision inside `span`, recording the pod or the error on it; the trace headers name `span`.
-    let run = move |gw: &Gateway, input: &DecisionInput<'_>| {
+    let run = move |gw: &Gateway, input: &DecisionInput<'_>, cancel: &AtomicBool| {
         let _entered = span.enter();
-        let result = decide(gw, input);
+        let result = decide_cancellable(gw, input, cancel);
         match &result {
             Ok(d) => span.record("pod", d.pod.as_str()),
             Err(_) => span.record("otel.status_code", "ERROR"),
         };
         result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
     };
-    let (body, result) =
-        if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-            let result = {
-                let input = DecisionInput {
-                    request_id: &st.request_id,
-                    path: &st.path,
-                    body: body.as_deref(),
-                    subset: st.subset.as_deref(),
-                    objective: st.objective.as_deref(),
-                };
-                tokio::task::block_in_place(|| run(gw, &input))
+    let multi_thread = tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+    let large = body.as_ref().is_some_and(|b| b.len() >= CANCELLABLE_BODY_BYTES);
+    let (body, result) = if multi_thread && !large {
+        let result = {
+            let input = DecisionInput {
+                request_id: &st.request_id,
+                path: &st.path,
+                body: body.as_deref(),
+                subset: st.subset.as_deref(),
+                objective: st.objective.as_deref(),
             };
-            (body, result)
-        } else {
-            let gw = gw.clone();
-            let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
-            let objective = st.objective.clone();
-            let joined = tokio::task::spawn_blocking(move || {
-                let input = DecisionInput {
-                    request_id: &request_id,
-                    path: &path,
-                    body: body.as_deref(),
-                    subset: subset.as_deref(),
-                    objective: objective.as_deref(),
-                };
-                let result = run(&gw, &input);
-                (body, result)
-            })
-            .await;
-            joined.unwrap_or_else(|e| {
-                let message = format!("routing task failed: {e}");
-                (None, Err(Rejection::new(500, "internal_error", message)))
-            })
+            static NEVER: AtomicBool = AtomicBool::new(false);
+            tokio::task::block_in_place(|| run(gw, &input, &NEVER))
         };
+        (body, result)
+    } else {
+        // On the blocking pool, cancellable: if Envoy ends the stream meanwhile, tonic drops this
+        // future, the guard sets the flag and tokenization stops at its next chunk.
+        let cancel = CancelOnDrop(Arc::new(AtomicBool::new(false)));
+        let flag = cancel.0.clone();
+        let gw = gw.clone();
+        let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
+        let objective = st.objective.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            let input = DecisionInput {
+                request_id: &request_id,
+                path: &path,
+                body: body.as_deref(),
+                subset: subset.as_deref(),
+                objective: objective.as_deref(),
+            };
+            let result = run(&gw, &input, &flag);
+            (body, result)
+        })
+        .await;
+        drop(cancel);
+        joined.unwrap_or_else(|e| {
+            let message = format!("routing task failed: {e}");
+            (None, Err(Rejection::new(500, "internal_error", message)))
+        })
+    };
     match result {
         Ok((decision, trace)) => {
             if let Some(tp) = trace.get("traceparent") {
@@ -410,7 +438,22 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
     reply::response_headers(&st.request_id)
 }
 
+/// The start of the body of Envoy's own 503 when it could not connect to (or lost) the upstream
+/// before its response headers ("upstream connect error or disconnect/reset before headers. reset
+/// reason: connection failure ..."), plain or quoted inside deploy/'s JSON error body.
+pub const UPSTREAM_CONNECT_ERROR: &[u8] = b"upstream connect error or disconnect/reset before headers";
+
 fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> ProcessingResponse {
+    // Envoy's signal that the chosen endpoint is down: mark it at once (issue 17; the agent may
+    // be silent), a probe brings it back when it accepts connections again.
+    if st.response_status == Some(503)
+        && let Some(slot) = &st.slot
+        && b.body.windows(UPSTREAM_CONNECT_ERROR.len()).any(|w| w == UPSTREAM_CONNECT_ERROR)
+    {
+        slot.mark_unreachable();
+        gw.metrics.upstream_connect_failures.inc();
+        tracing::info!(request_id = %st.request_id, pod = slot.pod(), "Envoy could not connect to the routed endpoint");
+    }
     let ok = st.response_status.is_none_or(|s| s < 400);
     if ok && st.slot.is_some() {
         let scanner = st.usage.get_or_insert_with(|| UsageScanner::new(None));

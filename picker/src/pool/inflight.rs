@@ -93,6 +93,13 @@ impl InFlightSlot {
         self.predicted_tokens > u64::from(cached_tokens) + self.block_size
     }
 
+    /// Envoy could not connect to this slot's pod (its local 503 for a connection failure): the
+    /// pod leaves the candidates until a TCP connect to it succeeds
+    /// ([`Pool::probe_unreachable`](super::Pool::probe_unreachable)).
+    pub fn mark_unreachable(&self) {
+        super::mark(&self.rec);
+    }
+
     /// The pod this slot is reserved on.
     pub fn pod(&self) -> &str {
         &self.rec.name

@@ -21,8 +21,8 @@ mod inflight;
 mod writer;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use kvroute_cluster::PoolView;
@@ -45,6 +45,15 @@ pub const DEFAULT_POD_GRACE_TTL_MS: u64 = 10_000;
 /// holding ~30 GB of KV cache at 16 tokens per block is well under this (≈ 8 bytes of index per
 /// block, 16 MB per full pod).
 pub const DEFAULT_MAX_BLOCKS_PER_POD: usize = 2_000_000;
+/// Default of [`PoolConfig::max_report_age_ms`] (and the config's `limits.max_report_age_ms`), in
+/// ms: five of the agent's default 2 s report intervals.
+pub const DEFAULT_MAX_REPORT_AGE_MS: u64 = 10_000;
+/// Health a pod's stats count for once its agent's last report is older than
+/// [`PoolConfig::max_report_age_ms`] (the reported score if lower): a silent agent's figures are
+/// unknown, not perfect (docs/design.md §15).
+pub const STALE_REPORT_HEALTH: f64 = 0.5;
+/// The health reason of a pod whose agent's stats are older than the report-age limit.
+pub const STALE_REPORT_REASON: &str = "agent report stale";
 
 /// Pool settings. The picker builds them from its config file (`PickerConfig::pool`).
 #[derive(Clone, Debug, PartialEq)]
@@ -58,6 +67,10 @@ pub struct PoolConfig {
     /// Cap on blocks (index entries) per pod; stores beyond it are dropped and counted.
     /// Default [`DEFAULT_MAX_BLOCKS_PER_POD`].
     pub max_blocks_per_pod: usize,
+    /// Age, in ms, past which a pod's last stats report counts as unknown: health at most
+    /// [`STALE_REPORT_HEALTH`] (reason [`STALE_REPORT_REASON`]) and every in-flight request in its
+    /// queue depth, until the agent reports again. Default [`DEFAULT_MAX_REPORT_AGE_MS`].
+    pub max_report_age_ms: u64,
 }
 
 impl Default for PoolConfig {
@@ -66,6 +79,7 @@ impl Default for PoolConfig {
             block_size: kvroute_common::DEFAULT_BLOCK_SIZE,
             grace_ttl_ms: DEFAULT_POD_GRACE_TTL_MS,
             max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
+            max_report_age_ms: DEFAULT_MAX_REPORT_AGE_MS,
         }
     }
 }
@@ -126,6 +140,8 @@ pub(crate) struct PodStatus {
     pub(crate) block_size: u32,
     /// Latest stats; `None` until the first report (the pod is then not ready).
     pub(crate) stats: Option<PodStats>,
+    /// When `stats` arrived (monotonic, the picker's clock), for the report-age limit.
+    pub(crate) stats_at: Option<Instant>,
     pub(crate) connected: bool,
     /// When the agent stream ended (monotonic), if disconnected.
     pub(crate) disconnected_at: Option<Instant>,
@@ -176,6 +192,9 @@ pub(crate) struct PodRecord {
     pub(crate) status: ArcSwap<PodStatus>,
     pub(crate) inflight: InFlight,
     pub(crate) blocks: AtomicU64,
+    /// Envoy reported a connection failure to the endpoint ([`InFlightSlot::mark_unreachable`]):
+    /// not a candidate until a TCP connect to it succeeds ([`Pool::probe_unreachable`]).
+    pub(crate) unreachable: AtomicBool,
 }
 
 /// The published list of live pods, with each pod's status as of this publication and the pods
@@ -242,6 +261,12 @@ pub struct PodView {
     pub queue_depth: u32,
     /// Requests the picker routed to the pod and has not seen finish.
     pub in_flight: u32,
+    /// Envoy could not connect to the pod's endpoint and no probe has succeeded since (not a
+    /// candidate meanwhile).
+    pub unreachable: bool,
+    /// The agent's last stats are older than the report-age limit (health capped, see
+    /// [`STALE_REPORT_HEALTH`]).
+    pub report_stale: bool,
     /// GPU utilization in [0,1] (max over the pod's GPUs).
     pub gpu_utilization: f64,
     /// vLLM KV-cache usage in [0,1].
@@ -261,12 +286,37 @@ pub(crate) fn now_unix_ms() -> i64 {
 
 impl PodRecord {
     /// docs/design.md §4 queueDepth: reported waiting + in-flight routed at/after the report's timestamp.
-    /// Without a report, every in-flight request counts.
-    pub(crate) fn queue_depth(&self, status: &PodStatus) -> u32 {
+    /// Without a report, every in-flight request counts; with a stale one (`stale`, see
+    /// [`PodStatus::report_stale`]) too, on top of the last reported waiting count.
+    pub(crate) fn queue_depth(&self, status: &PodStatus, stale: bool) -> u32 {
         match &status.stats {
+            Some(s) if stale => s.num_requests_waiting.saturating_add(self.inflight.len()),
             Some(s) => s.num_requests_waiting.saturating_add(self.inflight.since(s.observed_at_unix_ms)),
             None => self.inflight.len(),
         }
+    }
+
+    /// Whether Envoy's last connection attempt to the pod failed (and no probe succeeded since).
+    pub(crate) fn is_unreachable(&self) -> bool {
+        self.unreachable.load(Ordering::Acquire)
+    }
+}
+
+impl PodStatus {
+    /// Whether the pod has stats older than `max_age` (its agent went silent: SIGSTOPped,
+    /// partitioned, wedged) at `now`.
+    pub(crate) fn report_stale(&self, now: Instant, max_age: Duration) -> bool {
+        self.stats.is_some() && self.stats_at.is_some_and(|t| now.saturating_duration_since(t) > max_age)
+    }
+
+    /// Health score and reason as scoring counts them: the reported ones, or with a stale report
+    /// at most [`STALE_REPORT_HEALTH`] with [`STALE_REPORT_REASON`]. `None` without stats.
+    pub(crate) fn effective_health(&self, stale: bool) -> Option<(f64, &str)> {
+        let s = self.stats.as_ref()?;
+        if stale && s.health_score >= STALE_REPORT_HEALTH {
+            return Some((STALE_REPORT_HEALTH, STALE_REPORT_REASON));
+        }
+        Some((s.health_score, s.health_reason.as_str()))
     }
 }
 
@@ -346,12 +396,20 @@ impl Pool {
     /// Every live pod (allocates; for metrics and explain, not the hot path).
     pub fn pods(&self) -> Vec<PodView> {
         let table = self.table.load();
+        let (now, max_age) = (Instant::now(), self.report_max_age());
         table
             .pods
             .iter()
             .map(|rec| {
                 let st = rec.status.load();
-                let stats = st.stats.clone().unwrap_or_default();
+                let stale = st.report_stale(now, max_age);
+                let mut stats = st.stats.clone().unwrap_or_default();
+                if let Some((score, reason)) = st.effective_health(stale) {
+                    stats.health_score = score;
+                    if stale {
+                        stats.health_reason = reason.to_owned();
+                    }
+                }
                 PodView {
                     name: rec.name.to_string(),
                     endpoint: st.endpoint.to_string(),
@@ -360,8 +418,10 @@ impl Pool {
                     ready: st.stats.as_ref().is_some_and(|s| s.ready),
                     health_score: stats.health_score,
                     health_reason: stats.health_reason,
-                    queue_depth: rec.queue_depth(&st),
+                    queue_depth: rec.queue_depth(&st, stale),
                     in_flight: rec.inflight.len(),
+                    unreachable: rec.is_unreachable(),
+                    report_stale: stale,
                     gpu_utilization: stats.gpu_utilization,
                     kv_cache_usage: stats.kv_cache_usage,
                     running_adapters: stats.running_adapters,
@@ -370,6 +430,49 @@ impl Pool {
                 }
             })
             .collect()
+    }
+
+    /// The report-age limit ([`PoolConfig::max_report_age_ms`]).
+    pub(crate) fn report_max_age(&self) -> Duration {
+        Duration::from_millis(self.config.max_report_age_ms)
+    }
+
+    /// Marks pod `name` unreachable (Envoy could not connect to it): it leaves the candidates until
+    /// [`Pool::probe_unreachable`] connects to it. Returns false for an unknown pod.
+    pub fn mark_unreachable(&self, name: &str) -> bool {
+        let table = self.table.load();
+        match table.pods.iter().find(|r| &*r.name == name) {
+            Some(rec) => {
+                mark(rec);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One probe round: tries a TCP connect (bounded by `timeout`) to every pod marked
+    /// unreachable, concurrently, and clears the mark of each that accepts. Returns how many
+    /// pods were marked before the round.
+    pub async fn probe_unreachable(&self, timeout: Duration) -> usize {
+        let marked: Vec<(Arc<PodRecord>, Arc<str>)> = {
+            let table = self.table.load();
+            table
+                .pods
+                .iter()
+                .zip(&table.status)
+                .filter(|(r, _)| r.is_unreachable())
+                .map(|(r, s)| (r.clone(), s.endpoint.clone()))
+                .collect()
+        };
+        let n = marked.len();
+        let probes = marked.into_iter().map(|(rec, endpoint)| async move {
+            let connected = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&*endpoint)).await;
+            if matches!(connected, Ok(Ok(_))) && rec.unreachable.swap(false, Ordering::AcqRel) {
+                tracing::info!(pod = %rec.name, %endpoint, "endpoint accepts connections again: a candidate again");
+            }
+        });
+        futures::future::join_all(probes).await;
+        n
     }
 
     /// Size of the prefix index as last published.
@@ -382,6 +485,13 @@ impl Pool {
     /// Never hold it across an await.
     pub(crate) fn lock_selection(&self) -> Selection<'_> {
         Selection { pool: self, _guard: self.select_lock.lock() }
+    }
+}
+
+/// Marks `rec` unreachable, logging the first mark.
+pub(crate) fn mark(rec: &PodRecord) {
+    if !rec.unreachable.swap(true, Ordering::AcqRel) {
+        tracing::warn!(pod = %rec.name, "Envoy could not connect to the endpoint: not a candidate until it accepts connections");
     }
 }
 

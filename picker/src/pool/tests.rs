@@ -210,3 +210,48 @@ async fn expired_agent_state_of_a_member_is_dropped_but_the_member_stays() {
     assert_eq!((pods[0].blocks, pods[0].connected, pods[0].ready), (0, false, false));
     assert_eq!(pool.agent_coverage(), Some((0.0, 1)));
 }
+
+#[tokio::test]
+async fn a_silent_agents_stats_count_as_unknown_after_the_report_age() {
+    let pool = Pool::new(PoolConfig { max_report_age_ms: 200, ..PoolConfig::default() });
+    let mut s = stats(0.0, 1, 1.0);
+    s.observed_at_unix_ms = now_unix_ms() - 60_000;
+    put(&pool, "a", "m", s.clone(), &[]).await;
+    let rec = pool.table.load().pods[0].clone();
+    rec.inflight.reserve(now_unix_ms() - 120_000, 1); // before the report: counted by the engine
+    let fresh = &pool.pods()[0];
+    assert_eq!((fresh.health_score, fresh.queue_depth, fresh.report_stale), (1.0, 1, false));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stale = &pool.pods()[0];
+    assert!(stale.report_stale);
+    assert_eq!(stale.health_score, super::STALE_REPORT_HEALTH, "a silent agent's pod is not perfectly healthy");
+    assert_eq!(stale.health_reason, super::STALE_REPORT_REASON);
+    assert_eq!(stale.queue_depth, 2, "every in-flight request counts once the report is stale");
+    // A report (even with the same figures) makes it fresh again.
+    put(&pool, "a", "m", s, &[]).await;
+    let back = &pool.pods()[0];
+    assert_eq!((back.health_score, back.queue_depth, back.report_stale), (1.0, 1, false));
+}
+
+#[tokio::test]
+async fn an_unreachable_pod_returns_when_its_endpoint_accepts_connections() {
+    let pool = small();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut i = info("a", "m");
+    i.endpoint = addr.to_string();
+    let u = PoolUpdate::Snapshot { stream: 1, info: i, seq: 0, stats: Some(stats(0.0, 0, 1.0)), blocks: vec![] };
+    assert!(pool.update(u).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    assert!(!pool.mark_unreachable("nobody"));
+    assert!(pool.mark_unreachable("a"));
+    assert!(pool.pods()[0].unreachable);
+    drop(listener);
+    // Nothing listens: the mark stays.
+    assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 1);
+    assert!(pool.pods()[0].unreachable);
+    let _listener = std::net::TcpListener::bind(addr).unwrap();
+    assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 1);
+    assert!(!pool.pods()[0].unreachable, "a successful connect clears the mark");
+    assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 0);
+}

@@ -221,6 +221,7 @@ impl Writer {
             model: info.model.clone(),
             block_size: info.block_size,
             stats: None,
+            stats_at: None,
             connected: true,
             disconnected_at: None,
             seq: 0,
@@ -239,6 +240,7 @@ impl Writer {
             status: ArcSwap::from_pointee(status.clone()),
             inflight: InFlight::default(),
             blocks: Default::default(),
+            unreachable: Default::default(),
         });
         let i = idx.as_usize();
         if i >= self.pods.len() {
@@ -314,6 +316,7 @@ impl Writer {
                 model: String::new(),
                 block_size: 0,
                 stats: None,
+                stats_at: None,
                 connected: false,
                 disconnected_at: None,
                 seq: 0,
@@ -342,6 +345,7 @@ impl Writer {
         if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut) {
             if stats.is_some() {
                 p.status.stats = stats;
+                p.status.stats_at = Some(Instant::now());
             }
             p.status.seq = seq;
             p.dirty = true;
@@ -410,6 +414,7 @@ impl Writer {
                 // Still in the pool: forget what the agent said, keep routing it by load.
                 info!(pod = %p.rec.name, "grace period over: agent state dropped, pod routed by load");
                 p.status.stats = None;
+                p.status.stats_at = None;
                 p.status.disconnected_at = None;
                 p.status.seq = 0;
                 p.dirty = true;

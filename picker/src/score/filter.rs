@@ -16,9 +16,18 @@ pub(crate) enum Exclusion {
     PodNotReady,
     NotReady,
     GraceExpired,
-    Unhealthy { score: f64, threshold: f64, reason: String },
+    Unhealthy {
+        score: f64,
+        threshold: f64,
+        reason: String,
+    },
     NotInSubset,
-    QueueFull { depth: u32, max: u32 },
+    /// Envoy could not connect to the endpoint; no probe has connected since.
+    Unreachable,
+    QueueFull {
+        depth: u32,
+        max: u32,
+    },
 }
 
 impl fmt::Display for Exclusion {
@@ -35,17 +44,20 @@ impl fmt::Display for Exclusion {
                 write!(f, "health {score:.2} below threshold {threshold:.2} ({reason})")
             }
             Exclusion::NotInSubset => write!(f, "endpoint not in Envoy's subset hint"),
+            Exclusion::Unreachable => write!(f, "Envoy could not connect to the endpoint (probing until it accepts)"),
             Exclusion::QueueFull { depth, max } => write!(f, "queue {depth} at or above max {max} (spilled)"),
         }
     }
 }
 
 /// The static reason `status` is not a candidate, if any. Assumes the model already matched.
+/// `max_report_age`: past it the reported health counts as at most
+/// [`STALE_REPORT_HEALTH`](crate::pool::STALE_REPORT_HEALTH).
 pub(crate) fn exclusion(
     status: &PodStatus,
     subset: Option<&[String]>,
     health_threshold: f64,
-    grace: Duration,
+    (grace, max_report_age): (Duration, Duration),
     now: Instant,
 ) -> Option<Exclusion> {
     let stats = match (&status.stats, status.member) {
@@ -63,13 +75,12 @@ pub(crate) fn exclusion(
     {
         return Some(Exclusion::GraceExpired);
     }
+    let (score, reason) = status
+        .effective_health(status.report_stale(now, max_report_age))
+        .unwrap_or((stats.health_score, stats.health_reason.as_str()));
     // NaN health counts as unhealthy.
-    if stats.health_score.is_nan() || stats.health_score < health_threshold {
-        return Some(Exclusion::Unhealthy {
-            score: stats.health_score,
-            threshold: health_threshold,
-            reason: stats.health_reason.clone(),
-        });
+    if score.is_nan() || score < health_threshold {
+        return Some(Exclusion::Unhealthy { score, threshold: health_threshold, reason: reason.to_owned() });
     }
     subset_exclusion(status, subset)
 }

@@ -302,7 +302,7 @@ impl Router {
         matches: Option<&dyn PrefixMatches>,
     ) -> usize {
         self.pool.index.load().match_prefix(req.block_hashes, &mut sc.walk);
-        let grace = Duration::from_millis(self.pool.config().grace_ttl_ms);
+        let limits = (Duration::from_millis(self.pool.config().grace_ttl_ms), self.pool.report_max_age());
         let now = Instant::now();
         // Pods of the pool whose agent has not reported yet serve no known model: candidates for
         // every model, by load (docs/design.md §14).
@@ -311,7 +311,12 @@ impl Router {
             if req.model.is_empty() { &[][..] } else { table.by_model.get("").map_or(&[][..], Vec::as_slice) };
         for &i in model_pods.iter().chain(unreported) {
             let (rec, status) = (&table.pods[i as usize], &table.status[i as usize]);
-            match filter::exclusion(status, req.subset, self.config.health_exclusion_threshold, grace, now) {
+            let why = if rec.is_unreachable() {
+                Some(Exclusion::Unreachable)
+            } else {
+                filter::exclusion(status, req.subset, self.config.health_exclusion_threshold, limits, now)
+            };
+            match why {
                 Some(why) => sc.excluded.push((i, why)),
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
@@ -333,8 +338,10 @@ impl Router {
         total_blocks: u32,
         tick: u64,
     ) -> Result<Option<usize>, RouteError> {
+        let (now, max_age) = (Instant::now(), self.pool.report_max_age());
         for row in &mut sc.rows {
-            row.depth = table.pods[row.pod as usize].queue_depth(&table.status[row.pod as usize]);
+            let status = &table.status[row.pod as usize];
+            row.depth = table.pods[row.pod as usize].queue_depth(status, status.report_stale(now, max_age));
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -361,14 +368,17 @@ impl Router {
             // Without a report, a Ready pod of the pool counts as idle and healthy (Kubernetes
             // says Ready); its in-flight count is its queue depth (docs/design.md §14).
             let (idle, healthy) = if status.member == Membership::PoolReady { (0.0, 1.0) } else { (1.0, 0.0) };
+            // A report older than the report-age limit is unknown, not perfect (docs/design.md §15).
+            let (health_score, health_reason) =
+                status.effective_health(status.report_stale(now, max_age)).unwrap_or((healthy, ""));
             PodFacts {
                 name: &table.pods[r.pod as usize].name,
                 endpoint: &status.endpoint,
                 matched_blocks: r.matched,
                 gpu_utilization: stats.map_or(idle, |s| s.gpu_utilization),
                 queue_depth: r.depth,
-                health_score: stats.map_or(healthy, |s| s.health_score),
-                health_reason: stats.map_or("", |s| s.health_reason.as_str()),
+                health_score,
+                health_reason,
                 kv_cache_usage: stats.map_or(0.0, |s| s.kv_cache_usage),
                 running_adapters: stats.map_or(&[], |s| s.running_adapters.as_slice()),
                 cost_per_hour: status.cost_per_hour,

@@ -364,3 +364,30 @@ async fn pool_members_route_by_load_before_reports_and_unready_ones_never() {
     assert!(r.route(&req(&[])).is_err());
     drop((d, d2));
 }
+
+#[tokio::test]
+async fn an_unreachable_pod_is_not_a_candidate_and_a_stale_one_loses_its_perfect_health() {
+    let pool = Pool::new(PoolConfig { max_report_age_ms: 100, ..PoolConfig::default() });
+    let r = Router::new(pool.clone(), ScoringConfig::default()).unwrap();
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
+    put(&pool, "b", "m", stats(0.0, 0, 1.0), &[]).await;
+    assert!(pool.mark_unreachable("a"));
+    for _ in 0..20 {
+        assert_eq!(r.route(&req(&[])).unwrap().pod, "b", "an unreachable pod is never chosen");
+    }
+    let e = r.explain(&req(&[]));
+    assert!(e.excluded.iter().any(|(p, why)| p == "a" && why.contains("could not connect")), "{:?}", e.excluded);
+    // Both unreachable: no candidate (503), not the dead endpoint.
+    assert!(pool.mark_unreachable("b"));
+    assert!(matches!(r.route(&req(&[])), Err(RouteError::NoCandidate { .. })));
+
+    let pool = Pool::new(PoolConfig { max_report_age_ms: 100, ..PoolConfig::default() });
+    let r = Router::new(pool.clone(), ScoringConfig::default()).unwrap();
+    put(&pool, "silent", "m", stats(0.0, 0, 1.0), &[]).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    put(&pool, "talking", "m", stats(0.0, 0, 0.9), &[]).await;
+    let e = r.explain(&req(&[]));
+    let silent = e.candidates.iter().find(|c| &*c.pod == "silent").unwrap();
+    assert_eq!(silent.health, crate::pool::STALE_REPORT_HEALTH);
+    assert_eq!(e.choice.as_deref(), Some("talking"), "the pod whose agent reports wins on health");
+}

@@ -57,6 +57,12 @@ pub struct FleetSpec {
     /// `kvroute-noop-ext-proc` (the picker's reply shapes, a fixed destination: the first engine),
     /// the floor under the picker's added latency.
     pub noop_ext_proc_gateway: bool,
+    /// Picker replicas (each with its own ports, the same pool file; every agent streams to all
+    /// of them, Envoy's picker cluster lists all of them). Default 1.
+    pub picker_replicas: usize,
+    /// Top-level keys set in every picker replica's config file, e.g.
+    /// `{"limits": {"max_report_age_ms": 1500}, "shutdown_drain_ms": 1000}`.
+    pub picker_overrides: Option<Value>,
 }
 
 impl Default for FleetSpec {
@@ -80,6 +86,8 @@ impl Default for FleetSpec {
             picker_approximate: false,
             extra_gateway_configs: Vec::new(),
             noop_ext_proc_gateway: false,
+            picker_replicas: 1,
+            picker_overrides: None,
         }
     }
 }
@@ -135,13 +143,18 @@ pub struct Fleet {
     pub least_request_gateway: Option<String>,
     /// `http://127.0.0.1:<port>` of the Envoy + no-op ext_proc gateway, if started.
     pub noop_gateway: Option<String>,
-    /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
+    /// `http://127.0.0.1:<port>` of the (first) picker's admin server (/metrics).
     pub picker_admin: String,
+    /// The admin server of every picker replica, in order (`picker_admins[0] == picker_admin`).
+    pub picker_admins: Vec<String>,
     /// `http://127.0.0.1:<port>` of each agent's own `/metrics`, in agent order.
     pub agent_admins: Vec<String>,
     agents: Vec<ManagedProcess>,
-    picker_args: Vec<String>,
-    picker: ManagedProcess,
+    agent_args: Vec<Vec<String>>,
+    /// Per replica: its command-line arguments.
+    picker_args: Vec<Vec<String>>,
+    /// Per replica; `None` while stopped by the test.
+    pickers: Vec<Option<ManagedProcess>>,
     envoys: Vec<ManagedProcess>,
     noop_ext_proc: Option<ManagedProcess>,
     http: reqwest::Client,
@@ -179,37 +192,45 @@ impl Fleet {
         std::fs::write(&ca_file, ca.cert_pem())?;
         let picker_tls = tls::write(&pki, "picker", &ca.picker()?)?;
 
-        let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
         // File mode (docs/design.md §14): the pool file is the picker's only source of endpoints.
         write_yaml(
             &work.join(POOL_FILE),
             &pool_file(spec.engines_per_agent, engines.iter().enumerate().map(|(i, e)| (i, e, true))),
         )?;
-        let picker_cfg = work.join("picker.yaml");
-        let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
-        picker_yaml["ingest_tls"] = json!({
-            "ca_file": path_arg(&ca_file), "cert_file": path_arg(&picker_tls.cert), "key_file": path_arg(&picker_tls.key),
-        });
-        write_yaml(&picker_cfg, &picker_yaml)?;
-        let picker_args =
-            vec!["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()];
-        let picker = ManagedProcess::spawn(
-            "picker",
-            &paths::binary("kvroute-picker")?,
-            &picker_args,
-            &work,
-            "READY",
-            READY_TIMEOUT,
-        )
-        .await?;
+        let (mut ext_proc_ports, mut ingest_ports, mut picker_admins) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut pickers, mut picker_args) = (Vec::new(), Vec::new());
+        for r in 0..spec.picker_replicas.max(1) {
+            let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+            let picker_cfg = work.join(if r == 0 { "picker.yaml".to_owned() } else { format!("picker-{r}.yaml") });
+            let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
+            picker_yaml["ingest_tls"] = json!({
+                "ca_file": path_arg(&ca_file), "cert_file": path_arg(&picker_tls.cert), "key_file": path_arg(&picker_tls.key),
+            });
+            if let Some(Value::Object(overrides)) = &spec.picker_overrides {
+                for (k, v) in overrides {
+                    picker_yaml[k] = v.clone();
+                }
+            }
+            write_yaml(&picker_cfg, &picker_yaml)?;
+            let args =
+                vec!["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()];
+            let name = if r == 0 { "picker".to_owned() } else { format!("picker-{r}") };
+            let bin = paths::binary("kvroute-picker")?;
+            pickers.push(Some(ManagedProcess::spawn(&name, &bin, &args, &work, "READY", READY_TIMEOUT).await?));
+            picker_args.push(args);
+            ext_proc_ports.push(ext_proc_port);
+            ingest_ports.push(ingest_port);
+            picker_admins.push(format!("http://127.0.0.1:{admin_port}"));
+        }
 
         let mut agents = Vec::new();
+        let mut agent_args = Vec::new();
         let mut agent_admins = Vec::new();
         for (a, chunk) in engines.chunks(spec.engines_per_agent.max(1)).enumerate() {
             let cfg_path = work.join(format!("agent-{a}.yaml"));
             let metrics_port = free_port()?;
             agent_admins.push(format!("http://127.0.0.1:{metrics_port}"));
-            let mut agent_yaml = agent_config(&spec, a, chunk, ingest_port, metrics_port);
+            let mut agent_yaml = agent_config(&spec, a, chunk, &ingest_ports, metrics_port);
             let node_tls = tls::write(&pki, &format!("node-{a}"), &ca.agent(&format!("node-{a}"))?)?;
             agent_yaml["picker_tls"] = json!({
                 "ca_file": path_arg(&ca_file), "cert_file": path_arg(&node_tls.cert), "key_file": path_arg(&node_tls.key),
@@ -228,13 +249,14 @@ impl Fleet {
                 ManagedProcess::spawn(&name, &paths::binary("kvroute-agent")?, &args, &work, "READY", READY_TIMEOUT)
                     .await?,
             );
+            agent_args.push(args);
         }
 
         let envoy_bin = paths::envoy()?;
         let gateway_port = free_port()?;
         let envoy_cfg = work.join("envoy.yaml");
         let deploy_cfg = paths::repo_root().join("deploy/envoy/envoy.yaml");
-        write_yaml(&envoy_cfg, &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, ext_proc_port)?)?;
+        write_yaml(&envoy_cfg, &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, &ext_proc_ports)?)?;
         let mut envoys = vec![start_envoy("envoy", &envoy_bin, &envoy_cfg, &work)?];
         let mut admin_urls = vec![admin_url_of(&envoy_cfg)?];
         let mut extra_gateways = Vec::new();
@@ -243,7 +265,7 @@ impl Fleet {
             let cfg = work.join(format!("envoy-extra-{i}.yaml"));
             write_yaml(
                 &cfg,
-                &kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, ext_proc_port)?,
+                &kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, &ext_proc_ports)?,
             )?;
             envoys.push(start_envoy(&format!("envoy-extra-{i}"), &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
@@ -258,7 +280,7 @@ impl Fleet {
             noop_ext_proc =
                 Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
             let cfg = work.join("envoy-noop-ext-proc.yaml");
-            write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, noop_port)?)?;
+            write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, &[noop_port])?)?;
             envoys.push(start_envoy("envoy-noop-ext-proc", &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
             noop_gateway = Some(format!("http://127.0.0.1:{port}"));
@@ -293,11 +315,13 @@ impl Fleet {
             extra_gateways,
             least_request_gateway,
             noop_gateway,
-            picker_admin: format!("http://127.0.0.1:{admin_port}"),
+            picker_admin: picker_admins[0].clone(),
+            picker_admins,
             agent_admins,
             agents,
+            agent_args,
             picker_args,
-            picker,
+            pickers,
             envoys,
             noop_ext_proc,
             http,
@@ -334,7 +358,7 @@ impl Fleet {
             if Instant::now() > deadline {
                 bail!(
                     "picker did not learn pods {missing:?} within {timeout:?}; picker log:\n{}\nagent log:\n{}",
-                    self.picker.log_tail(20),
+                    self.picker_log_tail(20),
                     self.agents.first().map(|a| a.log_tail(20)).unwrap_or_default()
                 );
             }
@@ -405,16 +429,69 @@ impl Fleet {
     /// Kills the picker and starts it again with the same config and ports (empty index; the
     /// agents reconnect and resend snapshots). Returns once it printed READY.
     pub async fn restart_picker(&mut self) -> Result<()> {
-        self.picker.kill().await;
-        self.picker = ManagedProcess::spawn(
-            "picker-restarted",
+        self.stop_picker(0, false).await?;
+        self.start_picker(0).await
+    }
+
+    /// Stops picker replica `r`: SIGKILL, or with `graceful` SIGTERM and a wait for its exit
+    /// (drain: NOT_SERVING first, open streams finish).
+    pub async fn stop_picker(&mut self, r: usize, graceful: bool) -> Result<()> {
+        let Some(mut p) = self.pickers.get_mut(r).and_then(Option::take) else { return Ok(()) };
+        if graceful {
+            if let Some(pid) = p.pid() {
+                signal(pid, "TERM")?;
+            }
+            if tokio::time::timeout(Duration::from_secs(15), p.wait()).await.is_err() {
+                bail!("picker {r} did not exit within 15 s of SIGTERM; log:\n{}", p.log_tail(20));
+            }
+        } else {
+            p.kill().await;
+        }
+        Ok(())
+    }
+
+    /// Starts picker replica `r` again with its config and ports; returns once it printed READY.
+    pub async fn start_picker(&mut self, r: usize) -> Result<()> {
+        let args = self.picker_args.get(r).context("no such picker replica")?.clone();
+        let p = ManagedProcess::spawn(
+            &format!("picker-{r}-restarted"),
             &paths::binary("kvroute-picker")?,
-            &self.picker_args,
+            &args,
             &self.work,
             "READY",
             READY_TIMEOUT,
         )
         .await?;
+        if let Some(slot) = self.pickers.get_mut(r) {
+            *slot = Some(p);
+        }
+        Ok(())
+    }
+
+    /// Sends `sig` (`STOP`, `CONT`, `TERM`, ...) to agent `a`.
+    pub fn signal_agent(&self, a: usize, sig: &str) -> Result<()> {
+        signal(self.agent_pid(a).context("agent not running")?, sig)
+    }
+
+    /// Kills agent `a` (SIGKILL) and starts it again with the same config; returns once it
+    /// printed READY.
+    pub async fn restart_agent(&mut self, a: usize) -> Result<()> {
+        let args = self.agent_args.get(a).context("no such agent")?.clone();
+        if let Some(p) = self.agents.get_mut(a) {
+            p.kill().await;
+        }
+        let p = ManagedProcess::spawn(
+            &format!("agent-{a}-restarted"),
+            &paths::binary("kvroute-agent")?,
+            &args,
+            &self.work,
+            "READY",
+            READY_TIMEOUT,
+        )
+        .await?;
+        if let Some(slot) = self.agents.get_mut(a) {
+            *slot = p;
+        }
         Ok(())
     }
 
@@ -457,9 +534,9 @@ impl Fleet {
         Ok(())
     }
 
-    /// The tail of the picker's log, for failure messages.
+    /// The tail of the (first) picker's log, for failure messages.
     pub fn picker_log_tail(&self, n: usize) -> String {
-        self.picker.log_tail(n)
+        self.pickers.iter().flatten().next().map(|p| p.log_tail(n)).unwrap_or_default()
     }
 
     /// Kills everything (also done on drop).
@@ -467,7 +544,9 @@ impl Fleet {
         for p in self.envoys.iter_mut().chain(self.agents.iter_mut()) {
             p.kill().await;
         }
-        self.picker.kill().await;
+        for p in self.pickers.iter_mut().flatten() {
+            p.kill().await;
+        }
         if let Some(mut p) = self.noop_ext_proc.take() {
             p.kill().await;
         }
@@ -549,7 +628,7 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
     })
 }
 
-fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16, metrics_port: u16) -> Value {
+fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: &[u16], metrics_port: u16) -> Value {
     let engines: Vec<Value> = engines
         .iter()
         .enumerate()
@@ -567,7 +646,7 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16,
         .collect();
     json!({
         "node_name": format!("node-{index}"),
-        "pickers": [format!("https://127.0.0.1:{ingest}")],
+        "pickers": ingest.iter().map(|p| format!("https://127.0.0.1:{p}")).collect::<Vec<_>>(),
         "metrics_addr": format!("127.0.0.1:{metrics_port}"),
         "report_interval_ms": spec.report_interval_ms,
         "engines": engines,
@@ -576,13 +655,25 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16,
 
 /// A kvroute Envoy config (`deploy/envoy/envoy.yaml` or a variant) with the fleet's ports:
 /// listener, admin, picker cluster.
-fn kvroute_envoy_config(path: &Path, listener: u16, admin: u16, picker: u16) -> Result<Value> {
+fn kvroute_envoy_config(path: &Path, listener: u16, admin: u16, pickers: &[u16]) -> Result<Value> {
     let mut cfg = read_yaml(path)?;
     set_listener_and_admin(&mut cfg, listener, admin)?;
     let cluster = cluster_mut(&mut cfg, "kvroute_picker")?;
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] =
-        json!({"address": "127.0.0.1", "port_value": picker});
+    let endpoints: Vec<Value> = pickers
+        .iter()
+        .map(|p| json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}))
+        .collect();
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
     Ok(cfg)
+}
+
+/// `kill -s <sig> <pid>`.
+fn signal(pid: u32, sig: &str) -> Result<()> {
+    let status = std::process::Command::new("kill").args(["-s", sig, &pid.to_string()]).status()?;
+    if !status.success() {
+        bail!("kill -s {sig} {pid} failed: {status}");
+    }
+    Ok(())
 }
 
 /// `deploy/envoy/<name>.yaml` (a baseline without kvroute, its pods in `cluster`) with the fleet's

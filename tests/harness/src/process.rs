@@ -82,6 +82,11 @@ impl ManagedProcess {
         let _ = self.child.kill().await;
     }
 
+    /// Waits for the process to exit on its own.
+    pub async fn wait(&mut self) {
+        let _ = self.child.wait().await;
+    }
+
     /// OS process id, if still running.
     pub fn pid(&self) -> Option<u32> {
         self.child.id()
