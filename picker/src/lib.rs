@@ -19,6 +19,7 @@ pub mod ext_proc;
 pub mod gateway;
 pub mod ingest;
 pub mod model;
+pub mod pending;
 pub mod pool;
 pub mod score;
 pub mod server;

@@ -73,6 +73,8 @@ pub struct InFlightSlot {
     /// Predicted cached prompt tokens (matched blocks × block size).
     pub(super) predicted_tokens: u64,
     pub(super) block_size: u64,
+    /// Runs once when the slot is released (the replica stream's request end).
+    pub(super) on_release: Option<Box<dyn FnOnce() + Send + Sync>>,
 }
 
 impl fmt::Debug for InFlightSlot {
@@ -97,11 +99,19 @@ impl InFlightSlot {
     pub fn pod(&self) -> &str {
         &self.rec.name
     }
+
+    /// Runs `f` once when the slot is released (replaces an earlier hook).
+    pub(crate) fn on_release(&mut self, f: Box<dyn FnOnce() + Send + Sync>) {
+        self.on_release = Some(f);
+    }
 }
 
 impl Drop for InFlightSlot {
     fn drop(&mut self) {
         self.rec.inflight.release(self.routed_ms, self.id);
+        if let Some(f) = self.on_release.take() {
+            f();
+        }
     }
 }
 

@@ -322,12 +322,18 @@ pub(crate) struct Selection<'a> {
 }
 
 impl Selection<'_> {
-    /// Reserves an in-flight slot on `rec` (whose published status is `status`) routed now,
-    /// predicting `matched_blocks` cached blocks, and releases the lock.
-    pub(crate) fn reserve(self, rec: &Arc<PodRecord>, status: &PodStatus, matched_blocks: u32) -> InFlightSlot {
+    /// Reserves an in-flight slot on `rec` (whose published status is `status`) routed at
+    /// `routed_ms` (ms since the Unix epoch, the router's clock), predicting `matched_blocks`
+    /// cached blocks, and releases the lock.
+    pub(crate) fn reserve(
+        self,
+        rec: &Arc<PodRecord>,
+        status: &PodStatus,
+        matched_blocks: u32,
+        routed_ms: i64,
+    ) -> InFlightSlot {
         let Selection { pool, _guard: guard } = self;
         let id = pool.next_slot.fetch_add(1, Ordering::Relaxed);
-        let routed_ms = now_unix_ms();
         rec.inflight.reserve(routed_ms, id);
         drop(guard);
         let block_size = match status.block_size {
@@ -340,6 +346,7 @@ impl Selection<'_> {
             routed_ms,
             predicted_tokens: u64::from(matched_blocks) * block_size,
             block_size,
+            on_release: None,
         }
     }
 }

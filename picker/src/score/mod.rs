@@ -38,6 +38,7 @@ pub use router::{ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::pending::{DEFAULT_PENDING_MAX_BLOCKS, DEFAULT_PENDING_TTL_MS};
 use crate::pool::InFlightSlot;
 
 /// Factor weights (docs/design.md §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
@@ -106,6 +107,13 @@ pub struct ScoringConfig {
     pub seed: u64,
     /// Custom scorers from config, each with its weight (docs/design.md §4). Default none.
     pub custom: Vec<CustomScorerConfig>,
+    /// How long a routed chain counts as cached on the chosen pod before its KV events confirm
+    /// it, ms (docs/design.md §3 "Pending entries"); 0 turns pending entries off. Default
+    /// [`DEFAULT_PENDING_TTL_MS`] (2000).
+    pub pending_ttl_ms: u64,
+    /// Most (block, pod) pending entries kept; the oldest chains go first beyond it. Default
+    /// [`DEFAULT_PENDING_MAX_BLOCKS`] (1 048 576).
+    pub pending_max_blocks: usize,
 }
 
 /// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
@@ -162,6 +170,8 @@ impl Default for ScoringConfig {
             shed_when_saturated: false,
             seed: 0,
             custom: Vec::new(),
+            pending_ttl_ms: DEFAULT_PENDING_TTL_MS,
+            pending_max_blocks: DEFAULT_PENDING_MAX_BLOCKS,
         }
     }
 }
@@ -316,8 +326,10 @@ pub struct Decision {
     pub score: f64,
     /// Its cacheMatchRatio in [0,1].
     pub match_ratio: f64,
-    /// Consecutive blocks from the start it holds.
+    /// Consecutive blocks from the start it holds (indexed or pending).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those credited only because they were pending (docs/design.md §3).
+    pub pending_blocks: u32,
     /// Full blocks in the request.
     pub total_blocks: u32,
     /// Candidates scored (after filters and spill).
@@ -351,8 +363,10 @@ pub struct CandidateScore {
     /// Custom scorers' factors `(name, factor)` in registration order (empty without any).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub custom: Vec<(&'static str, f64)>,
-    /// Consecutive matched blocks from the start.
+    /// Consecutive matched blocks from the start (indexed or pending).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those only pending (routed here, not yet confirmed by KV events).
+    pub pending_blocks: u32,
 }
 
 /// What [`Router::explain`] returns: the same computation as `route`, no reservation.
@@ -391,8 +405,10 @@ pub struct PodFacts<'a> {
     pub name: &'a str,
     /// "ip:port".
     pub endpoint: &'a str,
-    /// Consecutive blocks from the start of the request the pod holds.
+    /// Consecutive blocks from the start of the request the pod holds (indexed or pending).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those credited only because they are pending (docs/design.md §3).
+    pub pending_blocks: u32,
     /// GPU utilization in [0,1].
     pub gpu_utilization: f64,
     /// Reported waiting + picker in-flight since the report (requests).

@@ -19,7 +19,8 @@ use super::{
     PrefixCacheScorer, PrefixMatches, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer,
     ScoringConfig, ScoringConfigError, load_ratio, validate_weights,
 };
-use crate::index::MatchScratch;
+use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
+use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
 use crate::pool::{PodTable, Pool};
 
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
@@ -31,15 +32,27 @@ pub struct Router {
     scorers: Vec<(Box<dyn Scorer>, f64)>,
     /// Decisions made; mixed with the seed for the random tie-break.
     decisions: AtomicU64,
+    /// Pending chains, peers' in-flight requests, the replica event stream, the clock.
+    shared: Arc<SharedView>,
 }
 
 /// A pod of the requested model that passed the static filters, for one decision.
 struct Row {
     /// Index into the pod table the decision loaded.
     pod: u32,
+    /// Blocks credited by the index (or approximate matches): the pod's frontier.
     matched: u32,
-    /// queueDepth, read under the selection lock.
+    /// Blocks after the frontier the pod holds pending (docs/design.md §3).
+    pending: u32,
+    /// queueDepth, read under the selection lock (peers' in-flight requests included).
     depth: u32,
+}
+
+impl Row {
+    /// Blocks credited in all: indexed, then pending.
+    fn credited(&self) -> u32 {
+        self.matched.saturating_add(self.pending)
+    }
 }
 
 /// What scoring computed for one [`Row`] (no borrows, so its buffer outlives a decision).
@@ -71,6 +84,9 @@ struct Scratch {
     order: Vec<u32>,
     /// Always empty between decisions: only its allocation is kept (see [`recycle`]).
     facts: Vec<PodFacts<'static>>,
+    /// `(pod, frontier)` per row, and the pending extension per row.
+    frontiers: Vec<(PodIdx, u32)>,
+    extension: Vec<u32>,
 }
 
 impl Scratch {
@@ -149,6 +165,16 @@ impl Router {
         Router::with_scorers(pool, config, Vec::new())
     }
 
+    /// Like [`Router::new`], on `clock` instead of the wall clock: pending chains expire and
+    /// in-flight reservations are stamped by it (the simulator replays its own time through it).
+    pub fn with_clock(
+        pool: Arc<Pool>,
+        config: ScoringConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Router, ScoringConfigError> {
+        Router::with_parts(pool, config, Vec::new(), clock)
+    }
+
     /// Like [`Router::new`], plus `extra` custom scorers registered in code with their weights
     /// (docs/design.md §4). The sum rule covers all of them: built-in + `config.custom` + `extra` weights
     /// must sum to 1.0 (±1e-6), each in [0,1], names unique; otherwise the error names every
@@ -157,6 +183,15 @@ impl Router {
         pool: Arc<Pool>,
         config: ScoringConfig,
         extra: Vec<(Box<dyn Scorer>, f64)>,
+    ) -> Result<Router, ScoringConfigError> {
+        Router::with_parts(pool, config, extra, Arc::new(SystemClock))
+    }
+
+    fn with_parts(
+        pool: Arc<Pool>,
+        config: ScoringConfig,
+        extra: Vec<(Box<dyn Scorer>, f64)>,
+        clock: Arc<dyn Clock>,
     ) -> Result<Router, ScoringConfigError> {
         config.validate_settings()?;
         let w = config.weights;
@@ -171,7 +206,29 @@ impl Router {
         scorers.extend(extra);
         let named: Vec<(&str, f64)> = scorers.iter().map(|(s, w)| (s.name(), *w)).collect();
         validate_weights(&named)?;
-        Ok(Router { pool, config, scorers, decisions: AtomicU64::new(0) })
+        let shared = Arc::new(SharedView::new(config.pending_ttl_ms, config.pending_max_blocks, clock));
+        Ok(Router { pool, config, scorers, decisions: AtomicU64::new(0), shared })
+    }
+
+    /// Pending chains, peers' in-flight requests and the replica event stream.
+    pub fn shared(&self) -> &Arc<SharedView> {
+        &self.shared
+    }
+
+    /// Applies a peer replica's event (see [`SharedView::apply_peer`]); false when it names a pod
+    /// this replica does not know.
+    pub fn apply_peer(&self, origin: Origin, ev: &ReplicaEvent) -> bool {
+        let table = self.pool.table.load();
+        self.shared.apply_peer(origin, ev, |name| table.pods.iter().find(|p| *p.name == *name).map(|p| p.idx))
+    }
+
+    /// A peer subscribes to this replica's events: a snapshot and the live stream (see
+    /// [`SharedView::subscribe`]); `None` unless replication is on.
+    pub fn subscribe_peer(
+        &self,
+    ) -> Option<(Vec<ReplicaEvent>, tokio::sync::broadcast::Receiver<ReplicaEvent>)> {
+        let table = self.pool.table.load();
+        self.shared.subscribe(|idx| table.pods.iter().find(|p| p.idx == idx).map(|p| p.name.clone()))
     }
 
     /// Names and weights of every registered scorer, built-ins first.
@@ -211,29 +268,64 @@ impl Router {
         matches: Option<&dyn PrefixMatches>,
     ) -> Result<Decision, RouteError> {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
-        let model_pods = self.prefilter(sc, table, req, matches);
+        let index = self.pool.index.load();
+        let model_pods = self.prefilter(sc, table, &index, req, matches);
         if sc.rows.is_empty() {
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         }
         let tick = self.decisions.fetch_add(1, Ordering::Relaxed);
         let selection = self.pool.lock_selection();
-        let Some(choice) = self.score(sc, table, req, total_blocks, tick)? else {
+        let now = self.shared.clock().now_unix_ms();
+        let mut shared = self.shared.lock();
+        shared.pending.purge(now, &index);
+        // Pending chains are token chains: approximate mode (text chains) keeps its own record.
+        let precise = matches.is_none();
+        if precise {
+            overlay_pending(sc, table, &shared, req.block_hashes, now);
+        }
+        let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared)? else {
+            drop(shared);
             drop(selection);
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         };
         let row = &sc.rows[choice];
         let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
-        let slot = selection.reserve(rec, status, row.matched);
+        let credited = row.credited();
+        let pending_blocks = row.pending;
+        let frontier = row.matched.min(total_blocks) as usize;
+        let tail: Arc<[kvroute_common::BlockHash]> = if precise && frontier < req.block_hashes.len() {
+            Arc::from(&req.block_hashes[frontier..])
+        } else {
+            Arc::from([])
+        };
+        if !tail.is_empty() {
+            shared.pending.record(rec.idx, tail.clone(), now, LOCAL);
+        }
+        let event_id = shared.replicating().then(|| {
+            let id = self.shared.next_id();
+            shared.track_local(id, rec.name.clone(), now);
+            shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks: tail });
+            id
+        });
+        drop(shared);
+        let mut slot = selection.reserve(rec, status, credited, now);
+        if let Some(id) = event_id {
+            let view = self.shared.clone();
+            slot.on_release(Box::new(move || view.untrack_local(id)));
+        }
+        self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
+        self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
         let candidates: Vec<CandidateScore> = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
         let best = &sc.scored[choice];
-        trace!(pod = %rec.name, score = best.score, matched = row.matched, total_blocks, "routed");
+        trace!(pod = %rec.name, score = best.score, matched = credited, pending = pending_blocks, total_blocks, "routed");
         Ok(Decision {
             pod: rec.name.to_string(),
             endpoint: status.endpoint.to_string(),
             score: best.score,
             match_ratio: best.factors[0],
-            matched_blocks: row.matched,
+            matched_blocks: credited,
+            pending_blocks,
             total_blocks,
             candidate_count: sc.rows.len(),
             candidates,
@@ -261,7 +353,8 @@ impl Router {
         matches: Option<&dyn PrefixMatches>,
     ) -> Explanation {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
-        self.prefilter(sc, table, req, matches);
+        let index = self.pool.index.load();
+        self.prefilter(sc, table, &index, req, matches);
         let named = |sc: &Scratch, from: usize| -> Vec<(String, String)> {
             sc.excluded[from..]
                 .iter()
@@ -274,7 +367,14 @@ impl Router {
         }
         let static_excluded = sc.excluded.len();
         let tick = self.decisions.load(Ordering::Relaxed);
-        match self.score(sc, table, req, total_blocks, tick) {
+        let now = self.shared.clock().now_unix_ms();
+        let shared = self.shared.lock();
+        if matches.is_none() {
+            overlay_pending(sc, table, &shared, req.block_hashes, now);
+        }
+        let scored = self.score(sc, table, req, total_blocks, tick, &shared);
+        drop(shared);
+        match scored {
             Ok(choice) => {
                 excluded.extend(named(sc, static_excluded));
                 match choice {
@@ -298,10 +398,11 @@ impl Router {
         &self,
         sc: &mut Scratch,
         table: &PodTable,
+        index: &IndexSnapshot,
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
     ) -> usize {
-        self.pool.index.load().match_prefix(req.block_hashes, &mut sc.walk);
+        index.match_prefix(req.block_hashes, &mut sc.walk);
         let grace = Duration::from_millis(self.pool.config().grace_ttl_ms);
         let now = Instant::now();
         let Some(model_pods) = table.by_model.get(req.model) else { return 0 };
@@ -312,7 +413,7 @@ impl Router {
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                    sc.rows.push(Row { pod: i, matched, depth: 0 });
+                    sc.rows.push(Row { pod: i, matched, pending: 0, depth: 0 });
                 }
             }
         }
@@ -328,9 +429,15 @@ impl Router {
         req: &RouteRequest<'_>,
         total_blocks: u32,
         tick: u64,
+        shared: &SharedState,
     ) -> Result<Option<usize>, RouteError> {
         for row in &mut sc.rows {
-            row.depth = table.pods[row.pod as usize].queue_depth(&table.status[row.pod as usize]);
+            let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
+            let peers = match &status.stats {
+                Some(s) => shared.peers.since(rec.idx, s.observed_at_unix_ms),
+                None => shared.peers.since(rec.idx, i64::MIN),
+            };
+            row.depth = rec.queue_depth(status).saturating_add(peers);
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -357,7 +464,8 @@ impl Router {
             PodFacts {
                 name: &table.pods[r.pod as usize].name,
                 endpoint: &status.endpoint,
-                matched_blocks: r.matched,
+                matched_blocks: r.credited(),
+                pending_blocks: r.pending,
                 gpu_utilization: stats.map_or(1.0, |s| s.gpu_utilization),
                 queue_depth: r.depth,
                 health_score: stats.map_or(0.0, |s| s.health_score),
@@ -431,7 +539,8 @@ impl Router {
             health: s.factors[3],
             adapter: s.factors[4],
             custom,
-            matched_blocks: row.matched,
+            matched_blocks: row.credited(),
+            pending_blocks: row.pending,
         }
     }
 
@@ -482,6 +591,23 @@ impl Router {
             s += w * factor(j);
         }
         s.clamp(0.0, 1.0)
+    }
+}
+
+/// Adds to every row the blocks its pod holds pending after its index frontier
+/// (docs/design.md §3): one table lookup per distinct frontier, one per pending block found.
+fn overlay_pending(
+    sc: &mut Scratch,
+    table: &PodTable,
+    shared: &SharedState,
+    chain: &[kvroute_common::BlockHash],
+    now: i64,
+) {
+    sc.frontiers.clear();
+    sc.frontiers.extend(sc.rows.iter().map(|r| (table.pods[r.pod as usize].idx, r.matched)));
+    shared.pending.extend_all(chain, now, &sc.frontiers, &mut sc.extension);
+    for (row, ext) in sc.rows.iter_mut().zip(&sc.extension) {
+        row.pending = *ext;
     }
 }
 

@@ -14,6 +14,7 @@ pub(super) fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &
         name: "p",
         endpoint: "p:1",
         matched_blocks: matched,
+        pending_blocks: 0,
         gpu_utilization: gpu,
         queue_depth: queue,
         health_score: health,

@@ -18,6 +18,7 @@ pub use kvroute::{CacheView, KvroutePolicy};
 pub use sglang::SglangCacheAware;
 
 use kvroute_common::BlockHash;
+pub use kvroute_picker::pending::ReplicaEvent;
 
 use crate::SimError;
 use crate::engine::EngineStats;
@@ -48,8 +49,15 @@ pub trait Policy {
     fn pick(&mut self, req: &SimRequest, now_us: u64) -> Result<usize, SimError>;
     /// A pod's report arrived (after the report delay).
     fn on_report(&mut self, report: &PodReport);
-    /// The response of `req` on `pod` ended (visible to the router at once).
-    fn on_finish(&mut self, req: &SimRequest, pod: usize);
+    /// The response of `req` on `pod` ended at `now_us` (visible to the router at once).
+    fn on_finish(&mut self, req: &SimRequest, pod: usize, now_us: u64);
+    /// What this replica tells its peer replicas since the last call (kvroute's one view across
+    /// replicas, docs/design.md §4); empty for policies without it.
+    fn take_peer_events(&mut self) -> Vec<ReplicaEvent> {
+        Vec::new()
+    }
+    /// A peer replica's event reached this replica (replica `from`, at `now_us`).
+    fn on_peer_event(&mut self, _from: usize, _ev: &ReplicaEvent, _now_us: u64) {}
 }
 
 /// Every policy name [`build`] accepts, in table order.
@@ -78,13 +86,20 @@ pub const GIE_CAPACITY_BLOCKS: usize = kvroute_picker::approx::DEFAULT_CAPACITY_
 /// Builds the named policy for `pods` pods. `approx_capacity_blocks` sizes the approximate
 /// policies' estimated caches (GIE's default 31 250 chunks per pod; the engines' real capacity is
 /// the simulator's, and the two differ). `seed` seeds random choices (give each router replica its
-/// own).
-pub fn build(name: &str, pods: usize, approx_capacity_blocks: usize, seed: u64) -> Result<Box<dyn Policy>, SimError> {
+/// own). `shared_view`: kvroute replicas share pending chains and in-flight counts (the picker's
+/// replica stream, docs/design.md §4); other policies ignore it.
+pub fn build(
+    name: &str,
+    pods: usize,
+    approx_capacity_blocks: usize,
+    seed: u64,
+    shared_view: bool,
+) -> Result<Box<dyn Policy>, SimError> {
     let kv_capacity_blocks = approx_capacity_blocks;
     let kv = |preset: &str, view: CacheView| -> Result<Box<dyn Policy>, SimError> {
         let config = kvroute_picker::score::ScoringConfig::preset(preset)
             .ok_or_else(|| SimError::UnknownPolicy(name.to_string()))?;
-        Ok(Box::new(KvroutePolicy::new(name, config, pods, view)?))
+        Ok(Box::new(KvroutePolicy::new(name, config, pods, view, shared_view)?))
     };
     match name {
         "random" => Ok(Box::new(Random::new(pods, seed))),
