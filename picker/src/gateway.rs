@@ -11,6 +11,7 @@ use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
 use crate::model::ModelRegistry;
 use crate::pool::Pool;
+use crate::replicas::ReplicaIdentity;
 use crate::score::Router;
 use crate::server::StartError;
 
@@ -29,6 +30,8 @@ pub struct Gateway {
     pub body_limit_bytes: usize,
     /// Model used for requests without a body (the first configured model).
     pub default_model: Option<String>,
+    /// This picker on the replica stream (docs/design.md §4): its id and counters.
+    pub replica: Arc<ReplicaIdentity>,
 }
 
 impl Gateway {
@@ -43,6 +46,7 @@ impl Gateway {
             metrics: Metrics::new(),
             body_limit_bytes: config.body_limit_bytes,
             default_model: config.models.first().map(|m| m.name.clone()),
+            replica: ReplicaIdentity::new(),
         })
     }
 }

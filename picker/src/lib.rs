@@ -20,6 +20,7 @@ pub mod gateway;
 pub mod ingest;
 pub mod model;
 pub mod pending;
+pub mod replicas;
 pub mod pool;
 pub mod score;
 pub mod server;

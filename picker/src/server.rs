@@ -1,5 +1,6 @@
-//! Wiring: binds the three listeners (ext_proc, AgentIngest, admin), serves them until asked to
-//! stop, and reports the first failure ([`start`], [`RunningPicker`]).
+//! Wiring: binds the three listeners (ext_proc, AgentIngest + ReplicaSync, admin), follows the
+//! peer replicas, serves until asked to stop, and reports the first failure ([`start`],
+//! [`RunningPicker`]).
 //!
 //! Concurrency: one task per server in a `JoinSet`; a `watch` channel asks all of them to stop
 //! (graceful: open streams finish). A server that stops on its own stops the others.
@@ -18,6 +19,7 @@ use crate::config::PickerConfig;
 use crate::ext_proc::ExtProcService;
 use crate::gateway::Gateway;
 use crate::ingest::IngestService;
+use crate::replicas::{ReplicaIdentity, ReplicaService};
 use crate::score::ScoringConfigError;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
@@ -70,6 +72,10 @@ pub struct RunningPicker {
     pub admin_addr: SocketAddr,
     /// The shared request-path state (tests inspect the pool and metrics through it).
     pub gateway: Arc<Gateway>,
+    /// This replica on the replica stream (its id, what the stream did).
+    pub replica: Arc<ReplicaIdentity>,
+    /// The peer replicas followed (from `replicas.peers`; replace the list to change them).
+    pub replica_peers: watch::Sender<Vec<SocketAddr>>,
     shutdown: ShutdownHandle,
     /// Each server's task ends with its name (it stopped) or its error.
     tasks: JoinSet<Result<&'static str, StartError>>,
@@ -165,15 +171,23 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     });
 
     let ingest = IngestService::new(gateway.pool.clone()).into_server();
+    // ReplicaSync shares the ingest listener: its port, its TLS, and how agents find pickers.
+    let replica = gateway.replica.clone();
+    let replica_sync = ReplicaService::new(gateway.clone(), replica.clone()).into_server();
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
         tonic::transport::Server::builder()
             .add_service(ingest)
+            .add_service(replica_sync)
             .serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop)
             .await
             .map_err(|e| StartError::Serve { what: "ingest", source: e.into() })
             .map(|()| "ingest")
     });
+
+    let (replica_peers, peers_rx) = watch::channel(config.replicas.peers.clone());
+    let (gw, me, peers_stop) = (gateway.clone(), replica.clone(), rx.clone());
+    tokio::spawn(crate::replicas::run_peers(gw, me, peers_rx, crate::replicas::plaintext_dialer(), peers_stop));
 
     let app = admin::router(gateway.clone());
     let admin_stop = stop(rx);
@@ -191,6 +205,8 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
         ingest_addr,
         admin_addr,
         gateway,
+        replica,
+        replica_peers,
         shutdown: ShutdownHandle(Arc::new(shutdown)),
         tasks,
     })

@@ -52,6 +52,10 @@ struct Args {
     /// over the replica stream, as deploy/ configures them).
     #[arg(long)]
     independent_replicas: bool,
+    /// Scoring fields (JSON object) laid over every kvroute policy's preset, as in the picker's
+    /// `scoring:` section, e.g. `{"pile_guard_margin": 0}`.
+    #[arg(long)]
+    kvroute_scoring: Option<String>,
     /// Delay of the replica stream between kvroute replicas, ms.
     #[arg(long, default_value_t = 1.0)]
     peer_delay_ms: f64,
@@ -166,6 +170,10 @@ fn main() -> anyhow::Result<()> {
             anyhow::bail!("unknown policy '{p}'; known: {}", policy::ALL.join(", "));
         }
     }
+    let overlay: Option<serde_json::Map<String, serde_json::Value>> = match &a.kvroute_scoring {
+        None => None,
+        Some(text) => Some(serde_json::from_str(text).context("--kvroute-scoring must be a JSON object")?),
+    };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let per_seed: Vec<Vec<Workload>> = a.seeds.iter().map(|s| workloads(&a, *s)).collect::<Result<_, _>>()?;
     let total: u64 = per_seed.iter().flatten().map(|w| w.requests.len() as u64).sum::<u64>() * policies.len() as u64;
@@ -198,7 +206,15 @@ fn main() -> anyhow::Result<()> {
             for p in &policies {
                 pb.set_message(format!("{} seed {seed} / {p}", w.name));
                 let mut replicas = (0..routers)
-                    .map(|r| policy::build(p, cfg.pods, a.approx_capacity_blocks, seed.wrapping_mul(1000) + r as u64, !a.independent_replicas))
+                    .map(|r| {
+                        let opts = policy::PolicyOptions {
+                            approx_capacity_blocks: a.approx_capacity_blocks,
+                            seed: seed.wrapping_mul(1000) + r as u64,
+                            shared_view: !a.independent_replicas,
+                            scoring_overlay: overlay.clone(),
+                        };
+                        policy::build(p, cfg.pods, &opts)
+                    })
                     .collect::<Result<Vec<_>, _>>()?;
                 let run = sim::run(w, &mut replicas, &cfg, Some(&pb))?;
                 if a.dump_requests {

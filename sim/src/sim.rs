@@ -345,7 +345,7 @@ mod tests {
 
     fn replicas(name: &str, n: usize, pods: usize) -> Vec<Box<dyn Policy>> {
         (0..n)
-            .map(|i| match policy::build(name, pods, 31_250, i as u64, true) {
+            .map(|i| match policy::build(name, pods, &policy::PolicyOptions { seed: i as u64, ..policy::PolicyOptions::default() }) {
                 Ok(p) => p,
                 Err(e) => panic!("{e}"),
             })

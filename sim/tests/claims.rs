@@ -10,7 +10,7 @@ use kvroute_sim::workload::{self, Workload};
 
 fn run(w: &Workload, name: &str, pods: usize) -> RunResult {
     let cfg = SimConfig { pods, ..SimConfig::default() };
-    let p: Box<dyn Policy> = match policy::build(name, pods, policy::GIE_CAPACITY_BLOCKS, 3, true) {
+    let p: Box<dyn Policy> = match policy::build(name, pods, &policy::PolicyOptions { seed: 3, ..policy::PolicyOptions::default() }) {
         Ok(p) => p,
         Err(e) => panic!("building {name}: {e}"),
     };

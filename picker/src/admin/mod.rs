@@ -31,7 +31,7 @@ pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
-    match gw.metrics.render(&gw.pool, gw.router.config().max_queue) {
+    match gw.metrics.render_all(&gw.pool, gw.router.config().max_queue, gw.router.shared(), &gw.replica.counters) {
         Ok(text) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
             .into_response(),
         Err(e) => {

@@ -5,9 +5,10 @@
 //! - **Pending entries.** Between routing a new prefix to a pod and that pod's KV events, the
 //!   index does not know where the prefix went; requests for the same prefix arriving in that
 //!   window would scatter and prefill it again. So a decision records the request's chain as
-//!   pending on the chosen pod ([`PendingTable`]) for `pending_ttl_ms` (default 2 s); later
-//!   decisions credit it like indexed blocks. At the end of its time-to-live an entry is counted
-//!   confirmed (the pod's events stored it) or expired, and dropped either way.
+//!   pending on the chosen pod ([`PendingTable`]) while the request is in flight and for
+//!   `pending_ttl_ms` (default 2 s) after its routing; later decisions credit it like indexed
+//!   blocks. At the end of its life an entry is counted confirmed (the pod's events stored it)
+//!   or expired, and dropped either way.
 //! - **Peer replicas.** With replication on ([`SharedView::enable_replication`]), every decision
 //!   and every request end is also published as a [`ReplicaEvent`]; peers apply them
 //!   ([`crate::score::Router::apply_peer`]), so each replica credits the others' pending chains and
@@ -197,6 +198,8 @@ pub struct CreditCounters {
     pub indexed_blocks: AtomicU64,
     /// Blocks credited to chosen pods only because they were pending.
     pub pending_blocks: AtomicU64,
+    /// Decisions the pile guard sent to the least loaded candidate (docs/design.md §4).
+    pub pile_redirects: AtomicU64,
 }
 
 /// The pending table, peers' in-flight requests and the replica event stream (module docs).
@@ -270,7 +273,7 @@ impl SharedView {
             })
             .collect();
         let now = self.clock.now_unix_ms();
-        for (pod, _expires, blocks, origin) in st.pending.chains() {
+        for (pod, blocks, origin) in st.pending.chains() {
             if origin != LOCAL {
                 continue;
             }
@@ -281,9 +284,11 @@ impl SharedView {
         Some((snapshot, rx))
     }
 
-    /// This replica's request `id` ended: forgets it and tells the peers.
-    pub(crate) fn untrack_local(&self, id: u64) {
+    /// This replica's request `id` ended: its pending chain is unpinned, the peers are told.
+    pub(crate) fn finished(&self, id: u64) {
+        let now = self.clock.now_unix_ms();
         let mut st = self.state.lock();
+        st.pending.release(LOCAL, id, now);
         if let Some((pod, _)) = st.local.remove(&id) {
             st.publish(ReplicaEvent::Finished { id, pod });
         }
@@ -302,7 +307,7 @@ impl SharedView {
             ReplicaEvent::Routed { id, pod, routed_unix_ms, blocks } => {
                 let Some(idx) = resolve(pod) else { return false };
                 if !blocks.is_empty() {
-                    st.pending.record(idx, blocks.clone(), now, origin);
+                    st.pending.record(idx, blocks.clone(), now, origin, (*id != 0).then_some(*id));
                 }
                 if *id != 0 {
                     st.peers.add(origin, *id, idx, *routed_unix_ms, now);
@@ -311,6 +316,7 @@ impl SharedView {
             }
             ReplicaEvent::Finished { id, .. } => {
                 st.peers.remove(origin, *id);
+                st.pending.release(origin, *id, now);
                 true
             }
         }
@@ -319,6 +325,9 @@ impl SharedView {
     /// A peer's stream ended: its in-flight requests are forgotten (no end will come for them);
     /// its pending chains stay until their time-to-live.
     pub fn peer_gone(&self, origin: Origin) {
-        self.state.lock().peers.drop_origin(origin);
+        let now = self.clock.now_unix_ms();
+        let mut st = self.state.lock();
+        st.peers.drop_origin(origin);
+        st.pending.release_origin(origin, now);
     }
 }

@@ -64,6 +64,10 @@ pub const DEFAULT_WEIGHTS: Weights = Weights { cache: 0.60, load: 0.20, queue: 0
 pub const DEFAULT_MAX_QUEUE: u32 = 20;
 /// Default [`ScoringConfig::max_utilization`] (fraction of GPU busy counted as fully loaded).
 pub const DEFAULT_MAX_UTILIZATION: f64 = 1.0;
+/// Default [`ScoringConfig::pile_guard_margin`], in requests.
+pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 24;
+/// Default [`ScoringConfig::pile_guard_factor`].
+pub const DEFAULT_PILE_GUARD_FACTOR: f64 = 2.0;
 /// Default [`ScoringConfig::health_exclusion_threshold`] (docs/design.md §7: below 0.3 = excluded band).
 pub const DEFAULT_HEALTH_EXCLUSION_THRESHOLD: f64 = 0.3;
 
@@ -114,6 +118,15 @@ pub struct ScoringConfig {
     /// Most (block, pod) pending entries kept; the oldest chains go first beyond it. Default
     /// [`DEFAULT_PENDING_MAX_BLOCKS`] (1 048 576).
     pub pending_max_blocks: usize,
+    /// Pile guard (docs/design.md §4): when the best-scored pod carries more requests (reported
+    /// running + queueDepth) than the least loaded candidate by more than this many *and* by more
+    /// than `pile_guard_factor` times, the least loaded candidate serves the request instead (the
+    /// best scored among equally loaded ones). A hot prefix (a system prompt every conversation
+    /// shares) thus spreads to other pods before its first holder saturates. 0 turns the guard
+    /// off. Default [`DEFAULT_PILE_GUARD_MARGIN`] (24).
+    pub pile_guard_margin: u32,
+    /// See `pile_guard_margin`; at least 1. Default [`DEFAULT_PILE_GUARD_FACTOR`] (2.0).
+    pub pile_guard_factor: f64,
 }
 
 /// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
@@ -172,6 +185,8 @@ impl Default for ScoringConfig {
             custom: Vec::new(),
             pending_ttl_ms: DEFAULT_PENDING_TTL_MS,
             pending_max_blocks: DEFAULT_PENDING_MAX_BLOCKS,
+            pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
+            pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
         }
     }
 }
@@ -220,6 +235,9 @@ impl ScoringConfig {
         }
         if !(0.0..=1.0).contains(&self.health_exclusion_threshold) {
             return Err(ScoringConfigError::HealthThreshold(self.health_exclusion_threshold));
+        }
+        if !(self.pile_guard_factor.is_finite() && self.pile_guard_factor >= 1.0) {
+            return Err(ScoringConfigError::PileGuardFactor(self.pile_guard_factor));
         }
         for c in &self.custom {
             match c {
@@ -274,6 +292,9 @@ pub enum ScoringConfigError {
     /// Threshold outside [0,1].
     #[error("scoring.health_exclusion_threshold must be in [0, 1], got {0}")]
     HealthThreshold(f64),
+    /// `pile_guard_factor` below 1 (or not a number).
+    #[error("scoring.pile_guard_factor must be a number of at least 1, got {0}")]
+    PileGuardFactor(f64),
     /// Two scorers registered under one name.
     #[error("scorer '{name}' is registered twice ({weights}): scorer names must be unique")]
     DuplicateScorer {

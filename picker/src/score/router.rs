@@ -46,6 +46,8 @@ struct Row {
     pending: u32,
     /// queueDepth, read under the selection lock (peers' in-flight requests included).
     depth: u32,
+    /// Requests on the pod: reported running + `depth` (the pile guard's measure).
+    load: u32,
 }
 
 impl Row {
@@ -298,21 +300,18 @@ impl Router {
         } else {
             Arc::from([])
         };
+        let id = self.shared.next_id();
         if !tail.is_empty() {
-            shared.pending.record(rec.idx, tail.clone(), now, LOCAL);
+            shared.pending.record(rec.idx, tail.clone(), now, LOCAL, Some(id));
         }
-        let event_id = shared.replicating().then(|| {
-            let id = self.shared.next_id();
+        if shared.replicating() {
             shared.track_local(id, rec.name.clone(), now);
             shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks: tail });
-            id
-        });
+        }
         drop(shared);
         let mut slot = selection.reserve(rec, status, credited, now);
-        if let Some(id) = event_id {
-            let view = self.shared.clone();
-            slot.on_release(Box::new(move || view.untrack_local(id)));
-        }
+        let view = self.shared.clone();
+        slot.on_release(Box::new(move || view.finished(id)));
         self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
         self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
@@ -413,7 +412,7 @@ impl Router {
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                    sc.rows.push(Row { pod: i, matched, pending: 0, depth: 0 });
+                    sc.rows.push(Row { pod: i, matched, pending: 0, depth: 0, load: 0 });
                 }
             }
         }
@@ -438,6 +437,8 @@ impl Router {
                 None => shared.peers.since(rec.idx, i64::MIN),
             };
             row.depth = rec.queue_depth(status).saturating_add(peers);
+            let running = status.stats.as_ref().map_or(0, |s| s.num_requests_running);
+            row.load = running.saturating_add(row.depth);
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -516,7 +517,37 @@ impl Router {
             };
         }
         sc.facts = recycle(facts);
+        if let Some(c) = choice
+            && let Some(least) = self.pile_guard(sc, c)
+        {
+            choice = Some(least);
+            self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(choice)
+    }
+
+    /// docs/design.md §4 pile guard: when row `choice` carries far more requests than the least
+    /// loaded candidate (`pile_guard_margin` more and `pile_guard_factor` times as many), the
+    /// least loaded candidate that scores best among equally loaded ones; else `None`.
+    fn pile_guard(&self, sc: &Scratch, choice: usize) -> Option<usize> {
+        let (margin, factor) = (self.config.pile_guard_margin, self.config.pile_guard_factor);
+        let least = sc.rows.iter().map(|r| r.load).min()?;
+        if !filter::piled(sc.rows[choice].load, least, margin, factor) {
+            return None;
+        }
+        let mut alt: Option<usize> = None;
+        for (i, r) in sc.rows.iter().enumerate() {
+            if r.load != least {
+                continue;
+            }
+            alt = match alt {
+                Some(b) if select::better(&sc.scored[i].ranked, &sc.scored[b].ranked) != std::cmp::Ordering::Less => {
+                    Some(b)
+                }
+                _ => Some(i),
+            };
+        }
+        alt
     }
 
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).

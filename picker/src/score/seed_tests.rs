@@ -141,36 +141,47 @@ async fn counterintuitive_case_is_b_under_defaults_and_a_under_latency_api() {
 
 /// docs/design.md §15: thundering herd: 4 pods, maxQueue 20, 50 simultaneous requests whose prefix only one
 /// pod holds: 20 go there (its queue, counted from the picker's own in-flight since the last
-/// report, reaches maxQueue and it spills), the other 30 spread evenly over the other three.
+/// report, reaches maxQueue and it spills). The first spilled request makes its pod hold the
+/// prefix pending (docs/design.md §3), so the next spills follow it until that pod's queue is full
+/// as well: one cold prefill per spill pod used, 20 / 20 / 10 / 0. Without pending entries the
+/// spills spread evenly, each spill pod prefilling the prefix: 20 / 10 / 10 / 10.
 #[tokio::test]
 async fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
-    let (pool, r) = router(ScoringConfig::default());
-    let c = chain(7, 64);
-    put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
-    for n in ["c1", "c2", "c3"] {
-        put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
+    for (pending_ttl_ms, want) in [(crate::pending::DEFAULT_PENDING_TTL_MS, [20, 10, 0]), (0, [10, 10, 10])] {
+        let (pool, r) = router(ScoringConfig { pending_ttl_ms, ..ScoringConfig::default() });
+        let c = chain(7, 64);
+        put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
+        for n in ["c1", "c2", "c3"] {
+            put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
+        }
+        let held: Vec<_> = (0..50).filter_map(|_| r.route(&req(&c)).ok()).collect();
+        assert_eq!(held.len(), 50);
+        assert!(held[..20].iter().all(|d| d.pod == "hot"), "first 20 go to the cache-hot pod");
+        let spread = |held: &[crate::score::Decision]| {
+            let count = |n: &str| held.iter().filter(|d| d.pod == n).count();
+            let mut spills = [count("c1"), count("c2"), count("c3")];
+            spills.sort_unstable_by(|a, b| b.cmp(a));
+            (count("hot"), spills)
+        };
+        assert_eq!(spread(&held), (20, want), "pending_ttl_ms {pending_ttl_ms}");
+        // The same from 10 threads at once: reservations are atomic with the choice.
+        drop(held);
+        let (pool, r) = router(ScoringConfig { pending_ttl_ms, ..ScoringConfig::default() });
+        put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
+        for n in ["c1", "c2", "c3"] {
+            put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
+        }
+        let r = Arc::new(r);
+        let c = Arc::new(c);
+        let threads: Vec<_> = (0..10)
+            .map(|_| {
+                let (r, c) = (r.clone(), c.clone());
+                std::thread::spawn(move || (0..5).filter_map(|_| r.route(&req(&c)).ok()).collect::<Vec<_>>())
+            })
+            .collect();
+        let held: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
+        assert_eq!(spread(&held), (20, want), "threads, pending_ttl_ms {pending_ttl_ms}");
     }
-    let held: Vec<_> = (0..50).filter_map(|_| r.route(&req(&c)).ok()).collect();
-    assert_eq!(held.len(), 50);
-    assert!(held[..20].iter().all(|d| d.pod == "hot"), "first 20 go to the cache-hot pod");
-    let count = |n: &str| held.iter().filter(|d| d.pod == n).count();
-    assert_eq!(count("hot"), 20);
-    for n in ["c1", "c2", "c3"] {
-        assert_eq!(count(n), 10, "{n}");
-    }
-    // The same from 8 threads at once: reservations are atomic with the choice.
-    drop(held);
-    let r = Arc::new(r);
-    let c = Arc::new(c);
-    let threads: Vec<_> = (0..10)
-        .map(|_| {
-            let (r, c) = (r.clone(), c.clone());
-            std::thread::spawn(move || (0..5).filter_map(|_| r.route(&req(&c)).ok()).collect::<Vec<_>>())
-        })
-        .collect();
-    let held: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
-    let count = |n: &str| held.iter().filter(|d| d.pod == n).count();
-    assert_eq!((count("hot"), count("c1"), count("c2"), count("c3")), (20, 10, 10, 10));
 }
 
 /// docs/design.md §15: cold start: nobody holds the prefix → the least-loaded pod gets it; once it holds
@@ -217,10 +228,13 @@ async fn put_priced(pool: &Arc<Pool>, pod: &str, price: &str, s: PodStats, block
     assert!(pool.sync().await.is_ok());
 }
 
+/// The cost test's weights. Pending entries off: the claim is about a given cache state, and a
+/// routed request would make its pod hold the whole chain (pending) for the next decision.
 fn cost_config() -> ScoringConfig {
     ScoringConfig {
         weights: Weights { cache: 0.50, load: 0.15, queue: 0.10, health: 0.05, adapter: 0.05 },
         custom: vec![CustomScorerConfig::Cost { weight: 0.15, margin: 0.20 }],
+        pending_ttl_ms: 0,
         ..ScoringConfig::default()
     }
 }
