@@ -20,8 +20,8 @@ pub mod gateway;
 pub mod ingest;
 pub mod model;
 pub mod pending;
-pub mod replicas;
 pub mod pool;
+pub mod replicas;
 pub mod score;
 pub mod server;
 

@@ -67,7 +67,13 @@ async fn connect_agent(picker: &RunningPicker) -> mpsc::Sender<AgentMessage> {
             ready: true,
             ..Default::default()
         };
-        let snapshot = PodSnapshot { info: Some(info(name, endpoint)), seq: 1, stats: Some(stats), blocks: vec![] };
+        let snapshot = PodSnapshot {
+            info: Some(info(name, endpoint)),
+            seq: 1,
+            stats: Some(stats),
+            blocks: vec![],
+            offloaded_blocks: vec![],
+        };
         tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snapshot)) }).await.unwrap();
     }
     let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();

@@ -145,6 +145,7 @@ async fn connect_agent(picker: &RunningPicker, pods: &[FakePod]) -> mpsc::Sender
                 seq: 1,
                 stats: Some(stats),
                 blocks,
+                offloaded_blocks: vec![],
             })),
         })
         .await

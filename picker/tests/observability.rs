@@ -165,7 +165,7 @@ async fn connect_agent(ingest: SocketAddr, pods: &[FakePod]) -> mpsc::Sender<Age
         } else {
             vec![BlockRun { parent: 0, hashes: blocks.iter().map(|h| h.0).collect() }]
         };
-        let snap = PodSnapshot { info: Some(info), seq: 1, stats: Some(stats), blocks };
+        let snap = PodSnapshot { info: Some(info), seq: 1, stats: Some(stats), blocks, offloaded_blocks: vec![] };
         tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snap)) }).await.unwrap();
     }
     let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();

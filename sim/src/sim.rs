@@ -345,9 +345,15 @@ mod tests {
 
     fn replicas(name: &str, n: usize, pods: usize) -> Vec<Box<dyn Policy>> {
         (0..n)
-            .map(|i| match policy::build(name, pods, &policy::PolicyOptions { seed: i as u64, ..policy::PolicyOptions::default() }) {
-                Ok(p) => p,
-                Err(e) => panic!("{e}"),
+            .map(|i| {
+                match policy::build(
+                    name,
+                    pods,
+                    &policy::PolicyOptions { seed: i as u64, ..policy::PolicyOptions::default() },
+                ) {
+                    Ok(p) => p,
+                    Err(e) => panic!("{e}"),
+                }
             })
             .collect()
     }

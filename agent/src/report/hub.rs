@@ -53,7 +53,7 @@ impl Pod {
         &self.name
     }
 
-    /// The full state as a snapshot (info, seq, stats, GPU blocks as runs).
+    /// The full state as a snapshot (info, seq, stats, GPU and CPU-tier blocks as runs).
     pub fn snapshot(&self) -> PodSnapshot {
         let g = self.inner.lock();
         PodSnapshot {
@@ -61,6 +61,7 @@ impl Pod {
             seq: g.seq,
             stats: Some(g.stats.clone()),
             blocks: g.record.snapshot_runs(),
+            offloaded_blocks: g.record.offloaded_snapshot_runs(),
         }
     }
 
@@ -104,8 +105,9 @@ impl Pod {
     pub fn flush_blocks(&self) {
         let mut g = self.inner.lock();
         if g.record.has_changes() {
+            let offloaded = g.record.take_offloaded_changes();
             let blocks = g.record.take_changes();
-            self.send(&mut g, Some(blocks), None);
+            self.send(&mut g, Some(blocks), offloaded, None);
         }
     }
 
@@ -118,9 +120,10 @@ impl Pod {
             || stats.ready != g.stats.ready;
         g.stats = stats;
         if force || significant {
+            let offloaded = g.record.take_offloaded_changes();
             let blocks = g.record.has_changes().then(|| g.record.take_changes());
             let stats = g.stats.clone();
-            self.send(&mut g, blocks, Some(stats));
+            self.send(&mut g, blocks, offloaded, Some(stats));
             true
         } else {
             false
@@ -133,13 +136,19 @@ impl Pod {
         self.update_stats(stats, true);
     }
 
-    fn send(&self, g: &mut PodInner, blocks: Option<kvroute_proto::agent::v1::BlockChanges>, stats: Option<PodStats>) {
+    fn send(
+        &self,
+        g: &mut PodInner,
+        blocks: Option<kvroute_proto::agent::v1::BlockChanges>,
+        offloaded: Option<kvroute_proto::agent::v1::BlockChanges>,
+        stats: Option<PodStats>,
+    ) {
         g.seq += 1;
         if let Some(s) = &stats {
             g.sent_band = band(s.health_score);
             g.sent_waiting = s.num_requests_waiting;
         }
-        let delta = PodDelta { pod: self.name.clone(), seq: g.seq, blocks, stats };
+        let delta = PodDelta { pod: self.name.clone(), seq: g.seq, blocks, stats, offloaded };
         // No receiver (no picker connected yet) is fine: snapshots carry the state.
         let _ = self.tx.send(Arc::new(Outgoing { delta, created: Instant::now() }));
     }

@@ -325,8 +325,14 @@ impl Metrics {
                 mirror(&self.pending_chains.get_or_create(&OutcomeLabel { outcome }), v);
             }
             self.pending_entries.set(i64::try_from(entries).unwrap_or(i64::MAX));
-            mirror(&self.replica_events.get_or_create(&ResultLabel { result: "applied" }), replica.applied.load(Ordering::Relaxed));
-            mirror(&self.replica_events.get_or_create(&ResultLabel { result: "refused" }), replica.refused.load(Ordering::Relaxed));
+            mirror(
+                &self.replica_events.get_or_create(&ResultLabel { result: "applied" }),
+                replica.applied.load(Ordering::Relaxed),
+            );
+            mirror(
+                &self.replica_events.get_or_create(&ResultLabel { result: "refused" }),
+                replica.refused.load(Ordering::Relaxed),
+            );
             self.replica_peers.set(i64::try_from(replica.connected.load(Ordering::Relaxed)).unwrap_or(0));
             mirror(&self.replica_disconnects, replica.disconnects.load(Ordering::Relaxed));
             mirror(&self.replica_lagged, replica.lagged.load(Ordering::Relaxed));

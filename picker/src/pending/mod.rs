@@ -285,7 +285,7 @@ impl SharedView {
     }
 
     /// This replica's request `id` ended: its pending chain is unpinned, the peers are told.
-    pub(crate) fn finished(&self, id: u64) {
+    pub fn finished(&self, id: u64) {
         let now = self.clock.now_unix_ms();
         let mut st = self.state.lock();
         st.pending.release(LOCAL, id, now);
@@ -329,5 +329,11 @@ impl SharedView {
         let mut st = self.state.lock();
         st.peers.drop_origin(origin);
         st.pending.release_origin(origin, now);
+    }
+}
+
+impl crate::pool::ReleaseHook for SharedView {
+    fn released(&self, id: u64) {
+        self.finished(id);
     }
 }

@@ -219,14 +219,7 @@ impl PendingTable {
     /// Records `blocks` (a chain from some pod's frontier on) as pending on `pod`, routed at
     /// `now_ms`: pinned by `request` (unique per `origin`) until [`PendingTable::release`], or,
     /// without a request, for `ttl`. Evicts the oldest chains beyond `max_blocks`.
-    pub fn record(
-        &mut self,
-        pod: PodIdx,
-        blocks: Arc<[BlockHash]>,
-        now_ms: i64,
-        origin: Origin,
-        request: Option<u64>,
-    ) {
+    pub fn record(&mut self, pod: PodIdx, blocks: Arc<[BlockHash]>, now_ms: i64, origin: Origin, request: Option<u64>) {
         if !self.enabled() || blocks.is_empty() {
             return;
         }

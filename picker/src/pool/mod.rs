@@ -33,7 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
 pub(crate) use inflight::InFlight;
-pub use inflight::InFlightSlot;
+pub use inflight::{InFlightSlot, ReleaseHook};
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;
@@ -103,6 +103,10 @@ pub enum PoolUpdate {
     },
     /// The stream ended: its pods are disconnected and enter the grace period.
     StreamEnded { stream: StreamId },
+    /// Changes to a pod's CPU tier (docs/design.md §2 tiers: vLLM KV offloading, LMCache):
+    /// `cleared` first (with `stored` after a snapshot: the whole tier), then `stored`, then
+    /// `removed`. Kept in a second index; a block in both tiers counts as GPU.
+    Offloaded { stream: StreamId, pod: String, cleared: bool, stored: Vec<BlockHash>, removed: Vec<BlockHash> },
 }
 
 enum WriterMsg {
@@ -191,6 +195,8 @@ pub struct Pool {
     config: PoolConfig,
     pub(crate) table: Arc<ArcSwap<PodTable>>,
     pub(crate) index: Arc<ArcSwap<IndexSnapshot>>,
+    /// The CPU tier's blocks (docs/design.md §2 tiers), published with `index`.
+    pub(crate) cpu_index: Arc<ArcSwap<IndexSnapshot>>,
     /// Held only while a decision scores candidates and reserves its slot ([`Selection`]).
     select_lock: Mutex<()>,
     tx: mpsc::Sender<WriterMsg>,
@@ -252,8 +258,17 @@ impl Pool {
         let (tx, rx) = mpsc::channel(UPDATE_QUEUE);
         let table = Arc::new(ArcSwap::from_pointee(PodTable::default()));
         let index = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
-        writer::spawn(config.clone(), rx, table.clone(), index.clone());
-        Arc::new(Pool { config, table, index, select_lock: Mutex::new(()), tx, next_slot: AtomicU64::new(1) })
+        let cpu_index = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
+        writer::spawn(config.clone(), rx, table.clone(), index.clone(), cpu_index.clone());
+        Arc::new(Pool {
+            config,
+            table,
+            index,
+            cpu_index,
+            select_lock: Mutex::new(()),
+            tx,
+            next_slot: AtomicU64::new(1),
+        })
     }
 
     /// The configuration the pool runs with.

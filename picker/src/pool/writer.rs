@@ -35,6 +35,8 @@ struct WPod {
 struct Writer {
     config: PoolConfig,
     index: IndexWriter,
+    /// The CPU tier (docs/design.md §2 tiers).
+    cpu: IndexWriter,
     table: Arc<ArcSwap<PodTable>>,
     names: HashMap<String, PodIdx>,
     pods: Vec<Option<WPod>>,
@@ -48,9 +50,11 @@ pub(super) fn spawn(
     rx: mpsc::Receiver<WriterMsg>,
     table: Arc<ArcSwap<PodTable>>,
     index: Arc<ArcSwap<IndexSnapshot>>,
+    cpu_index: Arc<ArcSwap<IndexSnapshot>>,
 ) {
     let w = Writer {
         index: IndexWriter::new(index, config.max_blocks_per_pod),
+        cpu: IndexWriter::new(cpu_index, config.max_blocks_per_pod),
         config,
         table,
         names: HashMap::new(),
@@ -118,6 +122,7 @@ impl Writer {
     /// column is what decisions read) if any pod or status changed.
     fn publish(&mut self) {
         self.index.publish();
+        self.cpu.publish();
         let regroup = self.table_dirty;
         let mut changed = self.table_dirty;
         for p in self.pods.iter_mut().flatten() {
@@ -243,6 +248,17 @@ impl Writer {
                 self.index.remove(idx, &removed);
                 self.set_stats(idx, stats, seq);
             }
+            PoolUpdate::Offloaded { stream: _, pod, cleared, stored, removed } => {
+                let Some(&idx) = self.names.get(&pod) else {
+                    debug!(%pod, "CPU-tier changes for an unknown pod ignored");
+                    return;
+                };
+                if cleared {
+                    self.cpu.clear_pod(idx);
+                }
+                self.cpu.store(idx, &stored);
+                self.cpu.remove(idx, &removed);
+            }
             PoolUpdate::StreamEnded { stream } => {
                 let now = Instant::now();
                 for p in self.pods.iter_mut().flatten() {
@@ -272,6 +288,7 @@ impl Writer {
         }
         for idx in expired {
             self.index.drop_pod(idx);
+            self.cpu.drop_pod(idx);
             if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::take) {
                 info!(pod = %p.rec.name, "grace period over: pod dropped");
                 self.names.remove(&*p.rec.name);

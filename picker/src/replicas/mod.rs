@@ -96,7 +96,9 @@ pub fn to_message(ev: &ReplicaEvent) -> ReplicaMessage {
             routed_unix_ms: *routed_unix_ms,
             blocks: blocks.iter().map(|b| b.0).collect(),
         }),
-        ReplicaEvent::Finished { id, pod } => replica_message::Msg::Finished(Finished { id: *id, pod: pod.to_string() }),
+        ReplicaEvent::Finished { id, pod } => {
+            replica_message::Msg::Finished(Finished { id: *id, pod: pod.to_string() })
+        }
     };
     ReplicaMessage { msg: Some(msg) }
 }

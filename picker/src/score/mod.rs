@@ -29,7 +29,7 @@ mod router;
 mod select;
 
 pub use adapter::AdapterAffinityScorer;
-pub use cache::PrefixCacheScorer;
+pub use cache::{PrefixCacheScorer, cache_credit};
 pub use cost::{COST_ANNOTATION, CostAwareScorer};
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
@@ -64,6 +64,24 @@ pub const DEFAULT_WEIGHTS: Weights = Weights { cache: 0.60, load: 0.20, queue: 0
 pub const DEFAULT_MAX_QUEUE: u32 = 20;
 /// Default [`ScoringConfig::max_utilization`] (fraction of GPU busy counted as fully loaded).
 pub const DEFAULT_MAX_UTILIZATION: f64 = 1.0;
+/// Default [`ScoringConfig::full_credit_tokens`].
+pub const DEFAULT_FULL_CREDIT_TOKENS: u32 = 2048;
+/// Default [`ScoringConfig::offload_credit`] (llm-d's 0.8; Dynamo uses 0.75 for host memory).
+pub const DEFAULT_OFFLOAD_CREDIT: f64 = 0.8;
+
+/// How matched blocks become the cache factor (docs/design.md §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheFactor {
+    /// cacheMatchRatio: credited blocks / the request's full blocks (the seed's formula).
+    #[default]
+    Ratio,
+    /// Saved prefill: credited blocks / max(the request's full blocks, `full_credit_tokens` in
+    /// blocks). The same as `ratio` for prompts of at least `full_credit_tokens`; a 17-token
+    /// prompt's one matched block earns 1/128 instead of 1.
+    TokensSaved,
+}
+
 /// Default [`ScoringConfig::pile_guard_margin`], in requests.
 pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 24;
 /// Default [`ScoringConfig::pile_guard_factor`].
@@ -118,6 +136,16 @@ pub struct ScoringConfig {
     /// Most (block, pod) pending entries kept; the oldest chains go first beyond it. Default
     /// [`DEFAULT_PENDING_MAX_BLOCKS`] (1 048 576).
     pub pending_max_blocks: usize,
+    /// How matched blocks become the cache factor (docs/design.md §4): `ratio` (default, the
+    /// match ratio) or `tokens_saved` (the prefill a match saves, full credit only from
+    /// `full_credit_tokens` on, so a short prompt's match cannot outweigh load and health).
+    pub cache_factor: CacheFactor,
+    /// `tokens_saved` only: prompt tokens a match must save for full cache credit. Default
+    /// [`DEFAULT_FULL_CREDIT_TOKENS`] (2048: one engine step of prefill, ≈ 0.45 s on an 8B model).
+    pub full_credit_tokens: u32,
+    /// Credit per block held only in a pod's CPU tier (vLLM KV offloading, LMCache), in [0,1]
+    /// (docs/design.md §2 tiers); a GPU block counts 1. Default [`DEFAULT_OFFLOAD_CREDIT`] (0.8).
+    pub offload_credit: f64,
     /// Pile guard (docs/design.md §4): when the best-scored pod carries more requests (reported
     /// running + queueDepth) than the least loaded candidate by more than this many *and* by more
     /// than `pile_guard_factor` times, the least loaded candidate serves the request instead (the
@@ -187,25 +215,42 @@ impl Default for ScoringConfig {
             pending_max_blocks: DEFAULT_PENDING_MAX_BLOCKS,
             pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
             pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
+            cache_factor: CacheFactor::Ratio,
+            full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
+            offload_credit: DEFAULT_OFFLOAD_CREDIT,
         }
     }
 }
 
-/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue. `chatbot` is the
-/// default.
-pub const PRESETS: [(&str, Weights, u32); 4] = [
-    ("chatbot", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE),
-    ("latency-api", Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 }, 10),
-    ("batch", Weights { cache: 0.60, load: 0.30, queue: 0.00, health: 0.05, adapter: 0.05 }, 40),
-    ("multi-lora", Weights { cache: 0.45, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.20 }, 20),
+/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue, cache factor.
+/// `chatbot` is the default; `tokens-saved` is `chatbot` scoring saved prefill instead of the
+/// match ratio (for fleets with many short prompts).
+pub const PRESETS: [(&str, Weights, u32, CacheFactor); 5] = [
+    ("chatbot", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE, CacheFactor::Ratio),
+    (
+        "latency-api",
+        Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 },
+        10,
+        CacheFactor::Ratio,
+    ),
+    ("batch", Weights { cache: 0.60, load: 0.30, queue: 0.00, health: 0.05, adapter: 0.05 }, 40, CacheFactor::Ratio),
+    (
+        "multi-lora",
+        Weights { cache: 0.45, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.20 },
+        20,
+        CacheFactor::Ratio,
+    ),
+    ("tokens-saved", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE, CacheFactor::TokensSaved),
 ];
 
 impl ScoringConfig {
-    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`), other fields default.
+    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`, `tokens-saved`), other
+    /// fields default.
     pub fn preset(name: &str) -> Option<ScoringConfig> {
-        PRESETS.iter().find(|(n, _, _)| *n == name).map(|(_, weights, max_queue)| ScoringConfig {
+        PRESETS.iter().find(|(n, ..)| *n == name).map(|(_, weights, max_queue, cache_factor)| ScoringConfig {
             weights: *weights,
             max_queue: *max_queue,
+            cache_factor: *cache_factor,
             ..ScoringConfig::default()
         })
     }
@@ -238,6 +283,12 @@ impl ScoringConfig {
         }
         if !(self.pile_guard_factor.is_finite() && self.pile_guard_factor >= 1.0) {
             return Err(ScoringConfigError::PileGuardFactor(self.pile_guard_factor));
+        }
+        if !(0.0..=1.0).contains(&self.offload_credit) {
+            return Err(ScoringConfigError::OffloadCredit(self.offload_credit));
+        }
+        if self.full_credit_tokens == 0 {
+            return Err(ScoringConfigError::FullCreditTokens);
         }
         for c in &self.custom {
             match c {
@@ -292,6 +343,12 @@ pub enum ScoringConfigError {
     /// Threshold outside [0,1].
     #[error("scoring.health_exclusion_threshold must be in [0, 1], got {0}")]
     HealthThreshold(f64),
+    /// `offload_credit` outside [0,1].
+    #[error("scoring.offload_credit must be in [0, 1] (credit per CPU-tier block), got {0}")]
+    OffloadCredit(f64),
+    /// `full_credit_tokens` of 0.
+    #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
+    FullCreditTokens,
     /// `pile_guard_factor` below 1 (or not a number).
     #[error("scoring.pile_guard_factor must be a number of at least 1, got {0}")]
     PileGuardFactor(f64),
@@ -312,7 +369,7 @@ pub enum ScoringConfigError {
         message: String,
     },
     /// `preset` names no preset.
-    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora")]
+    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora, tokens-saved")]
     UnknownPreset(String),
 }
 
@@ -388,6 +445,8 @@ pub struct CandidateScore {
     pub matched_blocks: u32,
     /// Of `matched_blocks`, those only pending (routed here, not yet confirmed by KV events).
     pub pending_blocks: u32,
+    /// Blocks after `matched_blocks` held only in the pod's CPU tier (partial credit).
+    pub offloaded_blocks: u32,
 }
 
 /// What [`Router::explain`] returns: the same computation as `route`, no reservation.
@@ -430,6 +489,9 @@ pub struct PodFacts<'a> {
     pub matched_blocks: u32,
     /// Of `matched_blocks`, those credited only because they are pending (docs/design.md §3).
     pub pending_blocks: u32,
+    /// Blocks after `matched_blocks` the pod holds only in its CPU tier, consecutively
+    /// (docs/design.md §2 tiers): credited at `offload_credit` each.
+    pub offloaded_blocks: u32,
     /// GPU utilization in [0,1].
     pub gpu_utilization: f64,
     /// Reported waiting + picker in-flight since the report (requests).
@@ -456,6 +518,8 @@ pub struct ScoreContext<'a> {
     pub adapter: Option<&'a str>,
     /// Full blocks in the request.
     pub total_blocks: u32,
+    /// Tokens per block (the `tokens_saved` cache factor converts `full_credit_tokens` with it).
+    pub block_size: u32,
     /// Scoring settings.
     pub config: &'a ScoringConfig,
     /// Every candidate (after filtering).

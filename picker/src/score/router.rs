@@ -44,6 +44,8 @@ struct Row {
     matched: u32,
     /// Blocks after the frontier the pod holds pending (docs/design.md §3).
     pending: u32,
+    /// Blocks after the credited ones the pod holds only in its CPU tier (docs/design.md §2).
+    offloaded: u32,
     /// queueDepth, read under the selection lock (peers' in-flight requests included).
     depth: u32,
     /// Requests on the pod: reported running + `depth` (the pile guard's measure).
@@ -74,6 +76,8 @@ const BUILTINS: usize = 5;
 #[derive(Default)]
 struct Scratch {
     walk: MatchScratch,
+    /// The CPU tier's walk (docs/design.md §2 tiers).
+    cpu_walk: MatchScratch,
     rows: Vec<Row>,
     scored: Vec<Scored>,
     /// Custom scorers' factors, `scorers − 5` per row, row-major.
@@ -226,9 +230,7 @@ impl Router {
 
     /// A peer subscribes to this replica's events: a snapshot and the live stream (see
     /// [`SharedView::subscribe`]); `None` unless replication is on.
-    pub fn subscribe_peer(
-        &self,
-    ) -> Option<(Vec<ReplicaEvent>, tokio::sync::broadcast::Receiver<ReplicaEvent>)> {
+    pub fn subscribe_peer(&self) -> Option<(Vec<ReplicaEvent>, tokio::sync::broadcast::Receiver<ReplicaEvent>)> {
         let table = self.pool.table.load();
         self.shared.subscribe(|idx| table.pods.iter().find(|p| p.idx == idx).map(|p| p.name.clone()))
     }
@@ -284,6 +286,7 @@ impl Router {
         let precise = matches.is_none();
         if precise {
             overlay_pending(sc, table, &shared, req.block_hashes, now);
+            self.overlay_offloaded(sc, table, req.block_hashes);
         }
         let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared)? else {
             drop(shared);
@@ -295,23 +298,20 @@ impl Router {
         let credited = row.credited();
         let pending_blocks = row.pending;
         let frontier = row.matched.min(total_blocks) as usize;
-        let tail: Arc<[kvroute_common::BlockHash]> = if precise && frontier < req.block_hashes.len() {
-            Arc::from(&req.block_hashes[frontier..])
-        } else {
-            Arc::from([])
-        };
+        let tail: Option<Arc<[kvroute_common::BlockHash]>> =
+            (precise && frontier < req.block_hashes.len()).then(|| Arc::from(&req.block_hashes[frontier..]));
         let id = self.shared.next_id();
-        if !tail.is_empty() {
-            shared.pending.record(rec.idx, tail.clone(), now, LOCAL, Some(id));
+        if let Some(t) = &tail {
+            shared.pending.record(rec.idx, t.clone(), now, LOCAL, Some(id));
         }
         if shared.replicating() {
             shared.track_local(id, rec.name.clone(), now);
-            shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks: tail });
+            let blocks = tail.unwrap_or_else(|| Arc::from([]));
+            shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks });
         }
         drop(shared);
         let mut slot = selection.reserve(rec, status, credited, now);
-        let view = self.shared.clone();
-        slot.on_release(Box::new(move || view.finished(id)));
+        slot.on_release(self.shared.clone(), id);
         self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
         self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
@@ -370,6 +370,7 @@ impl Router {
         let shared = self.shared.lock();
         if matches.is_none() {
             overlay_pending(sc, table, &shared, req.block_hashes, now);
+            self.overlay_offloaded(sc, table, req.block_hashes);
         }
         let scored = self.score(sc, table, req, total_blocks, tick, &shared);
         drop(shared);
@@ -412,7 +413,7 @@ impl Router {
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                    sc.rows.push(Row { pod: i, matched, pending: 0, depth: 0, load: 0 });
+                    sc.rows.push(Row { pod: i, matched, pending: 0, offloaded: 0, depth: 0, load: 0 });
                 }
             }
         }
@@ -467,6 +468,7 @@ impl Router {
                 endpoint: &status.endpoint,
                 matched_blocks: r.credited(),
                 pending_blocks: r.pending,
+                offloaded_blocks: r.offloaded,
                 gpu_utilization: stats.map_or(1.0, |s| s.gpu_utilization),
                 queue_depth: r.depth,
                 health_score: stats.map_or(0.0, |s| s.health_score),
@@ -477,7 +479,9 @@ impl Router {
                 annotations: &status.annotations,
             }
         }));
-        let ctx = ScoreContext { adapter: req.adapter, total_blocks, config: &self.config, candidates: &facts };
+        let block_size = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
+        let ctx =
+            ScoreContext { adapter: req.adapter, total_blocks, block_size, config: &self.config, candidates: &facts };
         let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
         sc.preps.clear();
         sc.preps.extend(self.scorers.iter().map(|(s, _)| s.prepare(&ctx)));
@@ -526,6 +530,19 @@ impl Router {
         Ok(choice)
     }
 
+    /// Sets every row's CPU-tier-only blocks (docs/design.md §2 tiers): the CPU tier's consecutive
+    /// match beyond what the GPU index and pending entries credit.
+    fn overlay_offloaded(&self, sc: &mut Scratch, table: &PodTable, chain: &[kvroute_common::BlockHash]) {
+        let cpu = self.pool.cpu_index.load();
+        if cpu.match_prefix(chain, &mut sc.cpu_walk) == 0 {
+            return;
+        }
+        for row in &mut sc.rows {
+            let held = sc.cpu_walk.matched(table.pods[row.pod as usize].idx);
+            row.offloaded = held.saturating_sub(row.credited());
+        }
+    }
+
     /// docs/design.md §4 pile guard: when row `choice` carries far more requests than the least
     /// loaded candidate (`pile_guard_margin` more and `pile_guard_factor` times as many), the
     /// least loaded candidate that scores best among equally loaded ones; else `None`.
@@ -572,6 +589,7 @@ impl Router {
             custom,
             matched_blocks: row.credited(),
             pending_blocks: row.pending,
+            offloaded_blocks: row.offloaded,
         }
     }
 

@@ -21,7 +21,8 @@ fn s_default(r: &Router, cache_pct: u32, gpu: f64, queue: u32, health: f64, adap
     let run = vec!["x".to_string()];
     let none: Vec<String> = vec![];
     let f = facts(cache_pct, gpu, queue, health, if adapter { &run } else { &none });
-    let ctx = ScoreContext { adapter: Some("x"), total_blocks: 100, config: r.config(), candidates: &[] };
+    let ctx =
+        ScoreContext { adapter: Some("x"), total_blocks: 100, block_size: 16, config: r.config(), candidates: &[] };
     r.composite(&ctx, &f).1
 }
 
@@ -277,7 +278,7 @@ proptest! {
     ) {
         let facts_v: Vec<PodFacts<'_>> = pods.iter().map(|(m, c)| PodFacts { cost_per_hour: *c, ..facts(*m, 0.5, 0, 1.0, &[]) }).collect();
         let cfg = ScoringConfig::default();
-        let ctx = ScoreContext { adapter: None, total_blocks: 50, config: &cfg, candidates: &facts_v };
+        let ctx = ScoreContext { adapter: None, total_blocks: 50, block_size: 16, config: &cfg, candidates: &facts_v };
         let s = CostAwareScorer { margin };
         let prep: Prepared = s.prepare(&ctx);
         let scores: Vec<f64> = facts_v.iter().map(|f| s.score(&ctx, &prep, f)).collect();

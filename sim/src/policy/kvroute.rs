@@ -112,8 +112,8 @@ impl KvroutePolicy {
         let rt = tokio::runtime::Builder::new_current_thread().build().map_err(SimError::Runtime)?;
         let pool = Pool::new(PoolConfig { grace_ttl_ms: 3_600_000, ..PoolConfig::default() });
         let clock = Arc::new(ManualClock::new(SIM_EPOCH_MS));
-        let router = Router::with_clock(pool.clone(), config, clock.clone())
-            .map_err(|e| SimError::Scoring(e.to_string()))?;
+        let router =
+            Router::with_clock(pool.clone(), config, clock.clone()).map_err(|e| SimError::Scoring(e.to_string()))?;
         let events = if shared_view {
             router.shared().enable_replication();
             router.subscribe_peer().map(|(_, rx)| rx)

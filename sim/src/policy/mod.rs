@@ -109,7 +109,10 @@ impl Default for PolicyOptions {
 }
 
 /// The kvroute preset `preset` with `overlay`'s fields over it.
-fn scoring(preset: &str, overlay: Option<&serde_json::Map<String, serde_json::Value>>) -> Result<ScoringConfig, SimError> {
+fn scoring(
+    preset: &str,
+    overlay: Option<&serde_json::Map<String, serde_json::Value>>,
+) -> Result<ScoringConfig, SimError> {
     let base = ScoringConfig::preset(preset).ok_or_else(|| SimError::UnknownPolicy(preset.to_string()))?;
     let Some(overlay) = overlay else { return Ok(base) };
     let mut merged = serde_json::to_value(base).map_err(|e| SimError::Scoring(e.to_string()))?;
