@@ -1,11 +1,25 @@
 //! The agent's configuration file (YAML, `--config agent.yaml`). One struct, unknown fields
 //! rejected, every default and unit documented; [`AgentConfig::validate`] checks it once at start.
-//! `--gpu-source` overrides `gpu_source`; `NODE_NAME` (else the host name) fills `node_name`.
+//! `--gpu-source` overrides `gpu_source`; `--pool-name` / `--pool-namespace` set `pool`;
+//! `NODE_NAME` (else, outside Kubernetes, the host name) fills `node_name`.
+//!
+//! Two choices (docs/design.md §14), each made by which field is set:
+//! - engines ([`EngineSource`]): `pool` (Kubernetes: the InferencePool's pods on this node),
+//!   `engine_file` (a static engine file, re-read when it changes) or `engines` (a static list
+//!   in this file, fixed until restart);
+//! - pickers ([`PickerSource`]): `picker_service` (every replica behind the picker's headless
+//!   Service, from its EndpointSlices) or `pickers` (a static list).
 
 use crate::report::hub::MIN_DELTA_QUEUE;
+use kvroute_cluster::engine::{EngineSpec, GpuRef};
+use kvroute_cluster::pool::endpoint_name;
+use kvroute_cluster::{NodeView, PoolRef, Source};
+use kvroute_common::config::InvalidField;
 use serde::Deserialize;
 use std::fmt::Display;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Configuration errors: what was wrong and where.
 #[derive(Debug, thiserror::Error)]
@@ -27,21 +41,14 @@ pub enum ConfigError {
         /// Parser error (names the field and position).
         source: serde_norway::Error,
     },
-    /// A value is out of range or inconsistent.
-    #[error("invalid config: {field} = {value}: {fix}")]
-    Invalid {
-        /// Which field, e.g. `engines["p"].endpoint`.
-        field: String,
-        /// Its value as given.
-        value: String,
-        /// What is wrong and what to do.
-        fix: String,
-    },
+    /// A value is out of range or inconsistent: which field, its value, what to do.
+    #[error("invalid config: {0}")]
+    Invalid(#[from] InvalidField),
 }
 
 impl ConfigError {
     fn invalid(field: impl Into<String>, value: impl Display, fix: impl Into<String>) -> Self {
-        ConfigError::Invalid { field: field.into(), value: value.to_string(), fix: fix.into() }
+        ConfigError::Invalid(InvalidField::new(field, value, fix))
     }
 }
 
@@ -96,21 +103,31 @@ pub const DEFAULT_KV_REPLAY_TIMEOUT_MS: u64 = 1000;
 pub const DEFAULT_DELTA_QUEUE: usize = 4096;
 /// Default `engines[].max_num_seqs` (vLLM's default `--max-num-seqs`).
 pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
+/// Default `engine_file_poll_ms`.
+pub const DEFAULT_ENGINE_FILE_POLL_MS: u64 = 500;
+/// Default `pod_resources_socket`: the kubelet's PodResources API.
+pub const DEFAULT_POD_RESOURCES_SOCKET: &str = kvroute_cluster::podresources::DEFAULT_SOCKET;
+/// Default `pod_resources_poll_ms`.
+pub const DEFAULT_POD_RESOURCES_POLL_MS: u64 = 2000;
+/// Default `picker_service.port`: the name of the picker Service's agent-ingest port.
+pub const DEFAULT_PICKER_PORT_NAME: &str = "ingest";
 
-/// The agent's configuration (see `agent/agent.example.yaml`). `pickers` and `engines` are
+/// The agent's configuration (see `agent/agent.example.yaml`). One engine source (`pool`,
+/// `engine_file` or `engines`) and one picker source (`picker_service` or `pickers`) are
 /// required; every other field has the default named in its doc.
-///
-/// Sources: `engines:` is the static engine list of this node. The Kubernetes work adds the other
-/// source of the same list, the engines discovered from the cluster (the node's pods of the
-/// InferencePool); every other field applies to both.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgentConfig {
-    /// Kubernetes node name. Default: `$NODE_NAME`, else the host name.
+    /// Node name, sent in `Hello` and (Kubernetes) the `spec.nodeName` whose pods the agent
+    /// serves. Default: `$NODE_NAME` (the downward API's `spec.nodeName`), else, outside
+    /// Kubernetes only, the host name.
     pub node_name: Option<String>,
-    /// Picker agent-ingest gRPC endpoints (`http://host:port`); each gets the full stream.
-    /// Required, at least one.
+    /// Static picker agent-ingest gRPC endpoints (`http://host:port`); each gets the full
+    /// stream. One picker source is required: this or `picker_service`.
     pub pickers: Vec<String>,
+    /// The picker's headless Service: every replica behind it gets the full stream, streams
+    /// opening and closing as replicas come and go (EndpointSlices). Default none.
+    pub picker_service: Option<PickerServiceConfig>,
     /// `"nvml"` or `"mock:<scenario.yaml>"`. Default `"nvml"`; the `--gpu-source` flag overrides.
     pub gpu_source: GpuSourceSpec,
     /// Listen address of the agent's own `/metrics` and `/healthz`. Default
@@ -135,8 +152,87 @@ pub struct AgentConfig {
     /// Deltas queued for the picker streams (all pods together) before a slower stream falls
     /// behind and resends snapshots. Default [`DEFAULT_DELTA_QUEUE`] (4096); at least 16.
     pub delta_queue: usize,
-    /// The engines on this node. Required, at least one.
+    /// A static list of the engines on this node, fixed until restart. One engine source is
+    /// required: this, `engine_file` or `pool`.
     pub engines: Vec<EngineConfig>,
+    /// A static engine file (format: `kvroute_cluster::file`, docs/operations.md), re-read when
+    /// its content changes: engines start and stop with its entries, without a restart.
+    /// Default none.
+    pub engine_file: Option<String>,
+    /// How often `engine_file` is checked for changes, ms. Default
+    /// [`DEFAULT_ENGINE_FILE_POLL_MS`] (500).
+    pub engine_file_poll_ms: u64,
+    /// Kubernetes: the InferencePool whose pods on this node are the engines (one per pod and
+    /// target port). `--pool-name` / `--pool-namespace` set it. Default none.
+    pub pool: Option<PoolConfig>,
+    /// Kubernetes: the kubelet's PodResources socket (pod → GPU UUIDs). Default
+    /// [`DEFAULT_POD_RESOURCES_SOCKET`].
+    pub pod_resources_socket: String,
+    /// Kubernetes: how often PodResources is listed, ms (also at once when a pod appears).
+    /// Default [`DEFAULT_POD_RESOURCES_POLL_MS`] (2000).
+    pub pod_resources_poll_ms: u64,
+}
+
+/// The InferencePool an agent serves (docs/design.md §14).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The pool's name (the GIE EPP's `--pool-name`).
+    pub name: String,
+    /// Its namespace (`--pool-namespace`). Default: `$NAMESPACE`, else `default`, as the EPP.
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+/// The picker's headless Service (docs/design.md §14).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PickerServiceConfig {
+    /// Service name (its EndpointSlices carry `kubernetes.io/service-name=<name>`).
+    pub name: String,
+    /// Namespace. Default: the pool's namespace, else `$NAMESPACE`, else `default`.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Name of the Service port agents report to. Default [`DEFAULT_PICKER_PORT_NAME`]
+    /// (`ingest`).
+    #[serde(default = "default_picker_port")]
+    pub port: String,
+}
+
+fn default_picker_port() -> String {
+    DEFAULT_PICKER_PORT_NAME.into()
+}
+
+/// Where the agent's engines come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineSource {
+    /// `engines:` in the config file.
+    Static(Arc<NodeView>),
+    /// `engine_file:`, polled every `poll`.
+    File {
+        /// The file.
+        path: String,
+        /// Poll period.
+        poll: Duration,
+    },
+    /// `pool:`: the pool's pods on this node.
+    Kubernetes(PoolRef),
+}
+
+/// Where the picker replicas come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PickerSource {
+    /// `pickers:`.
+    Static(Vec<String>),
+    /// `picker_service:`: namespace, Service, port name.
+    Service {
+        /// Namespace.
+        namespace: String,
+        /// Service name.
+        name: String,
+        /// Port name.
+        port: String,
+    },
 }
 
 impl Default for AgentConfig {
@@ -154,16 +250,26 @@ impl Default for AgentConfig {
             kv_replay_timeout_ms: DEFAULT_KV_REPLAY_TIMEOUT_MS,
             delta_queue: DEFAULT_DELTA_QUEUE,
             engines: Vec::new(),
+            picker_service: None,
+            engine_file: None,
+            engine_file_poll_ms: DEFAULT_ENGINE_FILE_POLL_MS,
+            pool: None,
+            pod_resources_socket: DEFAULT_POD_RESOURCES_SOCKET.into(),
+            pod_resources_poll_ms: DEFAULT_POD_RESOURCES_POLL_MS,
         }
     }
 }
 
-/// One vLLM engine (one pod).
+/// One vLLM engine: a pod's target port. Reported to the pickers as `<pod>-rank-<rank>`, the
+/// name the GIE endpoint picker gives a pod's port (docs/design.md §14).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
     /// Pod name, unique in the InferencePool.
     pub pod: String,
+    /// Index of the port in the pool's target ports (data-parallel rank). Default 0.
+    #[serde(default)]
+    pub rank: u32,
     /// `ip:port` of the engine's HTTP server (requests and `/metrics`); what Envoy dials.
     pub endpoint: String,
     /// Base model id (hash root). Default: the first id from `/v1/models`.
@@ -175,9 +281,9 @@ pub struct EngineConfig {
     /// The engine's ZeroMQ ROUTER replay endpoint. Absent: gaps always lead to a clear.
     #[serde(default)]
     pub kv_replay: Option<String>,
-    /// GPU indices this engine uses. Default none.
+    /// GPUs this engine uses: NVML indices or UUIDs (`GPU-…`). Default none.
     #[serde(default)]
-    pub gpus: Vec<u32>,
+    pub gpus: Vec<GpuRef>,
     /// The engine's `--max-num-seqs` (requests); mock GPU utilization = running / this. Default
     /// [`DEFAULT_MAX_NUM_SEQS`] (256).
     #[serde(default = "default_max_num_seqs")]
@@ -192,6 +298,39 @@ pub struct EngineConfig {
     pub annotations: std::collections::BTreeMap<String, String>,
 }
 
+impl EngineConfig {
+    /// `<pod>-rank-<rank>`: the engine's name towards the pickers.
+    pub fn name(&self) -> String {
+        endpoint_name(&self.pod, self.rank)
+    }
+
+    /// The engine as the discovery sources describe one (`endpoint` must be `ip:port`, as
+    /// [`AgentConfig::validate`] checks).
+    pub fn to_spec(&self) -> Option<EngineSpec> {
+        Some(EngineSpec {
+            endpoint: self.name(),
+            pod: self.pod.clone(),
+            namespace: String::new(),
+            uid: None,
+            rank: self.rank,
+            http: self.endpoint.parse().ok()?,
+            ready: true,
+            container: None,
+            kv_events: self.kv_events.clone(),
+            kv_replay: self.kv_replay.clone(),
+            kv_topic: String::new(),
+            model: self.model.clone(),
+            served_model_names: Vec::new(),
+            block_size: Some(self.block_size),
+            max_num_seqs: Some(self.max_num_seqs),
+            gpus: self.gpus.clone(),
+            labels: Arc::default(),
+            annotations: Arc::new(self.annotations.clone()),
+            problems: Vec::new(),
+        })
+    }
+}
+
 fn default_max_num_seqs() -> u32 {
     DEFAULT_MAX_NUM_SEQS
 }
@@ -202,9 +341,15 @@ fn default_block_size() -> u32 {
 impl AgentConfig {
     /// Reads and validates a YAML file.
     pub fn load(path: &str) -> Result<Self, ConfigError> {
+        Self::load_with(path, |_| {})
+    }
+
+    /// Reads a YAML file, applies `overrides` (command-line flags), then validates.
+    pub fn load_with(path: &str, overrides: impl FnOnce(&mut Self)) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        let cfg: AgentConfig =
+        let mut cfg: AgentConfig =
             serde_norway::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        overrides(&mut cfg);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -212,12 +357,18 @@ impl AgentConfig {
     /// Checks ranges and uniqueness; the error names the field, its value and the fix.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |field: &str, value: &dyn Display, fix: &str| Err(ConfigError::invalid(field, value, fix));
-        if self.pickers.is_empty() {
-            return bad("pickers", &"[]", "at least one picker endpoint is required");
-        }
+        self.picker_source()?;
         for p in &self.pickers {
             if !(p.starts_with("http://") || p.starts_with("https://")) {
                 return bad("pickers", &format!("{p:?}"), "must start with http:// or https://");
+            }
+        }
+        if let Some(s) = &self.picker_service {
+            if s.name.is_empty() {
+                return bad("picker_service.name", &"\"\"", "name the picker's headless Service");
+            }
+            if s.port.is_empty() {
+                return bad("picker_service.port", &"\"\"", "name the Service port agents report to (e.g. ingest)");
             }
         }
         for (name, v) in [
@@ -226,6 +377,8 @@ impl AgentConfig {
             ("probe_interval_ms", self.probe_interval_ms),
             ("probe_timeout_ms", self.probe_timeout_ms),
             ("kv_replay_timeout_ms", self.kv_replay_timeout_ms),
+            ("engine_file_poll_ms", self.engine_file_poll_ms),
+            ("pod_resources_poll_ms", self.pod_resources_poll_ms),
         ] {
             if v == 0 {
                 return bad(name, &v, "must be > 0 (ms)");
@@ -234,21 +387,31 @@ impl AgentConfig {
         if self.delta_queue < MIN_DELTA_QUEUE {
             return bad("delta_queue", &self.delta_queue, "must be at least 16 (deltas)");
         }
-        if self.engines.is_empty() {
-            return bad("engines", &"[]", "at least one engine is required");
+        if let Some(p) = &self.pool
+            && p.name.is_empty()
+        {
+            return bad("pool.name", &"\"\"", "name the InferencePool (or pass --pool-name)");
         }
+        if self.engine_file.as_deref() == Some("") {
+            return bad("engine_file", &"\"\"", "give the engine file's path, or leave the field out");
+        }
+        self.engine_source_kind()?;
         let mut pods = std::collections::HashSet::new();
         for e in &self.engines {
-            if e.pod.is_empty() || !pods.insert(e.pod.as_str()) {
+            if e.pod.is_empty() || !pods.insert((e.pod.as_str(), e.rank)) {
                 return bad(
                     "engines[].pod",
                     &format!("{:?}", e.pod),
-                    "is empty or repeated; give each engine its pod's name",
+                    "is empty or repeated with the same rank; give each engine its pod's name",
                 );
             }
-            let field = |f: &str| format!("engines[{:?}].{f}", e.pod);
-            if e.endpoint.parse::<SocketAddr>().is_err() && !e.endpoint.contains(':') {
-                return bad(&field("endpoint"), &format!("{:?}", e.endpoint), "expected ip:port");
+            let field = |f: &str| format!("engines[{:?}].{f}", e.name());
+            if e.endpoint.parse::<SocketAddr>().is_err() {
+                return bad(
+                    &field("endpoint"),
+                    &format!("{:?}", e.endpoint),
+                    "expected ip:port (Envoy dials it as given)",
+                );
             }
             for (f, ep) in [("kv_events", &e.kv_events), ("kv_replay", &e.kv_replay)] {
                 if let Some(ep) = ep
@@ -264,6 +427,111 @@ impl AgentConfig {
             }
         }
         Ok(())
+    }
+
+    /// Which engine source is set: exactly one is required.
+    fn engine_source_kind(&self) -> Result<&'static str, ConfigError> {
+        let set: Vec<&'static str> = [
+            (!self.engines.is_empty(), "engines"),
+            (self.engine_file.is_some(), "engine_file"),
+            (self.pool.is_some(), "pool"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        match set.as_slice() {
+            [one] => Ok(one),
+            [] => Err(ConfigError::invalid(
+                "engines",
+                "[]",
+                "one engine source is required: pool (Kubernetes, or --pool-name), engine_file, or engines",
+            )),
+            many => Err(ConfigError::invalid(
+                many.join(" + "),
+                "both set",
+                "choose one engine source: pool, engine_file or engines",
+            )),
+        }
+    }
+
+    /// The engine source. Node name and namespaces are resolved from the environment here.
+    ///
+    /// # Errors
+    /// No source or several (as [`AgentConfig::validate`]).
+    pub fn engine_source(&self) -> Result<EngineSource, ConfigError> {
+        Ok(match self.engine_source_kind()? {
+            "pool" => {
+                let p = self.pool.as_ref().ok_or_else(|| ConfigError::invalid("pool", "none", "unreachable"))?;
+                EngineSource::Kubernetes(PoolRef {
+                    namespace: kvroute_cluster::pool_namespace(p.namespace.as_deref()),
+                    name: p.name.clone(),
+                })
+            }
+            "engine_file" => EngineSource::File {
+                path: self.engine_file.clone().unwrap_or_default(),
+                poll: Duration::from_millis(self.engine_file_poll_ms),
+            },
+            _ => {
+                let mut engines: Vec<EngineSpec> = self.engines.iter().filter_map(EngineConfig::to_spec).collect();
+                engines.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+                EngineSource::Static(Arc::new(NodeView {
+                    source: Source::File("agent config engines".into()),
+                    node: self.resolved_node_name(),
+                    pool: None,
+                    engines,
+                    synced: true,
+                    dropped_pods: 0,
+                    generation: 1,
+                }))
+            }
+        })
+    }
+
+    /// The picker source: exactly one of `pickers` and `picker_service`.
+    ///
+    /// # Errors
+    /// Neither or both.
+    pub fn picker_source(&self) -> Result<PickerSource, ConfigError> {
+        match (&self.picker_service, self.pickers.is_empty()) {
+            (Some(_), false) => Err(ConfigError::invalid(
+                "pickers + picker_service",
+                "both set",
+                "choose one picker source: picker_service (Kubernetes) or pickers",
+            )),
+            (None, true) => Err(ConfigError::invalid(
+                "pickers",
+                "[]",
+                "one picker source is required: picker_service (the picker's headless Service) or pickers",
+            )),
+            (None, false) => Ok(PickerSource::Static(self.pickers.clone())),
+            (Some(s), true) => {
+                let namespace = s.namespace.clone().or_else(|| self.pool.as_ref().and_then(|p| p.namespace.clone()));
+                Ok(PickerSource::Service {
+                    namespace: kvroute_cluster::pool_namespace(namespace.as_deref()),
+                    name: s.name.clone(),
+                    port: s.port.clone(),
+                })
+            }
+        }
+    }
+
+    /// The node whose pods a Kubernetes agent serves: `node_name`, else `$NODE_NAME`; never the
+    /// host name (a pod's host name is not its node's name).
+    ///
+    /// # Errors
+    /// Neither is set.
+    pub fn kubernetes_node_name(&self) -> Result<String, ConfigError> {
+        self.node_name
+            .clone()
+            .filter(|s| !s.is_empty())
+            .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
+            .ok_or_else(|| {
+                ConfigError::invalid(
+                    "node_name",
+                    "unset",
+                    "set NODE_NAME from the downward API (env valueFrom fieldRef spec.nodeName)",
+                )
+            })
     }
 
     /// `node_name`, else `$NODE_NAME`, else the host name, else "unknown-node".
@@ -286,7 +554,7 @@ mod tests {
     fn example_parses_with_defaults() {
         let cfg: AgentConfig = serde_norway::from_str(EXAMPLE).expect("example parses");
         cfg.validate().expect("example valid");
-        assert_eq!(cfg.engines[0].gpus, vec![0]);
+        assert_eq!(cfg.engines[0].gpus, vec![GpuRef::Index(0)]);
         assert_eq!(cfg.block_flush_ms, 10);
         let min: AgentConfig =
             serde_norway::from_str("pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\n")
@@ -313,10 +581,22 @@ mod tests {
             "pickers: [\"http://x:1\"]\nkv_replay_timeout_ms: 0\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\n",
             "pickers: [\"http://x:1\"]\ndelta_queue: 8\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\n",
             "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"1.2.3.4:80\", max_num_seqs: 0}]\n",
+            // Engine and picker sources: none, or two at once.
+            "pickers: [\"http://x:1\"]\n",
+            "pickers: [\"http://x:1\"]\nengine_file: e.yaml\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\n",
+            "pickers: [\"http://x:1\"]\nengine_file: e.yaml\npool: {name: p}\n",
+            "pool: {name: p}\n",
+            "pickers: [\"http://x:1\"]\npicker_service: {name: s}\npool: {name: p}\n",
+            "picker_service: {name: \"\"}\npool: {name: p}\n",
+            "picker_service: {name: s}\npool: {name: \"\"}\n",
+            "picker_service: {name: s}\nengine_file: \"\"\n",
+            "picker_service: {name: s}\npool: {name: p}\npod_resources_poll_ms: 0\n",
+            // An endpoint Envoy cannot dial as given.
+            "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"vllm.local:80\"}]\n",
         ] {
             let cfg: AgentConfig = serde_norway::from_str(yaml).expect("parses");
             match cfg.validate() {
-                Err(ConfigError::Invalid { field, value, fix }) => {
+                Err(ConfigError::Invalid(InvalidField { field, value, fix })) => {
                     assert!(!field.is_empty() && !value.is_empty() && !fix.is_empty(), "{yaml}")
                 }
                 other => panic!("{yaml}: {other:?}"),
@@ -330,5 +610,50 @@ mod tests {
         .expect_err("cuda is no GPU source")
         .to_string();
         assert!(err.contains("gpu_source") && err.contains("cuda"), "{err}");
+    }
+
+    #[test]
+    fn sources_resolve_as_documented() {
+        const K8S: &str = include_str!("../agent.kubernetes.example.yaml");
+        let k: AgentConfig = serde_norway::from_str(K8S).expect("kubernetes example parses");
+        k.validate().expect("kubernetes example valid");
+        match k.engine_source().expect("engine source") {
+            EngineSource::Kubernetes(p) => {
+                assert_eq!((p.name.as_str(), p.namespace.as_str()), ("vllm-qwen", "inference"))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            k.picker_source().expect("picker source"),
+            PickerSource::Service {
+                namespace: "inference".into(),
+                name: "kvroute-picker-ingest".into(),
+                port: "ingest".into()
+            },
+            "the Service's namespace and port default to the pool's and `ingest`"
+        );
+        assert_eq!(k.pod_resources_socket, DEFAULT_POD_RESOURCES_SOCKET);
+        let mut k = k;
+        k.node_name = Some("gpu-node-7".into());
+        assert_eq!(k.kubernetes_node_name().expect("node"), "gpu-node-7");
+
+        let f: AgentConfig =
+            serde_norway::from_str("pickers: [\"http://x:1\"]\nengine_file: /etc/e.yaml\n").expect("parses");
+        f.validate().expect("a file source alone is enough: it may list no engine yet");
+        assert_eq!(
+            f.engine_source().expect("file"),
+            EngineSource::File { path: "/etc/e.yaml".into(), poll: Duration::from_millis(DEFAULT_ENGINE_FILE_POLL_MS) }
+        );
+
+        // Static engines are named as the picker names endpoints: <pod>-rank-<rank>.
+        let s: AgentConfig = serde_norway::from_str(
+            "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"1.2.3.4:80\", gpus: [GPU-a]}, {pod: p, rank: 1, endpoint: \"1.2.3.4:81\"}]\n",
+        )
+        .expect("parses");
+        s.validate().expect("two ranks of one pod");
+        let EngineSource::Static(view) = s.engine_source().expect("static") else { panic!("static") };
+        let names: Vec<_> = view.engines.iter().map(|e| (e.endpoint.as_str(), e.http.port())).collect();
+        assert_eq!(names, [("p-rank-0", 80), ("p-rank-1", 81)]);
+        assert_eq!(view.engines[0].gpus, [GpuRef::Uuid("GPU-a".into())]);
     }
 }

@@ -5,7 +5,10 @@
 //! - 1.0 healthy: no penalty at all.
 //! - 0.7–0.9 minor: intermittent corrected ECC (< 1/min), moderate thermal or power throttling,
 //!   host memory pressure, a slow probe, a probe that timed out while the engine kept processing
-//!   tokens (busy, not stuck).
+//!   tokens (busy, not stuck), GPUs the agent cannot see (0.3: "GPU not found on this node" when
+//!   NVML has no GPU of that index or UUID, "GPU assignment unknown" when the kubelet's
+//!   PodResources API has not told which GPUs the pod holds): the pod may be fine, but its ECC,
+//!   thermal and power state are unknown, so it must not pass for healthy (docs/design.md §14).
 //! - 0.3–0.6 significant: frequent corrected ECC (≥ ~10/min), throttling at ≥ 90 °C, several
 //!   minor problems together (soft penalties add, floored at 0.3 so they never exclude alone).
 //! - < 0.3 excluded: uncorrected ECC errors (0.1), probe failing, or timing out while the
@@ -33,6 +36,21 @@ pub enum ProbeOutcome {
     TimedOutBusy,
 }
 
+/// Whether the agent sees the pod's GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuVisibility {
+    /// Every GPU of the pod was sampled (or the pod declares none).
+    #[default]
+    Seen,
+    /// A GPU named for the pod does not exist on this node (NVML has no such index or UUID).
+    NotFound,
+    /// Which GPUs the pod holds is not known (PodResources unreachable or listing none).
+    Unknown,
+}
+
+/// Soft penalty for GPUs the agent cannot see.
+pub const GPU_UNSEEN_PENALTY: f64 = 0.3;
+
 /// Everything the score depends on, for one pod.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HealthInputs {
@@ -58,6 +76,8 @@ pub struct HealthInputs {
     pub power_throttle: bool,
     /// Host memory in use, fraction [0,1].
     pub host_memory_used: f64,
+    /// Whether the pod's GPUs could be sampled.
+    pub gpus: GpuVisibility,
 }
 
 impl Default for HealthInputs {
@@ -74,6 +94,7 @@ impl Default for HealthInputs {
             thermal_throttle: false,
             power_throttle: false,
             host_memory_used: 0.3,
+            gpus: GpuVisibility::Seen,
         }
     }
 }
@@ -144,6 +165,11 @@ pub fn health_score(i: &HealthInputs) -> Health {
     }
     if i.probe == ProbeOutcome::TimedOutBusy {
         penalties.push((0.3, "inference probe timed out behind a busy queue"));
+    }
+    match i.gpus {
+        GpuVisibility::Seen => {}
+        GpuVisibility::NotFound => penalties.push((GPU_UNSEEN_PENALTY, "GPU not found on this node")),
+        GpuVisibility::Unknown => penalties.push((GPU_UNSEEN_PENALTY, "GPU assignment unknown")),
     }
     let total: f64 = penalties.iter().map(|(p, _)| p).sum();
     let reason = penalties.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map_or("", |(_, r)| r);
@@ -220,6 +246,20 @@ mod tests {
         let slowest = with(|i| i.probe = ProbeOutcome::Ok { latency_ms: i.probe_timeout_ms });
         assert!((busy.score - slowest.score).abs() < 1e-12, "{busy:?} vs {slowest:?}");
         assert!(busy.score >= 0.3 && busy.reason.contains("busy"), "{busy:?}");
+    }
+
+    #[test]
+    fn unseen_gpus_are_a_named_penalty_never_silently_healthy() {
+        let missing = with(|i| i.gpus = GpuVisibility::NotFound);
+        assert_eq!((band(missing.score), missing.reason.as_str()), (3, "GPU not found on this node"));
+        let unknown = with(|i| i.gpus = GpuVisibility::Unknown);
+        assert_eq!((band(unknown.score), unknown.reason.as_str()), (3, "GPU assignment unknown"));
+        // A hard condition still decides.
+        let both = with(|i| {
+            i.gpus = GpuVisibility::NotFound;
+            i.probe = ProbeOutcome::Failed
+        });
+        assert_eq!(both.reason, "inference probe failing");
     }
 
     #[test]

@@ -2,14 +2,14 @@
 //! translates their KV-cache events into kvroute block hashes and streams per-pod deltas to the
 //! picker(s).
 
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
-
 pub mod app;
 pub mod config;
 pub mod engine;
+mod engines;
 pub mod gpu;
 pub mod health;
 mod node;
+mod pickers;
 pub mod report;
 mod scrape_loop;
 pub mod telemetry;

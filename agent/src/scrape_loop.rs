@@ -12,7 +12,9 @@
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::metrics::EngineMetrics;
 use crate::engine::scrape::EngineClient;
-use crate::health::{HealthInputs, ProbeOutcome, health_score};
+use crate::engines::GpuBinding;
+use crate::gpu::{GpuError, gpu_name};
+use crate::health::{GpuVisibility, HealthInputs, ProbeOutcome, health_score};
 use crate::node::NodeSources;
 use crate::report::hub::Pod;
 use crate::telemetry::{AgentMetrics, Labels, pod_label};
@@ -25,12 +27,13 @@ use tokio::sync::watch;
 /// Window over which corrected ECC errors are counted into a per-minute rate.
 const ECC_RATE_WINDOW: Duration = Duration::from_secs(60);
 
-/// Scrapes the engine, samples its GPUs and the host, computes health and updates the pod, until
-/// `stop` turns true.
+/// Scrapes the engine, samples its GPUs (`gpus`, which may change while it runs) and the host,
+/// computes health and updates the pod, until `stop` turns true.
 pub(crate) async fn scrape_task(
     engine: EngineConfig,
     config: AgentConfig,
     pod: Arc<Pod>,
+    gpus: watch::Receiver<Arc<GpuBinding>>,
     node: Arc<NodeSources>,
     metrics: Arc<AgentMetrics>,
     mut stop: watch::Receiver<bool>,
@@ -38,7 +41,7 @@ pub(crate) async fn scrape_task(
     // Every engine's task ticks from the same start: one timer wake-up per interval for all.
     let mut scrape = tokio::time::interval_at(node.first_scrape, Duration::from_millis(config.scrape_interval_ms));
     scrape.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut state = ScrapeLoop::new(engine, &config, pod, node, metrics);
+    let mut state = ScrapeLoop::new(engine, &config, pod, gpus, node, metrics);
     loop {
         tokio::select! {
             _ = scrape.tick() => {}
@@ -52,6 +55,9 @@ pub(crate) async fn scrape_task(
 struct ScrapeLoop {
     engine: EngineConfig,
     pod: Arc<Pod>,
+    gpus: watch::Receiver<Arc<GpuBinding>>,
+    /// The last GPU problem logged (logged again only when it changes).
+    gpu_problem: Option<String>,
     node: Arc<NodeSources>,
     metrics: Arc<AgentMetrics>,
     labels: Labels,
@@ -73,6 +79,7 @@ impl ScrapeLoop {
         engine: EngineConfig,
         config: &AgentConfig,
         pod: Arc<Pod>,
+        gpus: watch::Receiver<Arc<GpuBinding>>,
         node: Arc<NodeSources>,
         metrics: Arc<AgentMetrics>,
     ) -> Self {
@@ -82,6 +89,8 @@ impl ScrapeLoop {
             client: EngineClient::new(&engine.endpoint, probe_timeout),
             engine,
             pod,
+            gpus,
+            gpu_problem: None,
             node,
             metrics,
             probe_timeout,
@@ -197,7 +206,12 @@ impl ScrapeLoop {
             ..Default::default()
         };
         let (mut util, mut corrected) = (0.0f64, 0u64);
-        for &g in &self.engine.gpus {
+        let binding = self.gpus.borrow().clone();
+        let mut problem = binding.unknown.clone();
+        if problem.is_some() {
+            inputs.gpus = GpuVisibility::Unknown;
+        }
+        for g in &binding.gpus {
             match self.node.gpu.sample(g, load) {
                 Ok(s) => {
                     util = util.max(f64::from(s.utilization_gpu_pct) / 100.0);
@@ -207,8 +221,21 @@ impl ScrapeLoop {
                     inputs.thermal_throttle |= s.thermal_throttle;
                     inputs.power_throttle |= s.power_throttle;
                 }
-                Err(e) => tracing::warn!(pod = %self.engine.pod, error = %e, "GPU sample failed"),
+                Err(e @ GpuError::NotFound { .. }) => {
+                    inputs.gpus = GpuVisibility::NotFound;
+                    problem.get_or_insert_with(|| e.to_string());
+                }
+                Err(e) => {
+                    problem.get_or_insert_with(|| format!("GPU {} sample failed: {e}", gpu_name(g)));
+                }
             }
+        }
+        if problem != self.gpu_problem {
+            match &problem {
+                Some(p) => tracing::warn!(pod = %self.engine.pod, problem = %p, "engine GPUs not seen"),
+                None => tracing::info!(pod = %self.engine.pod, gpus = ?binding.gpus, "engine GPUs seen"),
+            }
+            self.gpu_problem = problem;
         }
         inputs.ecc_corrected_per_min = self.ecc.per_window(Instant::now(), corrected) as f64;
         if let Some(used) = self.node.host_memory.used(self.scrape_every) {

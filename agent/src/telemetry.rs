@@ -44,6 +44,12 @@ pub struct AgentMetrics {
     pub report_lag_ms: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Picker stream (re)connections, per picker.
     pub picker_connects: Family<Labels, Counter>,
+    /// Engines the agent serves now.
+    pub engines: Gauge,
+    /// Engine set changes, per `change` (`added`, `removed`, `restarted`).
+    pub engine_changes: Family<Labels, Counter>,
+    /// Picker report streams the agent keeps now (one per picker replica).
+    pub picker_streams: Gauge,
 }
 
 /// `[("pod", pod)]`.
@@ -66,6 +72,9 @@ impl AgentMetrics {
             health_score: Family::default(),
             report_lag_ms: Family::default(),
             picker_connects: Family::default(),
+            engines: Gauge::default(),
+            engine_changes: Family::default(),
+            picker_streams: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("kv_event_batches_received", "KV-event batches received", m.kv_events_received.clone());
@@ -94,7 +103,28 @@ impl AgentMetrics {
         registry.register("health_score", "Pod health score [0,1]", m.health_score.clone());
         registry.register("report_lag_ms", "Delta creation to picker Ack, ms", m.report_lag_ms.clone());
         registry.register("picker_connects", "Picker stream connections", m.picker_connects.clone());
+        registry.register("engines", "Engines served now", m.engines.clone());
+        registry.register("engine_changes", "Engines added, removed or restarted", m.engine_changes.clone());
+        registry.register("picker_streams", "Picker report streams open or opening", m.picker_streams.clone());
         Arc::new(Self { registry, ..m })
+    }
+
+    /// Drops every series of engine `pod` (it stopped): with pods coming and going, series of
+    /// gone pods would otherwise pile up for the agent's life.
+    pub fn forget_pod(&self, pod: &str) {
+        let l = pod_label(pod);
+        for f in [
+            &self.kv_events_received,
+            &self.kv_events_replayed,
+            &self.kv_blocks_dropped,
+            &self.kv_block_events,
+            &self.kv_events_malformed,
+            &self.kv_resyncs,
+            &self.scrape_errors,
+        ] {
+            f.remove(&l);
+        }
+        self.health_score.remove(&l);
     }
 
     /// Text exposition of every metric.

@@ -137,7 +137,7 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
         match msg.msg.expect("message set") {
             agent_message::Msg::Hello(h) => {
                 assert_eq!(h.node_name, "test-node");
-                assert_eq!(h.pods[0].pod, "engine-0");
+                assert_eq!(h.pods[0].pod, "engine-0-rank-0", "engines are named as the picker names endpoints");
                 hello = true;
             }
             agent_message::Msg::Snapshot(s) => {
@@ -184,8 +184,8 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
     assert!(hello && snapshot);
     let metrics =
         reqwest::get(format!("http://{}/metrics", agent.metrics_addr)).await.expect("get").text().await.expect("text");
-    assert!(metrics.contains("kvroute_agent_kv_event_batches_received_total{pod=\"engine-0\"} 3"), "{metrics}");
-    assert!(metrics.contains("kvroute_agent_health_score{pod=\"engine-0\"}"));
+    assert!(metrics.contains("kvroute_agent_kv_event_batches_received_total{pod=\"engine-0-rank-0\"} 3"), "{metrics}");
+    assert!(metrics.contains("kvroute_agent_health_score{pod=\"engine-0-rank-0\"}"));
     agent.shutdown().await;
     publisher.join().expect("publisher thread");
 }

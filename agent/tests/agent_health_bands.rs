@@ -58,7 +58,7 @@ async fn agent_with(scenario: &str, unhealthy: Arc<AtomicBool>) -> RunningAgent 
 
 /// Polls the pod's reported stats until `pred(score, reason)` holds; returns them.
 async fn wait_health(agent: &RunningAgent, what: &str, pred: impl Fn(f64, &str) -> bool) -> (f64, String) {
-    let pod = agent.hub.pod("engine-0").expect("pod");
+    let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let stats = pod.snapshot().stats.expect("stats");
@@ -144,7 +144,7 @@ async fn failing_engine_health_scores_zero() {
     let agent = agent_with("healthy.yaml", unhealthy.clone()).await;
     wait_health(&agent, "healthy first", |s, _| s == 1.0).await;
     unhealthy.store(true, Ordering::Relaxed);
-    let pod = agent.hub.pod("engine-0").expect("pod");
+    let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let s = pod.snapshot().stats.expect("stats");
@@ -171,7 +171,7 @@ async fn config_annotations_are_reported_in_pod_info() {
     let config: AgentConfig = serde_norway::from_str(&yaml).expect("config");
     let path = format!("{}/scenarios/healthy.yaml", env!("CARGO_MANIFEST_DIR"));
     let agent = app::start(config, Arc::new(MockGpuSource::from_file(&path).expect("scenario"))).await.expect("starts");
-    let pod = agent.hub.pod("engine-0").expect("pod");
+    let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     // Hello and every snapshot carry this PodInfo.
     let info = pod.snapshot().info.expect("info");
     assert_eq!(info.annotations.get("kvroute.io/cost-per-hour").map(String::as_str), Some("3.67"));

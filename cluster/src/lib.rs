@@ -12,8 +12,6 @@
 //! | [`NodeGpus`] (pod → GPU UUIDs) | [`watch_node_gpus`]: kubelet PodResources `List` | engine file `gpus` |
 //! | [`ReplicaView`] (picker replicas) | [`watch_picker_replicas`]: EndpointSlices | agent config |
 
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
-
 pub mod api;
 pub mod crd;
 pub mod engine;

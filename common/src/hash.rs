@@ -212,7 +212,6 @@ pub fn hash_block(parent: BlockHash, tokens: &[u32]) -> BlockHash {
 }
 
 #[cfg(test)]
-#[allow(clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -1,10 +1,12 @@
 //! Types shared by the kvroute agent and picker.
 //!
+//! - [`config`]: the field-structured error of both binaries' config files.
 //! - [`hash`]: the kvroute block hash (docs/design.md §2). Agent and picker must compute identical chains, so
 //!   the one implementation lives here.
 //! - [`ids`]: newtypes for the hash kinds, so an engine's opaque hash can never stand in for ours.
 //! - [`telemetry`]: JSON logging set-up used by every binary.
 
+pub mod config;
 pub mod hash;
 pub mod ids;
 #[cfg(feature = "telemetry")]

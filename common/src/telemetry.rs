@@ -218,7 +218,6 @@ pub fn inject_current() -> HashMap<String, String> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

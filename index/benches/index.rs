@@ -11,6 +11,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod designs;
 #[path = "../tests/workload/mod.rs"]
 mod workload;
 
@@ -22,11 +23,10 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use criterion::{BenchmarkId, Criterion, Throughput};
+use designs::pooled_hb::PooledHbBackend;
+use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
 use kvroute_common::{BlockHash, BlockHasher};
-use kvroute_index::{
-    Backend, BlockPods, DoubleBackend, DoubleSnapshot, FlatSnapshot, MatchScratch, PodIdx, PoolMap, PooledBackend,
-    ShardedBackend, Writer, match_prefix,
-};
+use kvroute_index::{Backend, BlockPods, FlatSnapshot, MatchScratch, PodIdx, PooledBackend, Writer, match_prefix};
 use workload::{CHAIN_BLOCKS, SplitMix, Workload, build};
 
 /// Entries in the lookup/ingest index (docs/design.md §10: ~1.04M).
@@ -129,10 +129,8 @@ where
     g.finish();
 }
 
-/// Design C over B's hashbrown snapshot (as first built).
-type PooledHashbrown = PooledBackend<3, DoubleSnapshot>;
 /// Design C over the flat table (in use).
-type PooledFlat = PooledBackend<3, FlatSnapshot>;
+type PooledFlat = PooledBackend<3>;
 
 fn lookups(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
@@ -243,17 +241,28 @@ fn ingest_double(c: &mut Criterion, w: &Workload, with_readers: bool) {
     );
 }
 
-/// Design C with readers, also reporting how often readers held every spare copy (the pool grew,
-/// or the writer waited).
-fn ingest_pooled<const MAX: usize, S>(c: &mut Criterion, w: &Workload, layout: &str)
-where
-    S: PoolMap + BlockPods + Send + Sync + 'static,
-{
-    let (published, mut writer) = build::<PooledBackend<MAX, S>>(w);
-    let (rounds, reads) = run_ingest(c, w, &format!("pooled{MAX}_{layout}/2_readers"), &published, &mut writer, true);
+/// Design C (flat, in use) with readers, also reporting how often readers held every spare
+/// copy (the pool grew, or the writer waited).
+fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
+    let (published, mut writer) = build::<PooledBackend<MAX>>(w);
+    let (rounds, reads) = run_ingest(c, w, &format!("pooled{MAX}_flat/2_readers"), &published, &mut writer, true);
     let b = writer.backend();
     println!(
-        "ingest/pooled{MAX}_{layout}: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
+        "ingest/pooled{MAX}_flat: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
+        2 * rounds,
+        b.copies(),
+        b.waits(),
+        b.copies_held()
+    );
+}
+
+/// Design C over hashbrown maps (round 3) with readers, same report.
+fn ingest_pooled_hb(c: &mut Criterion, w: &Workload) {
+    let (published, mut writer) = build::<PooledHashbrown>(w);
+    let (rounds, reads) = run_ingest(c, w, "pooled3_hashbrown/2_readers", &published, &mut writer, true);
+    let b: &PooledHbBackend = writer.backend();
+    println!(
+        "ingest/pooled3_hashbrown: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
         2 * rounds,
         b.copies(),
         b.waits(),
@@ -267,11 +276,11 @@ fn ingest(c: &mut Criterion) {
     ingest_design::<ShardedBackend>(c, "sharded", &w, false);
     ingest_double(c, &w, true);
     ingest_design::<DoubleBackend>(c, "double", &w, false);
-    ingest_pooled::<3, DoubleSnapshot>(c, &w, "hashbrown");
+    ingest_pooled_hb(c, &w);
     ingest_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w, false);
-    ingest_pooled::<3, FlatSnapshot>(c, &w, "flat");
+    ingest_pooled::<3>(c, &w);
     ingest_design::<PooledFlat>(c, "pooled3_flat", &w, false);
-    ingest_pooled::<4, FlatSnapshot>(c, &w, "flat");
+    ingest_pooled::<4>(c, &w);
     // Naive: no snapshots at all (a reader would need a lock), so no readers: an upper bound.
     let mut naive = build_naive(&w);
     let mut rng = SplitMix(7);
@@ -342,9 +351,14 @@ fn publish(c: &mut Criterion) {
     publish_design::<PooledFlat>(c, "pooled3_flat", &w);
 }
 
-fn pct(mut ns: Vec<u64>) -> (f64, f64) {
-    ns.sort_unstable();
-    let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+/// p50 and p99 of per-lookup times `ns` (nanoseconds), in µs, through an HDR histogram
+/// (1 ns to 1 s, 3 significant digits).
+fn pct(ns: Vec<u64>) -> (f64, f64) {
+    let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 1_000_000_000, 3).expect("valid bounds");
+    for v in ns {
+        h.saturating_record(v);
+    }
+    let at = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     (at(0.5), at(0.99))
 }
 

@@ -39,28 +39,3 @@ impl BuildHasher for MixBuild {
         MixHasher(0)
     }
 }
-
-/// Block hash → pods holding it. Both snapshot designs are built from these maps.
-pub(crate) type BlockMap = hashbrown::HashMap<u64, crate::PodSet, MixBuild>;
-
-/// Adds `pod` to `block`'s set; returns (the block is new, the pair is new).
-#[inline]
-pub(crate) fn map_link(map: &mut BlockMap, pod: crate::PodIdx, block: u64) -> (bool, bool) {
-    let set = map.entry(block).or_default();
-    let new_node = set.is_empty();
-    (new_node, set.insert(pod))
-}
-
-/// Removes `pod` from `block`'s set; returns (the pair was present, the block is now gone).
-#[inline]
-pub(crate) fn map_unlink(map: &mut BlockMap, pod: crate::PodIdx, block: u64) -> (bool, bool) {
-    let Some(set) = map.get_mut(&block) else {
-        return (false, false);
-    };
-    let removed = set.remove(pod);
-    if set.is_empty() {
-        map.remove(&block);
-        return (removed, true);
-    }
-    (removed, false)
-}

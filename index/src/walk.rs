@@ -1,6 +1,6 @@
 //! The prefix walk (docs/design.md §3): [`match_prefix`] calls the map's [`BlockPods::walk`],
-//! which is [`walk_blocks`] for every design but the flat snapshot (it follows runs to the same
-//! counts, see `flat.rs`, and shares `narrow`/`finish` with it).
+//! which is [`walk_blocks`] unless the map knows a faster way to the same counts (the flat
+//! snapshot follows runs, see `flat.rs`, and shares `narrow`/`finish` with it).
 //!
 //! [`walk_blocks`] walks the request's chain from block 0 and keeps the pods that held every
 //! block so far (`active`, sorted). A pod leaving `active` at depth d matched d blocks. Stops at the first block
@@ -13,7 +13,7 @@
 
 use kvroute_common::BlockHash;
 
-use crate::{MatchScratch, PodIdx};
+use crate::types::{MatchScratch, PodIdx};
 
 /// Read access to a block → pods map: what the walk needs from a snapshot.
 pub trait BlockPods {

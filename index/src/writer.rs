@@ -1,21 +1,33 @@
 //! [`Writer`]: the single writer, generic over the snapshot design ([`Backend`]).
 //!
-//! The writer owns, per pod, the set of blocks it holds, so clearing/replacing a pod costs O(its
-//! blocks) and the per-pod cap is exact. Every change to the shared map goes through
-//! [`Backend::link`]/[`Backend::unlink`]; [`Writer::publish`] makes everything applied so far
-//! visible to readers at once (a reader never sees half a batch, nor half a resync).
+//! Per pod the writer keeps a count of the blocks it holds (for the cap, exact) and a list of
+//! the blocks it stored ([`PodBlocks`]), so clearing or replacing a pod costs O(its blocks), not a
+//! scan of the map. The list is appended to when a store makes a new (block, pod) pair, which
+//! costs nothing random (the map already said whether the pair is new); a removal leaves its
+//! entry behind, stale, and the list is compacted (stale entries and repeats dropped, the map
+//! asked which blocks the pod still holds) once it is more than twice the count plus
+//! [`SLACK`], so it never exceeds that. Every change to the shared map goes through the
+//! [`Backend`]; [`Writer::publish`] makes everything applied so far visible to readers at once
+//! (a reader never sees half a batch, nor half a resync).
 //!
-//! Invariants: `entries` = Σ pod set sizes = (block, pod) pairs in the map; `nodes` = blocks with
-//! at least one pod; no pod holds more than `max_blocks_per_pod` blocks.
+//! Invariants: `entries` = Σ pod counts = (block, pod) pairs in the map; `nodes` = blocks with at
+//! least one pod; no pod holds more than `max_blocks_per_pod` blocks; a pod's list holds every
+//! block it holds (and maybe others), at most 2 × count + [`SLACK`] entries.
 
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use hashbrown::HashSet;
 use kvroute_common::BlockHash;
 
+use hashbrown::HashSet;
+
 use crate::hasher::MixBuild;
-use crate::{IndexStats, PodIdx};
+use crate::types::{IndexStats, PodIdx};
+
+/// Stale list entries allowed on top of the count before compacting (see the module docs).
+const SLACK: usize = 1024;
+/// Blocks whose slots are loaded ahead together while compacting.
+const STRETCH: usize = 32;
 
 /// One snapshot design: how the shared block → pods map is mutated and published.
 pub trait Backend {
@@ -27,21 +39,69 @@ pub trait Backend {
     fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
     /// Removes `pod` from `block`; returns (the pair was present, the block is now gone).
     fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool);
+    /// Whether `pod` holds `block` (in the working copy).
+    fn holds(&self, pod: PodIdx, block: u64) -> bool;
+    /// A hint before [`Backend::holds`] on `blocks`: start loading what it will read.
+    fn touch(&self, _blocks: &[BlockHash]) {}
     /// After a store call linked some of `blocks` (the call's blocks, in its order): lets the
     /// design group them (the flat snapshot makes runs). Changes no (block, pod) pair.
     fn seal(&mut self, _blocks: &[BlockHash]) {}
+    /// One store call: links `pod` to `blocks` in order until `room` new pairs were made, pushing
+    /// each block that became a new pair onto `linked`; the blocks after that are dropped
+    /// (counted) unless `pod` holds them already; then [`Backend::seal`]s `blocks` if anything
+    /// was linked. Returns (new blocks, dropped over the cap).
+    fn store(&mut self, pod: PodIdx, blocks: &[BlockHash], room: usize, linked: &mut Vec<u64>) -> (u64, u64) {
+        let (mut nodes, mut dropped, mut room, start) = (0, 0, room, linked.len());
+        for b in blocks {
+            if room == 0 {
+                dropped += u64::from(!self.holds(pod, b.0));
+                continue;
+            }
+            let (new_node, new_entry) = self.link(pod, b.0);
+            nodes += u64::from(new_node);
+            if new_entry {
+                linked.push(b.0);
+                room -= 1;
+            }
+        }
+        if linked.len() > start {
+            self.seal(blocks);
+        }
+        (nodes, dropped)
+    }
+    /// Unlinks `pod` from each of `blocks` it holds; returns (pairs removed, blocks gone).
+    fn remove(&mut self, pod: PodIdx, blocks: &[BlockHash]) -> (u64, u64) {
+        let (mut removed, mut gone) = (0, 0);
+        for b in blocks {
+            let (r, g) = self.unlink(pod, b.0);
+            removed += u64::from(r);
+            gone += u64::from(g);
+        }
+        (removed, gone)
+    }
     /// Makes every change so far visible to readers, with `stats`.
     fn publish(&mut self, stats: IndexStats);
     /// Heap bytes of the shared map(s), estimated from capacities.
     fn map_bytes(&self) -> u64;
 }
 
+/// What the writer keeps per pod. See the module docs.
+#[derive(Clone, Debug, Default)]
+struct PodBlocks {
+    /// Every block the pod holds, plus stale entries (removed since) and repeats.
+    list: Vec<u64>,
+    /// Blocks the pod holds.
+    held: usize,
+}
+
 /// The single writer. Owned by one thread (the pool's writer); readers only see snapshots.
 #[derive(Debug)]
 pub struct Writer<B: Backend> {
     backend: B,
-    /// Per pod (by `PodIdx`): the blocks it holds.
-    pod_blocks: Vec<HashSet<u64, MixBuild>>,
+    /// Per pod (by `PodIdx`).
+    pods: Vec<PodBlocks>,
+    /// Scratch: blocks seen while compacting (empty between calls).
+    seen: HashSet<u64, MixBuild>,
     max_blocks_per_pod: usize,
     nodes: u64,
     entries: u64,
@@ -54,7 +114,8 @@ impl<B: Backend> Writer<B> {
     pub fn new(published: Arc<ArcSwap<B::Snapshot>>, max_blocks_per_pod: usize) -> Self {
         Writer {
             backend: B::new(published),
-            pod_blocks: Vec::new(),
+            pods: Vec::new(),
+            seen: HashSet::default(),
             max_blocks_per_pod,
             nodes: 0,
             entries: 0,
@@ -62,112 +123,110 @@ impl<B: Backend> Writer<B> {
         }
     }
 
-    fn pod_set(&mut self, pod: PodIdx) -> &mut HashSet<u64, MixBuild> {
-        let i = pod.as_usize();
-        if i >= self.pod_blocks.len() {
-            self.pod_blocks.resize_with(i + 1, HashSet::default);
-        }
-        &mut self.pod_blocks[i]
-    }
-
-    /// The snapshot design's writer side (for its own counters, e.g. [`crate::DoubleBackend::clones`]).
+    /// The snapshot design's writer side (for its own counters, e.g. [`crate::PooledBackend::copies`]).
     pub fn backend(&self) -> &B {
         &self.backend
     }
 
     /// Number of blocks `pod` holds in the working copy (the per-pod entry count metric).
     pub fn pod_blocks(&self, pod: PodIdx) -> u64 {
-        self.pod_blocks.get(pod.as_usize()).map_or(0, |s| s.len() as u64)
-    }
-
-    fn link(&mut self, pod: PodIdx, h: u64) {
-        let (new_node, new_entry) = self.backend.link(pod, h);
-        self.nodes += u64::from(new_node);
-        self.entries += u64::from(new_entry);
-    }
-
-    fn unlink(&mut self, pod: PodIdx, h: u64) {
-        let (removed, node_gone) = self.backend.unlink(pod, h);
-        self.entries -= u64::from(removed);
-        self.nodes -= u64::from(node_gone);
+        self.pods.get(pod.as_usize()).map_or(0, |p| p.held as u64)
     }
 
     /// Records that `pod` holds `blocks`. Blocks over the pod's cap are dropped and counted.
     /// Returns how many were dropped.
     pub fn store(&mut self, pod: PodIdx, blocks: &[BlockHash]) -> u64 {
-        let cap = self.max_blocks_per_pod;
-        let mut dropped = 0;
-        let mut linked = false;
-        for b in blocks {
-            let set = self.pod_set(pod);
-            if set.len() >= cap {
-                if !set.contains(&b.0) {
-                    dropped += 1;
-                }
-                continue;
-            }
-            if set.insert(b.0) {
-                self.link(pod, b.0);
-                linked = true;
-            }
+        let i = pod.as_usize();
+        if i >= self.pods.len() {
+            self.pods.resize_with(i + 1, PodBlocks::default);
         }
-        if linked {
-            self.backend.seal(blocks);
-        }
+        let p = &mut self.pods[i];
+        let room = self.max_blocks_per_pod.saturating_sub(p.held);
+        let before = p.list.len();
+        let (new_nodes, dropped) = self.backend.store(pod, blocks, room, &mut p.list);
+        let new_entries = p.list.len() - before;
+        p.held += new_entries;
+        self.nodes += new_nodes;
+        self.entries += new_entries as u64;
         self.dropped_over_cap += dropped;
         dropped
     }
 
     /// Records that `pod` no longer holds `blocks` (unknown blocks are ignored).
     pub fn remove(&mut self, pod: PodIdx, blocks: &[BlockHash]) {
-        for b in blocks {
-            let held = self.pod_blocks.get_mut(pod.as_usize()).is_some_and(|s| s.remove(&b.0));
-            if held {
-                self.unlink(pod, b.0);
+        let Some(p) = self.pods.get_mut(pod.as_usize()) else {
+            return;
+        };
+        let (removed, gone) = self.backend.remove(pod, blocks);
+        p.held -= removed as usize;
+        self.entries -= removed;
+        self.nodes -= gone;
+        if p.list.len() > 2 * p.held + SLACK {
+            self.compact(pod);
+        }
+    }
+
+    /// Drops the stale entries and repeats from `pod`'s list: afterwards it lists exactly the
+    /// blocks the pod holds.
+    fn compact(&mut self, pod: PodIdx) {
+        let Writer { backend, pods, seen, .. } = self;
+        let Some(p) = pods.get_mut(pod.as_usize()) else {
+            return;
+        };
+        let mut kept = 0;
+        for at in (0..p.list.len()).step_by(STRETCH) {
+            let end = p.list.len().min(at + STRETCH);
+            let stretch: Vec<BlockHash> = p.list[at..end].iter().map(|h| BlockHash(*h)).collect();
+            backend.touch(&stretch);
+            for b in stretch {
+                if backend.holds(pod, b.0) && seen.insert(b.0) {
+                    p.list[kept] = b.0;
+                    kept += 1;
+                }
             }
         }
+        p.list.truncate(kept);
+        if p.list.capacity() > 2 * kept + SLACK {
+            p.list.shrink_to(kept + SLACK);
+        }
+        seen.clear();
+        seen.shrink_to(SLACK);
     }
 
     /// Removes every block of `pod`.
     pub fn clear_pod(&mut self, pod: PodIdx) {
-        let Some(set) = self.pod_blocks.get_mut(pod.as_usize()) else {
+        let Some(p) = self.pods.get_mut(pod.as_usize()) else {
             return;
         };
-        let old = std::mem::take(set);
-        for h in old {
-            self.unlink(pod, h);
-        }
+        let old = std::mem::take(p);
+        let blocks: Vec<BlockHash> = old.list.into_iter().map(BlockHash).collect();
+        let (removed, gone) = self.backend.remove(pod, &blocks);
+        self.entries -= removed;
+        self.nodes -= gone;
     }
 
     /// Replaces `pod`'s whole block set with `blocks` (visible atomically at the next publish).
     /// Only the difference touches the shared map. Returns blocks dropped over the cap.
     pub fn replace_pod(&mut self, pod: PodIdx, blocks: &[BlockHash]) -> u64 {
-        let mut new: HashSet<u64, MixBuild> = HashSet::with_capacity_and_hasher(blocks.len(), MixBuild);
-        new.extend(blocks.iter().map(|b| b.0));
-        let mut kept = std::mem::take(self.pod_set(pod));
-        let stale: Vec<u64> = kept.iter().copied().filter(|h| !new.contains(h)).collect();
-        // Keep what stays, unlink what goes, then store the rest (cap applies to the new total).
-        for h in &stale {
-            kept.remove(h);
-            self.unlink(pod, *h);
+        if let Some(p) = self.pods.get(pod.as_usize()).filter(|p| !p.list.is_empty()) {
+            let new: HashSet<u64, MixBuild> = blocks.iter().map(|b| b.0).collect();
+            // Unlink what goes (the list may repeat a block or name one gone: `remove` skips
+            // what the pod does not hold), then store the call (what stays is not re-linked;
+            // the cap applies to the total).
+            let stale: Vec<BlockHash> = p.list.iter().filter(|h| !new.contains(*h)).map(|h| BlockHash(*h)).collect();
+            self.remove(pod, &stale);
         }
-        *self.pod_set(pod) = kept;
-        let fresh: Vec<BlockHash> = blocks.iter().copied().filter(|b| !self.pod_set(pod).contains(&b.0)).collect();
-        self.store(pod, &fresh)
+        self.store(pod, blocks)
     }
 
     /// Forgets `pod` entirely (its id may be reused afterwards).
     pub fn drop_pod(&mut self, pod: PodIdx) {
         self.clear_pod(pod);
-        if let Some(s) = self.pod_blocks.get_mut(pod.as_usize()) {
-            *s = HashSet::default();
-        }
     }
 
     /// Current size figures of the working copy.
     pub fn stats(&self) -> IndexStats {
-        // Per-pod set slot: 8-byte key + 1 control byte. Heap-spilled PodSets are rare, not counted.
-        let pod_bytes: u64 = self.pod_blocks.iter().map(|s| s.capacity() as u64 * 9).sum();
+        let pod_bytes: u64 = self.pods.iter().map(|p| (p.list.capacity() * size_of::<u64>()) as u64).sum();
         IndexStats {
             nodes: self.nodes,
             entries: self.entries,
@@ -180,5 +239,87 @@ impl<B: Backend> Writer<B> {
     pub fn publish(&mut self) {
         let stats = self.stats();
         self.backend.publish(stats);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeSet, HashMap};
+
+    use super::*;
+    use crate::{FlatSnapshot, PooledBackend};
+
+    /// Churn on a few pods (stores, removes, re-stores of removed blocks, resyncs) long enough
+    /// that lists compact many times: counts stay exact, every held block stays listed, a list
+    /// never exceeds 2 × count + SLACK, and clearing a pod from its list empties it.
+    #[test]
+    fn pod_lists_stay_exact_and_bounded_under_churn() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut w = Writer::<PooledBackend>::new(published, 2000);
+        let mut model: HashMap<u16, BTreeSet<u64>> = HashMap::new();
+        let mut x = 0x2545_F491_4F6C_DD1D_u64;
+        let mut rand = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let (mut compactions, mut dropped) = (0, 0);
+        for step in 0..3000 {
+            let pod = rand(3) as u16;
+            let n = 1 + rand(64) as usize;
+            let blocks: Vec<BlockHash> = (0..n).map(|_| BlockHash(1 + rand(4000))).collect();
+            let held = model.entry(pod).or_default();
+            match rand(1000) {
+                0..=499 => {
+                    let mut want_dropped = 0;
+                    for b in &blocks {
+                        if held.len() < 2000 {
+                            held.insert(b.0);
+                        } else if !held.contains(&b.0) {
+                            want_dropped += 1;
+                        }
+                    }
+                    assert_eq!(w.store(PodIdx(pod), &blocks), want_dropped);
+                    dropped += want_dropped;
+                }
+                500..=996 => {
+                    for b in &blocks {
+                        held.remove(&b.0);
+                    }
+                    let len = |w: &Writer<PooledBackend>| w.pods.get(usize::from(pod)).map_or(0, |p| p.list.len());
+                    let before = len(&w);
+                    w.remove(PodIdx(pod), &blocks);
+                    compactions += usize::from(len(&w) < before);
+                }
+                997 | 998 => {
+                    held.clear();
+                    held.extend(blocks.iter().take(2000).map(|b| b.0));
+                    w.replace_pod(PodIdx(pod), &blocks);
+                }
+                _ => {
+                    held.clear();
+                    w.clear_pod(PodIdx(pod));
+                }
+            }
+            if step % 8 != 0 {
+                continue;
+            }
+            for (p, held) in &model {
+                let list = w.pods.get(usize::from(*p)).map_or(&[][..], |p| &p.list[..]);
+                assert_eq!(w.pod_blocks(PodIdx(*p)), held.len() as u64, "pod {p} count at step {step}");
+                assert!(list.len() <= 2 * held.len() + SLACK, "pod {p} list {} for {} held", list.len(), held.len());
+                let listed: BTreeSet<u64> = list.iter().copied().collect();
+                assert!(held.is_subset(&listed), "pod {p} lost a held block from its list at step {step}");
+            }
+            assert_eq!(w.stats().entries, model.values().map(|s| s.len() as u64).sum::<u64>());
+        }
+        let lens: Vec<(usize, usize)> = w.pods.iter().map(|p| (p.list.len(), p.held)).collect();
+        assert!(compactions >= 3, "lists compacted {compactions} times; (list, held): {lens:?}");
+        assert!(dropped > 0, "the cap was reached");
+        for p in 0..3u16 {
+            w.clear_pod(PodIdx(p));
+        }
+        assert_eq!((w.stats().entries, w.stats().nodes), (0, 0));
     }
 }

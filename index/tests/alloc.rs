@@ -6,14 +6,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "../benches/designs/mod.rs"]
+mod designs;
 mod workload;
 
 use std::alloc::System;
 use std::sync::{Mutex, MutexGuard};
 
-use kvroute_index::{
-    Backend, BlockPods, DoubleBackend, DoubleSnapshot, MatchScratch, PooledBackend, ShardedBackend, match_prefix,
-};
+use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
+use kvroute_index::{Backend, BlockPods, MatchScratch, PooledBackend, match_prefix};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use workload::{SplitMix, Workload, build};
 
@@ -73,9 +74,6 @@ fn double_buffered_lookup_allocates_nothing() {
 fn pooled_lookup_allocates_nothing() {
     lookups_do_not_allocate::<PooledBackend>();
 }
-
-/// Design C over B's hashbrown snapshot (as first built, kept for comparison).
-type PooledHashbrown = PooledBackend<{ kvroute_index::pooled::MAX_COPIES }, DoubleSnapshot>;
 
 #[test]
 fn pooled_hashbrown_lookup_allocates_nothing() {

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
+use hdrhistogram::Histogram;
 use kvroute_common::BlockHash;
 use kvroute_picker::Gateway;
 use kvroute_picker::config::PickerConfig;
@@ -135,22 +136,24 @@ fn timeslices(file: &mut Option<std::fs::File>, buf: &mut String) -> u64 {
 }
 
 fn percentiles(name: &str, samples: Vec<Sample>) {
-    let q = |mut v: Vec<Duration>, p: f64| {
-        if v.is_empty() {
-            return f64::NAN;
+    // Nanoseconds, 1 ns to 1 min, 3 significant digits.
+    let histogram = || Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+    let (mut all, mut kept) = (histogram(), histogram());
+    for s in &samples {
+        let ns = u64::try_from(s.wall.as_nanos()).unwrap_or(u64::MAX);
+        all.saturating_record(ns);
+        if !s.preempted {
+            kept.saturating_record(ns);
         }
-        v.sort_unstable();
-        v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e6
-    };
-    let all: Vec<Duration> = samples.iter().map(|s| s.wall).collect();
-    let kept: Vec<Duration> = samples.iter().filter(|s| !s.preempted).map(|s| s.wall).collect();
+    }
+    let us = |h: &Histogram<u64>, q: f64| if h.is_empty() { f64::NAN } else { h.value_at_quantile(q) as f64 / 1e3 };
     println!(
         "{name:<28} n={:<5} p50 {:>8.1} µs  p99 {:>8.1} µs | switched out: {:>4}; p99 of the others {:>8.1} µs",
         samples.len(),
-        q(all.clone(), 0.50),
-        q(all, 0.99),
-        samples.len() - kept.len(),
-        q(kept, 0.99),
+        us(&all, 0.50),
+        us(&all, 0.99),
+        all.len() - kept.len(),
+        us(&kept, 0.99),
     );
 }
 

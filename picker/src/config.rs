@@ -30,9 +30,11 @@
 //! #   custom: [{scorer: cost, weight: 0.10, margin: 0.20}]
 //! ```
 //!
-//! Sources: the pods come from the agents; the InferenceModels come from `models:` (a static
-//! pool file). The Kubernetes work adds the other source of the same list, an InferencePool named
-//! by `--pool-name/--pool-namespace` and its InferenceModels; every other field applies to both.
+//! Sources: the pods' state comes from the agents; the InferenceModels come from `models:` here.
+//! The Kubernetes work adds the pool source (`kvroute_cluster::Source`): an InferencePool named by
+//! `--pool-name/--pool-namespace` (`watch_pool`, `watch_models`) or a static pool file
+//! (`watch_pool_file`), which then supplies the candidates and the models; every other field here
+//! (listeners, limits, pool settings, scoring) applies to both sources unchanged.
 //!
 //! Defaults: every default is a named `DEFAULT_*` constant of the module that owns the setting,
 //! used both by serde (absent fields) and by `Default`. Errors name the field, the value and what
@@ -45,6 +47,7 @@ use std::fmt::Display;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
+use kvroute_common::config::InvalidField;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
@@ -72,16 +75,9 @@ pub enum ConfigError {
         /// Parser error (names the field and position).
         source: serde_norway::Error,
     },
-    /// A value is out of range or inconsistent.
-    #[error("invalid config: {field} = {value}: {fix}")]
-    Invalid {
-        /// Which field, e.g. `models["m"].mode`.
-        field: String,
-        /// Its value as given.
-        value: String,
-        /// What is wrong and what to do.
-        fix: String,
-    },
+    /// A value is out of range or inconsistent: which field, its value, what to do.
+    #[error("invalid config: {0}")]
+    Invalid(#[from] InvalidField),
     /// The scoring section is inconsistent (weights, ranges, custom scorers).
     #[error("invalid config: scoring: {source}")]
     Scoring {
@@ -93,7 +89,7 @@ pub enum ConfigError {
 
 impl ConfigError {
     fn invalid(field: impl Into<String>, value: impl Display, fix: impl Into<String>) -> Self {
-        ConfigError::Invalid { field: field.into(), value: value.to_string(), fix: fix.into() }
+        ConfigError::Invalid(InvalidField::new(field, value, fix))
     }
 }
 
@@ -388,7 +384,6 @@ impl PickerConfig {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use crate::score::CustomScorerConfig;
@@ -514,7 +509,7 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
     #[test]
     fn errors_name_the_field_the_value_and_the_fix() {
         let invalid = |yaml: &str| match PickerConfig::from_yaml(yaml).unwrap().validate() {
-            Err(ConfigError::Invalid { field, value, fix }) => (field, value, fix),
+            Err(ConfigError::Invalid(InvalidField { field, value, fix })) => (field, value, fix),
             other => panic!("{yaml}: {other:?}"),
         };
         let (field, value, _) = invalid("block_size: 0");

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -13,10 +13,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use kvroute_harness::{FakeAgent, FakePod, poll_until};
 use kvroute_picker::RunningPicker;
 use kvroute_picker::config::PickerConfig;
-use kvroute_proto::agent::v1::agent_ingest_client::AgentIngestClient;
-use kvroute_proto::agent::v1::{AgentMessage, Hello, PodInfo, PodSnapshot, PodStats, agent_message};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -35,55 +34,13 @@ async fn start_picker() -> RunningPicker {
     kvroute_picker::start(&config).await.unwrap()
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
-}
-
 /// Reports two ready pods and no KV blocks, ever: `pod-idle` (0% GPU) and `pod-busy` (80%).
-async fn connect_agent(picker: &RunningPicker) -> mpsc::Sender<AgentMessage> {
-    let mut client = AgentIngestClient::connect(format!("http://{}", picker.ingest_addr)).await.unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    let pods = [("pod-idle", IDLE, 0.0), ("pod-busy", BUSY, 0.8)];
-    let info = |name: &str, endpoint: &str| PodInfo {
-        pod: name.into(),
-        endpoint: endpoint.into(),
-        model: MODEL.into(),
-        block_size: 16,
-        annotations: Default::default(),
-    };
-    let hello = Hello {
-        agent_id: "approx-agent".into(),
-        node_name: "node-1".into(),
-        protocol_version: 1,
-        pods: pods.iter().map(|(n, e, _)| info(n, e)).collect(),
-    };
-    tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.unwrap();
-    for (name, endpoint, gpu) in pods {
-        let stats = PodStats {
-            observed_at_unix_ms: now_ms(),
-            kv_cache_usage: 0.1,
-            gpu_utilization: gpu,
-            health_score: 1.0,
-            ready: true,
-            ..Default::default()
-        };
-        let snapshot = PodSnapshot {
-            info: Some(info(name, endpoint)),
-            seq: 1,
-            stats: Some(stats),
-            blocks: vec![],
-            offloaded_blocks: vec![],
-        };
-        tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snapshot)) }).await.unwrap();
-    }
-    let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();
-    tokio::spawn(async move { while let Ok(Some(_)) = replies.message().await {} });
-    let deadline = Instant::now() + TIMEOUT;
-    while picker.gateway.pool.pods().iter().filter(|p| p.ready).count() < 2 {
-        assert!(Instant::now() < deadline, "pods never showed up: {:?}", picker.gateway.pool.pods());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    tx
+async fn connect_agent(picker: &RunningPicker) -> FakeAgent {
+    let pods = [FakePod::new("pod-idle", IDLE, MODEL), FakePod::new("pod-busy", BUSY, MODEL).with_gpu_utilization(0.8)];
+    let agent = FakeAgent::connect(picker.ingest_addr, &pods).await.unwrap();
+    let ready = || picker.gateway.pool.pods().iter().filter(|p| p.ready).count() >= 2;
+    assert!(poll_until(TIMEOUT, ready).await, "pods never showed up: {:?}", picker.gateway.pool.pods());
+    agent
 }
 
 fn hdr(k: &str, v: &str) -> HeaderValue {

@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvroute_harness::paths::free_port;
+use kvroute_harness::{FakeAgent, FakePod, poll_until};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -20,12 +21,8 @@ use axum::http::HeaderMap;
 use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_picker::RunningPicker;
 use kvroute_picker::config::PickerConfig;
-use kvroute_proto::agent::v1::agent_ingest_client::AgentIngestClient;
-use kvroute_proto::agent::v1::{AgentMessage, BlockRun, Hello, PodInfo, PodSnapshot, PodStats, agent_message};
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
 
@@ -158,58 +155,17 @@ async fn fake_engine() -> (SocketAddr, Seen) {
     (addr, seen)
 }
 
-/// One pod as an agent reports it.
-struct FakePod {
-    name: &'static str,
-    endpoint: SocketAddr,
-    blocks: Vec<BlockHash>,
-    gpu_utilization: f64,
-    waiting: u32,
+/// An idle pod of [`MODEL`] at `endpoint` holding `blocks`.
+fn pod(name: &str, endpoint: SocketAddr, blocks: Vec<BlockHash>) -> FakePod {
+    FakePod::new(name, endpoint, MODEL).with_blocks(blocks)
 }
 
-impl FakePod {
-    fn new(name: &'static str, endpoint: SocketAddr, blocks: Vec<BlockHash>) -> Self {
-        Self { name, endpoint, blocks, gpu_utilization: 0.0, waiting: 0 }
-    }
-}
-
-async fn report_pods(picker: &RunningPicker, pods: &[FakePod]) -> mpsc::Sender<AgentMessage> {
-    let mut client = AgentIngestClient::connect(format!("http://{}", picker.ingest_addr)).await.unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    let infos: Vec<PodInfo> = pods
-        .iter()
-        .map(|p| PodInfo {
-            pod: p.name.into(),
-            endpoint: p.endpoint.to_string(),
-            model: MODEL.into(),
-            block_size: 16,
-            annotations: Default::default(),
-        })
-        .collect();
-    let hello = Hello { agent_id: "t".into(), node_name: "n".into(), protocol_version: 1, pods: infos.clone() };
-    tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.unwrap();
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
-    for (p, info) in pods.iter().zip(infos) {
-        let stats = PodStats {
-            observed_at_unix_ms: now,
-            health_score: 1.0,
-            ready: true,
-            gpu_utilization: p.gpu_utilization,
-            num_requests_waiting: p.waiting,
-            ..Default::default()
-        };
-        let blocks = vec![BlockRun { parent: 0, hashes: p.blocks.iter().map(|h| h.0).collect() }];
-        let snap = PodSnapshot { info: Some(info), seq: 1, stats: Some(stats), blocks, offloaded_blocks: vec![] };
-        tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snap)) }).await.unwrap();
-    }
-    let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();
-    tokio::spawn(async move { while let Ok(Some(_)) = replies.message().await {} });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while picker.gateway.pool.pods().iter().filter(|p| p.ready).count() < pods.len() {
-        assert!(Instant::now() < deadline, "pods never became ready");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    tx
+/// Reports `pods` through the shared fake agent and waits until the pool shows them all ready.
+async fn report_pods(picker: &RunningPicker, pods: &[FakePod]) -> FakeAgent {
+    let agent = FakeAgent::connect(picker.ingest_addr, pods).await.unwrap();
+    let ready = || picker.gateway.pool.pods().iter().filter(|p| p.ready).count() >= pods.len();
+    assert!(poll_until(Duration::from_secs(10), ready).await, "pods never became ready");
+    agent
 }
 
 async fn start_picker(extra_yaml: &str) -> RunningPicker {
@@ -285,11 +241,7 @@ async fn bodies_in_both_modes_through_real_envoy() {
     let (cold_addr, cold_seen) = fake_engine().await;
     let (hot_addr, hot_seen) = fake_engine().await;
     let prompt: Vec<u32> = (0..64).map(|i| 500 + i).collect();
-    let _agent = report_pods(
-        &picker,
-        &[FakePod::new("cold", cold_addr, vec![]), FakePod::new("hot", hot_addr, hashes(&prompt))],
-    )
-    .await;
+    let _agent = report_pods(&picker, &[pod("cold", cold_addr, vec![]), pod("hot", hot_addr, hashes(&prompt))]).await;
     let port = picker.ext_proc_addr.port();
     let (_b, buffered) = start_envoy(&deploy_file("envoy.yaml"), port).await;
     let (_f, full_duplex) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
@@ -356,9 +308,9 @@ async fn errors_as_openai_json_through_real_envoy() {
     .await;
     let (a, _) = fake_engine().await;
     let (b, seen_b) = fake_engine().await;
-    let mut busy = [FakePod::new("a", a, vec![]), FakePod::new("b", b, vec![])];
+    let mut busy = [pod("a", a, vec![]), pod("b", b, vec![])];
     for p in &mut busy {
-        p.waiting = 10;
+        p.num_requests_waiting = 10;
     }
     let _agent = report_pods(&picker, &busy).await;
     let port = picker.ext_proc_addr.port();
@@ -429,10 +381,10 @@ async fn prompts_tokenized_like_the_reference_through_real_envoy() {
     let picker = start_picker(&format!("models: [{{name: {MODEL}, tokenizer: {}}}]\n", fixtures().display())).await;
     let (idle_addr, idle_seen) = fake_engine().await;
     let (hot_addr, hot_seen) = fake_engine().await;
-    let mut hot = FakePod::new("hot", hot_addr, blocks);
+    let mut hot = pod("hot", hot_addr, blocks);
     // Busier: without an exact match the idle pod wins, so a wrong tokenization fails the test.
     hot.gpu_utilization = 0.5;
-    let _agent = report_pods(&picker, &[FakePod::new("idle", idle_addr, vec![]), hot]).await;
+    let _agent = report_pods(&picker, &[pod("idle", idle_addr, vec![]), hot]).await;
     let port = picker.ext_proc_addr.port();
     let (_b, buffered) = start_envoy(&deploy_file("envoy.yaml"), port).await;
     let (_f, full_duplex) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
@@ -462,11 +414,7 @@ async fn subset_hint_through_real_envoy() {
     let (cold_addr, cold_seen) = fake_engine().await;
     let (hot_addr, hot_seen) = fake_engine().await;
     let prompt: Vec<u32> = (0..64).map(|i| 900 + i).collect();
-    let _agent = report_pods(
-        &picker,
-        &[FakePod::new("cold", cold_addr, vec![]), FakePod::new("hot", hot_addr, hashes(&prompt))],
-    )
-    .await;
+    let _agent = report_pods(&picker, &[pod("cold", cold_addr, vec![]), pod("hot", hot_addr, hashes(&prompt))]).await;
     let config = with_subset_hint(deploy_file("envoy.yaml"), &[cold_addr.to_string()]);
     let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
     let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
@@ -496,11 +444,7 @@ async fn fail_open_serves_without_the_picker() {
     let (cold_addr, cold_seen) = fake_engine().await;
     let (hot_addr, hot_seen) = fake_engine().await;
     let prompt: Vec<u32> = (0..64).map(|i| 700 + i).collect();
-    let _agent = report_pods(
-        &picker,
-        &[FakePod::new("cold", cold_addr, vec![]), FakePod::new("hot", hot_addr, hashes(&prompt))],
-    )
-    .await;
+    let _agent = report_pods(&picker, &[pod("cold", cold_addr, vec![]), pod("hot", hot_addr, hashes(&prompt))]).await;
     let config = with_pods(deploy_file("envoy-fail-open.yaml"), &[cold_addr, hot_addr]);
     let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
     let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
@@ -544,7 +488,7 @@ async fn fail_open_serves_without_the_picker() {
 async fn fail_closed_answers_5xx_without_the_picker() {
     let picker = start_picker(&simple_models()).await;
     let (addr, seen) = fake_engine().await;
-    let _agent = report_pods(&picker, &[FakePod::new("only", addr, vec![])]).await;
+    let _agent = report_pods(&picker, &[pod("only", addr, vec![])]).await;
     let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), picker.ext_proc_addr.port()).await;
     let body = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3]}).to_string();
     let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
@@ -599,7 +543,7 @@ async fn streamed_response_untouched_and_usage_judged_through_real_envoy() {
     let engine = l.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(l, app).await });
     let prompt: Vec<u32> = (0..64).map(|i| 300 + i).collect();
-    let _agent = report_pods(&picker, &[FakePod::new("hot", engine, hashes(&prompt))]).await;
+    let _agent = report_pods(&picker, &[pod("hot", engine, hashes(&prompt))]).await;
     let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), picker.ext_proc_addr.port()).await;
     let body = serde_json::json!({"model": MODEL, "prompt": prompt, "stream": true,
         "stream_options": {"include_usage": true}})

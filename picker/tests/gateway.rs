@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
@@ -21,10 +21,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use kvroute_common::{BlockHash, BlockHasher};
+use kvroute_harness::{FakeAgent, FakePod, poll_until};
 use kvroute_picker::RunningPicker;
 use kvroute_picker::config::PickerConfig;
-use kvroute_proto::agent::v1::agent_ingest_client::AgentIngestClient;
-use kvroute_proto::agent::v1::{AgentMessage, BlockRun, Hello, PodInfo, PodSnapshot, PodStats, agent_message};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -86,86 +85,16 @@ fn hashes_of(model: &str, adapter: Option<&str>, toks: &[u32]) -> Vec<BlockHash>
     out
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
-}
-
-struct FakePod {
-    name: &'static str,
-    endpoint: &'static str,
-    blocks: Vec<BlockHash>,
-    gpu_utilization: f64,
-}
-
-/// Opens an agent stream and reports `pods`; returns the sender (keep it alive = agent connected).
-async fn connect_agent(picker: &RunningPicker, pods: &[FakePod]) -> mpsc::Sender<AgentMessage> {
-    let mut client = AgentIngestClient::connect(format!("http://{}", picker.ingest_addr)).await.unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    let infos: Vec<PodInfo> = pods
-        .iter()
-        .map(|p| PodInfo {
-            pod: p.name.into(),
-            endpoint: p.endpoint.into(),
-            model: MODEL.into(),
-            block_size: 16,
-            annotations: Default::default(),
-        })
-        .collect();
-    tx.send(AgentMessage {
-        msg: Some(agent_message::Msg::Hello(Hello {
-            agent_id: "test-agent".into(),
-            node_name: "node-1".into(),
-            protocol_version: 1,
-            pods: infos.clone(),
-        })),
-    })
-    .await
-    .unwrap();
-    for (p, info) in pods.iter().zip(infos) {
-        let stats = PodStats {
-            observed_at_unix_ms: now_ms(),
-            num_requests_waiting: 0,
-            num_requests_running: 0,
-            kv_cache_usage: 0.1,
-            gpu_utilization: p.gpu_utilization,
-            health_score: 1.0,
-            health_reason: String::new(),
-            running_adapters: vec![],
-            waiting_adapters: vec![],
-            ready: true,
-        };
-        let blocks = if p.blocks.is_empty() {
-            vec![]
-        } else {
-            vec![BlockRun { parent: 0, hashes: p.blocks.iter().map(|h| h.0).collect() }]
-        };
-        tx.send(AgentMessage {
-            msg: Some(agent_message::Msg::Snapshot(PodSnapshot {
-                info: Some(info),
-                seq: 1,
-                stats: Some(stats),
-                blocks,
-                offloaded_blocks: vec![],
-            })),
-        })
-        .await
-        .unwrap();
-    }
-    let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();
-    tokio::spawn(async move { while let Ok(Some(_)) = replies.message().await {} });
-    // Wait until the pool shows every pod with its blocks.
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
+/// Reports `pods` through the shared fake agent and waits until the pool shows every pod ready
+/// with its blocks; keep the agent alive = connected.
+async fn connect_agent(picker: &RunningPicker, pods: &[FakePod]) -> FakeAgent {
+    let agent = FakeAgent::connect(picker.ingest_addr, pods).await.unwrap();
+    let shown = || {
         let views = picker.gateway.pool.pods();
-        let all =
-            pods.iter().all(|p| views.iter().any(|v| v.name == p.name && v.ready && v.blocks >= p.blocks.len() as u64));
-        if all {
-            break;
-        }
-        assert!(Instant::now() < deadline, "pods never showed up in the pool: {views:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    tx
+        pods.iter().all(|p| views.iter().any(|v| v.name == p.name && v.ready && v.blocks >= p.blocks.len() as u64))
+    };
+    assert!(poll_until(TIMEOUT, shown).await, "pods never showed up in the pool: {:?}", picker.gateway.pool.pods());
+    agent
 }
 
 fn hdr(k: &str, v: &str) -> HeaderValue {
@@ -279,9 +208,9 @@ fn immediate(r: &ProcessingResponse) -> (&ImmediateResponse, serde_json::Value) 
 
 fn three_pods(hot_blocks: Vec<BlockHash>) -> Vec<FakePod> {
     vec![
-        FakePod { name: "pod-a", endpoint: "10.0.0.1:8000", blocks: vec![], gpu_utilization: 0.0 },
-        FakePod { name: "pod-b", endpoint: "10.0.0.2:8000", blocks: hot_blocks, gpu_utilization: 0.8 },
-        FakePod { name: "pod-c", endpoint: "10.0.0.3:8000", blocks: vec![], gpu_utilization: 0.1 },
+        FakePod::new("pod-a", "10.0.0.1:8000", MODEL),
+        FakePod::new("pod-b", "10.0.0.2:8000", MODEL).with_blocks(hot_blocks).with_gpu_utilization(0.8),
+        FakePod::new("pod-c", "10.0.0.3:8000", MODEL).with_gpu_utilization(0.1),
     ]
 }
 
@@ -290,11 +219,8 @@ fn in_flight(picker: &RunningPicker, pod: &str) -> u32 {
 }
 
 async fn wait_in_flight(picker: &RunningPicker, pod: &str, want: u32) {
-    let deadline = Instant::now() + TIMEOUT;
-    while in_flight(picker, pod) != want {
-        assert!(Instant::now() < deadline, "in_flight of {pod} stayed {} (want {want})", in_flight(picker, pod));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let reached = poll_until(TIMEOUT, || in_flight(picker, pod) == want).await;
+    assert!(reached, "in_flight of {pod} stayed {} (want {want})", in_flight(picker, pod));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,13 +10,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvroute_harness::paths::free_port;
+use kvroute_harness::{FakeAgent, FakePod};
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -28,8 +29,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_picker::RunningPicker;
 use kvroute_picker::config::PickerConfig;
-use kvroute_proto::agent::v1::agent_ingest_client::AgentIngestClient;
-use kvroute_proto::agent::v1::{AgentMessage, BlockRun, Hello, PodInfo, PodSnapshot, PodStats, agent_message};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value;
@@ -129,56 +128,12 @@ fn hashes_of(toks: &[u32]) -> Vec<BlockHash> {
     out
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
-}
-
-/// (pod, endpoint, blocks held, health score).
-type FakePod = (&'static str, &'static str, Vec<BlockHash>, f64);
-
-/// Reports `pods` over AgentIngest; keep the sender alive to stay connected.
-async fn connect_agent(ingest: SocketAddr, pods: &[FakePod]) -> mpsc::Sender<AgentMessage> {
-    let mut client = AgentIngestClient::connect(format!("http://{ingest}")).await.unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    let infos: Vec<PodInfo> = pods
-        .iter()
-        .map(|(pod, endpoint, _, _)| PodInfo {
-            pod: (*pod).into(),
-            endpoint: (*endpoint).into(),
-            model: MODEL.into(),
-            block_size: 16,
-            annotations: Default::default(),
-        })
-        .collect();
-    let hello = Hello { agent_id: "test".into(), node_name: "node".into(), protocol_version: 1, pods: infos.clone() };
-    tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.unwrap();
-    for ((_, _, blocks, health), info) in pods.iter().zip(infos) {
-        let stats = PodStats {
-            observed_at_unix_ms: now_ms(),
-            kv_cache_usage: 0.1,
-            health_score: *health,
-            ready: true,
-            ..Default::default()
-        };
-        let blocks = if blocks.is_empty() {
-            vec![]
-        } else {
-            vec![BlockRun { parent: 0, hashes: blocks.iter().map(|h| h.0).collect() }]
-        };
-        let snap = PodSnapshot { info: Some(info), seq: 1, stats: Some(stats), blocks, offloaded_blocks: vec![] };
-        tx.send(AgentMessage { msg: Some(agent_message::Msg::Snapshot(snap)) }).await.unwrap();
-    }
-    let mut replies = client.report(ReceiverStream::new(rx)).await.unwrap().into_inner();
-    tokio::spawn(async move { while let Ok(Some(_)) = replies.message().await {} });
-    tx
-}
-
 /// Waits until `/metrics` shows every pod.
 async fn wait_pods(admin: SocketAddr, pods: &[FakePod]) {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let m = metrics_text(admin).await;
-        if pods.iter().all(|(p, ..)| m.contains(&format!("epp_pod_health_score{{pod=\"{p}\"}}"))) {
+        if pods.iter().all(|p| m.contains(&format!("epp_pod_health_score{{pod=\"{}\"}}", p.name))) {
             return;
         }
         assert!(Instant::now() < deadline, "pods never showed up: {m}");
@@ -188,9 +143,9 @@ async fn wait_pods(admin: SocketAddr, pods: &[FakePod]) {
 
 fn pods(hot: Vec<BlockHash>) -> Vec<FakePod> {
     vec![
-        ("pod-a", "10.0.0.1:8000", vec![], 1.0),
-        ("pod-b", "10.0.0.2:8000", hot, 1.0),
-        ("pod-sick", "10.0.0.3:8000", vec![], 0.1),
+        FakePod::new("pod-a", "10.0.0.1:8000", MODEL),
+        FakePod::new("pod-b", "10.0.0.2:8000", MODEL).with_blocks(hot),
+        FakePod::new("pod-sick", "10.0.0.3:8000", MODEL).with_health(0.1),
     ]
 }
 
@@ -205,7 +160,7 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
     let picker = start_in_process().await;
     // Labelled families appear once they have a sample: pods reported, one LoRA request routed.
     let fleet = pods(Vec::new());
-    let _agent = connect_agent(picker.ingest_addr, &fleet).await;
+    let _agent = FakeAgent::connect(picker.ingest_addr, &fleet).await.unwrap();
     wait_pods(picker.admin_addr, &fleet).await;
     let body = serde_json::json!({"model": "sql", "prompt": tokens(40, 1)}).to_string();
     let r = route_one(picker.ext_proc_addr, &[("x-request-id", "r1")], &body).await;
@@ -288,7 +243,7 @@ async fn explain_reports_factors_exclusions_and_choice_without_changing_state() 
     let picker = start_in_process().await;
     let prompt = tokens(64, 0);
     let fleet = pods(hashes_of(&prompt));
-    let _agent = connect_agent(picker.ingest_addr, &fleet).await;
+    let _agent = FakeAgent::connect(picker.ingest_addr, &fleet).await.unwrap();
     wait_pods(picker.admin_addr, &fleet).await;
     let before = metrics_text(picker.admin_addr).await;
     let in_flight = |p: &RunningPicker| {
@@ -460,7 +415,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
 
     let prompt = tokens(64, 0);
     let fleet = pods(hashes_of(&prompt));
-    let _agent = connect_agent(addr(ingest).parse().unwrap(), &fleet).await;
+    let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
     wait_pods(admin, &fleet).await;
 
     // One request with a W3C traceparent, as Envoy would send it.

@@ -556,7 +556,6 @@ impl PodEngine {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 mod tests {
     use super::*;
 

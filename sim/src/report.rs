@@ -45,11 +45,7 @@ pub struct Summary {
 
 /// Nearest-rank percentile of sorted `v` (`q` in [0,1]); 0 when empty.
 pub fn percentile(sorted: &[u64], q: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
+    kvroute_harness::stats::percentile(sorted, q).unwrap_or(0)
 }
 
 /// Summarises `run` (with `stages` load stages).

@@ -279,7 +279,6 @@ fn py_str_repr(out: &mut String, s: &str) {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -204,7 +204,6 @@ fn raise_exception(message: &str) -> Result<Value, Error> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

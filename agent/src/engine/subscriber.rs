@@ -33,6 +33,15 @@
 //! `connect()` returns at once even when the engine is not up; libzmq reconnects by itself
 //! (0.2–0.3 s after a publisher restart). The thread exits when every sink reports itself closed
 //! or `stop` is set (looked at on every pass, and every [`IDLE_WAKE_MS`] when idle).
+//!
+//! Engines come and go while the thread runs ([`spawn_dynamic`], docs/design.md §14): a
+//! [`ReaderHandle`] queues an add or a removal and wakes the thread through an in-process PAIR
+//! socket polled with the SUBs, so a change applies at once when idle and after the current pass
+//! when busy. A removed engine's sockets close at once (linger 0); an engine whose sink closed
+//! is dropped the same way. An added engine's history is replayed when its SUB first connects
+//! (the engine is up), not when it is added: a pod whose engine is still loading its model does
+//! not hold the thread for the replay timeout. The thread of [`spawn_dynamic`] runs, idle if it
+//! has no engine, until `stop` or until its handle is dropped and no engine is left.
 
 use super::kv_events::{KvMessage, ReplayFrame, decode_message, decode_replay};
 use crate::telemetry::{AgentMetrics, pod_label};
@@ -92,10 +101,55 @@ pub fn spawn<S: EventSink>(
     metrics: Arc<AgentMetrics>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
+    start_thread(ctx, engines, None, window, metrics, stop)
+}
+
+/// Starts the reader thread with no engine; engines are added and removed through the returned
+/// [`ReaderHandle`] (see the module docs).
+///
+/// # Errors
+/// The wake-up sockets could not be set up, or the thread could not start.
+pub fn spawn_dynamic<S: EventSink>(
+    ctx: zmq::Context,
+    window: Duration,
+    metrics: Arc<AgentMetrics>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<(std::thread::JoinHandle<()>, ReaderHandle<S>)> {
+    let io = |e: zmq::Error| std::io::Error::other(format!("kv-event reader wake-up socket: {e}"));
+    let endpoint = format!("inproc://kv-reader-wake-{}", MONITOR_IDS.fetch_add(1, Ordering::Relaxed));
+    // Bound before the handle's side connects (inproc needs the bind first on older libzmq).
+    let wake_rx = ctx.socket(zmq::PAIR).map_err(io)?;
+    wake_rx.set_linger(0).map_err(io)?;
+    wake_rx.bind(&endpoint).map_err(io)?;
+    let wake_tx = ctx.socket(zmq::PAIR).map_err(io)?;
+    wake_tx.set_linger(0).map_err(io)?;
+    wake_tx.set_sndhwm(1).map_err(io)?;
+    wake_tx.connect(&endpoint).map_err(io)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = start_thread(ctx, Vec::new(), Some(Control { rx, wake: wake_rx }), window, metrics, stop)?;
+    Ok((thread, ReaderHandle { tx, wake: parking_lot::Mutex::new(wake_tx) }))
+}
+
+fn start_thread<S: EventSink>(
+    ctx: zmq::Context,
+    engines: Vec<(SubscriberConfig, S)>,
+    control: Option<Control<S>>,
+    window: Duration,
+    metrics: Arc<AgentMetrics>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("kv-events".into()).spawn(move || {
-        let mut reader = Reader { ctx, engines: Vec::with_capacity(engines.len()), window, parts: Vec::new() };
+        let mut reader = Reader {
+            ctx,
+            engines: Vec::with_capacity(engines.len()),
+            window,
+            parts: Vec::new(),
+            control,
+            awaiting_connect: Vec::new(),
+            metrics,
+        };
         for (cfg, sink) in engines {
-            match Engine::open(&reader.ctx, cfg, sink, &metrics) {
+            match Engine::open(&reader.ctx, cfg, sink, &reader.metrics) {
                 Ok(e) => reader.engines.push(e),
                 Err(e) => tracing::error!(error = %e, "KV-event subscriber not started"),
             }
@@ -104,6 +158,50 @@ pub fn spawn<S: EventSink>(
             tracing::error!(error = %e, "KV-event reader stopped");
         }
     })
+}
+
+/// A change to a running reader's engines.
+enum Change<S> {
+    Add(SubscriberConfig, S),
+    Remove(String),
+}
+
+/// The reader's side of [`ReaderHandle`].
+struct Control<S> {
+    rx: std::sync::mpsc::Receiver<Change<S>>,
+    /// Readable when the handle queued changes.
+    wake: zmq::Socket,
+}
+
+/// Adds and removes engines of a reader thread started by [`spawn_dynamic`]. Dropping it lets
+/// the thread end once its last engine is gone.
+pub struct ReaderHandle<S> {
+    tx: std::sync::mpsc::Sender<Change<S>>,
+    /// The PAIR whose message wakes the thread's poll (held only to send, never across awaits).
+    wake: parking_lot::Mutex<zmq::Socket>,
+}
+
+impl<S: EventSink> ReaderHandle<S> {
+    /// Subscribes to a new engine (`cfg.pod` names it; an engine of that name is replaced).
+    /// Returns false when the thread is gone.
+    pub fn add(&self, cfg: SubscriberConfig, sink: S) -> bool {
+        self.send(Change::Add(cfg, sink))
+    }
+
+    /// Unsubscribes from the engine `pod` (its sockets close). Returns false when the thread is
+    /// gone.
+    pub fn remove(&self, pod: &str) -> bool {
+        self.send(Change::Remove(pod.to_string()))
+    }
+
+    fn send(&self, change: Change<S>) -> bool {
+        if self.tx.send(change).is_err() {
+            return false;
+        }
+        // One pending wake-up is enough (high-water mark 1): EAGAIN means one is queued already.
+        let _ = self.wake.lock().send(&b""[..], zmq::DONTWAIT);
+        true
+    }
 }
 
 fn zerr<'a>(what: &'static str, endpoint: &'a str) -> impl FnOnce(zmq::Error) -> SubscriberError + 'a {
@@ -253,6 +351,12 @@ struct Reader<S> {
     window: Duration,
     /// Frames of the current message, reused: no allocation or copy per frame on our side.
     parts: Vec<zmq::Message>,
+    /// Changes from a [`ReaderHandle`], while it lives.
+    control: Option<Control<S>>,
+    /// Engines added while running whose SUB has not connected yet: their history is replayed
+    /// when it does.
+    awaiting_connect: Vec<String>,
+    metrics: Arc<AgentMetrics>,
 }
 
 impl<S: EventSink> Reader<S> {
@@ -261,20 +365,28 @@ impl<S: EventSink> Reader<S> {
         let all: Vec<usize> = (0..self.engines.len()).collect();
         self.replay_histories(&all);
         self.flush();
-        let running =
-            |engines: &[Engine<S>]| !stop.load(Ordering::Relaxed) && !engines.iter().all(|e| e.sink.is_closed());
-        while running(&self.engines) {
-            // Idle: wait for any engine's first batch.
+        loop {
+            self.apply_changes();
+            if stop.load(Ordering::Relaxed) || (self.control.is_none() && self.engines.is_empty()) {
+                return Ok(());
+            }
+            // Idle: wait for any engine's first batch (or a change).
             let ready = {
                 let mut items: Vec<zmq::PollItem<'_>> =
                     self.engines.iter().map(|e| e.sub.as_poll_item(zmq::POLLIN)).collect();
-                match zmq::poll(&mut items, IDLE_WAKE_MS) {
+                if let Some(c) = &self.control {
+                    items.push(c.wake.as_poll_item(zmq::POLLIN));
+                }
+                let n = match zmq::poll(&mut items, IDLE_WAKE_MS) {
                     Ok(n) => n,
                     Err(zmq::Error::ETERM) => return Ok(()),
                     Err(zmq::Error::EINTR) => continue,
                     Err(e) => return Err(zerr("poll", "kv-event sockets")(e)),
-                }
+                };
+                let woken = self.control.is_some() && items.last().is_some_and(zmq::PollItem::is_readable);
+                if woken { n - 1 } else { n }
             };
+            self.drain_wake();
             if ready == 0 {
                 // Reconnects without traffic (an engine restarted and is silent) still resync.
                 self.check_links(&(0..self.engines.len()).collect::<Vec<_>>());
@@ -287,21 +399,103 @@ impl<S: EventSink> Reader<S> {
                 std::thread::sleep(self.window);
                 let Some(read) = self.pass()? else { return Ok(()) };
                 self.flush();
-                if read == 0 || !running(&self.engines) {
+                self.drain_wake();
+                self.apply_changes();
+                if read == 0 || stop.load(Ordering::Relaxed) || self.engines.is_empty() {
                     break;
                 }
             }
         }
-        Ok(())
     }
 
-    /// Reads the monitors of the engines at `which`; resets and replays those that reconnected.
+    /// Empties the wake-up socket (its messages carry nothing; the changes are in the channel).
+    fn drain_wake(&mut self) {
+        if let Some(c) = &self.control {
+            while c.wake.recv_bytes(zmq::DONTWAIT).is_ok() {}
+        }
+    }
+
+    /// Applies queued changes and drops engines whose sink closed; forgets the handle once it is
+    /// gone.
+    fn apply_changes(&mut self) {
+        let mut gone = false;
+        let mut changes = Vec::new();
+        if let Some(c) = &self.control {
+            loop {
+                match c.rx.try_recv() {
+                    Ok(change) => changes.push(change),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        gone = true;
+                        break;
+                    }
+                }
+            }
+        }
+        if gone {
+            self.control = None;
+        }
+        for change in changes {
+            match change {
+                Change::Add(cfg, sink) => {
+                    let pod = cfg.pod.clone();
+                    self.drop_engine(&pod);
+                    match Engine::open(&self.ctx, cfg, sink, &self.metrics) {
+                        Ok(e) => {
+                            tracing::info!(pod = %pod, endpoint = %e.cfg.kv_events, "KV-event subscription added");
+                            self.engines.push(e);
+                            self.awaiting_connect.push(pod);
+                        }
+                        Err(e) => tracing::error!(pod = %pod, error = %e, "KV-event subscriber not started"),
+                    }
+                }
+                Change::Remove(pod) => {
+                    if self.drop_engine(&pod) {
+                        tracing::info!(pod = %pod, "KV-event subscription closed");
+                    }
+                }
+            }
+        }
+        let before = self.engines.len();
+        self.engines.retain(|e| !e.sink.is_closed());
+        if self.engines.len() != before {
+            let open: Vec<&str> = self.engines.iter().map(|e| e.cfg.pod.as_str()).collect();
+            self.awaiting_connect.retain(|p| open.contains(&p.as_str()));
+        }
+    }
+
+    /// Closes the engine `pod`'s sockets; whether it was there.
+    fn drop_engine(&mut self, pod: &str) -> bool {
+        self.awaiting_connect.retain(|p| p != pod);
+        let before = self.engines.len();
+        self.engines.retain(|e| e.cfg.pod != pod);
+        self.engines.len() != before
+    }
+
+    /// Reads the monitors of the engines at `which`; resets and replays those that reconnected,
+    /// replays those added while running that connected for the first time.
     fn check_links(&mut self, which: &[usize]) {
         let reconnected: Vec<usize> = which
             .iter()
             .copied()
             .filter(|&i| self.engines.get_mut(i).is_some_and(|e| e.link.poll(&e.monitor)))
             .collect();
+        let first: Vec<usize> = which
+            .iter()
+            .copied()
+            .filter(|&i| {
+                self.engines.get(i).is_some_and(|e| e.link.connected && self.awaiting_connect.contains(&e.cfg.pod))
+            })
+            .collect();
+        if !first.is_empty() {
+            for &i in &first {
+                if let Some(e) = self.engines.get(i) {
+                    let pod = e.cfg.pod.clone();
+                    self.awaiting_connect.retain(|p| *p != pod);
+                }
+            }
+            self.replay_histories(&first);
+        }
         for &i in &reconnected {
             if let Some(e) = self.engines.get_mut(i) {
                 tracing::warn!(pod = %e.cfg.pod, "KV-event publisher reconnected (engine may have restarted): clearing, replaying");
@@ -396,6 +590,8 @@ static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
 #[derive(Default)]
 struct LinkState {
     disconnected: bool,
+    /// Connected at least once.
+    connected: bool,
 }
 
 impl LinkState {
@@ -407,6 +603,9 @@ impl LinkState {
             let Some(id) = frames.first().and_then(|f| f.get(..2)).map(|b| u16::from_ne_bytes([b[0], b[1]])) else {
                 continue;
             };
+            if id == zmq::SocketEvent::CONNECTED.to_raw() {
+                self.connected = true;
+            }
             if id == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.disconnected = true;
             } else if id == zmq::SocketEvent::CONNECTED.to_raw() && self.disconnected {

@@ -1,6 +1,11 @@
 //! GPU telemetry (docs/design.md §7): the [`GpuSource`] role and its two strategies, real NVML
 //! ([`nvml::NvmlGpuSource`]) and a scripted scenario ([`mock::MockGpuSource`]).
 //!
+//! GPUs are named by [`GpuRef`]: an NVML index (static engine lists) or a UUID (`GPU-…`, `MIG-…`,
+//! what the kubelet's PodResources API lists for `nvidia.com/gpu` with the NVIDIA device plugin's
+//! default id strategy, docs/design.md §14). A UUID the node does not have is
+//! [`GpuError::NotFound`]; the engine reports it in its health reason.
+//!
 //! Concurrency: sources are `Send + Sync` and sampled from the engine tasks (blocking calls, a few
 //! microseconds each for NVML); they hold no lock across awaits.
 
@@ -8,6 +13,7 @@ pub mod mock;
 pub mod nvml;
 
 use crate::config::GpuSourceSpec;
+pub use kvroute_cluster::GpuRef;
 use std::sync::Arc;
 
 /// GPU telemetry errors.
@@ -25,12 +31,18 @@ pub enum GpuError {
         source: nvml_wrapper::error::NvmlError,
     },
     /// A query for one GPU failed.
-    #[error("GPU {index}: {source}")]
+    #[error("GPU {gpu}: {source}")]
     Query {
-        /// GPU index.
-        index: u32,
+        /// The GPU (index or UUID).
+        gpu: String,
         /// NVML's error.
         source: nvml_wrapper::error::NvmlError,
+    },
+    /// No GPU of this node has that index or UUID.
+    #[error("GPU {gpu} not found on this node")]
+    NotFound {
+        /// The GPU (index or UUID) asked for.
+        gpu: String,
     },
     /// The mock scenario file is unreadable.
     #[error("cannot read mock GPU scenario {path}: {source}")]
@@ -53,7 +65,7 @@ pub enum GpuError {
 /// One GPU's state at one instant.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GpuSample {
-    /// GPU index on the node.
+    /// GPU index on the node (NVML order).
     pub index: u32,
     /// Corrected ECC errors since the driver loaded (count).
     pub ecc_corrected_volatile: u64,
@@ -81,9 +93,21 @@ pub struct GpuSample {
 
 /// A source of GPU telemetry.
 pub trait GpuSource: Send + Sync {
-    /// Samples GPU `index`. `engine_load` is the load of the engine using it (running requests /
-    /// max_num_seqs, [0,1]); only the mock uses it, to make utilization follow the emulated fleet.
-    fn sample(&self, index: u32, engine_load: f64) -> Result<GpuSample, GpuError>;
+    /// Samples `gpu` (by NVML index or UUID). `engine_load` is the load of the engine using it
+    /// (running requests / max_num_seqs, [0,1]); only the mock uses it, to make utilization
+    /// follow the emulated fleet.
+    ///
+    /// # Errors
+    /// [`GpuError::NotFound`] when the node has no such GPU; [`GpuError::Query`] when NVML fails.
+    fn sample(&self, gpu: &GpuRef, engine_load: f64) -> Result<GpuSample, GpuError>;
+}
+
+/// `0` or `GPU-…`, as logs and errors name a GPU.
+pub fn gpu_name(gpu: &GpuRef) -> String {
+    match gpu {
+        GpuRef::Index(i) => i.to_string(),
+        GpuRef::Uuid(u) => u.clone(),
+    }
 }
 
 /// Builds the configured source. NVML missing is an error naming the library (docs/design.md §7).

@@ -3,9 +3,11 @@
 //! Without the library, `Nvml::init()` returns `LibloadingError(DlOpen…)` (not `LibraryNotFound`,
 //! docs/design.md §12); both become [`GpuError::NvmlUnavailable`], whose message names libnvidia-ml.so and
 //! suggests `--gpu-source mock:<scenario.yaml>`. `Nvml` is `Send + Sync`; a `Device` handle is
-//! looked up per sample (cheap) so no lifetimes leak out.
+//! looked up per sample (cheap) so no lifetimes leak out: by index (`nvmlDeviceGetHandleByIndex`)
+//! or by UUID (`nvmlDeviceGetHandleByUUID`, which takes `GPU-…` and, on MIG-capable drivers,
+//! `MIG-…` UUIDs). NVML's `NotFound` becomes [`GpuError::NotFound`].
 
-use super::{GpuError, GpuSample, GpuSource};
+use super::{GpuError, GpuRef, GpuSample, GpuSource, gpu_name};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::device::ThrottleReasons;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
@@ -24,9 +26,22 @@ impl NvmlGpuSource {
 }
 
 impl GpuSource for NvmlGpuSource {
-    fn sample(&self, index: u32, _engine_load: f64) -> Result<GpuSample, GpuError> {
-        let q = |source: NvmlError| GpuError::Query { index, source };
-        let dev = self.nvml.device_by_index(index).map_err(q)?;
+    fn sample(&self, gpu: &GpuRef, _engine_load: f64) -> Result<GpuSample, GpuError> {
+        let q = |source: NvmlError| GpuError::Query { gpu: gpu_name(gpu), source };
+        // The lookup's InvalidArg (index out of range, malformed UUID) and NotFound: no such GPU.
+        let lookup = |source: NvmlError| match source {
+            NvmlError::NotFound | NvmlError::InvalidArg => GpuError::NotFound { gpu: gpu_name(gpu) },
+            source => q(source),
+        };
+        let dev = match gpu {
+            GpuRef::Index(i) => self.nvml.device_by_index(*i),
+            GpuRef::Uuid(u) => self.nvml.device_by_uuid(u.as_str()),
+        }
+        .map_err(lookup)?;
+        let index = match gpu {
+            GpuRef::Index(i) => *i,
+            GpuRef::Uuid(_) => dev.index().map_err(q)?,
+        };
         // ECC is unsupported on consumer GPUs: treat as zero rather than failing the sample.
         let ecc = |t, c| dev.total_ecc_errors(t, c).unwrap_or(0);
         let reasons = dev.current_throttle_reasons().unwrap_or(ThrottleReasons::empty());

@@ -6,6 +6,11 @@
 //! pod's deltas in seq order. A picker stream subscribes first and then takes snapshots; it
 //! forwards only deltas with seq > its snapshot's seq, so nothing is lost or doubled.
 //! Invariant: per pod, seq grows by exactly one per delta; a snapshot carries the current seq.
+//!
+//! Pods come and go with their engines ([`Hub::add`], [`Hub::remove`], [`Hub::set_annotations`]).
+//! The pod list is copied on write (readers take an `Arc` of it); every change of it is followed
+//! on the same broadcast channel by [`Outgoing::Members`], so a stream sees a pod's farewell delta
+//! before the change that drops it, and a new pod's `Members` before any of its deltas.
 
 use crate::engine::blocks::{ApplyOutcome, BlockRecord};
 use crate::engine::kv_events::KvEventBatch;
@@ -22,17 +27,28 @@ pub const MIN_DELTA_QUEUE: usize = 16;
 /// Queue jump (requests waiting) that triggers an immediate stats delta.
 pub const QUEUE_JUMP: u32 = 5;
 
-/// One delta on the broadcast channel.
+/// One item on the broadcast channel (always behind an `Arc`, so the variants' sizes differing
+/// costs nothing).
 #[derive(Debug, Clone)]
-pub struct Outgoing {
-    /// The delta.
-    pub delta: PodDelta,
-    /// When it was numbered (for the report-lag metric).
-    pub created: Instant,
+#[allow(clippy::large_enum_variant)]
+pub enum Outgoing {
+    /// A pod's delta.
+    Delta {
+        /// The delta.
+        delta: PodDelta,
+        /// When it was numbered (for the report-lag metric).
+        created: Instant,
+    },
+    /// The pod list or a pod's info changed: streams send a fresh `Hello` and the snapshots of
+    /// pods they have not described yet.
+    Members,
 }
 
 struct PodInner {
     info: PodInfo,
+    /// Bumped when `info` changes other than by the engine (annotations): streams resend the
+    /// pod's snapshot.
+    info_version: u64,
     seq: u64,
     stats: PodStats,
     record: BlockRecord,
@@ -68,6 +84,29 @@ impl Pod {
     /// Static info currently reported.
     pub fn info(&self) -> PodInfo {
         self.inner.lock().info.clone()
+    }
+
+    /// The snapshot and the info version it describes, taken together.
+    pub fn versioned_snapshot(&self) -> (PodSnapshot, u64) {
+        let g = self.inner.lock();
+        let snap = PodSnapshot {
+            info: Some(g.info.clone()),
+            seq: g.seq,
+            stats: Some(g.stats.clone()),
+            blocks: g.record.snapshot_runs(),
+            offloaded_blocks: g.record.offloaded_snapshot_runs(),
+        };
+        (snap, g.info_version)
+    }
+
+    /// The info version (see [`Hub::set_annotations`]).
+    pub fn info_version(&self) -> u64 {
+        self.inner.lock().info_version
+    }
+
+    /// The latest stats.
+    pub fn stats(&self) -> PodStats {
+        self.inner.lock().stats.clone()
     }
 
     /// Block size (tokens) currently reported; no copy of the whole info.
@@ -150,13 +189,28 @@ impl Pod {
         }
         let delta = PodDelta { pod: self.name.clone(), seq: g.seq, blocks, stats, offloaded };
         // No receiver (no picker connected yet) is fine: snapshots carry the state.
-        let _ = self.tx.send(Arc::new(Outgoing { delta, created: Instant::now() }));
+        let _ = self.tx.send(Arc::new(Outgoing::Delta { delta, created: Instant::now() }));
+    }
+
+    /// The last delta of a pod that leaves: every block cleared, not ready, health 0 with
+    /// `reason`. A picker that still routes by agent reports stops at once; the `Hello` after
+    /// it no longer lists the pod.
+    fn farewell(&self, reason: &str) {
+        let mut g = self.inner.lock();
+        g.record.clear();
+        let offloaded = g.record.take_offloaded_changes();
+        let blocks = g.record.take_changes();
+        g.stats.ready = false;
+        g.stats.health_score = 0.0;
+        g.stats.health_reason = reason.to_string();
+        let stats = g.stats.clone();
+        self.send(&mut g, Some(blocks), offloaded, Some(stats));
     }
 }
 
 /// All pods of this agent and the broadcast channel of their deltas.
 pub struct Hub {
-    pods: Vec<Arc<Pod>>,
+    pods: Mutex<Arc<Vec<Arc<Pod>>>>,
     tx: broadcast::Sender<Arc<Outgoing>>,
 }
 
@@ -165,34 +219,81 @@ impl Hub {
     /// bounds the broadcast backlog (a slower picker stream gets `Lagged` and resends snapshots).
     pub fn new(pods: Vec<PodInfo>, capacity: usize) -> Arc<Self> {
         let (tx, _) = broadcast::channel(capacity.max(MIN_DELTA_QUEUE));
-        let pods = pods
-            .into_iter()
-            .map(|info| {
-                Arc::new(Pod {
-                    name: info.pod.clone(),
-                    inner: Mutex::new(PodInner {
-                        record: BlockRecord::new(&info.model),
-                        info,
-                        seq: 0,
-                        stats: PodStats::default(),
-                        sent_band: u8::MAX,
-                        sent_waiting: 0,
-                    }),
-                    tx: tx.clone(),
-                })
-            })
-            .collect();
-        Arc::new(Self { pods, tx })
+        let pods = pods.into_iter().map(|info| Self::make_pod(info, &tx)).collect();
+        Arc::new(Self { pods: Mutex::new(Arc::new(pods)), tx })
     }
 
-    /// Every pod, in config order.
-    pub fn pods(&self) -> &[Arc<Pod>] {
-        &self.pods
+    fn make_pod(info: PodInfo, tx: &broadcast::Sender<Arc<Outgoing>>) -> Arc<Pod> {
+        Arc::new(Pod {
+            name: info.pod.clone(),
+            inner: Mutex::new(PodInner {
+                record: BlockRecord::new(&info.model),
+                info,
+                info_version: 0,
+                seq: 0,
+                stats: PodStats::default(),
+                sent_band: u8::MAX,
+                sent_waiting: 0,
+            }),
+            tx: tx.clone(),
+        })
+    }
+
+    /// Every pod, in the order they were added (a copy of the list: cheap, an `Arc`).
+    pub fn pods(&self) -> Arc<Vec<Arc<Pod>>> {
+        self.pods.lock().clone()
     }
 
     /// A pod by name.
-    pub fn pod(&self, name: &str) -> Option<&Arc<Pod>> {
-        self.pods.iter().find(|p| p.name == name)
+    pub fn pod(&self, name: &str) -> Option<Arc<Pod>> {
+        self.pods.lock().iter().find(|p| p.name == name).cloned()
+    }
+
+    /// Adds a pod (empty record, seq 0) and tells the streams. A pod of the same name is
+    /// replaced as if removed first (see [`Hub::remove`]).
+    pub fn add(&self, info: PodInfo) -> Arc<Pod> {
+        if self.pod(&info.pod).is_some() {
+            self.remove(&info.pod, "replaced");
+        }
+        let pod = Self::make_pod(info, &self.tx);
+        {
+            let mut list = self.pods.lock();
+            let mut next = Vec::clone(&list);
+            next.push(pod.clone());
+            *list = Arc::new(next);
+        }
+        let _ = self.tx.send(Arc::new(Outgoing::Members));
+        pod
+    }
+
+    /// Removes a pod: its farewell delta (blocks cleared, not ready, `reason`), then the pod
+    /// leaves the list and the streams are told. Returns whether it was there.
+    pub fn remove(&self, name: &str, reason: &str) -> bool {
+        let Some(pod) = self.pod(name) else { return false };
+        pod.farewell(reason);
+        {
+            let mut list = self.pods.lock();
+            let next: Vec<Arc<Pod>> = list.iter().filter(|p| p.name != name).cloned().collect();
+            *list = Arc::new(next);
+        }
+        let _ = self.tx.send(Arc::new(Outgoing::Members));
+        true
+    }
+
+    /// Replaces a pod's annotations (the Pod object's changed); streams resend its snapshot.
+    /// Returns whether they changed.
+    pub fn set_annotations(&self, name: &str, annotations: std::collections::HashMap<String, String>) -> bool {
+        let Some(pod) = self.pod(name) else { return false };
+        {
+            let mut g = pod.inner.lock();
+            if g.info.annotations == annotations {
+                return false;
+            }
+            g.info.annotations = annotations;
+            g.info_version += 1;
+        }
+        let _ = self.tx.send(Arc::new(Outgoing::Members));
+        true
     }
 
     /// Subscribes to every future delta. Subscribe BEFORE taking snapshots.

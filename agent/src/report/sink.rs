@@ -156,8 +156,12 @@ mod tests {
     async fn next_delta(
         deltas: &mut tokio::sync::broadcast::Receiver<Arc<crate::report::hub::Outgoing>>,
     ) -> kvroute_proto::agent::v1::PodDelta {
-        let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
-        o.delta.clone()
+        loop {
+            let o = tokio::time::timeout(Duration::from_secs(5), deltas.recv()).await.expect("a delta").expect("open");
+            if let crate::report::hub::Outgoing::Delta { delta, .. } = &*o {
+                return delta.clone();
+            }
+        }
     }
 
     #[tokio::test]
@@ -194,6 +198,49 @@ mod tests {
         assert_eq!(d.blocks.as_ref().map(|b| b.removed.len()), Some(1));
         // The sinks closed (the agent's tasks gone), the thread exits.
         drop(alive);
+        tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
+    }
+
+    #[tokio::test]
+    async fn engines_come_and_go_on_the_running_reader() {
+        let hub = Hub::new(vec![], 64);
+        let mut deltas = hub.subscribe();
+        let metrics = AgentMetrics::new();
+        let alive = Arc::new(());
+        let ctx = zmq::Context::new();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (reader, handle) =
+            subscriber::spawn_dynamic::<PodSink>(ctx.clone(), Duration::from_millis(20), metrics.clone(), stop)
+                .expect("reader thread");
+        // No engine: the thread idles rather than ending.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!reader.is_finished());
+
+        let publisher = Publisher::new(&ctx);
+        let pod = hub.add(info("a"));
+        let cfg = SubscriberConfig {
+            pod: "a".into(),
+            kv_events: publisher.endpoint.clone(),
+            kv_replay: None,
+            replay_timeout: Duration::from_secs(1),
+        };
+        assert!(handle.add(cfg, PodSink::new(pod, Arc::downgrade(&alive), &metrics)));
+        publisher.wait_subscriber();
+        publisher.publish(0);
+        let d = next_delta(&mut deltas).await;
+        let stored: usize = d.blocks.as_ref().expect("blocks").stored.iter().map(|r| r.hashes.len()).sum();
+        assert_eq!((d.pod.as_str(), stored), ("a", 3));
+
+        // Removed: its SUB closes at once (the publisher sees the unsubscription).
+        assert!(handle.remove("a"));
+        let unsubscribe = publisher.socket.recv_bytes(0).expect("an unsubscription within 10 s");
+        assert_eq!(unsubscribe.first(), Some(&0u8), "{unsubscribe:?}");
+        publisher.publish(1);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(metrics.kv_events_received.get_or_create(&pod_label("a")).get(), 1, "nothing read after removal");
+
+        // The handle gone and no engine left: the thread ends.
+        drop(handle);
         tokio::task::spawn_blocking(move || reader.join().expect("reader exits cleanly")).await.expect("join");
     }
 

@@ -1,6 +1,10 @@
 //! One task per picker: connect (jittered exponential backoff 100 ms → 5 s), open `Report`,
-//! send `Hello` and a `PodSnapshot` per pod, then forward every pod's deltas. A `ResyncRequest`
-//! gets fresh snapshots; a broadcast lag (this stream fell too far behind) resends all snapshots;
+//! send `Hello` and a `PodSnapshot` per pod, then forward every pod's deltas. When pods come or
+//! go (their engines started or stopped with their Kubernetes pods or engine-file entries), the
+//! stream sends a fresh `Hello` listing the agent's pods now (a pod missing from it has left;
+//! its last delta, just before, cleared its blocks and marked it not ready) and the snapshots
+//! of the new ones. A `ResyncRequest` gets fresh snapshots; a broadcast lag (this stream fell
+//! too far behind) resends `Hello` and all snapshots;
 //! a stream error reconnects and starts over with snapshots. On shutdown the stream sends the
 //! deltas already queued for it, ends its request stream (an orderly HTTP/2 close the picker
 //! sees as the agent leaving) and waits up to [`CLOSE_GRACE`] for the picker to end its side.
@@ -8,10 +12,10 @@
 //! Concurrency: the task owns its stream; it reads pod state only through [`Hub`] snapshots
 //! (short mutex sections, never across an await).
 
-use super::hub::{Hub, Outgoing};
+use super::hub::{Hub, Outgoing, Pod};
 use crate::telemetry::AgentMetrics;
 use kvroute_proto::agent::v1::agent_ingest_client::AgentIngestClient;
-use kvroute_proto::agent::v1::{AgentMessage, Hello, PickerMessage, agent_message, picker_message};
+use kvroute_proto::agent::v1::{AgentMessage, Hello, PickerMessage, PodDelta, agent_message, picker_message};
 use rand::Rng;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -89,18 +93,64 @@ pub async fn run_picker_stream(
     }
 }
 
-fn snapshot_msgs(hub: &Hub, only: Option<&str>, sent: &mut HashMap<String, u64>) -> Vec<AgentMessage> {
+/// What one stream has told its picker about each pod: the seq of the snapshot sent and the
+/// info version it described.
+type Sent = HashMap<String, (u64, u64)>;
+
+/// Snapshots of the `pods` that `only` names ("" or `None`: all), recorded in `sent`.
+fn snapshot_msgs(pods: &[Arc<Pod>], only: Option<&str>, sent: &mut Sent) -> Vec<AgentMessage> {
     // Trace span of a report (docs/design.md §9): snapshots at INFO, each delta at TRACE (see below).
     let _span = tracing::info_span!("agent.report.snapshots", pod = only.unwrap_or("")).entered();
-    hub.pods()
-        .iter()
+    pods.iter()
         .filter(|p| only.is_none_or(|o| o.is_empty() || o == p.name()))
         .map(|p| {
-            let snap = p.snapshot();
-            sent.insert(p.name().to_string(), snap.seq);
+            let (snap, version) = p.versioned_snapshot();
+            sent.insert(p.name().to_string(), (snap.seq, version));
             AgentMessage { msg: Some(agent_message::Msg::Snapshot(snap)) }
         })
         .collect()
+}
+
+/// `Hello` listing `pods`.
+fn hello_msg(pods: &[Arc<Pod>], id: &AgentIdentity) -> AgentMessage {
+    let hello = Hello {
+        agent_id: id.agent_id.clone(),
+        node_name: id.node_name.clone(),
+        protocol_version: 1,
+        pods: pods.iter().map(|p| p.info()).collect(),
+    };
+    AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }
+}
+
+/// `Hello` and every pod's snapshot, from one copy of the pod list; `sent` starts over.
+fn full_msgs(hub: &Hub, id: &AgentIdentity, sent: &mut Sent) -> Vec<AgentMessage> {
+    let pods = hub.pods();
+    sent.clear();
+    let mut out = vec![hello_msg(&pods, id)];
+    out.extend(snapshot_msgs(&pods, None, sent));
+    out
+}
+
+/// After [`Outgoing::Members`]: when the pod list or a pod's info differs from what this stream
+/// described, a fresh `Hello` (the whole list: a pod missing from it has left this agent) and
+/// the snapshots of pods that are new or changed. Forgets pods that left.
+fn membership_msgs(hub: &Hub, id: &AgentIdentity, sent: &mut Sent) -> Vec<AgentMessage> {
+    let pods = hub.pods();
+    let before = sent.len();
+    sent.retain(|name, _| pods.iter().any(|p| p.name() == name));
+    let mut changed = sent.len() != before;
+    let mut out = Vec::new();
+    for p in pods.iter() {
+        if sent.get(p.name()).is_some_and(|(_, v)| *v == p.info_version()) {
+            continue;
+        }
+        changed = true;
+        out.extend(snapshot_msgs(std::slice::from_ref(p), None, sent));
+    }
+    if changed {
+        out.insert(0, hello_msg(&pods, id));
+    }
+    out
 }
 
 async fn stream_once(
@@ -120,16 +170,9 @@ async fn stream_once(
     // Subscribe before the snapshots: deltas numbered after a snapshot are then never missed.
     let mut deltas = hub.subscribe();
     let (out, out_rx) = mpsc::channel::<AgentMessage>(1024);
-    let mut snap_seq: HashMap<String, u64> = HashMap::new();
-    let hello = Hello {
-        agent_id: id.agent_id.clone(),
-        node_name: id.node_name.clone(),
-        protocol_version: 1,
-        pods: hub.pods().iter().map(|p| p.info()).collect(),
-    };
+    let mut sent: Sent = HashMap::new();
     let closed = || ReportError::Closed(endpoint.to_string());
-    out.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.map_err(|_| closed())?;
-    for m in snapshot_msgs(hub, None, &mut snap_seq) {
+    for m in full_msgs(hub, id, &mut sent) {
         out.send(m).await.map_err(|_| closed())?;
     }
     let rpc = |source| ReportError::Rpc { endpoint: endpoint.into(), source };
@@ -137,19 +180,26 @@ async fn stream_once(
         r = client.report(ReceiverStream::new(out_rx)) => r.map_err(rpc)?.into_inner(),
         () = stopped(&mut shutdown) => return Ok(()),
     };
-    tracing::info!(picker = %endpoint, pods = hub.pods().len(), "picker stream open, snapshots sent");
+    tracing::info!(picker = %endpoint, pods = sent.len(), "picker stream open, snapshots sent");
     let mut in_flight: HashMap<String, (u64, Instant)> = HashMap::new();
+    // A delta goes out only for a pod this stream described, and only past that snapshot.
+    let wanted = |sent: &Sent, d: &PodDelta| sent.get(&d.pod).is_some_and(|(s, _)| d.seq > *s);
     loop {
         tokio::select! {
             () = stopped(&mut shutdown) => {
                 // Send what is already queued for this picker, then end our side cleanly.
                 while let Ok(o) = deltas.try_recv() {
-                    if snap_seq.get(&o.delta.pod).is_some_and(|s| o.delta.seq <= *s) {
-                        continue;
-                    }
-                    let msg = AgentMessage { msg: Some(agent_message::Msg::Delta(o.delta.clone())) };
-                    if out.send(msg).await.is_err() {
-                        break;
+                    let msgs = match &*o {
+                        Outgoing::Delta { delta, .. } if wanted(&sent, delta) => {
+                            vec![AgentMessage { msg: Some(agent_message::Msg::Delta(delta.clone())) }]
+                        }
+                        Outgoing::Delta { .. } => continue,
+                        Outgoing::Members => membership_msgs(hub, id, &mut sent),
+                    };
+                    for msg in msgs {
+                        if out.send(msg).await.is_err() {
+                            break;
+                        }
                     }
                 }
                 drop(out);
@@ -161,19 +211,30 @@ async fn stream_once(
                 return Ok(());
             }
             d = deltas.recv() => match d {
-                Ok(o) => {
-                    let o: &Outgoing = &o;
-                    if snap_seq.get(&o.delta.pod).is_some_and(|s| o.delta.seq <= *s) {
-                        continue;
+                Ok(o) => match &*o {
+                    Outgoing::Delta { delta, created } => {
+                        if !wanted(&sent, delta) {
+                            continue;
+                        }
+                        in_flight.entry(delta.pod.clone()).or_insert((delta.seq, *created));
+                        let msg = AgentMessage { msg: Some(agent_message::Msg::Delta(delta.clone())) };
+                        let span = tracing::trace_span!("agent.report.delta", pod = %delta.pod, seq = delta.seq);
+                        tracing::Instrument::instrument(out.send(msg), span).await.map_err(|_| closed())?;
                     }
-                    in_flight.entry(o.delta.pod.clone()).or_insert((o.delta.seq, o.created));
-                    let msg = AgentMessage { msg: Some(agent_message::Msg::Delta(o.delta.clone())) };
-                    let span = tracing::trace_span!("agent.report.delta", pod = %o.delta.pod, seq = o.delta.seq);
-                    tracing::Instrument::instrument(out.send(msg), span).await.map_err(|_| closed())?;
-                }
+                    Outgoing::Members => {
+                        let msgs = membership_msgs(hub, id, &mut sent);
+                        if !msgs.is_empty() {
+                            tracing::info!(picker = %endpoint, pods = sent.len(), "pods changed: Hello and snapshots resent");
+                        }
+                        in_flight.retain(|pod, _| sent.contains_key(pod));
+                        for m in msgs {
+                            out.send(m).await.map_err(|_| closed())?;
+                        }
+                    }
+                },
                 Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::warn!(picker = %endpoint, skipped = n, "stream fell behind; resending snapshots");
-                    for m in snapshot_msgs(hub, None, &mut snap_seq) {
+                    tracing::warn!(picker = %endpoint, skipped = n, "stream fell behind; resending Hello and snapshots");
+                    for m in full_msgs(hub, id, &mut sent) {
                         out.send(m).await.map_err(|_| closed())?;
                     }
                 }
@@ -183,7 +244,7 @@ async fn stream_once(
                 None => return Err(closed()),
                 Some(PickerMessage { msg: Some(picker_message::Msg::Resync(r)) }) => {
                     tracing::info!(picker = %endpoint, pod = %r.pod, reason = %r.reason, "resync requested");
-                    for m in snapshot_msgs(hub, Some(&r.pod), &mut snap_seq) {
+                    for m in snapshot_msgs(&hub.pods(), Some(&r.pod), &mut sent) {
                         out.send(m).await.map_err(|_| closed())?;
                     }
                 }

@@ -1,10 +1,17 @@
-//! One run, one workload, the indexes side by side: kvroute's (the one in use: design C over the
-//! flat snapshot with runs; and design C over the hashbrown snapshot, as first built), SGLang's
-//! `kv-index` 2.0.0 `ChainIndex`, and with `--features dynamo` NVIDIA's dynamo-kv-router 1.6.1
-//! `RadixTree` (the naive `std` HashMap model is in `index/benches/`).
-//! Prints lookup p50/p99 (each lookup timed alone, 20,000 runs: hit, partial, miss, and hits over
-//! 600 chains in turn), load throughput (block events/s) and heap bytes per (block, pod) entry.
-//! Run: `cargo run --release` in `bench/peers/`.
+//! One run, one workload, the indexes side by side: kvroute's (design C over the flat snapshot,
+//! the one in use), SGLang's `kv-index` 2.0.0 `ChainIndex`, and with `--features dynamo`
+//! NVIDIA's dynamo-kv-router 1.6.1 (`RadixTree` for the bulk load and lookups,
+//! `ConcurrentRadixTreeCompressed` for ingest with readers; the naive `std` HashMap model is in
+//! `index/benches/`).
+//!
+//! Per index: bulk load throughput (block events/s, the workload's ~1.04M (block, pod) entries
+//! into an empty index, best and median of 3 loads) and heap bytes per entry; lookup p50/p99
+//! (each lookup timed alone, 20,000 runs: hit, partial, miss, and hits over 600 chains in turn);
+//! steady ingest with two reader threads spinning on lookups (rounds of 8 fresh 256-block chains
+//! stored on one pod, made visible, removed, made visible: block events/s, best and median of 4
+//! stretches of ~0.5 s).
+//! Run: `cargo run --release --features dynamo -- [kvroute] [kv-index] [dynamo]` in
+//! `bench/peers/` (no names: all).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -17,21 +24,27 @@ mod dynamo;
 use std::alloc::System;
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock, chain_prefix_hash};
 use kvroute_common::BlockHash;
-use kvroute_index::{
-    BlockPods, DoubleSnapshot, FlatSnapshot, MatchScratch, PoolMap, PooledBackend, Writer, match_prefix,
-};
+use kvroute_index::{IndexSnapshot, IndexWriter, MatchScratch, PodIdx};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-use workload::{SplitMix, Workload};
+use workload::{CHAIN_BLOCKS, SplitMix, Workload};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 const ENTRIES: usize = 1_040_000;
+/// Bulk loads per index (best and median reported).
+const LOADS: usize = 3;
+/// Fresh chains per steady round (8 × 256 = 2,048 stores, then as many removes).
+const ROUND_CHAINS: usize = 8;
+/// Steady stretches measured, and each one's length.
+const STRETCHES: usize = 4;
+const STRETCH: Duration = Duration::from_millis(500);
 
 fn pct(mut ns: Vec<u64>) -> (f64, f64) {
     ns.sort_unstable();
@@ -39,7 +52,13 @@ fn pct(mut ns: Vec<u64>) -> (f64, f64) {
     (at(0.5), at(0.99))
 }
 
-fn percentiles(name: &str, w: &Workload, mut lookup: impl FnMut(&[BlockHash]) -> u64) {
+/// "best B, median M" of rates (M/s).
+pub fn best_median(mut rates: Vec<f64>) -> String {
+    rates.sort_by(f64::total_cmp);
+    format!("best {:.2}, median {:.2}", rates[rates.len() - 1], rates[rates.len() / 2])
+}
+
+pub fn percentiles(name: &str, w: &Workload, mut lookup: impl FnMut(&[BlockHash]) -> u64) {
     let mut rng = SplitMix(99);
     let cases = [("hit", w.hit()), ("partial", w.partial(&mut rng)), ("miss", w.miss(&mut rng))];
     for (case, q) in &cases {
@@ -68,79 +87,173 @@ fn percentiles(name: &str, w: &Workload, mut lookup: impl FnMut(&[BlockHash]) ->
     println!("{name:>10} lookup {:<16} p50 {p50:>7.2} µs  p99 {p99:>8.2} µs", "hit_rotating_600");
 }
 
-fn net_bytes(region: &Region<System>) -> i64 {
+pub fn net_bytes(region: &Region<System>) -> i64 {
     let c = region.change();
     c.bytes_allocated as i64 - c.bytes_deallocated as i64 + c.bytes_reallocated as i64
 }
 
-/// kvroute's index with design C's pool over snapshot type `S`, labelled `name`.
-fn kvroute<S: PoolMap + BlockPods>(w: &Workload, name: &str) {
-    let region = Region::new(GLOBAL);
-    let t = Instant::now();
-    let published = Arc::new(ArcSwap::from_pointee(S::default()));
-    let mut writer = Writer::<PooledBackend<3, S>>::new(published.clone(), usize::MAX);
-    for (pod, chain) in w.stores() {
-        writer.store(pod, chain);
+/// The steady-ingest chains: `ROUND_CHAINS` fresh 256-block chains.
+pub fn fresh_chains() -> Vec<Vec<BlockHash>> {
+    let mut rng = SplitMix(7);
+    (0..ROUND_CHAINS).map(|_| rng.chain(CHAIN_BLOCKS)).collect()
+}
+
+/// Runs `round(i)` (one store + remove round of `ROUND_CHAINS` chains, made visible) while two
+/// threads run `read` in a loop; prints block events/s per stretch (best, median) and the
+/// readers' lookups.
+pub fn steady(name: &str, mut round: impl FnMut(u64), read: impl Fn() + Send + Sync + Clone + 'static) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, read) = (stop.clone(), read.clone());
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    read();
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let events_per_round = (2 * ROUND_CHAINS * CHAIN_BLOCKS) as f64;
+    let mut i = 0u64;
+    // Warm-up: a few rounds (the index reaches its steady copies and sizes).
+    for _ in 0..20 {
+        round(i);
+        i += 1;
     }
-    writer.publish();
-    let secs = t.elapsed().as_secs_f64();
-    let bytes = net_bytes(&region);
+    let mut rates = Vec::new();
+    for _ in 0..STRETCHES {
+        let (t, mut n) = (Instant::now(), 0u64);
+        while t.elapsed() < STRETCH {
+            round(i);
+            i += 1;
+            n += 1;
+        }
+        rates.push(n as f64 * events_per_round / t.elapsed().as_secs_f64() / 1e6);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = readers.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    println!(
+        "{name:>10} steady with 2 readers: {} M block events/s ({i} rounds; readers did {reads} lookups)",
+        best_median(rates)
+    );
+}
+
+/// kvroute's index (design C over the flat snapshot, as the picker uses it).
+fn kvroute(w: &Workload) {
+    let mut rates = Vec::new();
+    let mut bytes = 0;
+    let mut kept = None;
+    for _ in 0..LOADS {
+        let region = Region::new(GLOBAL);
+        let t = Instant::now();
+        let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
+        let mut writer = IndexWriter::new(published.clone(), usize::MAX);
+        for (pod, chain) in w.stores() {
+            writer.store(pod, chain);
+        }
+        writer.publish();
+        rates.push(w.entries() as f64 / t.elapsed().as_secs_f64() / 1e6);
+        bytes = net_bytes(&region);
+        kept = Some((published, writer));
+    }
+    let (published, mut writer) = kept.unwrap();
     let entries = w.entries() as f64;
-    println!("{name:>10} load {:.2} M block events/s, {:.1} B/entry", entries / secs / 1e6, bytes as f64 / entries);
+    println!("{:>10} load {} M block events/s, {:.1} B/entry", "kvroute", best_median(rates), bytes as f64 / entries);
     let snap = published.load_full();
     let mut scratch = MatchScratch::default();
     let mut rng = SplitMix(99);
     for (case, q) in [("hit", w.hit()), ("partial", w.partial(&mut rng)), ("miss", w.miss(&mut rng))] {
-        match_prefix(&*snap, &q, &mut scratch);
+        snap.match_prefix(&q, &mut scratch);
         let mut got: Vec<(u16, u32)> = scratch.matched_pods().iter().map(|p| (p.0, scratch.matched(*p))).collect();
         got.sort_unstable();
-        println!("{name:>10} check {case}: (pod, matched) {got:?}");
+        println!("{:>10} check {case}: (pod, matched) {got:?}", "kvroute");
     }
-    percentiles(name, w, |q| u64::from(match_prefix(&*snap, q, &mut scratch)));
+    percentiles("kvroute", w, |q| u64::from(snap.match_prefix(q, &mut scratch)));
+    drop(snap);
+    let fresh = fresh_chains();
+    let q = w.hit();
+    let reader = published.clone();
+    steady(
+        "kvroute",
+        |i| {
+            let pod = PodIdx((i % 64) as u16);
+            for c in &fresh {
+                writer.store(pod, c);
+            }
+            writer.publish();
+            for c in &fresh {
+                writer.remove(pod, c);
+            }
+            writer.publish();
+        },
+        move || {
+            thread_local!(static SCRATCH: std::cell::RefCell<MatchScratch> = std::cell::RefCell::new(MatchScratch::default()));
+            SCRATCH.with(|s| black_box(reader.load().match_prefix(&q, &mut s.borrow_mut())));
+        },
+    );
+    let b = writer.backend();
+    println!(
+        "{:>10} pool: {} full copies (every spare held), {} waits, {} copies held",
+        "kvroute",
+        b.copies(),
+        b.waits(),
+        b.copies_held()
+    );
 }
 
 fn content(chain: &[BlockHash]) -> Vec<ContentHash> {
     chain.iter().map(|b| ContentHash(b.0)).collect()
 }
 
+fn stored(chain: &[BlockHash]) -> Vec<StoredBlock> {
+    let mut seq = SequenceHash(chain[0].0);
+    chain
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            if i > 0 {
+                seq = chain_prefix_hash(seq, ContentHash(b.0));
+            }
+            StoredBlock { seq_hash: seq, content_hash: ContentHash(b.0) }
+        })
+        .collect()
+}
+
 fn kv_index(w: &Workload) {
     // Hash conversion is outside the timed region: both indexes get ready-made hashes.
-    let stored: Vec<Vec<StoredBlock>> = w
-        .chains
-        .iter()
-        .map(|c| {
-            let mut seq = SequenceHash(c[0].0);
-            c.iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    if i > 0 {
-                        seq = chain_prefix_hash(seq, ContentHash(b.0));
-                    }
-                    StoredBlock { seq_hash: seq, content_hash: ContentHash(b.0) }
-                })
-                .collect()
-        })
-        .collect();
-    let region = Region::new(GLOBAL);
-    let t = Instant::now();
-    let index = ChainIndex::new();
-    let workers: Vec<u32> = (0..workload::PODS).map(|p| index.intern_worker(&format!("pod-{p}")).unwrap()).collect();
-    let mut maps: Vec<ChainBlockMap> = (0..workload::PODS).map(|_| ChainBlockMap::default()).collect();
-    let mut failed = 0usize;
-    for (blocks, pods) in stored.iter().zip(&w.placement) {
-        for p in pods {
-            if index.apply_stored(workers[p.as_usize()], blocks, None, &mut maps[p.as_usize()]).is_err() {
-                failed += 1;
+    let stored_chains: Vec<Vec<StoredBlock>> = w.chains.iter().map(|c| stored(c)).collect();
+    let mut rates = Vec::new();
+    let mut bytes = 0;
+    let mut kept = None;
+    for _ in 0..LOADS {
+        let region = Region::new(GLOBAL);
+        let t = Instant::now();
+        let index = ChainIndex::new();
+        let workers: Vec<u32> =
+            (0..workload::PODS).map(|p| index.intern_worker(&format!("pod-{p}")).unwrap()).collect();
+        let mut maps: Vec<ChainBlockMap> = (0..workload::PODS).map(|_| ChainBlockMap::default()).collect();
+        let mut failed = 0usize;
+        for (blocks, pods) in stored_chains.iter().zip(&w.placement) {
+            for p in pods {
+                if index.apply_stored(workers[p.as_usize()], blocks, None, &mut maps[p.as_usize()]).is_err() {
+                    failed += 1;
+                }
             }
         }
+        rates.push(w.entries() as f64 / t.elapsed().as_secs_f64() / 1e6);
+        bytes = net_bytes(&region);
+        assert_eq!(failed, 0, "kv-index refused stores");
+        kept = Some((index, workers, maps));
     }
-    let secs = t.elapsed().as_secs_f64();
-    let bytes = net_bytes(&region);
+    let (index, workers, mut maps) = kept.unwrap();
     let entries = w.entries() as f64;
     println!(
-        "{:>10} load {:.2} M block events/s, {:.1} B/entry ({} entries reported, {failed} stores failed)",
+        "{:>10} load {} M block events/s, {:.1} B/entry ({} entries reported)",
         "kv-index",
-        entries / secs / 1e6,
+        best_median(rates),
         bytes as f64 / entries,
         index.entry_count()
     );
@@ -157,9 +270,32 @@ fn kv_index(w: &Workload) {
         let scores = index.find_matches(c, false);
         scores.scores.values().copied().max().map_or(0, u64::from)
     });
+    let index = Arc::new(index);
+    let fresh: Vec<Vec<StoredBlock>> = fresh_chains().iter().map(|c| stored(c)).collect();
+    let seqs: Vec<Vec<SequenceHash>> = fresh.iter().map(|c| c.iter().map(|b| b.seq_hash).collect()).collect();
+    let q = content(&w.hit());
+    let reader = index.clone();
+    steady(
+        "kv-index",
+        |i| {
+            // Changes are visible as applied: no publish step.
+            let p = (i % 64) as usize;
+            for c in &fresh {
+                index.apply_stored(workers[p], c, None, &mut maps[p]).unwrap();
+            }
+            for s in &seqs {
+                index.apply_removed(workers[p], s, &mut maps[p]);
+            }
+        },
+        move || {
+            black_box(reader.find_matches(&q, false));
+        },
+    );
 }
 
 fn main() {
+    let names: Vec<String> = std::env::args().skip(1).collect();
+    let wanted = |n: &str| names.is_empty() || names.iter().any(|a| a == n);
     let w = Workload::new(ENTRIES, 1);
     println!(
         "workload: {} chains of {} blocks, {} (block, pod) entries over {} pods",
@@ -168,9 +304,14 @@ fn main() {
         w.entries(),
         workload::PODS
     );
-    kvroute::<FlatSnapshot>(&w, "kvroute");
-    kvroute::<DoubleSnapshot>(&w, "kvroute-hb");
-    kv_index(&w);
+    if wanted("kvroute") {
+        kvroute(&w);
+    }
+    if wanted("kv-index") {
+        kv_index(&w);
+    }
     #[cfg(feature = "dynamo")]
-    dynamo::run(&w);
+    if wanted("dynamo") {
+        dynamo::run(&w);
+    }
 }

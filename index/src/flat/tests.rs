@@ -1,51 +1,47 @@
-//! The flat map against a naive model (proptest), its invariants, and runs under cuts.
-
-#![allow(clippy::expect_used)]
+//! The flat snapshot and its editor against a naive model (proptest), their invariants, and runs
+//! under cuts.
 
 use std::collections::{BTreeSet, HashMap};
 
 use proptest::prelude::*;
 
+use super::edit::Editor;
 use super::*;
 use crate::walk::walk_blocks;
 
-/// Every occupied slot is reachable from its home with no empty slot in between; every
-/// current run reference is consistent (module invariant); set refcounts are exact.
-fn assert_invariants(m: &FlatMap) {
-    let mask = m.mask();
-    let mut occupied = 0;
-    let mut refs: HashMap<u32, u32> = HashMap::new();
-    for (j, s) in m.slots.iter().enumerate() {
-        if s.set == 0 {
-            continue;
-        }
-        occupied += 1;
-        *refs.entry(s.set).or_default() += 1;
-        assert_ne!(s.run, GATHERING);
-        let mut i = m.home(s.key);
-        while i != j {
-            assert_ne!(m.slots[i].set, 0, "hole between home {} and slot {j}", m.home(s.key));
-            i = (i + 1) & mask;
-        }
+/// One copy and its editor, as the pool uses them (without the pool's copies).
+#[derive(Default)]
+struct Map {
+    t: FlatSnapshot,
+    e: Editor,
+}
+
+impl Map {
+    fn link(&mut self, pod: u16, key: u64) -> (bool, bool) {
+        self.e.link(&mut self.t, PodIdx(pod), key)
     }
-    assert_eq!(occupied, m.len);
-    for (id, e) in m.sets.iter().enumerate().skip(1) {
-        assert_eq!(refs.get(&(id as u32)).copied().unwrap_or(0), e.refs, "refs of set {id}");
+    fn unlink(&mut self, pod: u16, key: u64) -> (bool, bool) {
+        self.e.unlink(&mut self.t, PodIdx(pod), key)
     }
-    assert_eq!(m.run_words, m.runs.iter().map(Vec::capacity).sum::<usize>());
-    assert_eq!(m.set_pods, m.sets.iter().map(|e| e.pods.len()).sum::<usize>());
-    for (r, run) in m.runs.iter().enumerate() {
-        assert!(run.is_empty() || run.len() >= 2);
-        let sets: BTreeSet<u32> = run
-            .iter()
-            .enumerate()
-            .map(|(k, key)| {
-                let i = m.find(*key).expect("a run's block is in the map");
-                assert_eq!(m.slots[i].run, ((r as u32) << 8) | k as u32, "run {r} offset {k}");
-                m.slots[i].set
-            })
-            .collect();
-        assert!(sets.len() <= 1, "run {r} spans pod sets {sets:?}");
+    /// A writer's store call with room for `room` new pairs; returns (new blocks, new pairs,
+    /// dropped over the room).
+    fn store(&mut self, pod: u16, keys: &[u64], room: usize) -> (u64, u64, u64) {
+        let blocks: Vec<BlockHash> = keys.iter().map(|k| BlockHash(*k)).collect();
+        let mut linked = Vec::new();
+        let (nodes, dropped) = self.e.store(&mut self.t, PodIdx(pod), &blocks, room, &mut linked);
+        (nodes, linked.len() as u64, dropped)
+    }
+    fn seal(&mut self, blocks: &[BlockHash]) {
+        self.e.seal(&mut self.t, blocks);
+    }
+    fn settle(&mut self) {
+        self.e.settle(&mut self.t);
+    }
+    fn check(&self) {
+        self.e.assert_invariants(&self.t);
+    }
+    fn live_runs(&self) -> BTreeSet<usize> {
+        self.t.runs.iter().map(|r| r.blocks().len()).filter(|n| *n > 0).collect()
     }
 }
 
@@ -54,6 +50,7 @@ enum MapOp {
     Link(u16, u64),
     Unlink(u16, u64),
     Seal(Vec<u64>),
+    Store(u16, Vec<u64>, usize),
     Settle,
 }
 
@@ -62,19 +59,24 @@ fn key(k: u64) -> u64 {
     if k.is_multiple_of(2) { k } else { k.wrapping_mul(0x0123_4567_89ab_cdef) }
 }
 
+/// A stretch of keys, sometimes with repeats or jumps.
+fn keys() -> impl Strategy<Value = Vec<u64>> {
+    (0u64..200, 1u64..40, prop::collection::vec(0u64..200, 0..3)).prop_map(|(from, n, extra)| {
+        let mut v: Vec<u64> = (from..from + n).map(key).collect();
+        for e in extra {
+            let at = (e as usize) % (v.len() + 1);
+            v.insert(at, key(e));
+        }
+        v
+    })
+}
+
 fn map_op() -> impl Strategy<Value = MapOp> {
     prop_oneof![
+        2 => (0u16..8, keys(), prop_oneof![3 => Just(usize::MAX), 1 => 0usize..20]).prop_map(|(p, k, room)| MapOp::Store(p, k, room)),
         5 => (0u16..8, 0u64..200).prop_map(|(p, k)| MapOp::Link(p, key(k))),
         3 => (0u16..8, 0u64..200).prop_map(|(p, k)| MapOp::Unlink(p, key(k))),
-        // Runs over a stretch of keys, sometimes with repeats or jumps.
-        1 => (0u64..200, 1u64..40, prop::collection::vec(0u64..200, 0..3)).prop_map(|(from, n, extra)| {
-            let mut v: Vec<u64> = (from..from + n).map(key).collect();
-            for e in extra {
-                let at = (e as usize) % (v.len() + 1);
-                v.insert(at, key(e));
-            }
-            MapOp::Seal(v)
-        }),
+        1 => keys().prop_map(MapOp::Seal),
         1 => Just(MapOp::Settle),
     ]
 }
@@ -82,12 +84,12 @@ fn map_op() -> impl Strategy<Value = MapOp> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]
 
-    /// Links, unlinks and seals (few keys, so probe runs collide, wrap and shift; runs are cut
-    /// and re-made) against a `HashMap<key, BTreeSet<pod>>`; the run walk gives the same
+    /// Links, unlinks, store calls and seals (few keys, so probe runs collide, wrap and shift;
+    /// runs are cut and re-made) against a `HashMap<key, BTreeSet<pod>>`; the run walk gives the same
     /// counts as the block-by-block walk on chains along the keys.
     #[test]
     fn flat_map_matches_a_hash_map(ops in prop::collection::vec(map_op(), 1..1500)) {
-        let mut m = FlatMap::default();
+        let mut m = Map::default();
         let mut want: HashMap<u64, BTreeSet<u16>> = HashMap::new();
         for op in ops {
             match op {
@@ -95,7 +97,7 @@ proptest! {
                     let set = want.entry(key).or_default();
                     let new_block = set.is_empty();
                     let new_pair = set.insert(p);
-                    prop_assert_eq!(m.link(PodIdx(p), key), (new_block, new_pair));
+                    prop_assert_eq!(m.link(p, key), (new_block, new_pair));
                 }
                 MapOp::Unlink(p, key) => {
                     let removed = want.get_mut(&key).is_some_and(|s| s.remove(&p));
@@ -103,28 +105,43 @@ proptest! {
                     if gone {
                         want.remove(&key);
                     }
-                    prop_assert_eq!(m.unlink(PodIdx(p), key), (removed, gone));
+                    prop_assert_eq!(m.unlink(p, key), (removed, gone));
                 }
                 MapOp::Seal(keys) => {
                     let bs: Vec<BlockHash> = keys.into_iter().map(BlockHash).collect();
                     m.seal(&bs);
                 }
+                MapOp::Store(p, keys, room) => {
+                    let (mut nodes, mut entries, mut dropped) = (0, 0, 0);
+                    for k in &keys {
+                        let set = want.entry(*k).or_default();
+                        if entries as usize == room {
+                            dropped += u64::from(!set.contains(&p));
+                            if set.is_empty() {
+                                want.remove(k);
+                            }
+                            continue;
+                        }
+                        nodes += u64::from(set.is_empty());
+                        entries += u64::from(set.insert(p));
+                    }
+                    prop_assert_eq!(m.store(p, &keys, room), (nodes, entries, dropped));
+                }
                 MapOp::Settle => m.settle(),
             }
         }
-        assert_invariants(&m);
-        prop_assert_eq!(m.len(), want.len());
+        m.check();
+        prop_assert_eq!(m.t.len(), want.len());
         for k in 0..200u64 {
-            let got: Vec<u16> = m.get(key(k)).iter().map(|p| p.0).collect();
+            let got: Vec<u16> = m.t.pods_of(BlockHash(key(k))).iter().map(|p| p.0).collect();
             let exp: Vec<u16> = want.get(&key(k)).map(|s| s.iter().copied().collect()).unwrap_or_default();
             prop_assert_eq!(got, exp);
         }
-        let snap = FlatSnapshot { map: m, stats: IndexStats::default() };
         let (mut a, mut b) = (MatchScratch::default(), MatchScratch::default());
         for from in 0..200u64 {
             let chain: Vec<BlockHash> = (from..(from + 50).min(200)).map(|k| BlockHash(key(k))).collect();
-            let runs = snap.map.walk(&chain, &mut a);
-            let blocks = walk_blocks(&snap, &chain, &mut b);
+            let runs = m.t.match_prefix(&chain, &mut a);
+            let blocks = walk_blocks(&m.t, &chain, &mut b);
             prop_assert_eq!(runs, blocks);
             for p in 0..8 {
                 prop_assert_eq!(a.matched(PodIdx(p)), b.matched(PodIdx(p)), "pod {} from {}", p, from);
@@ -144,30 +161,28 @@ fn slot_is_a_quarter_cache_line() {
 /// the walk stays exact.
 #[test]
 fn runs_follow_stores_and_cuts() {
-    let mut m = FlatMap::default();
+    let mut m = Map::default();
     let chain: Vec<BlockHash> = (1..=300u64).map(|k| BlockHash(k.wrapping_mul(FIB))).collect();
     for b in &chain {
-        m.link(PodIdx(1), b.0);
+        m.link(1, b.0);
     }
     m.seal(&chain);
-    assert_invariants(&m);
-    let live = |m: &FlatMap| m.runs.iter().filter(|r| !r.is_empty()).map(Vec::len).collect::<BTreeSet<_>>();
-    assert_eq!(live(&m), BTreeSet::from([256, 44]));
+    m.check();
+    assert_eq!(m.live_runs(), BTreeSet::from([256, 44]));
     for b in &chain[..100] {
-        m.link(PodIdx(2), b.0);
+        m.link(2, b.0);
     }
     m.seal(&chain[..100]);
-    assert_invariants(&m);
+    m.check();
     // Pod 2's prefix is one run, pod 1's tail another (cut, then made a run again).
-    assert_eq!(live(&m), BTreeSet::from([100, 156, 44]));
-    m.unlink(PodIdx(2), chain[50].0);
-    assert_invariants(&m);
-    assert_eq!(live(&m), BTreeSet::from([50, 156, 44]));
+    assert_eq!(m.live_runs(), BTreeSet::from([100, 156, 44]));
+    m.unlink(2, chain[50].0);
+    m.check();
+    assert_eq!(m.live_runs(), BTreeSet::from([50, 156, 44]));
     m.settle();
-    assert_invariants(&m);
-    assert_eq!(live(&m), BTreeSet::from([50, 49, 156, 44]));
-    let snap = FlatSnapshot { map: m, stats: IndexStats::default() };
+    m.check();
+    assert_eq!(m.live_runs(), BTreeSet::from([50, 49, 156, 44]));
     let mut s = MatchScratch::default();
-    assert_eq!(snap.match_prefix(&chain, &mut s), 300);
+    assert_eq!(m.t.match_prefix(&chain, &mut s), 300);
     assert_eq!((s.matched(PodIdx(1)), s.matched(PodIdx(2))), (300, 50));
 }

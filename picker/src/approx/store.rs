@@ -206,7 +206,6 @@ fn remove_holder(holders: &mut HashMap<BlockHash, Vec<u32>>, h: BlockHash, pid: 
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

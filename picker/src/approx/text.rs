@@ -110,7 +110,6 @@ fn push_content(out: &mut String, content: Option<&Value>) {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use kvroute_tokenize::ChatRequest;

@@ -2,8 +2,6 @@
 //! chooses, with the same matched blocks, in every mode (precise with a tokenizer, approximate
 //! without one, approximate chosen explicitly over a tokenizer), for chat and completion bodies.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use super::*;
 use crate::config::PickerConfig;
 use crate::pool::tests::{put, stats};

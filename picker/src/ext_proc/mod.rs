@@ -421,7 +421,6 @@ fn subset_hint(md: &Metadata) -> Option<Vec<String>> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};

@@ -181,7 +181,6 @@ pub fn immediate_error(status: u16, kind: &str, message: &str, request_id: &str)
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

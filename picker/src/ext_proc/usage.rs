@@ -137,7 +137,6 @@ fn memfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -258,7 +258,6 @@ pub(crate) fn diff(path: &str, want: &serde_json::Value, got: &serde_json::Value
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use serde_json::json;

@@ -38,7 +38,6 @@ pub fn split_documents(text: &str) -> Result<Vec<serde_json::Value>, DeployCheck
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -401,7 +401,6 @@ fn replay_loop(socket: &zmq::Socket, config: &KvEventsConfig, ring: &Mutex<VecDe
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

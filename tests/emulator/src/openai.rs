@@ -424,7 +424,6 @@ pub fn sse(data: &Value) -> String {
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -52,6 +52,10 @@ pub struct FleetSpec {
     /// e.g. `deploy/envoy/envoy-full-duplex.yaml`), each pointed at the same picker with its ports
     /// rewritten like `deploy/envoy/envoy.yaml`'s.
     pub extra_gateway_configs: Vec<PathBuf>,
+    /// Also start an Envoy with the picker's config whose ext_proc server is
+    /// `kvroute-noop-ext-proc` (the picker's reply shapes, a fixed destination: the first engine),
+    /// the floor under the picker's added latency.
+    pub noop_ext_proc_gateway: bool,
 }
 
 impl Default for FleetSpec {
@@ -74,12 +78,19 @@ impl Default for FleetSpec {
             picker_log_level: "info".into(),
             picker_approximate: false,
             extra_gateway_configs: Vec::new(),
+            noop_ext_proc_gateway: false,
         }
     }
 }
 
+/// The name of a pod's only engine: `<pod>-rank-0`.
+fn endpoint_name(pod: &str) -> String {
+    format!("{pod}-rank-0")
+}
+
 /// One emulated engine (a vLLM pod stand-in).
 pub struct Engine {
+    /// Pod name (`engine-<i>`).
     pub pod: String,
     pub port: u16,
     pub kv_events_port: u16,
@@ -95,6 +106,12 @@ impl Engine {
     /// `127.0.0.1:<port>`, the endpoint the picker hands to Envoy.
     pub fn endpoint(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+    /// `<pod>-rank-0`: the engine's name at the picker (its metrics, `/explain`) and the agent,
+    /// as the GIE endpoint picker names a pod's target port (docs/design.md §14), and the
+    /// emulator's `x-served-by`.
+    pub fn name(&self) -> String {
+        endpoint_name(&self.pod)
     }
     /// Whether the engine process is still owned (not killed by the test).
     pub fn is_running(&self) -> bool {
@@ -115,6 +132,8 @@ pub struct Fleet {
     pub extra_gateways: Vec<String>,
     /// `http://127.0.0.1:<port>` of the least-request baseline gateway, if started.
     pub least_request_gateway: Option<String>,
+    /// `http://127.0.0.1:<port>` of the Envoy + no-op ext_proc gateway, if started.
+    pub noop_gateway: Option<String>,
     /// `http://127.0.0.1:<port>` of the picker's admin server (/metrics).
     pub picker_admin: String,
     /// `http://127.0.0.1:<port>` of each agent's own `/metrics`, in agent order.
@@ -123,6 +142,7 @@ pub struct Fleet {
     picker_args: Vec<String>,
     picker: ManagedProcess,
     envoys: Vec<ManagedProcess>,
+    noop_ext_proc: Option<ManagedProcess>,
     http: reqwest::Client,
 }
 
@@ -137,7 +157,7 @@ impl Fleet {
         for i in 0..spec.engines {
             let (port, kv_events_port, kv_replay_port) = (free_port()?, free_port()?, free_port()?);
             let pod = format!("engine-{i}");
-            let args = emulator_args(&spec, &pod, port, kv_events_port, kv_replay_port);
+            let args = emulator_args(&spec, &endpoint_name(&pod), port, kv_events_port, kv_replay_port);
             let bin = paths::binary("kvroute-emulator")?;
             let work = work.clone();
             starting.push(tokio::spawn(async move {
@@ -205,6 +225,20 @@ impl Fleet {
             admin_urls.push(admin_url_of(&cfg)?);
             extra_gateways.push(format!("http://127.0.0.1:{port}"));
         }
+        let (mut noop_gateway, mut noop_ext_proc) = (None, None);
+        if spec.noop_ext_proc_gateway {
+            let (port, noop_port) = (free_port()?, free_port()?);
+            let endpoint = engines.first().map(Engine::endpoint).context("the no-op ext_proc needs an engine")?;
+            let args = vec!["--listen".into(), format!("127.0.0.1:{noop_port}"), "--endpoint".into(), endpoint];
+            let bin = paths::binary("kvroute-noop-ext-proc")?;
+            noop_ext_proc =
+                Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
+            let cfg = work.join("envoy-noop-ext-proc.yaml");
+            write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, noop_port)?)?;
+            envoys.push(start_envoy("envoy-noop-ext-proc", &envoy_bin, &cfg, &work)?);
+            admin_urls.push(admin_url_of(&cfg)?);
+            noop_gateway = Some(format!("http://127.0.0.1:{port}"));
+        }
         let mut baseline_gateways = [None, None];
         let baselines = [
             (spec.round_robin_baseline, "envoy-round-robin", "pods_round_robin"),
@@ -234,15 +268,17 @@ impl Fleet {
             round_robin_gateway,
             extra_gateways,
             least_request_gateway,
+            noop_gateway,
             picker_admin: format!("http://127.0.0.1:{admin_port}"),
             agent_admins,
             agents,
             picker_args,
             picker,
             envoys,
+            noop_ext_proc,
             http,
         };
-        let pods: Vec<String> = fleet.engines.iter().map(|e| e.pod.clone()).collect();
+        let pods: Vec<String> = fleet.engines.iter().map(Engine::name).collect();
         fleet.wait_for_pods(&pods, Duration::from_secs(30)).await?;
         Ok(fleet)
     }
@@ -318,7 +354,7 @@ impl Fleet {
     pub async fn restart_engine(&mut self, i: usize) -> Result<()> {
         self.kill_engine(i).await;
         let e = self.engines.get(i).context("no such engine")?;
-        let args = emulator_args(&self.spec, &e.pod, e.port, e.kv_events_port, e.kv_replay_port);
+        let args = emulator_args(&self.spec, &e.name(), e.port, e.kv_events_port, e.kv_replay_port);
         let name = format!("{}-restarted", e.pod);
         let p = ManagedProcess::spawn(
             &name,
@@ -401,6 +437,9 @@ impl Fleet {
             p.kill().await;
         }
         self.picker.kill().await;
+        if let Some(mut p) = self.noop_ext_proc.take() {
+            p.kill().await;
+        }
         for e in &mut self.engines {
             if let Some(mut p) = e.process.take() {
                 p.kill().await;
@@ -409,7 +448,7 @@ impl Fleet {
     }
 }
 
-/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0"`).
+/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0-rank-0"`).
 pub fn metric_value(text: &str, name: &str, label: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let rest = l.strip_prefix(name)?;

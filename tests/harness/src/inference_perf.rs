@@ -205,7 +205,6 @@ pub fn stage_report_path(report_dir: &Path, stage: usize) -> PathBuf {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -90,7 +90,7 @@ impl RunSummary {
             records.iter().filter_map(|r| r.outcome.ttft).map(|d| d.as_secs_f64() * 1000.0).collect();
         ttfts.sort_by(f64::total_cmp);
         let mean = if ttfts.is_empty() { 0.0 } else { ttfts.iter().sum::<f64>() / ttfts.len() as f64 };
-        let p90 = ttfts.get(((ttfts.len() as f64 * 0.9).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+        let p90 = crate::stats::percentile(&ttfts, 0.9).unwrap_or(0.0);
         Self {
             requests: records.len(),
             errors: records.iter().filter(|r| r.outcome.status != 200).count(),

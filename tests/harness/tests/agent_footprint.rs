@@ -76,11 +76,9 @@ fn clock_ticks_per_s() -> f64 {
         .unwrap_or(100.0)
 }
 
+/// Nearest-rank percentile of sorted values; NaN when empty.
 fn pct(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
+    kvroute_harness::stats::percentile(sorted, q).unwrap_or(f64::NAN)
 }
 
 /// Sum over pods of an agent counter (`name` = the sample's prefix up to its labels).
@@ -168,7 +166,7 @@ async fn agent_footprint_eight_engines_under_load() {
             let mut n = 0usize;
             while !stop.load(Ordering::Relaxed) {
                 let e = n % fleet.engines.len();
-                let pod = fleet.engines[e].pod.clone();
+                let pod = fleet.engines[e].name();
                 let msgs = messages(&format!("probe{n}"), 150);
                 let client = GatewayClient::new(fleet.engines[e].url()).expect("client");
                 let start = Instant::now();

@@ -92,18 +92,18 @@ async fn dropped_kv_events_are_recovered_by_replay() {
     let (a, b) = (body("alpha"), body("bravo"));
     // Warm the subscriber: one batch seen, so the next loss is a gap after a known seq.
     send_to_engine(&fleet, 0, &body("warmup")).await;
-    wait_matched(&fleet, &body("warmup"), "engine-0", "warm-up indexed", fully).await;
+    wait_matched(&fleet, &body("warmup"), "engine-0-rank-0", "warm-up indexed", fully).await;
 
     fleet.inject_fault(0, json!({"drop_kv_events": 1})).await.expect("fault");
     send_to_engine(&fleet, 0, &a).await; // its BlockStored batch is never published
     tokio::time::sleep(Duration::from_millis(300)).await;
     send_to_engine(&fleet, 0, &b).await; // the next batch reveals the gap → replay
-    let (m, t) = wait_matched(&fleet, &a, "engine-0", "alpha recovered by replay", fully).await;
+    let (m, t) = wait_matched(&fleet, &a, "engine-0-rank-0", "alpha recovered by replay", fully).await;
     assert!(m > 0 && t > 0);
-    wait_matched(&fleet, &b, "engine-0", "bravo indexed", fully).await;
-    assert!(agent_counter(&fleet, "kvroute_agent_kv_event_batches_replayed_total", "engine-0").await >= 1.0);
+    wait_matched(&fleet, &b, "engine-0-rank-0", "bravo indexed", fully).await;
+    assert!(agent_counter(&fleet, "kvroute_agent_kv_event_batches_replayed_total", "engine-0-rank-0").await >= 1.0);
     assert_eq!(
-        agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0").await,
+        agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0-rank-0").await,
         0.0,
         "a replayable gap must not clear the pod"
     );
@@ -120,9 +120,9 @@ async fn picker_restart_is_followed_by_a_resync_restoring_the_same_index() {
     }
     let mut before = Vec::new();
     for (i, b) in bodies.iter().enumerate() {
-        let pod = format!("engine-{}", i % 2);
+        let pod = format!("engine-{}-rank-0", i % 2);
         wait_matched(&fleet, b, &pod, "indexed before restart", fully).await;
-        before.push((matched(&fleet, b, "engine-0").await, matched(&fleet, b, "engine-1").await));
+        before.push((matched(&fleet, b, "engine-0-rank-0").await, matched(&fleet, b, "engine-1-rank-0").await));
     }
     let entries = |t: &str| {
         metric_value(t, "epp_prefix_index_entries", "").or_else(|| gauge_plain(t, "epp_prefix_index_entries"))
@@ -131,12 +131,12 @@ async fn picker_restart_is_followed_by_a_resync_restoring_the_same_index() {
     assert!(entries_before.is_some_and(|e| e > 0.0), "index entries exported: {entries_before:?}");
 
     fleet.restart_picker().await.expect("picker restarts");
-    let pods = vec!["engine-0".to_string(), "engine-1".to_string()];
+    let pods = vec!["engine-0-rank-0".to_string(), "engine-1-rank-0".to_string()];
     fleet.wait_for_pods(&pods, Duration::from_secs(30)).await.expect("agent reconnects");
     for (i, b) in bodies.iter().enumerate() {
-        let pod = format!("engine-{}", i % 2);
+        let pod = format!("engine-{}-rank-0", i % 2);
         wait_matched(&fleet, b, &pod, "indexed after restart", fully).await;
-        let after = (matched(&fleet, b, "engine-0").await, matched(&fleet, b, "engine-1").await);
+        let after = (matched(&fleet, b, "engine-0-rank-0").await, matched(&fleet, b, "engine-1-rank-0").await);
         assert_eq!(after, before[i], "prompt {i}: per-pod matches differ after the resync");
     }
     let entries_after = entries(&fleet.picker_metrics().await.expect("metrics"));
@@ -159,16 +159,16 @@ async fn engine_restart_with_sequence_reset_resyncs_the_pod() {
         send_to_engine(&fleet, 0, &body(tag)).await;
     }
     send_to_engine(&fleet, 0, &old).await;
-    wait_matched(&fleet, &old, "engine-0", "indexed before the engine restart", fully).await;
+    wait_matched(&fleet, &old, "engine-0-rank-0", "indexed before the engine restart", fully).await;
 
     fleet.restart_engine(0).await.expect("engine restarts");
     // libzmq reconnects 0.2–0.3 s after a publisher restart; events before that are unseen.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     send_to_engine(&fleet, 0, &new).await;
-    wait_matched(&fleet, &new, "engine-0", "new engine's blocks indexed", fully).await;
-    let (m, _) = wait_matched(&fleet, &old, "engine-0", "old blocks forgotten", |m, _| m == 0).await;
+    wait_matched(&fleet, &new, "engine-0-rank-0", "new engine's blocks indexed", fully).await;
+    let (m, _) = wait_matched(&fleet, &old, "engine-0-rank-0", "old blocks forgotten", |m, _| m == 0).await;
     assert_eq!(m, 0, "blocks of the dead engine must not be claimed");
-    assert!(agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0").await >= 1.0);
+    assert!(agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0-rank-0").await >= 1.0);
     fleet.shutdown().await;
 }
 
@@ -177,7 +177,7 @@ async fn stuck_engine_with_healthy_endpoint_falls_below_exclusion() {
     let _one = ONE_FLEET_AT_A_TIME.lock().await;
     let fleet = Fleet::start(spec("agent-stuck", 2)).await.expect("fleet starts");
     fleet
-        .wait_pod_gauge("epp_pod_health_score", "engine-1", Duration::from_secs(15), |h| h >= 0.9)
+        .wait_pod_gauge("epp_pod_health_score", "engine-1-rank-0", Duration::from_secs(15), |h| h >= 0.9)
         .await
         .expect("engine-1 healthy first");
     fleet.inject_fault(1, json!({"stuck": true})).await.expect("fault");
@@ -185,15 +185,15 @@ async fn stuck_engine_with_healthy_endpoint_falls_below_exclusion() {
     assert_eq!(health.status().as_u16(), 200, "a stuck engine still answers /health");
     // Probe every 5 s with a 2 s deadline (docs/design.md §7 defaults).
     let h = fleet
-        .wait_pod_gauge("epp_pod_health_score", "engine-1", Duration::from_secs(20), |h| h < 0.3)
+        .wait_pod_gauge("epp_pod_health_score", "engine-1-rank-0", Duration::from_secs(20), |h| h < 0.3)
         .await
         .expect("stuck engine excluded");
     assert!(h > 0.0, "stuck is 'probe failing' (excluded), not 'failed' (0.0): {h}");
-    let other = fleet.pod_gauge("epp_pod_health_score", "engine-0").await.expect("metrics").unwrap_or(0.0);
+    let other = fleet.pod_gauge("epp_pod_health_score", "engine-0-rank-0").await.expect("metrics").unwrap_or(0.0);
     assert!(other >= 0.9, "engine-0 unaffected: {other}");
     fleet.inject_fault(1, json!({"stuck": false})).await.expect("fault cleared");
     fleet
-        .wait_pod_gauge("epp_pod_health_score", "engine-1", Duration::from_secs(20), |h| h >= 0.9)
+        .wait_pod_gauge("epp_pod_health_score", "engine-1-rank-0", Duration::from_secs(20), |h| h >= 0.9)
         .await
         .expect("recovers once unstuck");
     fleet.shutdown().await;
@@ -208,7 +208,7 @@ async fn engine_restart_seen_only_as_a_reconnect_still_resyncs() {
     let mut fleet = Fleet::start(spec("agent-engine-reconnect", 1)).await.expect("fleet starts");
     let old = body("kilo");
     send_to_engine(&fleet, 0, &old).await;
-    wait_matched(&fleet, &old, "engine-0", "indexed before the engine restart", fully).await;
+    wait_matched(&fleet, &old, "engine-0-rank-0", "indexed before the engine restart", fully).await;
 
     fleet.restart_engine(0).await.expect("engine restarts");
     let new: Vec<Value> = ["lima", "mike", "november"].iter().map(|t| body(t)).collect();
@@ -216,9 +216,9 @@ async fn engine_restart_seen_only_as_a_reconnect_still_resyncs() {
         send_to_engine(&fleet, 0, b).await;
     }
     for b in &new {
-        wait_matched(&fleet, b, "engine-0", "new engine's blocks indexed (live or replayed)", fully).await;
+        wait_matched(&fleet, b, "engine-0-rank-0", "new engine's blocks indexed (live or replayed)", fully).await;
     }
-    wait_matched(&fleet, &old, "engine-0", "old blocks forgotten", |m, _| m == 0).await;
-    assert!(agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0").await >= 1.0);
+    wait_matched(&fleet, &old, "engine-0-rank-0", "old blocks forgotten", |m, _| m == 0).await;
+    assert!(agent_counter(&fleet, "kvroute_agent_kv_resyncs_total", "engine-0-rank-0").await >= 1.0);
     fleet.shutdown().await;
 }

@@ -86,10 +86,10 @@ async fn pod_with_uncorrected_ecc_errors_gets_no_requests() {
         FleetSpec { agent_scenarios: vec!["healthy.yaml".into(), "ecc-uncorrected.yaml".into()], ..spec("e2e-ecc") };
     let fleet = Fleet::start(spec).await.expect("fleet starts");
     let health = fleet
-        .wait_pod_gauge("epp_pod_health_score", "engine-3", Duration::from_secs(15), |h| h < 0.3)
+        .wait_pod_gauge("epp_pod_health_score", "engine-3-rank-0", Duration::from_secs(15), |h| h < 0.3)
         .await
         .expect("engine-3's health falls below the exclusion threshold");
-    let healthy = fleet.pod_gauge("epp_pod_health_score", "engine-0").await.expect("metrics").unwrap_or(0.0);
+    let healthy = fleet.pod_gauge("epp_pod_health_score", "engine-0-rank-0").await.expect("metrics").unwrap_or(0.0);
     assert!(healthy >= 0.9, "engine-0 should be healthy, got {healthy}");
 
     let client = GatewayClient::new(&fleet.gateway).expect("client");
@@ -99,7 +99,7 @@ async fn pod_with_uncorrected_ecc_errors_gets_no_requests() {
         let out = chat(&client, &w.messages(c, 0, &[])).await;
         *served.entry(out.served_by.unwrap_or_default()).or_default() += 1;
     }
-    assert!(!served.contains_key("engine-3"), "engine-3 (health {health}) was sent requests: {served:?}");
+    assert!(!served.contains_key("engine-3-rank-0"), "engine-3 (health {health}) was sent requests: {served:?}");
     assert!(served.len() >= 2, "cold requests should spread over the healthy pods by load: {served:?}");
     fleet.shutdown().await;
 }

@@ -96,7 +96,7 @@ async fn picker_metrics_follow_the_traffic() {
     tokio::time::sleep(PROPAGATION).await;
     let c = &w.conversations[0];
     let pod = first[0].served_by.clone().expect("x-served-by");
-    let i = fleet.engines.iter().position(|e| e.pod == pod).expect("serving engine");
+    let i = fleet.engines.iter().position(|e| e.name() == pod).expect("serving engine");
     fleet.inject_fault(i, json!({"drop_kv_events": 1})).await.expect("fault");
     let http = reqwest::Client::new();
     let url = format!("{}/reset_prefix_cache", fleet.engines[i].url());

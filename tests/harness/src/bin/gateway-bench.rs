@@ -1,7 +1,10 @@
 //! Gateway overhead: the same request stream, at a fixed rate, through Envoy + kvroute picker
-//! (`deploy/envoy/envoy.yaml`) and through Envoy alone doing round robin
-//! (`deploy/envoy/envoy-round-robin.yaml`), over the same emulated engines, in one run (docs/design.md §10:
-//! added p50 ≤ 0.5 ms, p99 ≤ 2 ms for prompts ≤ 1k tokens at a rate the box sustains).
+//! (`deploy/envoy/envoy.yaml`), through Envoy with the same config but a no-op ext_proc server
+//! (`kvroute-noop-ext-proc`: the picker's reply shapes, a fixed destination, no decision) and
+//! through Envoy alone doing round robin (`deploy/envoy/envoy-round-robin.yaml`), over the same
+//! emulated engines, in one run (docs/design.md §10: added p50 ≤ 0.5 ms, p99 ≤ 2 ms for prompts
+//! ≤ 1k tokens at a rate the box sustains). The no-op layout is the floor: what Envoy's ext_proc
+//! exchange costs; the picker's own share is its latency above the no-op's.
 //!
 //! The engines run with zero prefill and decode time so that routing quality (cache hits) does not
 //! enter the latency: what differs between the two paths is the ext_proc hop and the decision.
@@ -15,6 +18,7 @@
 
 use anyhow::{Result, bail};
 use clap::Parser;
+use hdrhistogram::Histogram;
 use kvroute_harness::{Fleet, FleetSpec, GatewayClient};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -55,13 +59,14 @@ fn prompt(group: usize, i: usize, words: usize) -> String {
     s
 }
 
-/// p-th quantile (nearest rank) in ms.
-fn quantile_ms(sorted: &[Duration], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[idx.min(sorted.len() - 1)].as_secs_f64() * 1e3
+/// An empty latency histogram: microseconds, 1 µs to 1 h, 3 significant digits.
+fn histogram() -> Result<Histogram<u64>> {
+    Ok(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)
+}
+
+/// The `q`-quantile of `h` in ms; NaN when empty.
+fn quantile_ms(h: &Histogram<u64>, q: f64) -> f64 {
+    if h.is_empty() { f64::NAN } else { h.value_at_quantile(q) as f64 / 1e3 }
 }
 
 #[tokio::main]
@@ -79,15 +84,18 @@ async fn main() -> Result<()> {
         max_num_seqs: 64,
         picker_log_level: "warn".into(),
         extra_gateway_configs: args.also.clone(),
+        noop_ext_proc_gateway: true,
         ..Default::default()
     };
     let model = spec.model.clone();
     let fleet = Fleet::start(spec).await?;
     let Some(rr) = fleet.round_robin_gateway.clone() else { bail!("the round-robin gateway did not start") };
-    // Index 1 is the baseline every other gateway is compared with.
+    let Some(noop) = fleet.noop_gateway.clone() else { bail!("the no-op ext_proc gateway did not start") };
+    // Index 1 is the baseline every other gateway is compared with; index 2 the no-op floor.
     let mut gateways = vec![
         ("envoy+picker".to_owned(), GatewayClient::new(fleet.gateway.clone())?),
         ("envoy-round-robin".to_owned(), GatewayClient::new(rr)?),
+        ("envoy+noop-ext-proc".to_owned(), GatewayClient::new(noop)?),
     ];
     for (path, url) in args.also.iter().zip(&fleet.extra_gateways) {
         let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
@@ -114,13 +122,13 @@ async fn main() -> Result<()> {
             tasks.push((g, i, tokio::spawn(async move { client.post_raw("/v1/completions", body, &[]).await })));
         }
     }
-    let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); n];
+    let mut lat: Vec<Histogram<u64>> = (0..n).map(|_| histogram()).collect::<Result<_>>()?;
     let mut errors = vec![0usize; n];
     for (g, i, t) in tasks {
         match t.await? {
             Ok(o) if o.status == 200 => {
                 if i >= args.warmup {
-                    lat[g].push(o.latency);
+                    lat[g].saturating_record(o.latency.as_micros().try_into().unwrap_or(u64::MAX));
                 }
             }
             Ok(o) => {
@@ -145,7 +153,6 @@ async fn main() -> Result<()> {
     );
     let mut p = vec![[0.0; 3]; n];
     for g in 0..n {
-        lat[g].sort_unstable();
         p[g] = [quantile_ms(&lat[g], 0.5), quantile_ms(&lat[g], 0.9), quantile_ms(&lat[g], 0.99)];
         println!(
             "{:<32} n={:<5} errors={:<3} p50 {:>7.3} ms  p90 {:>7.3} ms  p99 {:>7.3} ms",
@@ -158,13 +165,25 @@ async fn main() -> Result<()> {
         );
     }
     for g in (0..n).filter(|&g| g != 1) {
-        let who = if g == 0 { String::new() } else { format!(" ({})", gateways[g].0) };
+        let who = match g {
+            0 => "added by the picker".to_owned(),
+            2 => "added by the no-op ext_proc".to_owned(),
+            _ => format!("added by the picker ({})", gateways[g].0),
+        };
         println!(
-            "added by the picker{who}: p50 {:+.3} ms (ratio {:.2}), p99 {:+.3} ms (ratio {:.2})",
+            "{who}: p50 {:+.3} ms (ratio {:.2}), p99 {:+.3} ms (ratio {:.2})",
             p[g][0] - p[1][0],
             p[g][0] / p[1][0],
             p[g][2] - p[1][2],
             p[g][2] / p[1][2]
+        );
+    }
+    for g in (0..n).filter(|&g| g != 1 && g != 2) {
+        println!(
+            "the picker's own share{}: p50 {:+.3} ms, p99 {:+.3} ms over the no-op ext_proc (targets ≤ +0.1 / ≤ +0.5)",
+            if g == 0 { String::new() } else { format!(" ({})", gateways[g].0) },
+            p[g][0] - p[2][0],
+            p[g][2] - p[2][2]
         );
     }
     // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.

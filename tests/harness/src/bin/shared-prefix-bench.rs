@@ -201,7 +201,7 @@ fn arrivals(a: &Args, rng: &mut StdRng) -> Vec<(usize, f64)> {
 
 /// Nearest-rank percentile of sorted values; NaN when empty.
 fn percentile(sorted: &[f64], q: f64) -> f64 {
-    sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
+    kvroute_harness::stats::percentile(sorted, q).unwrap_or(f64::NAN)
 }
 
 /// The builtin client's samples of each `--rates` stage, summarised as inference-perf's reports are.
@@ -478,7 +478,6 @@ async fn main() -> Result<()> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -1,6 +1,13 @@
-//! Differential test: every index design (C over both snapshot layouts) against a naive `HashMap<BlockHash, BTreeSet<pod>>`
-//! model, on seeded random op streams (proptest), including the per-pod cap, snapshot
-//! immutability, and readers walking snapshots on other threads while the writer runs.
+//! Differential test: the index in use (design C over the flat table) and the benchmark's
+//! baseline designs (A, B, C over hashbrown maps: `benches/designs/`) against a naive
+//! `HashMap<BlockHash, BTreeSet<pod>>` model, on seeded random op streams (proptest), including
+//! the per-pod cap, snapshot immutability, and readers walking snapshots on other threads while
+//! the writer runs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../benches/designs/mod.rs"]
+mod designs;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -9,9 +16,10 @@ use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
 use proptest::prelude::*;
 
-use super::{
-    Backend, BlockPods, DoubleBackend, IndexSnapshot, IndexStats, IndexWriter, MatchScratch, PodIdx, PooledBackend,
-    ShardedBackend, Writer, match_prefix,
+use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
+use kvroute_index::{
+    Backend, BlockPods, IndexSnapshot, IndexStats, IndexWriter, MAX_COPIES, MatchScratch, PodIdx, PooledBackend,
+    Writer, match_prefix,
 };
 
 const PODS: u16 = 10;
@@ -102,24 +110,21 @@ fn check<S: BlockPods + Stats>(snap: &S, model: &Model, chains: &[Vec<BlockHash>
 trait Stats {
     fn stats(&self) -> IndexStats;
 }
-impl Stats for super::ShardedSnapshot {
+impl Stats for designs::sharded::ShardedSnapshot {
     fn stats(&self) -> IndexStats {
-        super::ShardedSnapshot::stats(self)
+        designs::sharded::ShardedSnapshot::stats(self)
     }
 }
-impl Stats for super::DoubleSnapshot {
+impl Stats for designs::DoubleSnapshot {
     fn stats(&self) -> IndexStats {
-        super::DoubleSnapshot::stats(self)
+        designs::DoubleSnapshot::stats(self)
     }
 }
-impl Stats for super::FlatSnapshot {
+impl Stats for kvroute_index::FlatSnapshot {
     fn stats(&self) -> IndexStats {
-        super::FlatSnapshot::stats(self)
+        kvroute_index::FlatSnapshot::stats(self)
     }
 }
-
-/// Design C as first built: its pool over B's hashbrown snapshot.
-type PooledHashbrown = PooledBackend<{ crate::pooled::MAX_COPIES }, super::DoubleSnapshot>;
 
 fn apply<B: Backend>(w: &mut Writer<B>, model: &mut Model, op: &Op) {
     match op {
@@ -444,7 +449,7 @@ fn pooled_never_mutates_held_snapshots() {
         }
         w.publish();
         held.push((published.load_full(), model.iter().copied().collect()));
-        assert!(w.backend().copies_held() <= crate::pooled::MAX_COPIES);
+        assert!(w.backend().copies_held() <= MAX_COPIES);
         // Hold the last two snapshots, as two preempted readers would.
         if held.len() > 2 {
             held.remove(0);
@@ -493,4 +498,25 @@ fn long_chains_across_touch_stretches_match_the_model() {
         }
         assert_eq!(longest, want_longest);
     }
+}
+
+/// The baselines' inline pod set (designs A, B, C-hb).
+#[test]
+fn insert_remove_spill_and_shrink_keep_order() {
+    let mut s = designs::PodSet::default();
+    for p in [5u16, 1, 9, 3, 7, 2, 8, 6, 4, 0] {
+        assert!(s.insert(PodIdx(p)));
+    }
+    assert!(!s.insert(PodIdx(3)));
+    assert!(matches!(s, designs::PodSet::Heap(_)));
+    let got: Vec<u16> = s.as_slice().iter().map(|p| p.0).collect();
+    assert_eq!(got, (0..10).collect::<Vec<_>>());
+    for p in [0u16, 9, 5] {
+        assert!(s.remove(PodIdx(p)));
+    }
+    assert!(!s.remove(PodIdx(5)));
+    assert!(matches!(s, designs::PodSet::Inline { .. }));
+    let got: Vec<u16> = s.as_slice().iter().map(|p| p.0).collect();
+    assert_eq!(got, vec![1, 2, 3, 4, 6, 7, 8]);
+    assert_eq!(std::mem::size_of::<designs::PodSet>(), 16);
 }

@@ -9,73 +9,24 @@
 //!
 //! Readers leave a snapshot within one lookup (~1 µs), or one scheduler time slice when preempted
 //! mid-lookup on an oversubscribed box. The writer waits for that (yields, then short sleeps) at
-//! most [`RECLAIM_WAIT`], about the cost of copying a 1M-entry map; a reader that keeps an old
+//! most [`kvroute_index::pool::RECLAIM_WAIT`], about the cost of copying a 1M-entry map; a reader that keeps an old
 //! snapshot longer (a held `load_full()`) makes the writer deep-copy the current snapshot instead
 //! (counted in [`DoubleBackend::clones`]), so a published snapshot is never mutated.
 //! Cost: two copies of the map (about twice design A's map bytes per entry).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
+use kvroute_index::{Backend, BlockPods, IndexStats, MatchScratch, PodIdx, ReclaimWait, Writer, match_prefix};
 
-use crate::hasher::{BlockMap, map_link, map_unlink};
-use crate::walk::{BlockPods, match_prefix};
-use crate::writer::{Backend, Writer};
-use crate::{IndexStats, MatchScratch, PodIdx};
-
-/// Longest the writer waits for readers to leave the previous snapshot before copying instead.
-pub const RECLAIM_WAIT: Duration = Duration::from_millis(10);
-/// Yields before the writer starts sleeping between reclaim attempts.
-const RECLAIM_SPINS: u32 = 64;
-/// Sleep between reclaim attempts after the spins.
-const RECLAIM_NAP: Duration = Duration::from_micros(50);
-
-/// The writer's wait for readers to let go of a copy (designs B and C): [`RECLAIM_SPINS`] yields,
-/// then naps of [`RECLAIM_NAP`], until [`RECLAIM_WAIT`] has passed since the first attempt.
-#[derive(Debug)]
-pub(crate) struct ReclaimWait {
-    start: Instant,
-    attempt: u32,
-}
-
-impl ReclaimWait {
-    pub(crate) fn new() -> Self {
-        ReclaimWait { start: Instant::now(), attempt: 0 }
-    }
-
-    /// Pauses taken so far.
-    pub(crate) fn attempts(&self) -> u32 {
-        self.attempt
-    }
-
-    /// Pauses before the next attempt; false (at once) when [`RECLAIM_WAIT`] is over.
-    pub(crate) fn pause(&mut self) -> bool {
-        self.attempt += 1;
-        if self.attempt <= RECLAIM_SPINS {
-            std::thread::yield_now();
-            true
-        } else if self.start.elapsed() < RECLAIM_WAIT {
-            std::thread::sleep(RECLAIM_NAP);
-            true
-        } else {
-            false
-        }
-    }
-}
-
-/// Op-log capacity kept between batches (16 bytes per op).
-pub(crate) const LOG_KEEP_OPS: usize = 1 << 16;
-
-/// Bytes per map slot: 8-byte key + 16-byte `PodSet` + 1 control byte.
-pub(crate) const SLOT_BYTES: u64 = 25;
+use super::{BlockMap, LOG_KEEP_OPS, LogOp, SLOT_BYTES, map_link, map_unlink, replay};
 
 /// Published, immutable index state: one block map.
 #[derive(Clone, Debug, Default)]
 pub struct DoubleSnapshot {
-    pub(crate) map: BlockMap,
-    pub(crate) stats: IndexStats,
+    pub map: BlockMap,
+    pub stats: IndexStats,
 }
 
 impl BlockPods for DoubleSnapshot {
@@ -104,61 +55,6 @@ impl DoubleSnapshot {
     /// Size figures as of this snapshot.
     pub fn stats(&self) -> IndexStats {
         self.stats
-    }
-}
-
-impl crate::pooled::PoolMap for DoubleSnapshot {
-    #[inline]
-    fn link(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
-        map_link(&mut self.map, pod, block)
-    }
-
-    #[inline]
-    fn unlink(&mut self, pod: PodIdx, block: u64) -> (bool, bool) {
-        map_unlink(&mut self.map, pod, block)
-    }
-
-    fn stats(&self) -> IndexStats {
-        self.stats
-    }
-
-    fn set_stats(&mut self, stats: IndexStats) {
-        self.stats = stats;
-    }
-
-    fn heap_bytes(&self) -> u64 {
-        self.map.capacity() as u64 * SLOT_BYTES
-    }
-}
-
-/// One primitive change to a block map, logged so another copy can replay it.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum LogOp {
-    Link(PodIdx, u64),
-    Unlink(PodIdx, u64),
-    /// One block of a store call's blocks to make runs of ([`crate::PoolMap::seal`]); `first`
-    /// starts a new call's list.
-    Seal {
-        block: u64,
-        first: bool,
-    },
-    /// A publish point: finish pending grouping ([`crate::PoolMap::settle`]).
-    Settle,
-}
-
-/// Applies `ops` in order to `map` (bringing a copy that lacks them up to date).
-pub(crate) fn replay(map: &mut BlockMap, ops: &[LogOp]) {
-    for op in ops {
-        match *op {
-            LogOp::Link(p, h) => {
-                let _ = map_link(map, p, h);
-            }
-            LogOp::Unlink(p, h) => {
-                let _ = map_unlink(map, p, h);
-            }
-            // B's map keeps no runs (and B never logs this).
-            LogOp::Seal { .. } | LogOp::Settle => {}
-        }
     }
 }
 
@@ -195,7 +91,7 @@ impl DoubleBackend {
     /// Gets exclusive use of `behind` and replays the log onto it; copies the published map when
     /// readers hold `behind` too long.
     fn reclaim(&mut self, mut behind: Arc<DoubleSnapshot>) -> DoubleSnapshot {
-        let mut wait = ReclaimWait::new();
+        let mut wait = ReclaimWait::default();
         loop {
             match Arc::try_unwrap(behind) {
                 Ok(mut copy) => {
@@ -222,6 +118,14 @@ impl Backend for DoubleBackend {
 
     fn new(published: Arc<ArcSwap<DoubleSnapshot>>) -> Self {
         DoubleBackend { writable: None, behind: None, log: Vec::new(), published, clones: 0 }
+    }
+
+    fn holds(&self, pod: PodIdx, block: u64) -> bool {
+        let held = |s: &DoubleSnapshot| s.map.get(&block).is_some_and(|set| set.as_slice().binary_search(&pod).is_ok());
+        match &self.writable {
+            Some(w) => held(w),
+            None => held(&self.published.load()),
+        }
     }
 
     #[inline]

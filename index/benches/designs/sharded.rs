@@ -12,16 +12,12 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
 
-use crate::hasher::{BlockMap, map_link, map_unlink};
-use crate::walk::{BlockPods, match_prefix};
-use crate::writer::{Backend, Writer};
-use crate::{IndexStats, MatchScratch, PodIdx};
+use kvroute_index::{Backend, BlockPods, IndexStats, MatchScratch, PodIdx, Writer, match_prefix};
+
+use super::{BlockMap, SLOT_BYTES, map_link, map_unlink};
 
 /// Number of copy-on-write shards.
 pub const SHARDS: usize = 64;
-
-/// Bytes per map slot: 8-byte key + 16-byte `PodSet` + 1 control byte.
-const SLOT_BYTES: u64 = 25;
 
 #[inline]
 fn shard_of(h: u64) -> usize {
@@ -86,6 +82,10 @@ impl Backend for ShardedBackend {
 
     fn new(published: Arc<ArcSwap<ShardedSnapshot>>) -> Self {
         ShardedBackend { shards: (0..SHARDS).map(|_| Arc::new(BlockMap::default())).collect(), published }
+    }
+
+    fn holds(&self, pod: PodIdx, block: u64) -> bool {
+        self.shards[shard_of(block)].get(&block).is_some_and(|set| set.as_slice().binary_search(&pod).is_ok())
     }
 
     #[inline]

@@ -1,0 +1,96 @@
+//! Ingest on its own, for profilers (`perf record`, `valgrind --tool=callgrind`): the benchmark
+//! workload's bulk load (~1.04M (block, pod) entries, one publish), then steady rounds (store
+//! 2,048 fresh blocks on a pod, publish, remove them, publish), with no reader threads so
+//! instruction counts repeat exactly.
+//! Run: `cargo run --release -p kvroute-index --example ingest -- [bulk|steady|both|readers] [rounds]`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../tests/workload/mod.rs"]
+mod workload;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use kvroute_common::BlockHash;
+use kvroute_index::{IndexSnapshot, IndexWriter, PodIdx};
+use workload::{CHAIN_BLOCKS, SplitMix, Workload};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().map_or("both", String::as_str);
+    let rounds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(200);
+    let w = Workload::new(1_040_000, 1);
+    // Bulk loads into a fresh index; the best of `tries` (the box is shared: the best is the
+    // least disturbed), and the median.
+    let tries = if mode == "steady" { 1 } else { 5 };
+    let mut rates = Vec::new();
+    let mut kept = None;
+    for _ in 0..tries {
+        let published = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
+        let mut writer = IndexWriter::new(published.clone(), usize::MAX);
+        let t = Instant::now();
+        for (pod, chain) in w.stores() {
+            writer.store(pod, chain);
+        }
+        writer.publish();
+        rates.push(w.entries() as f64 / t.elapsed().as_secs_f64() / 1e6);
+        kept = Some((published, writer));
+    }
+    rates.sort_by(f64::total_cmp);
+    if mode != "steady" {
+        println!(
+            "bulk: best {:.2}, median {:.2} M block events/s ({} entries)",
+            rates[rates.len() - 1],
+            rates[rates.len() / 2],
+            w.entries()
+        );
+    }
+    let Some((published, mut writer)) = kept else { return };
+    if mode == "bulk" {
+        return;
+    }
+    // `readers`: two threads walk the current snapshot in a loop meanwhile (as the benchmarks).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..if mode == "readers" { 2 } else { 0 })
+        .map(|_| {
+            let (published, stop, q) = (published.clone(), stop.clone(), w.hit());
+            std::thread::spawn(move || {
+                let mut scratch = kvroute_index::MatchScratch::default();
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::black_box(published.load().match_prefix(&q, &mut scratch));
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut rng = SplitMix(7);
+    let fresh: Vec<Vec<BlockHash>> = (0..8).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
+    // Five stretches of `rounds` rounds: best and median.
+    let mut rates = Vec::new();
+    for s in 0..5 {
+        let t = Instant::now();
+        for i in 0..rounds {
+            let pod = PodIdx(((s * rounds + i) % 64) as u16);
+            for c in &fresh {
+                writer.store(pod, c);
+            }
+            writer.publish();
+            for c in &fresh {
+                writer.remove(pod, c);
+            }
+            writer.publish();
+        }
+        let events = rounds * 2 * 8 * CHAIN_BLOCKS as u64;
+        rates.push(events as f64 / t.elapsed().as_secs_f64() / 1e6);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads: u64 = readers.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let b = writer.backend();
+    println!("readers: {reads} lookups; pool: {} full copies, {} waits", b.copies(), b.waits());
+    rates.sort_by(f64::total_cmp);
+    println!("steady: best {:.2}, median {:.2} M block events/s (5 × {rounds} rounds)", rates[4], rates[2]);
+}

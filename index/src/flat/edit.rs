@@ -1,0 +1,715 @@
+//! [`Editor`]: the writer's side of the flat snapshot. It changes the one copy the writer owns
+//! ([`FlatSnapshot`], passed in) and keeps what only the writer needs, once for all copies: the
+//! pod-set interning table and refcounts, free set and run ids, a cache of recent set changes,
+//! the run tails to re-make, and the [`DirtyLog`] of slots, sets and runs it changed.
+//!
+//! Because every copy is changed by this one editor in the same order, copies are identical
+//! (same slot positions, set ids, run ids); a spare copy catches up by copying the logged
+//! indices from the published copy ([`catch_up`]) instead of re-running links, interning and
+//! sealing, which is what made the op-log replay of rounds 3–4 cost as much as the write itself.
+
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use kvroute_common::BlockHash;
+
+use super::{FlatSnapshot, GATHERING, MAX_LOAD_PCT, MAX_RUN, NO_RUN, Run, Slot};
+use crate::hasher::MixBuild;
+use crate::types::PodIdx;
+
+/// Smallest non-empty table.
+const MIN_SLOTS: usize = 16;
+/// Run ids below this fit the reference's top 24 bits without meeting the two markers.
+const MAX_RUNS: usize = (1 << 24) - 1;
+/// Remembered set changes (direct-mapped).
+const TRANSITIONS: usize = 256;
+/// Blocks whose slots are loaded ahead together.
+const TOUCH: usize = 32;
+
+/// The last set change of a store or remove call: within one call it repeats block after block
+/// (a chain's blocks share their pods), and checking it costs less than the [`Transition`]
+/// cache. Valid while `from`'s generation is unchanged.
+#[derive(Clone, Copy, Debug, Default)]
+struct Memo {
+    from: u32,
+    to: u32,
+    generation: u32,
+    valid: bool,
+}
+
+/// What [`Editor::link_at`] did and where.
+#[derive(Clone, Copy, Debug)]
+struct Linked {
+    new_node: bool,
+    new_entry: bool,
+    slot: usize,
+    set: u32,
+}
+/// Dirty-log entry kinds (top two bits) and the index mask (low 30 bits).
+const SLOT: u32 = 0;
+const SET: u32 = 1 << 30;
+const RUN: u32 = 2 << 30;
+const INDEX: u32 = (1 << 30) - 1;
+
+/// Indices of the slots, sets and runs changed since some copy was published, in order, so a
+/// spare can catch up by copying them ([`catch_up`]). Off while no copy needs it.
+#[derive(Debug, Default)]
+pub(crate) struct DirtyLog {
+    pub(crate) entries: Vec<u32>,
+    pub(crate) on: bool,
+    /// The slot table was reallocated (it grew), or an index did not fit an entry: no copy
+    /// made before can catch up through the log.
+    pub(crate) broken: bool,
+}
+
+impl DirtyLog {
+    #[inline]
+    fn mark(&mut self, kind: u32, i: usize) {
+        if self.on {
+            match u32::try_from(i) {
+                Ok(i) if i <= INDEX => self.entries.push(kind | i),
+                _ => self.broken = true,
+            }
+        }
+    }
+}
+
+/// Brings `spare` (equal to the published copy as of some earlier position) up to `src` (the
+/// published copy now) by copying what `entries` (the dirty log since that position) names.
+/// Returns false, having changed nothing, when the tables differ in size (then clone instead).
+pub(crate) fn catch_up(spare: &mut FlatSnapshot, src: &FlatSnapshot, entries: &[u32]) -> bool {
+    if spare.slots.len() != src.slots.len() {
+        return false;
+    }
+    spare.sets.resize(src.sets.len(), None);
+    spare.runs.resize_with(src.runs.len(), Run::default);
+    for &e in entries {
+        let i = (e & INDEX) as usize;
+        match e & !INDEX {
+            SLOT => {
+                if let (Some(d), Some(s)) = (spare.slots.get_mut(i), src.slots.get(i)) {
+                    *d = *s;
+                }
+            }
+            SET => {
+                if let (Some(d), Some(s)) = (spare.sets.get_mut(i), src.sets.get(i)) {
+                    d.clone_from(s);
+                }
+            }
+            _ => {
+                if let (Some(d), Some(s)) = (spare.runs.get_mut(i), src.runs.get(i)) {
+                    d.clone_from(s);
+                }
+            }
+        }
+    }
+    spare.shift = src.shift;
+    spare.len = src.len;
+    spare.stats = src.stats;
+    true
+}
+
+/// Writer-only bookkeeping of an interned pod set.
+#[derive(Clone, Copy, Debug, Default)]
+struct SetMeta {
+    /// Slots using the set.
+    refs: u32,
+    /// Bumped when the id is freed, so a cached [`Transition`] to or from it goes stale.
+    generation: u32,
+}
+
+/// A remembered set change: adding (or removing) `pod` to set `from` gives set `to`. Stores of
+/// a chain repeat the same change block after block; this skips building and hashing the set.
+#[derive(Clone, Copy, Debug, Default)]
+struct Transition {
+    from: u32,
+    to: u32,
+    from_generation: u32,
+    to_generation: u32,
+    pod: PodIdx,
+    add: bool,
+}
+
+/// The writer's side of the flat layout. See the module docs.
+#[derive(Debug)]
+pub(crate) struct Editor {
+    set_ids: HashMap<Arc<[PodIdx]>, u32, MixBuild>,
+    meta: Vec<SetMeta>,
+    free_sets: Vec<u32>,
+    /// [`TRANSITIONS`] entries once the first set change happened.
+    transitions: Vec<Transition>,
+    free_runs: Vec<u32>,
+    /// Σ of live runs' hash counts and of interned sets' pod counts (shared by every copy).
+    run_words: usize,
+    set_pods: usize,
+    live_runs: usize,
+    /// Tails of runs cut since the last [`Editor::settle`] (blocks, then each tail's end in
+    /// `orphans`), to be made runs again.
+    orphans: Vec<BlockHash>,
+    orphan_ends: Vec<usize>,
+    /// Scratch for building a pod set or gathering a run (empty between calls).
+    scratch_pods: Vec<PodIdx>,
+    scratch_slots: Vec<usize>,
+    scratch_keys: Vec<u64>,
+    pub(crate) log: DirtyLog,
+}
+
+impl Default for Editor {
+    fn default() -> Self {
+        Editor {
+            set_ids: HashMap::default(),
+            meta: vec![SetMeta::default()],
+            free_sets: Vec::new(),
+            transitions: Vec::new(),
+            free_runs: Vec::new(),
+            run_words: 0,
+            set_pods: 0,
+            live_runs: 0,
+            orphans: Vec::new(),
+            orphan_ends: Vec::new(),
+            scratch_pods: Vec::new(),
+            scratch_slots: Vec::new(),
+            scratch_keys: Vec::new(),
+            log: DirtyLog::default(),
+        }
+    }
+}
+
+impl Editor {
+    /// Heap bytes the editor holds once for every copy: run hashes, set pods (plus `Arc`
+    /// headers), the interning table, set bookkeeping, the dirty log.
+    pub(crate) fn shared_bytes(&self) -> u64 {
+        let arcs = (self.set_ids.len() + self.live_runs) * 16;
+        (self.run_words * 8
+            + self.set_pods * size_of::<PodIdx>()
+            + arcs
+            + self.set_ids.capacity() * (size_of::<Arc<[PodIdx]>>() + 4 + 1)
+            + self.meta.capacity() * size_of::<SetMeta>()
+            + self.log.entries.capacity() * 4) as u64
+    }
+
+    #[inline]
+    fn put(&mut self, t: &mut FlatSnapshot, i: usize, slot: Slot) {
+        t.slots[i] = slot;
+        self.log.mark(SLOT, i);
+    }
+
+    #[inline]
+    fn set_run_ref(&mut self, t: &mut FlatSnapshot, i: usize, run: u32) {
+        t.slots[i].run = run;
+        self.log.mark(SLOT, i);
+    }
+
+    fn grow(&mut self, t: &mut FlatSnapshot) {
+        let n = (t.slots.len() * 2).max(MIN_SLOTS);
+        let old = std::mem::replace(&mut t.slots, vec![Slot::default(); n]);
+        t.shift = 64 - n.trailing_zeros();
+        let mask = n - 1;
+        // Homes are the keys' top bits, so old slots land in the new table almost in order.
+        for s in old.into_iter().filter(|s| s.set != 0) {
+            let mut i = t.home(s.key);
+            while t.slots[i].set != 0 {
+                i = (i + 1) & mask;
+            }
+            t.slots[i] = s;
+        }
+        // Other copies still have the old table: they cannot follow by slot index.
+        self.log.broken = true;
+    }
+
+    #[inline]
+    fn transition_slot(from: u32, pod: PodIdx, add: bool) -> usize {
+        let k = (u64::from(from) << 17) | (u64::from(pod.0) << 1) | u64::from(add);
+        (k.wrapping_mul(super::FIB) >> 56) as usize
+    }
+
+    /// The set that adding/removing `pod` to/from `from` gives, if remembered and still current;
+    /// takes one reference to it.
+    #[inline]
+    fn remembered(&mut self, from: u32, pod: PodIdx, add: bool) -> Option<u32> {
+        let t = *self.transitions.get(Self::transition_slot(from, pod, add))?;
+        let current = |id: u32, generation: u32| self.meta.get(id as usize).is_some_and(|e| e.generation == generation);
+        if t.from != from
+            || t.pod != pod
+            || t.add != add
+            || !current(from, t.from_generation)
+            || !current(t.to, t.to_generation)
+        {
+            return None;
+        }
+        let to = &mut self.meta[t.to as usize];
+        if to.refs == 0 {
+            return None;
+        }
+        to.refs += 1;
+        Some(t.to)
+    }
+
+    fn remember(&mut self, from: u32, pod: PodIdx, add: bool, to: u32) {
+        if self.transitions.is_empty() {
+            self.transitions = vec![Transition::default(); TRANSITIONS];
+        }
+        let (from_generation, to_generation) = (self.meta[from as usize].generation, self.meta[to as usize].generation);
+        self.transitions[Self::transition_slot(from, pod, add)] =
+            Transition { from, to, from_generation, to_generation, pod, add };
+    }
+
+    /// The id of the pod set in `scratch_pods`, interning it if new; takes one reference.
+    fn intern(&mut self, t: &mut FlatSnapshot) -> u32 {
+        if let Some(&id) = self.set_ids.get(self.scratch_pods.as_slice()) {
+            self.meta[id as usize].refs += 1;
+            return id;
+        }
+        let pods: Arc<[PodIdx]> = self.scratch_pods.as_slice().into();
+        self.set_pods += pods.len();
+        if t.sets.is_empty() {
+            t.sets.push(None);
+        }
+        let id = match self.free_sets.pop() {
+            Some(id) => id,
+            None => {
+                self.meta.push(SetMeta::default());
+                t.sets.push(None);
+                // Distinct pod sets are bounded by occupied slots, which a `u32` counts.
+                (t.sets.len() - 1) as u32
+            }
+        };
+        self.meta[id as usize].refs = 1;
+        t.sets[id as usize] = Some(pods.clone());
+        self.log.mark(SET, id as usize);
+        self.set_ids.insert(pods, id);
+        id
+    }
+
+    /// Drops one reference to set `id`; frees it with the last.
+    #[inline]
+    fn release(&mut self, t: &mut FlatSnapshot, id: u32) {
+        let e = &mut self.meta[id as usize];
+        e.refs -= 1;
+        if e.refs == 0 {
+            e.generation = e.generation.wrapping_add(1);
+            if let Some(pods) = t.sets[id as usize].take() {
+                self.set_pods -= pods.len();
+                self.set_ids.remove(&*pods);
+            }
+            self.log.mark(SET, id as usize);
+            self.free_sets.push(id);
+        }
+    }
+
+    /// Cuts the run slot `i` belongs to (if current) just before its block, so no run claims a
+    /// block whose pods are about to change; a run left under 2 blocks is freed. The caller
+    /// rewrites slot `i` (its run reference included) right after.
+    #[inline]
+    fn cut(&mut self, t: &mut FlatSnapshot, i: usize) {
+        let s = t.slots[i];
+        if s.run >= GATHERING {
+            return;
+        }
+        let (r, k) = ((s.run >> 8) as usize, (s.run & 0xFF) as usize);
+        let Some(run) = t.runs.get_mut(r) else {
+            return;
+        };
+        let blocks = run.blocks();
+        if blocks.get(k) != Some(&s.key) {
+            return;
+        }
+        // The blocks after the cut keep their pods: queue them to become a run again.
+        if let Some(tail) = blocks.get(k + 1..).filter(|t| t.len() >= 2) {
+            self.orphans.extend(tail.iter().map(|h| BlockHash(*h)));
+            self.orphan_ends.push(self.orphans.len());
+        }
+        self.run_words -= run.len as usize;
+        if k < 2 {
+            *run = Run::default();
+            self.free_runs.push(r as u32);
+            self.live_runs -= 1;
+        } else {
+            // `k < MAX_RUN`: fits.
+            run.len = k as u32;
+            self.run_words += k;
+            // A run cut to less than half its array gets its own, so the rest can be freed.
+            if let Some(h) = run.hashes.as_ref().filter(|h| h.len() > 2 * k) {
+                run.hashes = Some(Arc::from(&h[..k]));
+            }
+        }
+        self.log.mark(RUN, r);
+    }
+
+    /// Adds `pod` to `key`'s set; returns (the block is new, the pair is new).
+    pub(crate) fn link(&mut self, t: &mut FlatSnapshot, pod: PodIdx, key: u64) -> (bool, bool) {
+        let l = self.link_at(t, pod, key, &mut Memo::default());
+        (l.new_node, l.new_entry)
+    }
+
+    /// The set `memo` remembers for changing `old`, taking one reference to it.
+    #[inline]
+    fn recall(&mut self, memo: &Memo, old: u32) -> Option<u32> {
+        if memo.valid
+            && memo.from == old
+            && self.meta.get(old as usize).is_some_and(|e| e.generation == memo.generation)
+        {
+            // `to` is held by the slot the memo's change was made to: still live.
+            self.meta[memo.to as usize].refs += 1;
+            return Some(memo.to);
+        }
+        None
+    }
+
+    #[inline]
+    fn note(&self, memo: &mut Memo, from: u32, to: u32) {
+        *memo = Memo { from, to, generation: self.meta[from as usize].generation, valid: true };
+    }
+
+    /// [`Editor::link`], also telling where the block now is and its set id.
+    #[inline]
+    fn link_at(&mut self, t: &mut FlatSnapshot, pod: PodIdx, key: u64, memo: &mut Memo) -> Linked {
+        let empty = match t.probe(key) {
+            Ok(i) => {
+                let old = t.slots[i].set;
+                let id = match self.recall(memo, old).or_else(|| self.remembered(old, pod, true)) {
+                    Some(id) => id,
+                    None => {
+                        let pods = t.pods_of_set(old);
+                        let Err(pos) = pods.binary_search(&pod) else {
+                            return Linked { new_node: false, new_entry: false, slot: i, set: old };
+                        };
+                        self.scratch_pods.clear();
+                        self.scratch_pods.extend_from_slice(pods);
+                        self.scratch_pods.insert(pos, pod);
+                        let id = self.intern(t);
+                        self.remember(old, pod, true, id);
+                        id
+                    }
+                };
+                self.note(memo, old, id);
+                self.release(t, old);
+                self.cut(t, i);
+                self.put(t, i, Slot { key, set: id, run: NO_RUN });
+                return Linked { new_node: false, new_entry: true, slot: i, set: id };
+            }
+            Err(empty) => empty,
+        };
+        let i = if (t.len + 1) * 100 > t.slots.len() * MAX_LOAD_PCT {
+            self.grow(t);
+            match t.probe(key) {
+                Ok(i) | Err(i) => i,
+            }
+        } else {
+            empty
+        };
+        // Set 0 (no pods) plus `pod`.
+        let set = match self.recall(memo, 0).or_else(|| self.remembered(0, pod, true)) {
+            Some(id) => id,
+            None => {
+                self.scratch_pods.clear();
+                self.scratch_pods.push(pod);
+                let id = self.intern(t);
+                self.remember(0, pod, true, id);
+                id
+            }
+        };
+        self.note(memo, 0, set);
+        self.put(t, i, Slot { key, set, run: NO_RUN });
+        t.len += 1;
+        Linked { new_node: true, new_entry: true, slot: i, set }
+    }
+
+    /// One store call: links `pod` to the call's `blocks` in order until `room` new pairs were
+    /// made, pushing each block that became a new pair onto `linked`; blocks past that are
+    /// dropped (counted) unless `pod` holds them already. Then makes runs of `blocks`. While
+    /// every block is a new pair (the usual case: a prefill's new blocks), the runs are made as
+    /// the blocks are linked, from the slots just written; otherwise [`Editor::seal`] makes them
+    /// afterwards. Same runs either way. Returns (new blocks, dropped over the cap).
+    pub(crate) fn store(
+        &mut self,
+        t: &mut FlatSnapshot,
+        pod: PodIdx,
+        blocks: &[BlockHash],
+        room: usize,
+        linked: &mut Vec<u64>,
+    ) -> (u64, u64) {
+        let (mut nodes, mut dropped, mut room, start) = (0, 0, room, linked.len());
+        let mut inline = true;
+        let mut run = std::mem::take(&mut self.scratch_slots);
+        run.clear();
+        let mut run_set = 0u32;
+        let mut memo = Memo::default();
+        for stretch in blocks.chunks(TOUCH) {
+            t.touch_wide(stretch);
+            for b in stretch {
+                if room == 0 {
+                    inline = false;
+                    dropped += u64::from(!t.holds(pod, b.0));
+                    continue;
+                }
+                let slots = t.slots.len();
+                let l = self.link_at(t, pod, b.0, &mut memo);
+                nodes += u64::from(l.new_node);
+                if l.new_entry {
+                    linked.push(b.0);
+                    room -= 1;
+                }
+                // A block the pod held already (maybe in a current run), or a table that grew
+                // (slots moved): leave the runs to `seal`.
+                inline &= l.new_entry && t.slots.len() == slots;
+                if inline {
+                    if l.set != run_set || run.len() == MAX_RUN {
+                        let _ = self.make_run(t, &run);
+                        run.clear();
+                        run_set = l.set;
+                    }
+                    run.push(l.slot);
+                }
+            }
+        }
+        if inline {
+            let _ = self.make_run(t, &run);
+        }
+        run.clear();
+        self.scratch_slots = run;
+        if inline {
+            self.settle(t);
+        } else if linked.len() > start {
+            self.seal(t, blocks);
+        }
+        (nodes, dropped)
+    }
+
+    /// Removes `pod` from each of `gone` (blocks it does not hold are skipped); returns (pairs
+    /// removed, blocks gone).
+    pub(crate) fn remove(&mut self, t: &mut FlatSnapshot, pod: PodIdx, gone: &[BlockHash]) -> (u64, u64) {
+        let (mut removed, mut dropped) = (0, 0);
+        let mut memo = Memo::default();
+        for stretch in gone.chunks(TOUCH) {
+            t.touch(stretch);
+            for b in stretch {
+                let (r, d) = self.unlink_with(t, pod, b.0, &mut memo);
+                removed += u64::from(r);
+                dropped += u64::from(d);
+            }
+        }
+        (removed, dropped)
+    }
+
+    /// Makes the slots `run` (one pod set, in chain order, in no current run) a run; false
+    /// (nothing done) when they are fewer than 2 or all 2^24 - 1 run ids are in use.
+    fn make_run(&mut self, t: &mut FlatSnapshot, run: &[usize]) -> bool {
+        if run.len() < 2 {
+            return false;
+        }
+        let Some(r) = self.new_run(t) else {
+            return false;
+        };
+        let mut keys = std::mem::take(&mut self.scratch_keys);
+        keys.clear();
+        keys.extend(run.iter().map(|&i| t.slots[i].key));
+        let hashes: Arc<[u64]> = Arc::from(keys.as_slice());
+        self.scratch_keys = keys;
+        for (k, &i) in run.iter().enumerate() {
+            // `r < MAX_RUNS` (24 bits) and `k < MAX_RUN` (8 bits).
+            self.set_run_ref(t, i, (r << 8) | k as u32);
+        }
+        self.run_words += hashes.len();
+        self.live_runs += 1;
+        // `run.len() ≤ MAX_RUN`: fits.
+        t.runs[r as usize] = Run { len: hashes.len() as u32, hashes: Some(hashes) };
+        self.log.mark(RUN, r as usize);
+        true
+    }
+
+    /// Removes `pod` from `key`'s set; returns (the pair was present, the block is now gone).
+    pub(crate) fn unlink(&mut self, t: &mut FlatSnapshot, pod: PodIdx, key: u64) -> (bool, bool) {
+        self.unlink_with(t, pod, key, &mut Memo::default())
+    }
+
+    #[inline]
+    fn unlink_with(&mut self, t: &mut FlatSnapshot, pod: PodIdx, key: u64, memo: &mut Memo) -> (bool, bool) {
+        let Some(i) = t.find(key) else {
+            return (false, false);
+        };
+        let old = t.slots[i].set;
+        let id = match self.recall(memo, old).or_else(|| self.remembered(old, pod, false)) {
+            Some(id) => id,
+            None => {
+                let pods = t.pods_of_set(old);
+                let Ok(pos) = pods.binary_search(&pod) else {
+                    return (false, false);
+                };
+                if pods.len() == 1 {
+                    self.cut(t, i);
+                    self.release(t, old);
+                    self.delete(t, i);
+                    return (true, true);
+                }
+                self.scratch_pods.clear();
+                self.scratch_pods.extend_from_slice(pods);
+                self.scratch_pods.remove(pos);
+                let id = self.intern(t);
+                self.remember(old, pod, false, id);
+                id
+            }
+        };
+        self.note(memo, old, id);
+        self.cut(t, i);
+        self.release(t, old);
+        self.put(t, i, Slot { key, set: id, run: NO_RUN });
+        (true, false)
+    }
+
+    /// Empties slot `i` and shifts later keys of its probe run back (backward-shift deletion).
+    fn delete(&mut self, t: &mut FlatSnapshot, mut i: usize) {
+        let mask = t.mask();
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let s = t.slots[j];
+            if s.set == 0 {
+                break;
+            }
+            let h = t.home(s.key);
+            // Move `s` back to `i` unless its home lies cyclically in (i, j].
+            let stays = if i <= j { i < h && h <= j } else { i < h || h <= j };
+            if !stays {
+                self.put(t, i, s);
+                i = j;
+            }
+        }
+        self.put(t, i, Slot::default());
+        t.len -= 1;
+    }
+
+    /// Makes runs of `blocks` (one store call's blocks, in chain order, already linked): see the
+    /// module docs of [`super`]. Blocks absent from the map or already covered are skipped.
+    pub(crate) fn seal(&mut self, t: &mut FlatSnapshot, blocks: &[BlockHash]) {
+        self.seal_one(t, blocks);
+        self.settle(t);
+    }
+
+    /// Makes runs again of the tails cut since the last call (a store's blocks first: when a
+    /// second pod stores a prefix of a run, the prefix becomes one run and the rest another).
+    pub(crate) fn settle(&mut self, t: &mut FlatSnapshot) {
+        if self.orphan_ends.is_empty() {
+            return;
+        }
+        let orphans = std::mem::take(&mut self.orphans);
+        let ends = std::mem::take(&mut self.orphan_ends);
+        let mut from = 0;
+        for &end in &ends {
+            self.seal_one(t, &orphans[from..end]);
+            from = end;
+        }
+        // Sealing never cuts a run, so nothing was queued meanwhile; keep the buffers unless a
+        // large batch of removals grew them.
+        self.orphans = orphans;
+        self.orphans.clear();
+        self.orphans.shrink_to(MAX_RUN * 64);
+        self.orphan_ends = ends;
+        self.orphan_ends.clear();
+        self.orphan_ends.shrink_to(64);
+    }
+
+    fn seal_one(&mut self, t: &mut FlatSnapshot, blocks: &[BlockHash]) {
+        let mut j = 0;
+        while j < blocks.len() {
+            let Some(i) = t.find(blocks[j].0) else {
+                j += 1;
+                continue;
+            };
+            // Already covered by a current run going the same way: follow it.
+            let slot = t.slots[i];
+            if t.covered(&slot) {
+                let same = t.run_after(&slot).iter().zip(&blocks[j + 1..]).take_while(|(a, b)| **a == b.0).count();
+                j += 1 + same;
+                continue;
+            }
+            let set = slot.set;
+            let mut gathered = std::mem::take(&mut self.scratch_slots);
+            gathered.clear();
+            while j < blocks.len() && gathered.len() < MAX_RUN {
+                let Some(i2) = t.find(blocks[j].0) else { break };
+                let s = t.slots[i2];
+                // Another pod set, a block gathered already (a repeat), or one a current run
+                // covers (left to it): the run ends here.
+                if s.set != set || s.run == GATHERING || (!gathered.is_empty() && t.covered(&s)) {
+                    break;
+                }
+                t.slots[i2].run = GATHERING;
+                gathered.push(i2);
+                j += 1;
+            }
+            if !self.make_run(t, &gathered) {
+                for &i2 in &gathered {
+                    self.set_run_ref(t, i2, NO_RUN);
+                }
+            }
+            gathered.clear();
+            self.scratch_slots = gathered;
+        }
+    }
+
+    /// A free run id, or `None` when all 2^24 - 1 are in use (the blocks then just have no run).
+    fn new_run(&mut self, t: &mut FlatSnapshot) -> Option<u32> {
+        if let Some(r) = self.free_runs.pop() {
+            return Some(r);
+        }
+        if t.runs.len() >= MAX_RUNS {
+            return None;
+        }
+        t.runs.push(Run::default());
+        Some((t.runs.len() - 1) as u32)
+    }
+}
+
+#[cfg(test)]
+impl Editor {
+    /// Every occupied slot is reachable from its home with no empty slot in between; every
+    /// current run reference is consistent (module invariant of [`super`]); set refcounts, the
+    /// interning table and the shared tallies are exact.
+    pub(crate) fn assert_invariants(&self, t: &FlatSnapshot) {
+        use std::collections::{BTreeSet, HashMap as StdMap};
+        let mask = t.mask();
+        let mut occupied = 0;
+        let mut refs: StdMap<u32, u32> = StdMap::new();
+        for (j, s) in t.slots.iter().enumerate() {
+            if s.set == 0 {
+                continue;
+            }
+            occupied += 1;
+            *refs.entry(s.set).or_default() += 1;
+            assert_ne!(s.run, GATHERING);
+            let mut i = t.home(s.key);
+            while i != j {
+                assert_ne!(t.slots[i].set, 0, "hole between home {} and slot {j}", t.home(s.key));
+                i = (i + 1) & mask;
+            }
+        }
+        assert_eq!(occupied, t.len);
+        for (id, e) in self.meta.iter().enumerate().skip(1) {
+            assert_eq!(refs.get(&(id as u32)).copied().unwrap_or(0), e.refs, "refs of set {id}");
+            let pods = t.sets.get(id).cloned().flatten();
+            assert_eq!(pods.is_some(), e.refs > 0, "set {id} present iff referenced");
+            if let Some(pods) = pods {
+                assert_eq!(self.set_ids.get(&*pods), Some(&(id as u32)), "set {id} interned");
+            }
+        }
+        assert_eq!(self.set_ids.len(), self.meta.iter().filter(|e| e.refs > 0).count());
+        assert_eq!(self.run_words, t.runs.iter().map(|r| r.blocks().len()).sum::<usize>());
+        assert_eq!(self.live_runs, t.runs.iter().filter(|r| !r.blocks().is_empty()).count());
+        assert_eq!(self.set_pods, t.sets.iter().flatten().map(|p| p.len()).sum::<usize>());
+        for (r, run) in t.runs.iter().enumerate() {
+            let blocks = run.blocks();
+            assert!(blocks.is_empty() || blocks.len() >= 2);
+            let sets: BTreeSet<u32> = blocks
+                .iter()
+                .enumerate()
+                .map(|(k, key)| {
+                    let i = t.find(*key).unwrap_or_else(|| panic!("run {r}'s block {k} is in the map"));
+                    assert_eq!(t.slots[i].run, ((r as u32) << 8) | k as u32, "run {r} offset {k}");
+                    t.slots[i].set
+                })
+                .collect();
+            assert!(sets.len() <= 1, "run {r} spans pod sets {sets:?}");
+        }
+    }
+}
