@@ -451,20 +451,6 @@ pub fn charts(workload: &Workload, rows: &[Summary], base: &Path) -> Result<Vec<
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<u64> = (1..=100).collect();
-        assert_eq!(percentile(&v, 0.5), 50);
-        assert_eq!(percentile(&v, 0.9), 90);
-        assert_eq!(percentile(&v, 0.99), 99);
-        assert_eq!(percentile(&[7], 0.99), 7);
-        assert_eq!(percentile(&[], 0.5), 0);
-    }
-}
 
 /// Every request's outcome as CSV, one line per request in id order (`--dump-requests`).
 pub fn outcomes_csv(run: &RunResult) -> String {
@@ -489,4 +475,19 @@ pub fn outcomes_csv(run: &RunResult) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 0.5), 50);
+        assert_eq!(percentile(&v, 0.9), 90);
+        assert_eq!(percentile(&v, 0.99), 99);
+        assert_eq!(percentile(&[7], 0.99), 7);
+        assert_eq!(percentile(&[], 0.5), 0);
+    }
 }
