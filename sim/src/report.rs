@@ -451,7 +451,6 @@ pub fn charts(workload: &Workload, rows: &[Summary], base: &Path) -> Result<Vec<
     Ok(out)
 }
 
-
 /// Every request's outcome as CSV, one line per request in id order (`--dump-requests`).
 pub fn outcomes_csv(run: &RunResult) -> String {
     let mut out = String::from(
