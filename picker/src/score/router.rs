@@ -299,7 +299,8 @@ impl Router {
         let pending_blocks = row.pending;
         let frontier = row.matched.min(total_blocks) as usize;
         let tail: Option<Arc<[kvroute_common::BlockHash]>> =
-            (precise && frontier < req.block_hashes.len()).then(|| Arc::from(&req.block_hashes[frontier..]));
+            (precise && shared.pending.enabled() && frontier < req.block_hashes.len())
+                .then(|| Arc::from(&req.block_hashes[frontier..]));
         let id = self.shared.next_id();
         if let Some(t) = &tail {
             shared.pending.record(rec.idx, t.clone(), now, LOCAL, Some(id));
