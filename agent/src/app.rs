@@ -27,6 +27,7 @@ use crate::report::sink::PodSink;
 use crate::report::stream::AgentIdentity;
 use crate::telemetry::AgentMetrics;
 use kvroute_cluster::{ClusterError, NodeView, PodResourcesClient};
+use kvroute_common::listener::{self, ListenerLimits};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,6 +61,20 @@ pub enum AgentError {
     /// The Kubernetes client could not be built (no in-cluster service account, no kubeconfig).
     #[error("Kubernetes sources (pool / picker_service) need API access: {0}")]
     Kubernetes(#[source] ClusterError),
+    /// Neither `picker_tls` nor `insecure_ingest` was configured.
+    #[error(
+        "reports to the pickers are not secured: set picker_tls (ca_file, cert_file, key_file) for mTLS, or pass \
+         --insecure-ingest (config insecure_ingest: true) for plaintext"
+    )]
+    InsecureIngest,
+    /// A `picker_tls` file cannot be read.
+    #[error("picker_tls: cannot read {path}: {source}")]
+    TlsFile {
+        /// The file.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
     /// The engine file's first read failed (later bad edits keep the last good one).
     #[error("engine file: {0}")]
     EngineFile(#[source] ClusterError),
@@ -115,6 +130,18 @@ pub async fn start_with(
     client: Option<kube::Client>,
 ) -> Result<RunningAgent, AgentError> {
     config.validate()?;
+    match &config.picker_tls {
+        Some(tls) => {
+            for path in [&tls.ca_file, &tls.cert_file, &tls.key_file] {
+                std::fs::metadata(path).map_err(|source| AgentError::TlsFile { path: path.clone(), source })?;
+            }
+        }
+        None if config.insecure_ingest => tracing::warn!(
+            "--insecure-ingest: reports go to the pickers in plaintext, and the pickers are not authenticated \
+             (use picker_tls outside a local demo)"
+        ),
+        None => return Err(AgentError::InsecureIngest),
+    }
     let engine_source = config.engine_source()?;
     let picker_source = config.picker_source()?;
     let needs_kube =
@@ -177,16 +204,18 @@ pub async fn start_with(
     let stop_threads = Arc::new(AtomicBool::new(false));
     let mut tasks = JoinSet::new();
 
+    // Header-read and idle timeouts and a connection bound (issue 17): a half-sent request does
+    // not hold a socket for ever, and many of them do not starve /healthz.
+    let limits = ListenerLimits {
+        header_read_timeout: Duration::from_millis(config.metrics_header_timeout_ms),
+        max_connections: config.metrics_max_connections,
+        ..ListenerLimits::default()
+    };
     let router = metrics.router();
     let mut srv_stop = stop_rx.clone();
-    tasks.spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = srv_stop.wait_for(|s| *s).await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "metrics listener failed");
-        }
-    });
+    tasks.spawn(listener::serve(listener, router, limits, async move {
+        let _ = srv_stop.wait_for(|s| *s).await;
+    }));
 
     // One ZeroMQ context (one I/O thread) and one reader thread for every engine, engines added
     // and removed as they come and go. The report ticker holds the only strong `alive`: when it
@@ -228,7 +257,11 @@ pub async fn start_with(
         }
     });
 
-    let id = AgentIdentity { agent_id: format!("{node_name}-{}", std::process::id()), node_name };
+    let id = AgentIdentity {
+        agent_id: format!("{node_name}-{}", std::process::id()),
+        node_name,
+        tls: config.picker_tls.clone().map(Arc::new),
+    };
     tasks.spawn(run_picker_set(replicas, hub.clone(), id, metrics.clone(), stop_rx.clone()));
     tracing::info!(%metrics_addr, "agent started");
     Ok(RunningAgent { metrics_addr, hub, metrics, stop_tx, stop_threads, tasks })

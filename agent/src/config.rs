@@ -101,6 +101,12 @@ pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 2000;
 pub const DEFAULT_KV_REPLAY_TIMEOUT_MS: u64 = 1000;
 /// Default `delta_queue`, in deltas.
 pub const DEFAULT_DELTA_QUEUE: usize = 4096;
+/// Default `metrics_header_timeout_ms`.
+pub const DEFAULT_METRICS_HEADER_TIMEOUT_MS: u64 = 10_000;
+/// Default `metrics_max_connections`.
+pub const DEFAULT_METRICS_MAX_CONNECTIONS: usize = kvroute_common::listener::DEFAULT_MAX_CONNECTIONS;
+/// Default `max_blocks_per_engine`.
+pub const DEFAULT_MAX_BLOCKS_PER_ENGINE: usize = crate::engine::blocks::DEFAULT_MAX_BLOCKS;
 /// Default `engines[].max_num_seqs` (vLLM's default `--max-num-seqs`).
 pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
 /// Default `engine_file_poll_ms`.
@@ -133,6 +139,17 @@ pub struct AgentConfig {
     /// Listen address of the agent's own `/metrics` and `/healthz`. Default
     /// [`DEFAULT_METRICS_ADDR`] (`127.0.0.1:9091`; port 0 = ephemeral).
     pub metrics_addr: SocketAddr,
+    /// Longest wait of the metrics listener for a request's head, and for the next request on
+    /// a kept-alive connection, ms; then the connection is closed. Default
+    /// [`DEFAULT_METRICS_HEADER_TIMEOUT_MS`] (10 000).
+    pub metrics_header_timeout_ms: u64,
+    /// Most connections the metrics listener keeps open; past it the oldest connection that has
+    /// not sent a request head is closed. Default [`DEFAULT_METRICS_MAX_CONNECTIONS`] (256).
+    pub metrics_max_connections: usize,
+    /// Most engine blocks the agent records per engine (all media; about 116 bytes each); stores
+    /// past it are dropped and counted in `kvroute_agent_kv_blocks_dropped_total` (under-claim).
+    /// Default [`DEFAULT_MAX_BLOCKS_PER_ENGINE`] (262 144, about 29 MiB per engine).
+    pub max_blocks_per_engine: usize,
     /// Engine `/metrics` scrape period, ms. Default [`DEFAULT_SCRAPE_INTERVAL_MS`] (200).
     pub scrape_interval_ms: u64,
     /// Period of stats reports to the picker, ms. Default [`DEFAULT_REPORT_INTERVAL_MS`] (2000).
@@ -171,6 +188,36 @@ pub struct AgentConfig {
     /// Kubernetes: how often PodResources is listed, ms (also at once when a pod appears).
     /// Default [`DEFAULT_POD_RESOURCES_POLL_MS`] (2000).
     pub pod_resources_poll_ms: u64,
+    /// mTLS to the pickers (docs/design.md §14): the agent presents its node's certificate and
+    /// verifies the picker's. One of this and `insecure_ingest` is required to start. Default none.
+    pub picker_tls: Option<PickerTlsConfig>,
+    /// Report to the pickers in plaintext (the local demo); logged as a warning. Also
+    /// `--insecure-ingest`. Default false.
+    pub insecure_ingest: bool,
+}
+
+/// Default `picker_tls.server_name`: the DNS SAN every picker certificate carries.
+pub const DEFAULT_PICKER_SERVER_NAME: &str = "picker.kvroute";
+
+/// The agent's TLS files (PEM, as a Kubernetes Secret mounts them), read again for every new
+/// connection, so a rotated certificate is used from the next (re)connect on.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PickerTlsConfig {
+    /// CA bundle the picker's certificate must chain to (`ca.crt`).
+    pub ca_file: String,
+    /// This agent's certificate chain (`tls.crt`), naming the node as DNS SAN
+    /// `<node>.agent.kvroute`.
+    pub cert_file: String,
+    /// Its private key (`tls.key`).
+    pub key_file: String,
+    /// The name the picker's certificate must carry. Default [`DEFAULT_PICKER_SERVER_NAME`].
+    #[serde(default = "default_picker_server_name")]
+    pub server_name: String,
+}
+
+fn default_picker_server_name() -> String {
+    DEFAULT_PICKER_SERVER_NAME.into()
 }
 
 /// The InferencePool an agent serves (docs/design.md §14).
@@ -242,6 +289,9 @@ impl Default for AgentConfig {
             pickers: Vec::new(),
             gpu_source: GpuSourceSpec::Nvml,
             metrics_addr: DEFAULT_METRICS_ADDR,
+            metrics_header_timeout_ms: DEFAULT_METRICS_HEADER_TIMEOUT_MS,
+            metrics_max_connections: DEFAULT_METRICS_MAX_CONNECTIONS,
+            max_blocks_per_engine: DEFAULT_MAX_BLOCKS_PER_ENGINE,
             scrape_interval_ms: DEFAULT_SCRAPE_INTERVAL_MS,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
             block_flush_ms: DEFAULT_BLOCK_FLUSH_MS,
@@ -256,6 +306,8 @@ impl Default for AgentConfig {
             pool: None,
             pod_resources_socket: DEFAULT_POD_RESOURCES_SOCKET.into(),
             pod_resources_poll_ms: DEFAULT_POD_RESOURCES_POLL_MS,
+            picker_tls: None,
+            insecure_ingest: false,
         }
     }
 }
@@ -358,6 +410,9 @@ impl AgentConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |field: &str, value: &dyn Display, fix: &str| Err(ConfigError::invalid(field, value, fix));
         self.picker_source()?;
+        if self.picker_tls.is_some() && self.insecure_ingest {
+            return bad("insecure_ingest", &true, "picker_tls is set too; choose mTLS or plaintext, not both");
+        }
         for p in &self.pickers {
             if !(p.starts_with("http://") || p.starts_with("https://")) {
                 return bad("pickers", &format!("{p:?}"), "must start with http:// or https://");
@@ -377,11 +432,20 @@ impl AgentConfig {
             ("probe_interval_ms", self.probe_interval_ms),
             ("probe_timeout_ms", self.probe_timeout_ms),
             ("kv_replay_timeout_ms", self.kv_replay_timeout_ms),
+            ("metrics_header_timeout_ms", self.metrics_header_timeout_ms),
             ("engine_file_poll_ms", self.engine_file_poll_ms),
             ("pod_resources_poll_ms", self.pod_resources_poll_ms),
         ] {
             if v == 0 {
                 return bad(name, &v, "must be > 0 (ms)");
+            }
+        }
+        for (name, v) in [
+            ("metrics_max_connections", self.metrics_max_connections),
+            ("max_blocks_per_engine", self.max_blocks_per_engine),
+        ] {
+            if v == 0 {
+                return bad(name, &v, "must be > 0");
             }
         }
         if self.delta_queue < MIN_DELTA_QUEUE {

@@ -281,6 +281,8 @@ impl EngineSet {
             block_size,
             annotations: to_hash_map(&spec.annotations),
         });
+        // Bounded per-engine state (issue 17): blocks past the cap are dropped and counted.
+        pod.set_block_capacity(d.config.max_blocks_per_engine);
         if let Some(kv_events) = &spec.kv_events {
             let cfg = SubscriberConfig {
                 pod: name.clone(),
@@ -319,7 +321,7 @@ impl EngineSet {
             d.metrics.clone(),
             stop_rx,
         ));
-        tracing::info!(engine = %name, http = %spec.http, kv_events = ?spec.kv_events, "engine started");
+        tracing::info!(engine = %name, http = %spec.http, kv_events = spec.kv_events.as_deref().unwrap_or(""), "engine started");
         d.metrics.engine_changes.get_or_create(&vec![("change".into(), "added".into())]).inc();
         let annotations = spec.annotations.clone();
         self.running.insert(name, RunningEngine { key, annotations, stop, gpus, task });

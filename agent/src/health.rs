@@ -5,10 +5,16 @@
 //! - 1.0 healthy: no penalty at all.
 //! - 0.7–0.9 minor: intermittent corrected ECC (< 1/min), moderate thermal or power throttling,
 //!   host memory pressure, a slow probe, a probe that timed out while the engine kept processing
-//!   tokens (busy, not stuck), GPUs the agent cannot see (0.3: "GPU not found on this node" when
-//!   NVML has no GPU of that index or UUID, "GPU assignment unknown" when the kubelet's
+//!   tokens (busy, not stuck), engine stats that just went stale, GPUs the agent cannot see
+//!   (0.3: "GPU not found on this node" when NVML has no GPU of that index or UUID, "GPU assignment unknown" when the kubelet's
 //!   PodResources API has not told which GPUs the pod holds): the pod may be fine, but its ECC,
 //!   thermal and power state are unknown, so it must not pass for healthy (docs/design.md §14).
+//! - Stale stats (issue 17: when `/metrics` stopped parsing, the last good queue and KV figures
+//!   were reported for ever with health 1.0): once the last `/metrics` page that parsed is older
+//!   than `metrics_stale_after_ms`, a soft penalty of 0.1 grows linearly to 0.5 over
+//!   [`STALE_RAMP_MS`] (reason "engine stats stale"): the pod drops from minor to significant
+//!   while its figures are unknown, and is still never excluded by this alone (the probe and
+//!   `/health` say whether it serves).
 //! - 0.3–0.6 significant: frequent corrected ECC (≥ ~10/min), throttling at ≥ 90 °C, several
 //!   minor problems together (soft penalties add, floored at 0.3 so they never exclude alone).
 //! - < 0.3 excluded: uncorrected ECC errors (0.1), probe failing, or timing out while the
@@ -17,6 +23,9 @@
 //!
 //! Cache warmth has weight 0 here: the picker's cache factor already counts it (docs/design.md §7).
 //! Pure: no state, no I/O; the caller computes rates (ECC per minute) from successive samples.
+
+/// Time over which the stale-stats penalty grows from 0.1 to 0.5, ms.
+pub const STALE_RAMP_MS: f64 = 30_000.0;
 
 /// Outcome of the latest active inference probe.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,6 +85,12 @@ pub struct HealthInputs {
     pub power_throttle: bool,
     /// Host memory in use, fraction [0,1].
     pub host_memory_used: f64,
+    /// Age of the last `/metrics` page that parsed, ms (since the scrape loop started when
+    /// none has yet): how old the reported queue and KV figures are.
+    pub metrics_age_ms: f64,
+    /// Age past which the figures count as stale, ms (the agent uses 5 scrape intervals, at
+    /// least 1 s).
+    pub metrics_stale_after_ms: f64,
     /// Whether the pod's GPUs could be sampled.
     pub gpus: GpuVisibility,
 }
@@ -94,6 +109,8 @@ impl Default for HealthInputs {
             thermal_throttle: false,
             power_throttle: false,
             host_memory_used: 0.3,
+            metrics_age_ms: 0.0,
+            metrics_stale_after_ms: 1000.0,
             gpus: GpuVisibility::Seen,
         }
     }
@@ -165,6 +182,10 @@ pub fn health_score(i: &HealthInputs) -> Health {
     }
     if i.probe == ProbeOutcome::TimedOutBusy {
         penalties.push((0.3, "inference probe timed out behind a busy queue"));
+    }
+    let stale_for = i.metrics_age_ms - i.metrics_stale_after_ms;
+    if stale_for > 0.0 {
+        penalties.push((0.1 + 0.4 * (stale_for / STALE_RAMP_MS).min(1.0), "engine stats stale"));
     }
     match i.gpus {
         GpuVisibility::Seen => {}
@@ -246,6 +267,33 @@ mod tests {
         let slowest = with(|i| i.probe = ProbeOutcome::Ok { latency_ms: i.probe_timeout_ms });
         assert!((busy.score - slowest.score).abs() < 1e-12, "{busy:?} vs {slowest:?}");
         assert!(busy.score >= 0.3 && busy.reason.contains("busy"), "{busy:?}");
+    }
+
+    #[test]
+    fn stale_stats_age_from_minor_to_significant_but_never_exclude() {
+        let at = |age_ms: f64| with(|i| i.metrics_age_ms = age_ms);
+        assert_eq!(at(999.0).score, 1.0);
+        let just = at(1001.0);
+        assert!((just.score - 0.9).abs() < 1e-3 && just.reason == "engine stats stale", "{just:?}");
+        let mid = at(1000.0 + STALE_RAMP_MS / 2.0);
+        assert!((mid.score - 0.7).abs() < 1e-9, "{mid:?}");
+        let long = at(1000.0 + 10.0 * STALE_RAMP_MS);
+        assert!((long.score - 0.5).abs() < 1e-9 && band(long.score) == 2, "{long:?}");
+        // With other soft penalties it still stops at the floor, and a hard condition decides.
+        let both = with(|i| {
+            i.metrics_age_ms = 1e9;
+            i.thermal_throttle = true;
+            i.max_temperature_c = 95;
+        });
+        assert_eq!(both.score, 0.3);
+        assert_eq!(
+            with(|i| {
+                i.metrics_age_ms = 1e9;
+                i.engine_health_ok = false
+            })
+            .score,
+            0.0
+        );
     }
 
     #[test]

@@ -6,12 +6,17 @@
 //! Every engine's loop ticks from one shared start ([`NodeSources::first_scrape`]), so the tokio
 //! timer wakes once per scrape interval for all engines rather than once per engine.
 //!
+//! Stale figures (issue 17): when `/metrics` fails or stops parsing, the last good page's figures
+//! are still reported (with its `observed_at_unix_ms`), but their age feeds the health score
+//! ([`HealthInputs::metrics_age_ms`]): past [`stale_after`] they cost a growing penalty with the
+//! reason "engine stats stale", so frozen figures never pass for a healthy pod.
+//!
 //! Concurrency: one task per engine; it owns its loop state and writes only its own pod (under
 //! the pod's mutex). It ends when the agent's stop channel turns true.
 
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::metrics::EngineMetrics;
-use crate::engine::scrape::EngineClient;
+use crate::engine::scrape::{EngineClient, ScrapeError};
 use crate::engines::GpuBinding;
 use crate::gpu::{GpuError, gpu_name};
 use crate::health::{GpuVisibility, HealthInputs, ProbeOutcome, health_score};
@@ -26,6 +31,11 @@ use tokio::sync::watch;
 
 /// Window over which corrected ECC errors are counted into a per-minute rate.
 const ECC_RATE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Age past which the engine's figures are stale: 5 scrape intervals, at least 1 s.
+pub(crate) fn stale_after(scrape_every: Duration) -> Duration {
+    (scrape_every * 5).max(Duration::from_secs(1))
+}
 
 /// Scrapes the engine, samples its GPUs (`gpus`, which may change while it runs) and the host,
 /// computes health and updates the pod, until `stop` turns true.
@@ -72,7 +82,16 @@ struct ScrapeLoop {
     ecc: EccRate,
     /// The latest `/metrics` page that parsed and when it was read (unix ms).
     last_metrics: Option<(EngineMetrics, i64)>,
+    /// When that page was read; the loop's start before the first one.
+    last_good_metrics: Instant,
+    /// When the last "engine not answering" WARN was logged; `None` while the engine answers.
+    last_scrape_warn: Option<Instant>,
+    /// Failed engine requests since that line.
+    scrape_failures_unlogged: u64,
 }
+
+/// Least time between two "engine not answering" WARN lines of one engine.
+const SCRAPE_WARN_EVERY: Duration = Duration::from_secs(30);
 
 impl ScrapeLoop {
     fn new(
@@ -102,6 +121,9 @@ impl ScrapeLoop {
             probe: ProbeOutcome::Unknown,
             ecc: EccRate::default(),
             last_metrics: None,
+            last_good_metrics: Instant::now(),
+            last_scrape_warn: None,
+            scrape_failures_unlogged: 0,
         }
     }
 
@@ -183,6 +205,8 @@ impl ScrapeLoop {
                     self.pod.set_model(&self.pod.model(), Some(b));
                 }
                 self.last_metrics = Some((m, observed_at));
+                self.last_good_metrics = Instant::now();
+                self.scrape_ok();
             }
             Err(e) => self.scrape_err(e),
         }
@@ -203,6 +227,8 @@ impl ScrapeLoop {
             probe: self.probe,
             probe_timeout_ms: self.probe_timeout.as_millis() as f64,
             max_temperature_c: 0,
+            metrics_age_ms: self.last_good_metrics.elapsed().as_secs_f64() * 1e3,
+            metrics_stale_after_ms: stale_after(self.scrape_every).as_secs_f64() * 1e3,
             ..Default::default()
         };
         let (mut util, mut corrected) = (0.0f64, 0u64);
@@ -258,9 +284,30 @@ impl ScrapeLoop {
         }
     }
 
-    fn scrape_err(&self, e: impl std::fmt::Display) {
+    /// Counts a failed engine request and logs it: WARN with the cause (refused, DNS, TLS,
+    /// timeout, ...) on the first failure and then at most once per [`SCRAPE_WARN_EVERY`] while
+    /// the engine keeps failing (with the count since the last line); DEBUG otherwise.
+    fn scrape_err(&mut self, e: ScrapeError) {
         self.metrics.scrape_errors.get_or_create(&self.labels).inc();
-        tracing::debug!(pod = %self.engine.pod, error = %e, "engine scrape failed");
+        let now = Instant::now();
+        self.scrape_failures_unlogged += 1;
+        let due = self.last_scrape_warn.is_none_or(|t| now.duration_since(t) >= SCRAPE_WARN_EVERY);
+        if due {
+            tracing::warn!(pod = %self.engine.pod, cause = e.cause(), error = %e,
+                failures = self.scrape_failures_unlogged, "engine not answering");
+            self.last_scrape_warn = Some(now);
+            self.scrape_failures_unlogged = 0;
+        } else {
+            tracing::debug!(pod = %self.engine.pod, cause = e.cause(), error = %e, "engine scrape failed");
+        }
+    }
+
+    /// The engine answered `/metrics` again after failures: say so once.
+    fn scrape_ok(&mut self) {
+        if self.last_scrape_warn.take().is_some() {
+            tracing::info!(pod = %self.engine.pod, "engine answering again");
+            self.scrape_failures_unlogged = 0;
+        }
     }
 }
 

@@ -27,13 +27,18 @@ pub struct AgentMetrics {
     pub kv_events_received: Family<Labels, Counter>,
     /// KV-event batches recovered through replay, per pod.
     pub kv_events_replayed: Family<Labels, Counter>,
-    /// Blocks dropped (unknown parent, gap beyond replay, opaque extra keys), per pod.
+    /// Blocks dropped (unknown parent, opaque extra keys, short token ids, record full), per pod.
     pub kv_blocks_dropped: Family<Labels, Counter>,
     /// Block events applied (blocks named by `BlockStored` and `BlockRemoved`, any medium), per
     /// pod: the agent's work, which its CPU use follows.
     pub kv_block_events: Family<Labels, Counter>,
     /// Malformed KV-event messages, per pod.
     pub kv_events_malformed: Family<Labels, Counter>,
+    /// KV events skipped inside batches that were otherwise kept, per pod and `reason`
+    /// (`unknown_type`: a type this agent does not know, e.g. from a newer vLLM; `unreadable`:
+    /// a store whose fields could not be read; `untrusted`: an unreadable removal or a payload
+    /// cut short, which cleared the pod's record).
+    pub kv_events_skipped: Family<Labels, Counter>,
     /// Times the pod's record was cleared because events were lost or the engine restarted.
     pub kv_resyncs: Family<Labels, Counter>,
     /// Failed engine scrapes (`/metrics`, `/health`, `/v1/models`), per pod.
@@ -50,11 +55,20 @@ pub struct AgentMetrics {
     pub engine_changes: Family<Labels, Counter>,
     /// Picker report streams the agent keeps now (one per picker replica).
     pub picker_streams: Gauge,
+    /// Picker report streams open now (connected, snapshots sent); `/healthz` is 503 at 0.
+    pub pickers_connected: Gauge,
 }
 
-/// `[("pod", pod)]`.
+/// `[("model_server_pod", pod)]`: GIE's label for the model-server pod. Not `pod`: a Prometheus
+/// Operator scrape sets `pod` to the agent's own pod and renames a clashing exposed `pod` label to
+/// `exported_pod`.
 pub fn pod_label(pod: &str) -> Labels {
-    vec![("pod".into(), pod.into())]
+    vec![("model_server_pod".into(), pod.into())]
+}
+
+/// `[("pod", pod), ("reason", reason)]`.
+pub fn pod_reason_labels(pod: &str, reason: &str) -> Labels {
+    vec![("pod".into(), pod.into()), ("reason".into(), reason.into())]
 }
 
 impl AgentMetrics {
@@ -67,6 +81,7 @@ impl AgentMetrics {
             kv_blocks_dropped: Family::default(),
             kv_block_events: Family::default(),
             kv_events_malformed: Family::default(),
+            kv_events_skipped: Family::default(),
             kv_resyncs: Family::default(),
             scrape_errors: Family::default(),
             health_score: Family::default(),
@@ -75,6 +90,7 @@ impl AgentMetrics {
             engines: Gauge::default(),
             engine_changes: Family::default(),
             picker_streams: Gauge::default(),
+            pickers_connected: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("kv_event_batches_received", "KV-event batches received", m.kv_events_received.clone());
@@ -95,6 +111,11 @@ impl AgentMetrics {
         );
         registry.register("kv_events_malformed", "Undecodable KV-event messages", m.kv_events_malformed.clone());
         registry.register(
+            "kv_events_skipped",
+            "KV events skipped in kept batches, by reason (unknown_type, unreadable, untrusted)",
+            m.kv_events_skipped.clone(),
+        );
+        registry.register(
             "kv_resyncs",
             "Pod records cleared after lost events or engine restart",
             m.kv_resyncs.clone(),
@@ -106,6 +127,11 @@ impl AgentMetrics {
         registry.register("engines", "Engines served now", m.engines.clone());
         registry.register("engine_changes", "Engines added, removed or restarted", m.engine_changes.clone());
         registry.register("picker_streams", "Picker report streams open or opening", m.picker_streams.clone());
+        registry.register(
+            "pickers_connected",
+            "Picker report streams connected now (0: the agent reaches no picker)",
+            m.pickers_connected.clone(),
+        );
         Arc::new(Self { registry, ..m })
     }
 
@@ -135,12 +161,95 @@ impl AgentMetrics {
         out
     }
 
-    /// The HTTP router: `/metrics` and `/healthz`.
+    /// The HTTP router: `/metrics`, `/healthz` (200 while at least one picker stream is
+    /// connected, else 503 naming the problem: the readiness probe) and `/livez` (200 while the
+    /// process serves: the liveness probe, so a picker outage does not restart every agent).
     pub fn router(self: &Arc<Self>) -> Router {
-        Router::new().route("/metrics", get(metrics)).route("/healthz", get(|| async { "ok" })).with_state(self.clone())
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(healthz))
+            .route("/livez", get(|| async { "ok" }))
+            .with_state(self.clone())
+    }
+}
+
+async fn healthz(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
+    health_of(&m)
+}
+
+/// `/healthz`'s answer: whether the agent reaches a picker.
+fn health_of(m: &AgentMetrics) -> (StatusCode, String) {
+    match m.pickers_connected.get() {
+        n if n > 0 => (StatusCode::OK, format!("ok: {n} picker stream(s) connected\n")),
+        _ => {
+            (StatusCode::SERVICE_UNAVAILABLE, "no picker stream connected: see the agent's log for the cause\n".into())
+        }
     }
 }
 
 async fn metrics(State(m): State<Arc<AgentMetrics>>) -> impl IntoResponse {
     (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
+}
+
+/// Counts one connected picker stream in [`AgentMetrics::pickers_connected`] while alive.
+pub struct PickerConnected<'a>(&'a AgentMetrics);
+
+impl<'a> PickerConnected<'a> {
+    /// A stream just connected.
+    pub fn new(m: &'a AgentMetrics) -> Self {
+        m.pickers_connected.inc();
+        Self(m)
+    }
+}
+
+impl Drop for PickerConnected<'_> {
+    fn drop(&mut self) {
+        self.0.pickers_connected.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dashboard's agent panels (deploy/observability/grafana-dashboard.json) query only
+    /// families this exposition has, by the per-pod label it uses.
+    #[test]
+    fn dashboard_agent_panels_query_exported_families() {
+        let m = AgentMetrics::new();
+        // Labelled families show their samples once a pod has one.
+        let l = pod_label("engine-0");
+        m.scrape_errors.get_or_create(&l).inc();
+        m.kv_resyncs.get_or_create(&l).inc();
+        m.health_score.get_or_create(&l).set(1.0);
+        let text = m.encode();
+        assert!(text.contains("kvroute_agent_health_score{model_server_pod=\"engine-0\"}"), "{text}");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/observability/grafana-dashboard.json");
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("dashboard")).expect("json");
+        let mut queried = 0;
+        for panel in dashboard["panels"].as_array().expect("panels") {
+            for t in panel["targets"].as_array().expect("targets") {
+                let expr = t["expr"].as_str().expect("expr");
+                for (i, _) in expr.match_indices("kvroute_agent_") {
+                    let name: String =
+                        expr[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    let sample = text.lines().any(|l| !l.starts_with('#') && l.starts_with(&name));
+                    assert!(sample, "dashboard queries {name}, which the agent does not export: {text}");
+                    queried += 1;
+                }
+            }
+        }
+        assert!(queried >= 4, "the dashboard has agent panels");
+    }
+
+    #[test]
+    fn healthz_reflects_picker_streams() {
+        let m = AgentMetrics::new();
+        assert_eq!(health_of(&m).0, StatusCode::SERVICE_UNAVAILABLE);
+        let open = PickerConnected::new(&m);
+        assert_eq!(health_of(&m).0, StatusCode::OK);
+        drop(open);
+        assert_eq!(health_of(&m).0, StatusCode::SERVICE_UNAVAILABLE);
+    }
 }

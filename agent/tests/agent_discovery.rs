@@ -61,7 +61,7 @@ async fn engines_and_pickers_follow_the_cluster() {
     let gpus = scenario(dir.path(), &[GOOD_GPU, ECC_GPU], &[ECC_GPU]);
 
     let yaml = format!(
-        "node_name: n1\npool: {{name: qwen, namespace: {NS}}}\npicker_service: {{name: kvroute-picker-ingest}}\n\
+        "node_name: n1\npool: {{name: qwen, namespace: {NS}}}\npicker_service: {{name: kvroute-picker-ingest}}\ninsecure_ingest: true\n\
          metrics_addr: 127.0.0.1:0\nscrape_interval_ms: 50\nreport_interval_ms: 200\nprobe_interval_ms: 200\n\
          pod_resources_socket: {}\npod_resources_poll_ms: 200\n",
         sock.display()
@@ -101,7 +101,7 @@ async fn engines_and_pickers_follow_the_cluster() {
     assert!(
         eventually_async(|| async {
             let m = reqwest::get(&metrics_url).await.unwrap().text().await.unwrap();
-            m.contains("kvroute_agent_engines 1") && !m.contains("pod=\"a-rank-0\"")
+            m.contains("kvroute_agent_engines 1") && !m.contains("model_server_pod=\"a-rank-0\"")
         })
         .await,
         "a's metric series dropped"
@@ -150,7 +150,7 @@ async fn engine_file_edits_add_and_remove_engines() {
     // e names a GPU this node does not have.
     std::fs::write(&file, format!("engines:\n{}", entry("e", ip_e, "GPU-not-on-this-node"))).unwrap();
     let yaml = format!(
-        "node_name: host-1\npickers: [\"http://{picker_addr}\"]\nengine_file: {}\nengine_file_poll_ms: 50\n\
+        "node_name: host-1\npickers: [\"http://{picker_addr}\"]\ninsecure_ingest: true\nengine_file: {}\nengine_file_poll_ms: 50\n\
          metrics_addr: 127.0.0.1:0\nscrape_interval_ms: 50\nreport_interval_ms: 200\nprobe_interval_ms: 200\n",
         file.display()
     );
@@ -237,7 +237,7 @@ async fn binary_idles_on_an_empty_node_and_picks_up_pods() {
     std::fs::write(
         &config,
         format!(
-            "picker_service: {{name: kvroute-picker-ingest, namespace: {NS}}}\nmetrics_addr: 127.0.0.1:0\n\
+            "picker_service: {{name: kvroute-picker-ingest, namespace: {NS}}}\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\n\
              gpu_source: \"mock:{}/scenarios/healthy.yaml\"\npod_resources_socket: {}\nreport_interval_ms: 200\n",
             env!("CARGO_MANIFEST_DIR"),
             dir.path().join("no-kubelet.sock").display()

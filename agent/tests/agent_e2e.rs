@@ -107,7 +107,7 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
     let (pub_ep, publisher) = fake_engine_pub();
 
     let yaml = format!(
-        "node_name: test-node\npickers: [\"http://{picker_addr}\"]\nmetrics_addr: 127.0.0.1:0\n\
+        "node_name: test-node\npickers: [\"http://{picker_addr}\"]\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\n\
          scrape_interval_ms: 50\nreport_interval_ms: 200\nprobe_interval_ms: 500\n\
          engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    kv_events: {pub_ep}\n    gpus: [0]\n    max_num_seqs: 8\n"
     );
@@ -184,8 +184,11 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
     assert!(hello && snapshot);
     let metrics =
         reqwest::get(format!("http://{}/metrics", agent.metrics_addr)).await.expect("get").text().await.expect("text");
-    assert!(metrics.contains("kvroute_agent_kv_event_batches_received_total{pod=\"engine-0-rank-0\"} 3"), "{metrics}");
-    assert!(metrics.contains("kvroute_agent_health_score{pod=\"engine-0-rank-0\"}"));
+    assert!(
+        metrics.contains("kvroute_agent_kv_event_batches_received_total{model_server_pod=\"engine-0-rank-0\"} 3"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("kvroute_agent_health_score{model_server_pod=\"engine-0-rank-0\"}"));
     agent.shutdown().await;
     publisher.join().expect("publisher thread");
 }

@@ -14,8 +14,21 @@ use std::time::Duration;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
-/// A fake engine; `/health` answers 503 while `unhealthy` is set.
-async fn fake_engine(unhealthy: Arc<AtomicBool>) -> std::net::SocketAddr {
+/// Faults of the fake engine, switchable while it runs.
+#[derive(Default)]
+struct Faults {
+    /// `/health` answers 503.
+    unhealthy: AtomicBool,
+    /// `/metrics` answers a page that does not parse (an HTML error page).
+    metrics_broken: AtomicBool,
+}
+
+fn no_faults() -> Arc<Faults> {
+    Arc::new(Faults::default())
+}
+
+/// A fake engine with switchable `faults`.
+async fn fake_engine(faults: Arc<Faults>) -> std::net::SocketAddr {
     use axum::http::StatusCode;
     use axum::routing::{get, post};
     let page = std::fs::read_to_string(format!(
@@ -23,12 +36,19 @@ async fn fake_engine(unhealthy: Arc<AtomicBool>) -> std::net::SocketAddr {
         env!("CARGO_MANIFEST_DIR")
     ))
     .expect("fixture");
+    let on_metrics = faults.clone();
     let app = axum::Router::new()
-        .route("/metrics", get(move || std::future::ready(page.clone())))
+        .route(
+            "/metrics",
+            get(move || {
+                let broken = on_metrics.metrics_broken.load(Ordering::Relaxed);
+                std::future::ready(if broken { "<html>502 Bad Gateway</html>\n".to_string() } else { page.clone() })
+            }),
+        )
         .route(
             "/health",
             get(move || {
-                let bad = unhealthy.load(Ordering::Relaxed);
+                let bad = faults.unhealthy.load(Ordering::Relaxed);
                 async move { if bad { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK } }
             }),
         )
@@ -41,11 +61,11 @@ async fn fake_engine(unhealthy: Arc<AtomicBool>) -> std::net::SocketAddr {
 }
 
 /// Starts the agent on GPU 0 with `scenario`; no picker listens (the stream just retries).
-async fn agent_with(scenario: &str, unhealthy: Arc<AtomicBool>) -> RunningAgent {
-    let http = fake_engine(unhealthy).await;
+async fn agent_with(scenario: &str, faults: Arc<Faults>) -> RunningAgent {
+    let http = fake_engine(faults).await;
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
     let yaml = format!(
-        "pickers: [\"http://{nobody}\"]\nmetrics_addr: 127.0.0.1:0\nscrape_interval_ms: 50\n\
+        "pickers: [\"http://{nobody}\"]\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\nscrape_interval_ms: 50\n\
          probe_interval_ms: 200\nprobe_timeout_ms: 1000\n\
          engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    gpus: [0]\n    max_num_seqs: 8\n"
     );
@@ -78,7 +98,7 @@ async fn wait_health(agent: &RunningAgent, what: &str, pred: impl Fn(f64, &str) 
 }
 
 async fn band_of(scenario: &str) -> (f64, String) {
-    let agent = agent_with(scenario, Arc::new(AtomicBool::new(false))).await;
+    let agent = agent_with(scenario, no_faults()).await;
     // Give the probe and a few scrapes time, so a penalty that is about to appear has appeared.
     tokio::time::sleep(Duration::from_millis(600)).await;
     let got = wait_health(&agent, scenario, |_, _| true).await;
@@ -114,7 +134,7 @@ async fn critical_thermal_throttling_is_significant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrected_ecc_burst_is_significant() {
-    let agent = agent_with("ecc-corrected-burst.yaml", Arc::new(AtomicBool::new(false))).await;
+    let agent = agent_with("ecc-corrected-burst.yaml", no_faults()).await;
     let (score, reason) =
         wait_health(&agent, "corrected ECC burst", |s, r| r == "corrected ECC errors" && s < 0.7).await;
     assert!((0.3..=0.6).contains(&score), "{score} {reason}");
@@ -130,7 +150,7 @@ async fn uncorrected_ecc_is_excluded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ecc_timeline_moves_the_pod_from_healthy_to_excluded() {
-    let agent = agent_with("ecc-starts-at-3s.yaml", Arc::new(AtomicBool::new(false))).await;
+    let agent = agent_with("ecc-starts-at-3s.yaml", no_faults()).await;
     let (early, _) = wait_health(&agent, "healthy before t=3 s", |_, _| true).await;
     assert_eq!(early, 1.0);
     let (late, reason) = wait_health(&agent, "excluded after t=3 s", |s, _| s < 0.3).await;
@@ -140,10 +160,10 @@ async fn ecc_timeline_moves_the_pod_from_healthy_to_excluded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_engine_health_scores_zero() {
-    let unhealthy = Arc::new(AtomicBool::new(false));
-    let agent = agent_with("healthy.yaml", unhealthy.clone()).await;
+    let faults = no_faults();
+    let agent = agent_with("healthy.yaml", faults.clone()).await;
     wait_health(&agent, "healthy first", |s, _| s == 1.0).await;
-    unhealthy.store(true, Ordering::Relaxed);
+    faults.unhealthy.store(true, Ordering::Relaxed);
     let pod = agent.hub.pod("engine-0-rank-0").expect("pod");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -161,10 +181,10 @@ async fn failing_engine_health_scores_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_annotations_are_reported_in_pod_info() {
-    let http = fake_engine(Arc::new(AtomicBool::new(false))).await;
+    let http = fake_engine(no_faults()).await;
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
     let yaml = format!(
-        "pickers: [\"http://{nobody}\"]\nmetrics_addr: 127.0.0.1:0\n\
+        "pickers: [\"http://{nobody}\"]\ninsecure_ingest: true\nmetrics_addr: 127.0.0.1:0\n\
          engines:\n  - pod: engine-0\n    endpoint: {http}\n    model: {MODEL}\n    gpus: [0]\n\
          \x20   annotations: {{\"kvroute.io/cost-per-hour\": \"3.67\", zone: b}}\n"
     );
@@ -177,5 +197,26 @@ async fn config_annotations_are_reported_in_pod_info() {
     assert_eq!(info.annotations.get("kvroute.io/cost-per-hour").map(String::as_str), Some("3.67"));
     assert_eq!(info.annotations.get("zone").map(String::as_str), Some("b"));
     assert_eq!(info.annotations.len(), 2);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_frozen_by_a_broken_metrics_page_age_into_a_penalty_and_recover() {
+    let faults = no_faults();
+    let agent = agent_with("healthy.yaml", faults.clone()).await;
+    let healthy = |s: f64, r: &str| s == 1.0 || r == "host memory pressure";
+    wait_health(&agent, "healthy first", healthy).await;
+    faults.metrics_broken.store(true, Ordering::Relaxed);
+    // Past 1 s (5 × 50 ms scrapes, at least 1 s) the last good figures are stale: minor first,
+    // growing; the figures themselves stay the last good page's (7 running, 3 waiting).
+    let (score, reason) = wait_health(&agent, "stale", |_, r| r == "engine stats stale").await;
+    assert!((0.7..1.0).contains(&score), "{score} {reason}");
+    let stats = agent.hub.pod("engine-0-rank-0").expect("pod").snapshot().stats.expect("stats");
+    assert_eq!((stats.num_requests_running, stats.num_requests_waiting), (7, 3));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (later, _) = wait_health(&agent, "still stale", |_, r| r == "engine stats stale").await;
+    assert!(later < score, "the penalty grows with the age: {later} after {score}");
+    faults.metrics_broken.store(false, Ordering::Relaxed);
+    wait_health(&agent, "fresh again", healthy).await;
     agent.shutdown().await;
 }

@@ -5,10 +5,13 @@
 //!   the one implementation lives here.
 //! - [`ids`]: newtypes for the hash kinds, so an engine's opaque hash can never stand in for ours.
 //! - [`telemetry`]: JSON logging set-up used by every binary.
+//! - [`listener`]: an HTTP/1 listener with header-read and idle timeouts and a connection bound.
 
 pub mod config;
 pub mod hash;
 pub mod ids;
+#[cfg(feature = "listener")]
+pub mod listener;
 #[cfg(feature = "telemetry")]
 pub mod telemetry;
 

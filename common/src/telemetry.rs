@@ -154,7 +154,11 @@ where
     use tracing_subscriber::Layer as _;
     use tracing_subscriber::filter::FilterExt as _;
     let (filter, bad) = env_filter(level);
-    let events_only = tracing_subscriber::filter::filter_fn(|m| m.is_event());
+    // Spans are the OpenTelemetry layer's business; events and `enabled!` hints (neither event
+    // nor span: `tracing::enabled!(Level::DEBUG)` asks with a hint) are the log layer's. Keeping
+    // only events here made every `enabled!` guard false without an exporter, so the DEBUG
+    // `candidate`/`timings` lines never appeared (issue 18).
+    let events_only = tracing_subscriber::filter::filter_fn(|m| !m.is_span());
     // One combined filter, so a callsite both reject (every span, every event below `level`) is
     // disabled once at registration; two stacked filters, or an absent (`None`) layer beside them,
     // left every TRACE span and event of h2/hyper/tonic evaluated per call (≈ 30 ns per event,
@@ -243,6 +247,20 @@ mod tests {
         assert_eq!(off.otlp_endpoint, None);
         let none = cfg(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://a:4317"), ("OTEL_TRACES_EXPORTER", "none")]);
         assert_eq!(none.otlp_endpoint, None);
+    }
+
+    /// Without an exporter, `enabled!` guards follow the level (they used to read false always).
+    #[test]
+    fn enabled_guards_follow_the_level_without_an_exporter() {
+        for (level, debug_on) in [("debug", true), ("info", false), ("trace", true)] {
+            let (sub, bad) = subscriber(level, None, "test", std::io::sink);
+            assert!(!bad);
+            tracing::subscriber::with_default(sub, || {
+                assert_eq!(tracing::enabled!(tracing::Level::DEBUG), debug_on, "level {level}");
+                assert!(tracing::enabled!(tracing::Level::INFO), "level {level}");
+                assert!(!tracing::span_enabled!(tracing::Level::ERROR), "spans are off without an exporter");
+            });
+        }
     }
 
     #[test]

@@ -204,7 +204,7 @@ fn main() {
         d.matched_blocks
     );
     drop(d);
-    let input = DecisionInput { request_id: "bench", path: PATH, body: Some(&body), subset: None };
+    let input = DecisionInput { request_id: "bench", path: PATH, body: Some(&body), subset: None, objective: None };
 
     let mut c = Criterion::default().configure_from_args().sample_size(50).measurement_time(Duration::from_secs(3));
     let mut g = c.benchmark_group("decision_4096_token_chat");

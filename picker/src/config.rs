@@ -12,6 +12,16 @@
 //! block_size: 16
 //! body_limit_bytes: 8388608         # 8 MiB → 413 above it
 //! pod_grace_ttl_ms: 10000
+//! ingest_tls:                       # mTLS with the agents (docs/design.md §14); paths relative to this file
+//!   ca_file: /etc/kvroute/ingest-tls/ca.crt       # agents' client certs must chain to it
+//!   cert_file: /etc/kvroute/ingest-tls/tls.crt    # the picker's (DNS SAN picker.kvroute)
+//!   key_file: /etc/kvroute/ingest-tls/tls.key     # files re-read when they rotate
+//! # insecure_ingest: true           # plaintext ingest instead (local demo only; logged as a warning)
+//! max_pods_per_stream: 256          # pods one agent stream may hold
+//! max_pods: 16384                   # pods all agent streams may hold
+//! # ext_proc_tls: {cert_file: .., key_file: ..}   # TLS on ext_proc (GIE's --secure-serving)
+//! # explain_token_file: /etc/kvroute/admin/token  # /explain from off-host with "Authorization: Bearer <token>"
+//! limits: { body_timeout_ms: 30000, keepalive_ms: 10000 }   # listener bounds: crate::limits
 //! models:                           # InferenceModel-style: client model name → base model (+ LoRA)
 //!   - name: Qwen/Qwen2.5-7B-Instruct
 //!     target_model: Qwen/Qwen2.5-7B-Instruct
@@ -30,11 +40,21 @@
 //! #   custom: [{scorer: cost, weight: 0.10, margin: 0.20}]
 //! ```
 //!
-//! Sources: the pods' state comes from the agents; the InferenceModels come from `models:` here.
-//! The Kubernetes work adds the pool source (`kvroute_cluster::Source`): an InferencePool named by
-//! `--pool-name/--pool-namespace` (`watch_pool`, `watch_models`) or a static pool file
-//! (`watch_pool_file`), which then supplies the candidates and the models; every other field here
-//! (listeners, limits, pool settings, scoring) applies to both sources unchanged.
+//! Sources (docs/design.md §14): the candidate endpoints come from the pool source only, either
+//! an InferencePool (`pool: {name, namespace}`, or the GIE EPP's flags `--pool-name` /
+//! `--pool-namespace`, which win over the file) watched through the Kubernetes API with its
+//! InferenceObjective / InferenceModelRewrite objects, or a static pool file (`pool_file:`,
+//! re-read when it changes) with its `models:` and `objectives:`. Agents only add cache and stats
+//! to the pool's pods. `models:` here stays the file source of client models and tokenizers.
+//! Readiness: NOT_SERVING until the pool view synced and agents reported for `ready_coverage` of
+//! its Ready endpoints, or `ready_timeout_ms` passed.
+//!
+//! ```yaml
+//! pool: {name: vllm-pool, namespace: inference}   # or: pool_file: pool.yaml (relative to this file)
+//! ready_coverage: 0.9
+//! ready_timeout_ms: 10000
+//! shutdown_drain_ms: 2000                          # NOT_SERVING after SIGTERM, still answering
+//! ```
 //!
 //! Defaults: every default is a named `DEFAULT_*` constant of the module that owns the setting,
 //! used both by serde (absent fields) and by `Default`. Errors name the field, the value and what
@@ -52,6 +72,9 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
 use crate::approx::{ApproxConfig, RoutingMode};
+use crate::ingest::guard::{DEFAULT_MAX_PODS, DEFAULT_MAX_PODS_PER_STREAM};
+use crate::ingest::tls::TlsFiles;
+use crate::limits::Limits;
 use crate::pool::{DEFAULT_MAX_BLOCKS_PER_POD, DEFAULT_POD_GRACE_TTL_MS, PoolConfig};
 use crate::score::{ScoringConfig, ScoringConfigError};
 
@@ -103,6 +126,35 @@ pub const DEFAULT_ADMIN_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4
 pub const DEFAULT_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
 /// Largest body limit accepted: the ext_proc gRPC server's receive limit is sized from it.
 pub const MAX_BODY_LIMIT_BYTES: usize = 256 * 1024 * 1024;
+/// Default `ready_coverage`: the share of the pool's Ready endpoints agents must have reported
+/// for before the picker reports SERVING (docs/design.md §14).
+pub const DEFAULT_READY_COVERAGE: f64 = 0.9;
+/// Default `ready_timeout_ms`: SERVING after this long even below `ready_coverage`, in ms.
+pub const DEFAULT_READY_TIMEOUT_MS: u64 = 10_000;
+/// Default `shutdown_drain_ms`: NOT_SERVING this long after SIGTERM before the listeners close.
+pub const DEFAULT_SHUTDOWN_DRAIN_MS: u64 = 2_000;
+/// Largest `shutdown_drain_ms` accepted (Kubernetes' default termination grace is 30 s).
+pub const MAX_SHUTDOWN_DRAIN_MS: u64 = 25_000;
+
+/// An InferencePool by name (`pool:`), as the GIE EPP's `--pool-name` / `--pool-namespace` name it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolRefConfig {
+    /// The InferencePool's name.
+    pub name: String,
+    /// Its namespace. Default: `$NAMESPACE`, else `default` (as the GIE EPP).
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+/// Where the candidate endpoints come from (docs/design.md §14).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolSource {
+    /// An InferencePool through the Kubernetes API.
+    Kubernetes(kvroute_cluster::PoolRef),
+    /// A pool file, watched.
+    File(PathBuf),
+}
 
 /// The picker's configuration file. Every field is optional.
 #[derive(Debug, Clone, Deserialize)]
@@ -140,6 +192,58 @@ pub struct PickerConfig {
     /// The other picker replicas (docs/design.md §4 "One view across replicas"). Default none:
     /// this picker routes on its own view.
     pub replicas: ReplicasConfig,
+    /// Time and count bounds of the listeners (body deadline, HTTP/2 keepalive, stream and
+    /// connection caps): see [`crate::limits`]. Default [`Limits::default`].
+    pub limits: Limits,
+    /// The InferencePool whose Ready pods are the candidates (Kubernetes). `--pool-name` /
+    /// `--pool-namespace` override it. Exclusive with `pool_file`.
+    pub pool: Option<PoolRefConfig>,
+    /// A pool file (hosts without Kubernetes, the demo; format in `kvroute_cluster::file`),
+    /// relative to the config file's directory, re-read when it changes. Exclusive with `pool`.
+    pub pool_file: Option<PathBuf>,
+    /// Share (0–1] of the pool's Ready endpoints agents must have reported for before readiness
+    /// turns SERVING. Default [`DEFAULT_READY_COVERAGE`] (0.9).
+    pub ready_coverage: f64,
+    /// SERVING after this long (ms, counted from start) even below `ready_coverage` (the pool view
+    /// must still have synced). Default [`DEFAULT_READY_TIMEOUT_MS`] (10 000).
+    pub ready_timeout_ms: u64,
+    /// On SIGTERM the binary reports NOT_SERVING for this long (ms) while still answering, so
+    /// Envoy's health checks move new ext_proc streams to the other replicas before this one
+    /// closes (open streams then finish). Default [`DEFAULT_SHUTDOWN_DRAIN_MS`] (2000), at most
+    /// [`MAX_SHUTDOWN_DRAIN_MS`].
+    pub shutdown_drain_ms: u64,
+    /// mTLS on the ingest listener (docs/design.md §14): the CA agents' client certificates must
+    /// chain to and the picker's own certificate and key (PEM files, re-read when they change).
+    /// Relative paths resolve against the config file's directory. One of this and
+    /// `insecure_ingest` is required to start. Default none.
+    pub ingest_tls: Option<TlsFiles>,
+    /// Serve the ingest listener in plaintext, any agent's `Hello` node taken on trust (the local
+    /// demo); logged as a warning at start. Also `--insecure-ingest`. Default false.
+    pub insecure_ingest: bool,
+    /// Most pods one agent stream may hold; further claims are refused and counted
+    /// (`epp_ingest_refusals_total{reason="stream_pod_cap"}`). Default
+    /// [`DEFAULT_MAX_PODS_PER_STREAM`] (256).
+    pub max_pods_per_stream: usize,
+    /// Most pods all agent streams may hold (pods in their grace period count); further claims are
+    /// refused and counted (`reason="pod_cap"`). Default [`DEFAULT_MAX_PODS`] (16384).
+    pub max_pods: usize,
+    /// Server TLS on the ext_proc listener (GIE's `--secure-serving`): `cert_file`, `key_file`.
+    /// Envoy's ext_proc cluster then needs an `UpstreamTlsContext`. Default none (plaintext).
+    pub ext_proc_tls: Option<ServerTlsFiles>,
+    /// A file holding the bearer token that opens `/explain` to callers off the loopback
+    /// interface (`Authorization: Bearer <token>`). Without it `/explain` answers loopback
+    /// callers only (e.g. `kubectl port-forward`). Default none.
+    pub explain_token_file: Option<PathBuf>,
+}
+
+/// Server-only TLS files (PEM): the listener's certificate chain and key.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTlsFiles {
+    /// Certificate chain (`tls.crt`).
+    pub cert_file: PathBuf,
+    /// Private key (`tls.key`).
+    pub key_file: PathBuf,
 }
 
 /// Picker replicas this one shares its view with: pending chains and in-flight requests go both
@@ -165,6 +269,18 @@ impl Default for PickerConfig {
             models: Vec::new(),
             scoring: ScoringConfig::default(),
             replicas: ReplicasConfig::default(),
+            pool: None,
+            pool_file: None,
+            ready_coverage: DEFAULT_READY_COVERAGE,
+            ready_timeout_ms: DEFAULT_READY_TIMEOUT_MS,
+            ingest_tls: None,
+            insecure_ingest: false,
+            max_pods_per_stream: DEFAULT_MAX_PODS_PER_STREAM,
+            max_pods: DEFAULT_MAX_PODS,
+            ext_proc_tls: None,
+            explain_token_file: None,
+            shutdown_drain_ms: DEFAULT_SHUTDOWN_DRAIN_MS,
+            limits: Limits::default(),
         }
     }
 }
@@ -269,8 +385,71 @@ impl PickerConfig {
         serde_norway::from_str(text).map_err(|source| ConfigError::Parse { path: PathBuf::new(), source })
     }
 
-    /// Makes relative tokenizer directories relative to `base` (the config file's directory).
+    /// The pool source, if any: `pool_file`, else `pool` (namespace per the GIE EPP's rule).
+    pub fn pool_source(&self) -> Option<PoolSource> {
+        if let Some(f) = &self.pool_file {
+            return Some(PoolSource::File(f.clone()));
+        }
+        self.pool.as_ref().map(|p| {
+            PoolSource::Kubernetes(kvroute_cluster::PoolRef {
+                namespace: kvroute_cluster::pool_namespace(p.namespace.as_deref()),
+                name: p.name.clone(),
+            })
+        })
+    }
+
+    /// Fails unless a pool source is set: the picker binary routes only to the pool's pods.
+    pub fn require_pool_source(&self) -> Result<(), ConfigError> {
+        if self.pool_source().is_none() {
+            return Err(ConfigError::invalid(
+                "pool",
+                "(none)",
+                "set --pool-name (and --pool-namespace), pool: {name, namespace}, or pool_file: the pool's pods are the only candidates",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Applies the GIE EPP's `--pool-name` / `--pool-namespace` flags: a name selects the
+    /// Kubernetes source (replacing `pool` and `pool_file`); a namespace alone sets `pool`'s.
+    pub fn apply_pool_flags(&mut self, name: Option<&str>, namespace: Option<&str>) {
+        let namespace = namespace.filter(|n| !n.is_empty()).map(str::to_string);
+        match name.filter(|n| !n.is_empty()) {
+            Some(name) => {
+                self.pool = Some(PoolRefConfig { name: name.to_string(), namespace });
+                self.pool_file = None;
+            }
+            None => {
+                if let (Some(p), Some(ns)) = (&mut self.pool, namespace) {
+                    p.namespace = Some(ns);
+                }
+            }
+        }
+    }
+
+    /// Makes relative tokenizer directories, the pool file and TLS/token files relative to `base` (the config
+    /// file's directory).
     pub fn resolve_paths(&mut self, base: &Path) {
+        let rel = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        if let Some(t) = &mut self.ingest_tls {
+            rel(&mut t.ca_file);
+            rel(&mut t.cert_file);
+            rel(&mut t.key_file);
+        }
+        if let Some(t) = &mut self.ext_proc_tls {
+            rel(&mut t.cert_file);
+            rel(&mut t.key_file);
+        }
+        if let Some(f) = &mut self.pool_file {
+            rel(f);
+        }
+        if let Some(t) = &mut self.explain_token_file {
+            rel(t);
+        }
         for m in &mut self.models {
             if let Some(t) = &m.tokenizer
                 && t.is_relative()
@@ -305,11 +484,28 @@ impl PickerConfig {
                 format!("must be in 1..={MAX_BODY_LIMIT_BYTES}"),
             ));
         }
+        if let Some(field) = self.limits.zero_field() {
+            return Err(ConfigError::invalid(field, 0, "must be > 0; omit it for the default"));
+        }
         if self.max_blocks_per_pod == 0 {
             return Err(ConfigError::invalid(
                 "max_blocks_per_pod",
                 0,
                 "must be >= 1 (blocks); omit it for the default",
+            ));
+        }
+        if self.max_pods_per_stream == 0 || self.max_pods == 0 {
+            return Err(ConfigError::invalid(
+                "max_pods_per_stream/max_pods",
+                format!("{}/{}", self.max_pods_per_stream, self.max_pods),
+                "must be >= 1 (pods); omit them for the defaults",
+            ));
+        }
+        if self.ingest_tls.is_some() && self.insecure_ingest {
+            return Err(ConfigError::invalid(
+                "insecure_ingest",
+                true,
+                "ingest_tls is set too; choose mTLS (ingest_tls) or plaintext (insecure_ingest), not both",
             ));
         }
         let addrs =
@@ -377,6 +573,32 @@ impl PickerConfig {
                     "this directory has no tokenizer.json; point it at a HuggingFace tokenizer directory",
                 ));
             }
+        }
+        if self.pool.is_some() && self.pool_file.is_some() {
+            return Err(ConfigError::invalid(
+                "pool_file",
+                self.pool_file.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                "pool and pool_file are both set; keep one pool source",
+            ));
+        }
+        if let Some(p) = &self.pool
+            && p.name.trim().is_empty()
+        {
+            return Err(ConfigError::invalid("pool.name", "\"\"", "must name the InferencePool"));
+        }
+        if self.shutdown_drain_ms > MAX_SHUTDOWN_DRAIN_MS {
+            return Err(ConfigError::invalid(
+                "shutdown_drain_ms",
+                self.shutdown_drain_ms,
+                format!("must be at most {MAX_SHUTDOWN_DRAIN_MS} (ms), below the pod's termination grace period"),
+            ));
+        }
+        if !(self.ready_coverage > 0.0 && self.ready_coverage <= 1.0) {
+            return Err(ConfigError::invalid(
+                "ready_coverage",
+                self.ready_coverage,
+                "must be in (0, 1]: the share of Ready pods agents must cover",
+            ));
         }
         self.scoring.validate()?;
         Ok(())
@@ -451,6 +673,25 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert!(err.to_string().contains("needs a tokenizer"), "{err}");
         assert!(PickerConfig::from_yaml("models: [{name: a, mode: fuzzy}]").is_err());
         assert!(PickerConfig::from_yaml("models: [{name: a, approximate: {bogus: 1}}]").is_err());
+    }
+
+    #[test]
+    fn pool_sources_and_flags() {
+        let mut c = PickerConfig::from_yaml("pool_file: pool.yaml\nready_coverage: 0.5").unwrap();
+        c.resolve_paths(Path::new("/etc/kvroute"));
+        c.validate().unwrap();
+        assert_eq!(c.pool_source(), Some(PoolSource::File("/etc/kvroute/pool.yaml".into())));
+        assert_eq!((c.ready_coverage, c.ready_timeout_ms), (0.5, DEFAULT_READY_TIMEOUT_MS));
+        c.apply_pool_flags(Some("vllm"), Some("inference"));
+        let want = kvroute_cluster::PoolRef { namespace: "inference".into(), name: "vllm".into() };
+        assert_eq!(c.pool_source(), Some(PoolSource::Kubernetes(want)));
+        c.validate().unwrap();
+        let c = PickerConfig::from_yaml("pool: {name: p}\npool_file: f.yaml").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("pool_file"));
+        let c = PickerConfig::from_yaml("ready_coverage: 0").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("ready_coverage"));
+        assert!(PickerConfig::from_yaml("pool: {name: p, bogus: 1}").is_err());
+        assert_eq!(PickerConfig::default().pool_source(), None);
     }
 
     #[test]

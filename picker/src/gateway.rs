@@ -6,6 +6,10 @@
 //! [`crate::pool`].
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use arc_swap::ArcSwapOption;
+use kvroute_cluster::ModelTable;
 
 use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
@@ -28,10 +32,21 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// Largest request body parsed, in bytes (413 above).
     pub body_limit_bytes: usize,
+    /// Longest wait from an ext_proc stream's request headers to the end of its body (408 after).
+    pub body_timeout: std::time::Duration,
     /// Model used for requests without a body (the first configured model).
     pub default_model: Option<String>,
     /// This picker on the replica stream (docs/design.md §4): its id and counters.
     pub replica: Arc<ReplicaIdentity>,
+    /// The pool source's model table (InferenceObjective priorities, docs/design.md §14);
+    /// `None` without a pool source.
+    pub model_table: ArcSwapOption<ModelTable>,
+    /// Readiness (docs/design.md §14): false until the pool view synced and agents cover
+    /// `ready_coverage` of its Ready endpoints or `ready_timeout_ms` passed; true from the start
+    /// without a pool source. Never goes back to false.
+    pub ready: AtomicBool,
+    /// Set on SIGTERM: readiness stays NOT_SERVING from then on.
+    pub draining: AtomicBool,
 }
 
 impl Gateway {
@@ -39,14 +54,34 @@ impl Gateway {
     pub fn new(config: &PickerConfig) -> Result<Self, StartError> {
         let pool = Pool::new(config.pool());
         let router = Router::new(pool.clone(), config.scoring.clone())?;
+        let metrics = Metrics::new();
+        // GIE's target model is what the engine serves: the adapter when there is one.
+        metrics.register_models(
+            config.models.iter().map(|m| (m.name.as_str(), m.adapter.as_deref().unwrap_or(m.target()))),
+        );
         Ok(Self {
             pool,
             router,
             models: ModelRegistry::load(&config.models, config.block_size),
-            metrics: Metrics::new(),
+            metrics,
             body_limit_bytes: config.body_limit_bytes,
+            body_timeout: config.limits.body_timeout(),
             default_model: config.models.first().map(|m| m.name.clone()),
             replica: ReplicaIdentity::new(),
+            model_table: ArcSwapOption::empty(),
+            ready: AtomicBool::new(config.pool_source().is_none()),
+            draining: AtomicBool::new(false),
         })
+    }
+
+    /// Whether the picker reports SERVING (see [`Gateway::ready`]).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
+    }
+
+    /// The priority of the request's InferenceObjective (header `x-llm-d-inference-objective`):
+    /// 0 without one, for an unknown one, or without a pool source.
+    pub fn priority(&self, objective: Option<&str>) -> i32 {
+        self.model_table.load().as_ref().map_or(0, |t| t.priority(objective))
     }
 }

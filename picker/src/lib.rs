@@ -18,6 +18,7 @@ pub mod decision;
 pub mod ext_proc;
 pub mod gateway;
 pub mod ingest;
+pub mod limits;
 pub mod model;
 pub mod pending;
 pub mod pool;
@@ -29,4 +30,6 @@ pub mod server;
 pub use kvroute_index as index;
 
 pub use gateway::Gateway;
-pub use server::{MIN_GRPC_MESSAGE_BYTES, RunningPicker, ShutdownHandle, StartError, start};
+pub use server::{
+    DrainHandle, MIN_GRPC_MESSAGE_BYTES, RunningPicker, ShutdownHandle, StartError, start, start_with_scope,
+};

@@ -43,6 +43,9 @@ pub enum ModelError {
     /// `model` is not one of the configured InferenceModels (404).
     #[error("model `{0}` does not exist")]
     UnknownModel(String),
+    /// An inference request (completions, chat, responses) came without a body (400).
+    #[error("{0} needs a JSON request body; this request has none")]
+    EmptyBody(String),
 }
 
 /// A configured model, ready to hash requests.
@@ -166,9 +169,98 @@ fn is_chat_path(path: &str) -> bool {
     path.split('?').next().is_some_and(|p| p.ends_with("/chat/completions"))
 }
 
-/// Parses a body: the `model` and the prompt, by `:path` (or, for other paths, by which of
-/// `messages`/`prompt` is present).
+/// True when `path` is the OpenAI Responses endpoint (`POST /v1/responses`).
+fn is_responses_path(path: &str) -> bool {
+    path.split('?').next().is_some_and(|p| p.ends_with("/v1/responses"))
+}
+
+/// True when `path` is an inference endpoint whose request must carry a JSON body: completions,
+/// chat completions and responses. Other paths (`/v1/models`, `/health`, ...) may come without.
+pub fn needs_body(path: &str) -> bool {
+    path.split('?').next().is_some_and(|p| p.ends_with("/completions") || p.ends_with("/v1/responses"))
+}
+
+/// The Responses API request (`/v1/responses`) as the chat request the engine renders from it
+/// (vLLM's serving_responses builds chat messages and applies the chat template):
+/// `instructions` becomes a leading system message; `input` is a string (one user message) or a
+/// list of items, each a message (`{"role", "content"}`, `type` absent or `"message"`) whose
+/// content is a string or a list of parts; `input_text`/`output_text` parts become chat `text`
+/// parts. Function tools (`{"type":"function","name",...}`) become chat tools. Any other item
+/// (function calls and their outputs, images, ...) makes the prompt unmatchable: it is routed by
+/// load rather than by a prefix the engine would not see (docs/design.md §6).
+fn responses_prompt(obj: &mut serde_json::Map<String, Value>) -> PromptInput {
+    let mut messages = Vec::new();
+    match obj.remove("instructions") {
+        Some(Value::String(s)) => messages.push(serde_json::json!({"role": "system", "content": s})),
+        None | Some(Value::Null) => {}
+        Some(_) => return PromptInput::None("responses `instructions` is not a string"),
+    }
+    match obj.remove("input") {
+        Some(Value::String(s)) => messages.push(serde_json::json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) => {
+            for item in items {
+                match responses_message(item) {
+                    Some(m) => messages.push(m),
+                    None => return PromptInput::None("responses input item other than a text message"),
+                }
+            }
+        }
+        _ => return PromptInput::None("responses request without `input`"),
+    }
+    let tools = match obj.remove("tools") {
+        Some(Value::Array(t)) => {
+            let chat: Vec<Value> = t
+                .into_iter()
+                .filter(|t| t["type"] == "function")
+                .map(|mut t| {
+                    let mut function = serde_json::Map::new();
+                    for k in ["name", "description", "parameters", "strict"] {
+                        if let Some(v) = t.as_object_mut().and_then(|o| o.remove(k)) {
+                            function.insert(k.to_owned(), v);
+                        }
+                    }
+                    serde_json::json!({"type": "function", "function": function})
+                })
+                .collect();
+            (!chat.is_empty()).then_some(chat)
+        }
+        _ => None,
+    };
+    PromptInput::Chat(ChatRequest { messages, tools })
+}
+
+/// One Responses `input` item as a chat message, if it is a text message.
+fn responses_message(item: Value) -> Option<Value> {
+    let Value::Object(mut o) = item else { return None };
+    if o.get("type").is_some_and(|t| t != "message") {
+        return None;
+    }
+    let role = o.remove("role")?;
+    let content = match o.remove("content")? {
+        Value::String(s) => Value::String(s),
+        Value::Array(parts) => {
+            let mut out = Vec::with_capacity(parts.len());
+            for p in parts {
+                let kind = p["type"].as_str()?;
+                if !matches!(kind, "input_text" | "output_text" | "text") {
+                    return None;
+                }
+                out.push(serde_json::json!({"type": "text", "text": p["text"].as_str()?}));
+            }
+            Value::Array(out)
+        }
+        _ => return None,
+    };
+    Some(serde_json::json!({"role": role, "content": content}))
+}
+
+/// Parses a body: the `model` and the prompt, by `:path` (`/v1/responses` as the Responses API,
+/// `/chat/completions` as chat; for other paths by which of `messages`/`prompt` is present).
+/// An empty body is [`ModelError::EmptyBody`].
 pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ModelError::EmptyBody(path.split('?').next().unwrap_or_default().to_owned()));
+    }
     let v: Value = serde_json::from_slice(body).map_err(|e| ModelError::InvalidJson(e.to_string()))?;
     let Value::Object(mut obj) = v else {
         return Err(ModelError::InvalidJson("expected a JSON object".into()));
@@ -179,6 +271,9 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
     };
     if obj.get("cache_salt").is_some_and(|s| !s.is_null()) {
         return Ok(ParsedBody { model, prompt: PromptInput::None("cache_salt set: not prefix-matched") });
+    }
+    if is_responses_path(path) {
+        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj) });
     }
     let chat = is_chat_path(path) || (!obj.contains_key("prompt") && obj.contains_key("messages"));
     let prompt = if chat {

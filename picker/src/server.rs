@@ -7,6 +7,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvroute_cluster::{ModelTable, PoolView, Watched};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio::net::TcpListener;
@@ -15,10 +19,12 @@ use tokio::task::JoinSet;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin;
-use crate::config::PickerConfig;
+use crate::config::{PickerConfig, PoolSource};
 use crate::ext_proc::ExtProcService;
 use crate::gateway::Gateway;
-use crate::ingest::IngestService;
+use crate::ingest::guard::{Claims, Limits};
+use crate::ingest::tls::{self, ReloadingTls};
+use crate::ingest::{IngestService, Refusals, Trust};
 use crate::replicas::{ReplicaIdentity, ReplicaService};
 use crate::score::ScoringConfigError;
 
@@ -53,6 +59,34 @@ pub enum StartError {
         /// Its error (transport, I/O, or the task's panic).
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The pool source could not be started (first read of the pool file, Kubernetes client).
+    #[error("cannot watch the pool: {0}")]
+    Pool(#[from] kvroute_cluster::ClusterError),
+    /// TLS material could not be loaded.
+    #[error("{what} TLS: {source}")]
+    Tls {
+        /// Which listener.
+        what: &'static str,
+        /// What failed.
+        source: crate::ingest::tls::TlsError,
+    },
+    /// Neither `ingest_tls` nor `insecure_ingest` was configured.
+    #[error(
+        "ingest is not secured: set ingest_tls (ca_file, cert_file, key_file) for mTLS with the agents, or pass \
+         --insecure-ingest (config insecure_ingest: true) to accept plaintext from anyone who reaches {addr}"
+    )]
+    InsecureIngest {
+        /// The ingest address.
+        addr: SocketAddr,
+    },
+    /// The `/explain` token file could not be read or is empty.
+    #[error("explain_token_file {path}: {detail}")]
+    ExplainToken {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
     /// A server stopped although no stop was asked for.
     #[error("{what} server stopped unexpectedly")]
     Stopped {
@@ -77,8 +111,34 @@ pub struct RunningPicker {
     /// The peer replicas followed (from `replicas.peers`; replace the list to change them).
     pub replica_peers: watch::Sender<Vec<SocketAddr>>,
     shutdown: ShutdownHandle,
+    health: tonic_health::server::HealthReporter,
     /// Each server's task ends with its name (it stopped) or its error.
     tasks: JoinSet<Result<&'static str, StartError>>,
+}
+
+/// Starts a [`RunningPicker`]'s drain (see [`DrainHandle::drain`]); cloneable.
+#[derive(Clone)]
+pub struct DrainHandle {
+    gateway: Arc<Gateway>,
+    health: tonic_health::server::HealthReporter,
+}
+
+impl std::fmt::Debug for DrainHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainHandle").finish_non_exhaustive()
+    }
+}
+
+impl DrainHandle {
+    /// Starts draining: gRPC health and `/readyz` report NOT_SERVING from now on while every
+    /// listener keeps answering, so load balancers move new streams elsewhere before
+    /// [`ShutdownHandle::shutdown`] closes them (docs/design.md §14, readiness).
+    pub async fn drain(&self) {
+        self.gateway.draining.store(true, Ordering::Release);
+        self.health.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+        self.health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        tracing::info!("draining: NOT_SERVING");
+    }
 }
 
 /// Asks a [`RunningPicker`]'s servers to stop; cloneable, usable after `wait` took the picker.
@@ -99,6 +159,11 @@ impl RunningPicker {
     /// Asks every server to stop (graceful: open streams finish).
     pub fn shutdown(&self) {
         self.shutdown.shutdown();
+    }
+
+    /// A handle that starts draining while another task waits on [`RunningPicker::wait`].
+    pub fn drain_handle(&self) -> DrainHandle {
+        DrainHandle { gateway: self.gateway.clone(), health: self.health.clone() }
     }
 
     /// A handle that can stop the servers while another task waits on [`RunningPicker::wait`].
@@ -134,7 +199,59 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 /// Binds all three listeners (port 0 picks a free port) and starts serving. When this returns,
 /// every listener accepts connections.
 pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
+    start_with_scope(config, None).await
+}
+
+/// [`start`], with the agents' reports checked against `scope` instead of the pool's membership
+/// (docs/design.md §14: the pool view admits a pod from the agent of its node; without a pool
+/// source every pod is in scope).
+pub async fn start_with_scope(
+    config: &PickerConfig,
+    scope: Option<Arc<dyn crate::ingest::ReportScope>>,
+) -> Result<RunningPicker, StartError> {
+    let ingest_tls = match (&config.ingest_tls, config.insecure_ingest) {
+        (Some(files), _) => {
+            Some(Arc::new(ReloadingTls::mutual(files).map_err(|source| StartError::Tls { what: "ingest", source })?))
+        }
+        (None, true) => {
+            tracing::warn!(ingest_addr = %config.ingest_addr,
+                "--insecure-ingest: agent ingest is plaintext and unauthenticated; any process that reaches this \
+                 port can report pods (use ingest_tls outside a local demo)");
+            None
+        }
+        (None, false) => return Err(StartError::InsecureIngest { addr: config.ingest_addr }),
+    };
+    let ext_proc_tls = match &config.ext_proc_tls {
+        Some(f) => Some(Arc::new(
+            ReloadingTls::server_only(&f.cert_file, &f.key_file)
+                .map_err(|source| StartError::Tls { what: "ext_proc", source })?,
+        )),
+        None => None,
+    };
+    let explain_token = match &config.explain_token_file {
+        Some(path) => {
+            let detail = |d: String| StartError::ExplainToken { path: path.clone(), detail: d };
+            let token = std::fs::read_to_string(path).map_err(|e| detail(e.to_string()))?;
+            let token = token.trim().to_string();
+            if token.is_empty() {
+                return Err(detail("empty".into()));
+            }
+            Some(token)
+        }
+        None => None,
+    };
     let gateway = Arc::new(Gateway::new(config)?);
+    let scope = scope.unwrap_or_else(|| gateway.pool.clone());
+    let sources = match config.pool_source() {
+        Some(source) => {
+            // GIE's pool metrics carry the InferencePool's name (`kvroute` for a pool file).
+            if let PoolSource::Kubernetes(pool) = &source {
+                gateway.metrics.set_pool_name(&pool.name);
+            }
+            Some(watch_sources(&source).await?)
+        }
+        None => None,
+    };
     let ext_l = bind("ext_proc", config.ext_proc_addr).await?;
     let ingest_l = bind("ingest", config.ingest_addr).await?;
     let admin_l = bind("admin", config.admin_addr).await?;
@@ -149,55 +266,111 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     };
     let mut tasks = JoinSet::new();
 
+    let limits = config.limits;
+    let admin_limits = limits.admin_listener();
     let max_msg = MIN_GRPC_MESSAGE_BYTES.max(config.body_limit_bytes.saturating_mul(2));
     let ext = ExtProcService::new(gateway.clone()).into_server(max_msg);
     // grpc.health.v1 on the ext_proc port, for Envoy's cluster health checks and Kubernetes probes.
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+    if gateway.is_ready() {
+        health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+    } else {
+        health_reporter.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+        health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    }
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
+        // HTTP/2 keepalive finds a vanished Envoy; the stream cap bounds one connection's requests.
+        let server = limits
+            .grpc_server()
+            .max_concurrent_streams(Some(limits.ext_proc_max_streams))
             .add_service(health)
-            .add_service(ext)
-            // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
-            // (measured: +40-50 ms at p90 through Envoy, gateway-bench).
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(ext_l).with_nodelay(Some(true)),
-                ext_stop,
-            )
-            .await
-            .map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() })
-            .map(|()| "ext_proc")
+            .add_service(ext);
+        // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
+        // (measured: +40-50 ms at p90 through Envoy, gateway-bench). `tls::incoming` sets it too.
+        let served = match ext_proc_tls {
+            Some(tls) => server.serve_with_incoming_shutdown(tls::incoming(ext_l, tls, None), ext_stop).await,
+            None => {
+                server
+                    .serve_with_incoming_shutdown(
+                        tonic::transport::server::TcpIncoming::from(ext_l).with_nodelay(Some(true)),
+                        ext_stop,
+                    )
+                    .await
+            }
+        };
+        served.map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() }).map(|()| "ext_proc")
     });
 
-    let ingest = IngestService::new(gateway.pool.clone()).into_server();
-    // ReplicaSync shares the ingest listener: its port, its TLS, and how agents find pickers.
+    let refusals = Refusals::new(gateway.metrics.ingest_refusals.clone());
+    let trust = Trust {
+        mtls: ingest_tls.is_some(),
+        scope,
+        claims: Arc::new(Claims::new(Limits {
+            max_pods_per_stream: config.max_pods_per_stream,
+            max_pods: config.max_pods,
+            grace: std::time::Duration::from_millis(config.pod_grace_ttl_ms),
+        })),
+        refusals: refusals.clone(),
+    };
+    let ingest = IngestService::with_trust(gateway.pool.clone(), trust).into_server();
+    // ReplicaSync shares the ingest listener: its port, its mTLS handshake and its refusal
+    // counters. Under mTLS a subscriber must present a picker certificate (docs/design.md §14).
     let replica = gateway.replica.clone();
-    let replica_sync = ReplicaService::new(gateway.clone(), replica.clone()).into_server();
+    let replica_sync =
+        ReplicaService::with_trust(gateway.clone(), replica.clone(), ingest_tls.is_some(), refusals.clone())
+            .into_server();
+    let replica_dialer = match &config.ingest_tls {
+        Some(files) => crate::replicas::tls_dialer(files.clone()),
+        None => crate::replicas::plaintext_dialer(),
+    };
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(ingest)
-            .add_service(replica_sync)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop)
-            .await
-            .map_err(|e| StartError::Serve { what: "ingest", source: e.into() })
-            .map(|()| "ingest")
+        // HTTP/2 keepalive finds a silent or vanished agent (its stream ends, its pods enter the
+        // grace period) within keepalive_ms + keepalive_timeout_ms.
+        let server = limits.grpc_server().add_service(ingest).add_service(replica_sync);
+        let served = match ingest_tls {
+            Some(tls) => {
+                server.serve_with_incoming_shutdown(tls::incoming(ingest_l, tls, Some(refusals)), ingest_stop).await
+            }
+            None => server.serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop).await,
+        };
+        served.map_err(|e| StartError::Serve { what: "ingest", source: e.into() }).map(|()| "ingest")
     });
 
     let (replica_peers, peers_rx) = watch::channel(config.replicas.peers.clone());
     let (gw, me, peers_stop) = (gateway.clone(), replica.clone(), rx.clone());
-    tokio::spawn(crate::replicas::run_peers(gw, me, peers_rx, crate::replicas::plaintext_dialer(), peers_stop));
+    tokio::spawn(crate::replicas::run_peers(gw, me, peers_rx, replica_dialer, peers_stop));
 
-    let app = admin::router(gateway.clone());
+    let app = admin::router_with_token(gateway.clone(), explain_token.map(Arc::from));
     let admin_stop = stop(rx);
     tasks.spawn(async move {
-        axum::serve(admin_l, app)
-            .with_graceful_shutdown(admin_stop)
-            .await
-            .map_err(|e| StartError::Serve { what: "admin", source: e.into() })
-            .map(|()| "admin")
+        // The peer address reaches handlers as `ConnectInfo` (the `/explain` loopback rule).
+        kvroute_common::listener::serve(admin_l, app, admin_limits, admin_stop).await;
+        Ok("admin")
     });
+
+    let health = health_reporter.clone();
+    if let Some((pool_view, models)) = sources {
+        let (gw, pool_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+        tasks.spawn(async move {
+            tokio::select! {
+                () = follow_pool(gw, pool_view, models) => Err(StartError::Stopped { what: "pool watch" }),
+                () = pool_stop => Ok("pool watch"),
+            }
+        });
+        let (gw, ready_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+        let (coverage, timeout) = (config.ready_coverage, Duration::from_millis(config.ready_timeout_ms));
+        tasks.spawn(async move {
+            // Serves until the stop: a task that ends early reads as a failed server.
+            tokio::pin!(ready_stop);
+            tokio::select! {
+                () = become_ready(gw, health_reporter, coverage, timeout) => ready_stop.await,
+                () = &mut ready_stop => {}
+            }
+            Ok("readiness")
+        });
+    }
 
     tracing::info!(%ext_proc_addr, %ingest_addr, %admin_addr, models = gateway.models.len(), "picker listening");
     Ok(RunningPicker {
@@ -208,6 +381,85 @@ pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
         replica,
         replica_peers,
         shutdown: ShutdownHandle(Arc::new(shutdown)),
+        health,
         tasks,
     })
+}
+
+/// How often readiness is re-evaluated until it turns SERVING.
+pub const READY_POLL: Duration = Duration::from_millis(50);
+
+/// Starts the pool source's watchers: the pool view and the model table.
+async fn watch_sources(source: &PoolSource) -> Result<(Watched<PoolView>, Watched<ModelTable>), StartError> {
+    match source {
+        PoolSource::File(path) => {
+            tracing::info!(path = %path.display(), "pool source: pool file");
+            Ok(kvroute_cluster::watch_pool_file(path, kvroute_cluster::file::DEFAULT_POLL).await?)
+        }
+        PoolSource::Kubernetes(pool) => {
+            tracing::info!(pool = %pool.name, namespace = %pool.namespace, "pool source: InferencePool");
+            let client = kvroute_cluster::client_from_env().await?;
+            Ok((
+                kvroute_cluster::watch_pool(client.clone(), pool.clone()),
+                kvroute_cluster::watch_models(client, pool.clone()),
+            ))
+        }
+    }
+}
+
+/// Hands every new pool view to the pool (candidates follow at once) and every new model table
+/// to the gateway; returns only if a watcher stopped.
+async fn follow_pool(gw: Arc<Gateway>, pool_view: Watched<PoolView>, models: Watched<ModelTable>) {
+    let mut views = pool_view.subscribe();
+    let mut tables = models.subscribe();
+    let mut tables_open = true;
+    loop {
+        let view = views.borrow_and_update().clone();
+        if gw.pool.set_membership(view.clone()).await.is_err() {
+            return;
+        }
+        tracing::debug!(
+            generation = view.generation,
+            endpoints = view.endpoints.len(),
+            candidates = view.candidates().count(),
+            synced = view.synced,
+            "pool view applied"
+        );
+        gw.model_table.store(Some(tables.borrow_and_update().clone()));
+        tokio::select! {
+            r = views.changed() => if r.is_err() { return },
+            r = tables.changed(), if tables_open => tables_open = r.is_ok(),
+        }
+    }
+}
+
+/// Turns readiness SERVING once the pool view synced and agents reported for `coverage` of its
+/// Ready endpoints, or `timeout` after start (the view must still have synced).
+async fn become_ready(
+    gw: Arc<Gateway>,
+    health: tonic_health::server::HealthReporter,
+    coverage: f64,
+    timeout: Duration,
+) {
+    let started = Instant::now();
+    loop {
+        if let Some((covered, ready_pods)) = gw.pool.agent_coverage()
+            && (covered >= coverage || started.elapsed() >= timeout)
+        {
+            gw.ready.store(true, Ordering::Release);
+            if gw.draining.load(Ordering::Acquire) {
+                return;
+            }
+            health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+            health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+            tracing::info!(
+                coverage = covered,
+                ready_pods,
+                after_ms = started.elapsed().as_millis() as u64,
+                "ready: SERVING"
+            );
+            return;
+        }
+        tokio::time::sleep(READY_POLL).await;
+    }
 }

@@ -26,7 +26,7 @@ const BUSY: &str = "10.0.0.2:8000";
 
 async fn start_picker() -> RunningPicker {
     let yaml = format!(
-        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\nblock_size: 16\n\
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\nblock_size: 16\n\
          models:\n  - name: {MODEL}\n"
     );
     let config = PickerConfig::from_yaml(&yaml).unwrap();

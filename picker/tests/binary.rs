@@ -25,11 +25,12 @@ fn prints_ready_then_stops_on_sigterm() {
     let config = write_config(
         "ok",
         &format!(
-            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
-             models:\n  - name: m\n    tokenizer: {}\n",
+            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
+             pool_file: pool.yaml\nmodels:\n  - name: m\n    tokenizer: {}\n",
             tokenizer_dir()
         ),
     );
+    std::fs::write(config.with_file_name("pool.yaml"), "pods: [{name: p, ip: 127.0.0.1, ports: [8000]}]\n").unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap(), "--log-level", "warn"])
         .stdout(Stdio::piped())
@@ -70,6 +71,20 @@ fn invalid_config_exits_non_zero_with_message() {
         ),
         ("unknown", "ext_proc_adr: 127.0.0.1:1\n", "ext_proc_adr"),
         ("tokenizer", "models: [{name: m, tokenizer: no-such-dir}]\n", "tokenizer.json"),
+        // The pool is the only source of candidates: no pool source, no start.
+        ("no-pool", "models: [{name: m}]\n", "--pool-name"),
+        ("missing-pool-file", "insecure_ingest: true\npool_file: no-such-pool.yaml\n", "no-such-pool.yaml"),
+        // Neither ingest_tls nor insecure_ingest: plaintext ingest is never a default.
+        (
+            "insecure",
+            "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\npool_file: pool.yaml\n",
+            "ingest is not secured",
+        ),
+        (
+            "missing tls",
+            "pool_file: pool.yaml\ningest_tls: {ca_file: /nonexistent/ca.crt, cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key}\n",
+            "/nonexistent/ca.crt",
+        ),
     ];
     for (name, yaml, needle) in cases {
         let config = write_config(name, yaml);
@@ -78,9 +93,45 @@ fn invalid_config_exits_non_zero_with_message() {
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        assert!(!out.status.success(), "{name}: should refuse to start");
+        assert_eq!(out.status.code(), Some(2), "{name}: a config error exits 2 (README \"Command line\")");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(needle), "{name}: stderr lacks {needle:?}: {stderr}");
         assert!(!String::from_utf8_lossy(&out.stdout).contains("READY"));
     }
+}
+
+/// `--check-config` validates without binding (the listeners' ports stay free) and exits 0; an
+/// invalid config exits 2 the same way as at start; `--version` names the commit; a port already
+/// taken is a runtime failure, exit 1.
+#[test]
+fn check_config_version_and_exit_codes() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let good = write_config(
+        "check",
+        &format!(
+            "ext_proc_addr: 127.0.0.1:{port}\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+             insecure_ingest: true\npool_file: pool.yaml\nmodels: [{{name: m, tokenizer: {}}}]\n",
+            tokenizer_dir()
+        ),
+    );
+    std::fs::write(good.with_file_name("pool.yaml"), "pods: [{name: p, ip: 127.0.0.1, ports: [8000]}]\n").unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvroute-picker")).args(args).stdin(Stdio::null()).output().unwrap()
+    };
+    let out = run(&["--config", good.to_str().unwrap(), "--check-config"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "config OK");
+    // Served for real, the same config meets the taken port: runtime failure.
+    let out = run(&["--config", good.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&port.to_string()));
+    let bad = write_config("check-bad", "scoring: {max_queue: 0}\n");
+    assert_eq!(run(&["--config", bad.to_str().unwrap(), "--check-config"]).status.code(), Some(2));
+    assert_eq!(run(&["--no-such-flag"]).status.code(), Some(2), "usage error");
+    let out = run(&["--version"]);
+    assert!(out.status.success());
+    let v = String::from_utf8_lossy(&out.stdout);
+    assert!(v.starts_with("kvroute-picker 0.") && v.contains("(commit "), "{v}");
+    assert!(!v.contains("(commit )"), "{v}");
 }

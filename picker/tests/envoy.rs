@@ -170,7 +170,7 @@ async fn report_pods(picker: &RunningPicker, pods: &[FakePod]) -> FakeAgent {
 
 async fn start_picker(extra_yaml: &str) -> RunningPicker {
     let config = PickerConfig::from_yaml(&format!(
-        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n{extra_yaml}"
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n{extra_yaml}"
     ))
     .unwrap();
     kvroute_picker::start(&config).await.unwrap()
@@ -232,8 +232,8 @@ fn ids_of(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
 }
 
-/// Both body modes through the deploy files: bodies from 0 B to just under the 8 MiB limit reach
-/// the chosen pod byte for byte, a client-sent destination is ignored, request ids are kept or
+/// Both body modes through the deploy files: an empty body is the picker's 400, bodies up to just
+/// under the 8 MiB limit reach the chosen pod byte for byte, a client-sent destination is ignored, request ids are kept or
 /// made and returned, 9 MB is the picker's 413, and every in-flight slot is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_in_both_modes_through_real_envoy() {
@@ -247,17 +247,17 @@ async fn bodies_in_both_modes_through_real_envoy() {
     let (_f, full_duplex) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
 
     for (mode, gw) in [("BUFFERED", buffered), ("FULL_DUPLEX_STREAMED", full_duplex)] {
-        // 0 B: routed on the headers (by load, default model) and answered, not hung.
+        // 0 B: an inference request without a body is the picker's 400 with a JSON error
+        // (issue 18), answered on the headers, not hung and not sent upstream.
         let before = hot_seen.lock().len() + cold_seen.lock().len();
         let (status, head, resp) = post(gw, "/v1/completions", b"", "").await;
-        assert_eq!(status, 200, "{mode}: {head}\n{resp}");
-        let seen: Vec<SeenRequest> = hot_seen.lock().iter().chain(cold_seen.lock().iter()).cloned().collect();
-        assert_eq!(seen.len(), before + 1, "{mode}");
-        // No x-request-id from the client: one is made (Envoy's or the picker's UUID v4), sent
-        // upstream and returned.
+        assert_eq!(status, 400, "{mode}: {head}\n{resp}");
+        let err: serde_json::Value = serde_json::from_str(&resp).unwrap_or_else(|e| panic!("{mode}: {e}: {resp}"));
+        assert_eq!(err["error"]["type"], "invalid_request_error", "{mode}: {resp}");
+        assert_eq!(hot_seen.lock().len() + cold_seen.lock().len(), before, "{mode}: an empty body went upstream");
+        // No x-request-id from the client: one is made (Envoy's or the picker's UUID v4) and returned.
         let rid = header_of(&head, "x-request-id").unwrap_or_else(|| panic!("{mode}: no request id\n{head}"));
         assert_eq!(uuid::Uuid::parse_str(&rid).unwrap().get_version_num(), 4, "{rid}");
-        assert!(seen.iter().any(|r| r.request_id == rid && r.body.is_empty()), "{mode}: {rid} not seen upstream");
 
         // Token-array prompts of growing size, padded with a field the picker ignores.
         let sizes = [0usize, 64 << 10, 1 << 20, 5 << 20, 8_000_000];
@@ -576,4 +576,95 @@ async fn streamed_response_untouched_and_usage_judged_through_real_envoy() {
     }
     assert_slots_released(&picker).await;
     picker.shutdown();
+}
+
+/// Only the inference API reaches the engines (docs/design.md §14): an engine's admin paths
+/// (`/reset_prefix_cache`, `/v1/load_lora_adapter`, ...) get Envoy's own 404 from every deploy
+/// config, the engine never sees them and the picker is not asked; a completion still goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_admin_paths_are_refused_through_real_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let paths: Seen = Arc::default();
+    let record = |seen: Seen| {
+        move |uri: axum::http::Uri| async move {
+            seen.lock().push(SeenRequest {
+                request_id: uri.path().to_owned(),
+                destination: String::new(),
+                body: vec![],
+            });
+            axum::Json(serde_json::json!({"choices": [{"index": 0, "text": "ok"}]}))
+        }
+    };
+    let app = axum::Router::new().fallback(record(paths.clone()));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let _agent = report_pods(&picker, &[pod("a", engine, vec![])]).await;
+    let port = picker.ext_proc_addr.port();
+    let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), port).await;
+    let (_f, gw_fd) = start_envoy(&deploy_file("envoy-full-duplex.yaml"), port).await;
+    let (_o, gw_open) = start_envoy(&with_pods(deploy_file("envoy-fail-open.yaml"), &[engine]), port).await;
+    let admin = [
+        "/reset_prefix_cache",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/sleep",
+        "/collective_rpc",
+        "/metrics",
+        "/v1/completions/../../reset_prefix_cache",
+        "/v1/completionsX",
+    ];
+    let decisions = || {
+        picker
+            .gateway
+            .metrics
+            .routing_decisions
+            .get_or_create(&kvroute_picker::admin::metrics::ModelLabel { model: MODEL.into() })
+            .get()
+    };
+    for gw in [gw, gw_fd, gw_open] {
+        for path in admin {
+            let before = decisions();
+            let status = status_of(gw, path, b"").await.unwrap();
+            assert_eq!(status, 404, "{path}");
+            // With a body Envoy answers before reading it, so the close may reset the connection
+            // before the 404 is read: refused either way.
+            let got = status_of(gw, path, br#"{"lora_name":"x","lora_path":"/tmp/x"}"#).await;
+            let refused = match &got {
+                Ok(status) => *status == 404,
+                Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+            };
+            assert!(refused, "{path}: {got:?}");
+            assert_eq!(decisions(), before, "{path}: the picker was asked");
+        }
+        let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":1}}"#);
+        let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+        assert_eq!(status, 200, "{resp}");
+    }
+    let seen: Vec<String> = paths.lock().iter().map(|r| r.request_id.clone()).collect();
+    assert_eq!(seen, ["/v1/completions"; 3], "only completions reached the engine");
+    assert_slots_released(&picker).await;
+    picker.shutdown();
+}
+
+/// The status of one HTTP/1.1 POST through Envoy, read from the status line alone (no wait for
+/// Envoy's delayed close after a local reply).
+async fn status_of(addr: SocketAddr, path: &str, body: &[u8]) -> std::io::Result<u16> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    let head = format!("POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Length: {}\r\n\r\n", body.len());
+    s.write_all(head.as_bytes()).await?;
+    s.write_all(body).await?;
+    let mut buf = [0u8; 64];
+    let mut got = Vec::new();
+    while !got.windows(2).any(|w| w == b"\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no status line within 10 s"))??;
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before a status line"));
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&got);
+    Ok(line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0))
 }

@@ -56,6 +56,7 @@ async fn start_picker(body_limit_bytes: usize) -> RunningPicker {
         r#"
 ext_proc_addr: 127.0.0.1:0
 ingest_addr: 127.0.0.1:0
+insecure_ingest: true
 admin_addr: 127.0.0.1:0
 block_size: 16
 body_limit_bytes: {body_limit_bytes}
@@ -267,8 +268,8 @@ async fn prefix_holder_wins_and_envoy_contract_holds() {
     let metrics = metrics_text(&picker).await;
     assert!(metrics.contains(&format!("epp_routing_decisions_total{{model=\"{MODEL}\"}} 1")), "{metrics}");
     assert!(metrics.contains("epp_stale_cache_routing_total 0"), "{metrics}");
-    assert!(metrics.contains("epp_queue_depth{pod=\"pod-b\"}"), "{metrics}");
-    assert!(metrics.contains("epp_pod_health_score{pod=\"pod-a\"} 1"), "{metrics}");
+    assert!(metrics.contains("epp_queue_depth{model_server_pod=\"pod-b\"}"), "{metrics}");
+    assert!(metrics.contains("epp_pod_health_score{model_server_pod=\"pod-a\"} 1"), "{metrics}");
     assert!(metrics.contains("epp_prefix_tree_nodes 4"), "{metrics}");
     for name in ["epp_cache_match_ratio_bucket", "epp_scoring_latency_us_bucket", "epp_composite_score_bucket"] {
         assert!(metrics.contains(name), "{name} missing: {metrics}");
@@ -419,6 +420,15 @@ async fn chunked_large_body_subset_hint_and_headers_only() {
     assert_eq!(endpoint.as_deref(), Some("10.0.0.1:8000"));
     let rid = header_value(h.response.as_ref().unwrap(), "x-request-id").unwrap();
     assert_eq!(uuid::Uuid::parse_str(&rid).map(|u| u.get_version_num()).ok(), Some(4));
+
+    // An inference request without a body is a 400 with a JSON error, answered on the headers.
+    let mut envoy = Envoy::open(&picker).await;
+    envoy.send(request_headers("/v1/responses", &[], true)).await;
+    let r = envoy.recv().await;
+    let (i, v) = immediate(&r);
+    assert_eq!(i.status.as_ref().unwrap().code, 400);
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("needs a JSON request body"), "{v}");
     picker.shutdown();
 }
 

@@ -44,7 +44,7 @@ fn repo() -> PathBuf {
 
 fn config_yaml(ext_proc: &str, ingest: &str, admin: &str) -> String {
     format!(
-        "ext_proc_addr: {ext_proc}\ningest_addr: {ingest}\nadmin_addr: {admin}\nblock_size: 16\n\
+        "ext_proc_addr: {ext_proc}\ningest_addr: {ingest}\ninsecure_ingest: true\nadmin_addr: {admin}\nblock_size: 16\n\
          models:\n  - name: {MODEL}\n    target_model: {MODEL}\n    tokenizer: {tok}\n\
            \x20 - name: sql\n    target_model: {MODEL}\n    adapter: sql-lora\n\
          scoring: {{ max_queue: 20, health_exclusion_threshold: 0.3 }}\n",
@@ -133,7 +133,15 @@ async fn wait_pods(admin: SocketAddr, pods: &[FakePod]) {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let m = metrics_text(admin).await;
-        if pods.iter().all(|p| m.contains(&format!("epp_pod_health_score{{pod=\"{}\"}}", p.name))) {
+        // Reported: a pool pod is listed (health 0) before its agent's first report.
+        let reported = |p: &FakePod| {
+            let key = format!("epp_pod_health_score{{model_server_pod=\"{}\"}} ", p.name);
+            m.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .is_some_and(|v| v > 0.0)
+        };
+        if pods.iter().all(reported) {
             return;
         }
         assert!(Instant::now() < deadline, "pods never showed up: {m}");
@@ -186,15 +194,23 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
     let dashboard: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("grafana-dashboard.json")).unwrap()).unwrap();
     let panels = dashboard["panels"].as_array().unwrap();
-    assert_eq!(panels.len(), 8, "docs/design.md §9 recommends eight panels");
+    assert!(panels.len() >= 8, "docs/design.md §9 recommends eight panels, the operator's view adds more");
+    let vars: Vec<&str> =
+        dashboard["templating"]["list"].as_array().unwrap().iter().filter_map(|v| v["name"].as_str()).collect();
+    for v in ["datasource", "namespace", "instance"] {
+        assert!(vars.contains(&v), "dashboard variable ${v} missing: {vars:?}");
+    }
     let mut queried = BTreeSet::new();
     for p in panels {
         let targets = p["targets"].as_array().unwrap();
         assert!(!targets.is_empty(), "panel {} has no query", p["title"]);
         for t in targets {
-            let names = metric_names(t["expr"].as_str().unwrap());
+            let expr = t["expr"].as_str().unwrap();
+            let names = metric_names(expr);
             assert!(!names.is_empty(), "panel {} queries no kvroute metric", p["title"]);
-            queried.extend(names);
+            assert!(expr.contains("namespace=~\"$namespace\""), "panel {} ignores $namespace: {expr}", p["title"]);
+            // The agents' families are checked against the agent's own exposition (agent/src/telemetry.rs).
+            queried.extend(names.into_iter().filter(|n| !n.starts_with("kvroute_agent_")));
         }
     }
     for want in [
@@ -206,6 +222,9 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
         "epp_scoring_latency_us_bucket",
         "epp_pod_health_score",
         "epp_adapter_loads_triggered_total",
+        "epp_pool_routable_pods",
+        "epp_request_errors_total",
+        "epp_decision_latency_us_bucket",
     ] {
         assert!(queried.contains(want), "no panel for {want}");
     }
@@ -232,9 +251,130 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
         }
     };
     has("EppCacheMatchLow", &["histogram_quantile(0.5", "epp_cache_match_ratio_bucket", "< 0.40"], "10m");
-    has("EppQueueNearMax", &["epp_queue_depth", "0.8 * epp_max_queue"], "5m");
+    has("EppQueueNearMax", &["epp_queue_depth", "model_server_pod", "0.8 * max by (namespace) (epp_max_queue)"], "5m");
     has("EppStaleRoutingHigh", &["epp_stale_cache_routing_total", "epp_routing_decisions_total", "> 0.05"], "5m");
     has("EppScoringLatencyHigh", &["histogram_quantile(0.99", "epp_scoring_latency_us_bucket", "> 5000"], "5m");
+    has("EppNoRoutablePods", &["epp_pool_routable_pods", "== 0"], "1m");
+    has("EppErrorRateHigh", &["epp_request_errors_total", "> 0.05"], "5m");
+
+    // Every alert has a promtool unit test that makes it fire (alerts.test.yaml), and the rules
+    // and those tests pass the real promtool.
+    let tests: serde_json::Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("alerts.test.yaml")).unwrap()).unwrap();
+    let mut fired = BTreeSet::new();
+    for t in tests["tests"].as_array().unwrap() {
+        for a in t["alert_rule_test"].as_array().unwrap() {
+            if !a["exp_alerts"].as_array().unwrap().is_empty() {
+                fired.insert(a["alertname"].as_str().unwrap().to_owned());
+            }
+        }
+    }
+    for alert in alerts
+        .keys()
+        .filter(|a| !["EppCacheMatchLow", "EppStaleRoutingHigh", "EppScoringLatencyHigh"].contains(&a.as_str()))
+    {
+        assert!(fired.contains(alert), "alert {alert} has no promtool test that fires it");
+    }
+    let promtool = promtool();
+    for args in [vec!["check", "rules", "alerts.yaml"], vec!["test", "rules", "alerts.test.yaml"]] {
+        let out = Command::new(&promtool).args(&args).current_dir(&dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    picker.shutdown();
+}
+
+/// `promtool` (`$KVROUTE_PROMTOOL`, else on `PATH`); Debian's `prometheus` package ships it
+/// (`scripts/install-promtool`, run by scripts/test, installs it).
+fn promtool() -> PathBuf {
+    let p = std::env::var_os("KVROUTE_PROMTOOL").map_or_else(|| PathBuf::from("promtool"), PathBuf::from);
+    let found = Command::new(&p).arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "promtool not found: run scripts/install-promtool (Debian package prometheus) or set KVROUTE_PROMTOOL"
+    );
+    p
+}
+
+/// Findings of `promtool check metrics` that the contract's names force (docs/operations.md
+/// "Metrics"): the two `_us` latency histograms of docs/design.md §9.
+const ALLOWED_LINT: [&str; 2] = [
+    "epp_scoring_latency_us metric names should not contain abbreviated units",
+    "epp_decision_latency_us metric names should not contain abbreviated units",
+];
+
+/// The page in the Prometheus text format 0.0.4 that `promtool check metrics` parses: an
+/// OpenMetrics counter family `x` has samples `x_total`, so its HELP/TYPE lines are renamed to
+/// `x_total` (the 0.0.4 convention); `# UNIT` and `# EOF` do not exist there. The samples are
+/// unchanged.
+fn as_text_format(openmetrics: &str) -> String {
+    let counters: BTreeSet<&str> =
+        openmetrics.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut out = String::new();
+    for l in openmetrics.lines() {
+        if l.starts_with("# UNIT ") || l == "# EOF" {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = l.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.contains(name).then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(l));
+        out.push('\n');
+    }
+    out
+}
+
+/// The real `/metrics` page, with every family populated, passes `promtool check metrics` except
+/// for what the contract's `epp_*` names force (ALLOWED_LINT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_page_passes_promtool_check_metrics() {
+    let picker = start_in_process().await;
+    picker.gateway.metrics.set_build_info("0123456789ab", "0.1.0");
+    let fleet = pods(Vec::new());
+    let _agent = FakeAgent::connect(picker.ingest_addr, &fleet).await.unwrap();
+    wait_pods(picker.admin_addr, &fleet).await;
+    let body = serde_json::json!({"model": "sql", "prompt": tokens(40, 1)}).to_string();
+    let r = route_one(picker.ext_proc_addr, &[("x-request-id", "r1")], &body).await;
+    assert!(matches!(r.response, Some(Response::RequestBody(_))), "{r:?}");
+    let text = metrics_text(picker.admin_addr).await;
+    // Pool gauges and GIE families, populated.
+    for needle in [
+        "epp_pool_pods 3",
+        "epp_pool_ready_pods 3",
+        "epp_pool_routable_pods 2",
+        "inference_pool_ready_pods{name=\"kvroute\"} 3",
+        // (its value is 0 or 1: the routed request's in-flight slot may not be released yet)
+        "inference_pool_per_pod_queue_size{name=\"kvroute\",model_server_pod=\"pod-a\"} ",
+        "inference_objective_request_total{model_name=\"sql\",target_model_name=\"sql-lora\"} 1",
+        "inference_objective_request_total{model_name=\"Qwen/Qwen2.5-7B-Instruct\",target_model_name=\"Qwen/Qwen2.5-7B-Instruct\"} 0",
+        "inference_extension_info{commit=\"0123456789ab\",build_ref=\"0.1.0\"} 1",
+        "inference_extension_scheduler_e2e_duration_seconds_count 1",
+        "epp_request_errors_total{code=\"503\"} 0",
+    ] {
+        assert!(text.contains(needle), "no `{needle}` in {text}");
+    }
+    let mut child = Command::new(promtool())
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write as _;
+        child.stdin.take().unwrap().write_all(as_text_format(&text).as_bytes()).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let findings = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let unexpected: Vec<&str> =
+        findings.lines().filter(|l| !l.trim().is_empty() && !ALLOWED_LINT.iter().any(|a| l.contains(a))).collect();
+    assert!(unexpected.is_empty(), "promtool check metrics: {unexpected:?}\nfull: {findings}");
     picker.shutdown();
 }
 
@@ -277,7 +417,8 @@ async fn explain_reports_factors_exclusions_and_choice_without_changing_state() 
     // Nothing routed, nothing reserved.
     assert_eq!(in_flight(&picker), state_before);
     let after = metrics_text(picker.admin_addr).await;
-    assert!(!after.contains("epp_routing_decisions_total{"), "explain counted a decision: {after}");
+    let decided: Vec<&str> = after.lines().filter(|l| l.starts_with("epp_routing_decisions_total{")).collect();
+    assert!(!decided.is_empty() && decided.iter().all(|l| l.ends_with(" 0")), "explain counted a decision: {after}");
     let count = |t: &str| t.lines().find(|l| l.starts_with("epp_scoring_latency_us_count")).map(str::to_owned);
     assert_eq!(count(&before), count(&after), "explain observed a scoring latency");
 
@@ -377,7 +518,10 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("picker.yaml");
     let addr = |p: u16| format!("127.0.0.1:{p}");
-    std::fs::write(&config, config_yaml(&addr(ext_proc), &addr(ingest), &addr(admin))).unwrap();
+    // The binary routes only to its pool's pods (docs/design.md §14): a pool file with the fake
+    // pods, named as the pool names its endpoints (`<pod>-rank-0`).
+    let yaml = binary_config_yaml(&dir, &addr(ext_proc), &addr(ingest), &addr(admin));
+    std::fs::write(&config, yaml).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
         .args(["--config", config.to_str().unwrap()])
         .env("EPP_LOG_LEVEL", "trace,h2=info,tonic=info,hyper=info,hyper_util=info,tower=info,tokenizers=info")
@@ -414,7 +558,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     let admin: SocketAddr = addr(admin).parse().unwrap();
 
     let prompt = tokens(64, 0);
-    let fleet = pods(hashes_of(&prompt));
+    let fleet = pool_pods(hashes_of(&prompt));
     let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
     wait_pods(admin, &fleet).await;
 
@@ -467,7 +611,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
         })
     };
     assert_eq!(attr(decision, "request_id").as_deref(), Some(request_id));
-    assert_eq!(attr(decision, "pod").as_deref(), Some("pod-b"));
+    assert_eq!(attr(decision, "pod").as_deref(), Some("pod-b-rank-0"));
     assert_eq!(attr(decision, "model").as_deref(), Some(MODEL));
     for step in ["epp.parse", "epp.tokenize", "epp.hash", "epp.score"] {
         let (_, s) = ours.iter().find(|(_, s)| s.name == step).unwrap();
@@ -479,12 +623,7 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
     }
 
     // Stop the picker (flushes), then read every log line.
-    let _ = Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status();
-    let deadline = Instant::now() + TIMEOUT;
-    while child.0.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "picker did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stop_on_sigterm(&mut child);
     log_reader.join().unwrap();
     let lines = log_lines.lock().unwrap().clone();
     let mut about_request = 0;
@@ -506,4 +645,107 @@ async fn binary_exports_otlp_spans_continues_traceparent_and_logs_request_id_eve
         assert!(messages.contains(m), "no `{m}` line among {messages:?}");
     }
     assert!(about_request >= 6, "{about_request} request lines: {lines:?}");
+}
+
+/// The binary's config for these listeners, with the fake pods as its pool file (written to
+/// `dir/pool.yaml`): the binary routes only to its pool's pods and accepts their reports only
+/// from their node's agent.
+fn binary_config_yaml(dir: &std::path::Path, ext_proc: &str, ingest: &str, admin: &str) -> String {
+    write_pool_file(dir);
+    format!("{}pool_file: pool.yaml\n", config_yaml(ext_proc, ingest, admin))
+}
+
+/// [`pods`] named as the pool file names its endpoints (`<pod>-rank-0`), for the binary's tests.
+fn pool_pods(hot: Vec<BlockHash>) -> Vec<FakePod> {
+    pods(hot)
+        .into_iter()
+        .map(|mut p| {
+            p.name = format!("{}-rank-0", p.name);
+            p
+        })
+        .collect()
+}
+
+/// Sends SIGTERM to the picker and waits (at most [`TIMEOUT`]) until it exited.
+fn stop_on_sigterm(child: &mut KillOnDrop) {
+    let _ = Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status();
+    let deadline = Instant::now() + TIMEOUT;
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "picker did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The fake pods as a pool file in `dir` (`pool.yaml`), on the fake agent's node.
+fn write_pool_file(dir: &std::path::Path) {
+    let pool: String = ["pod-a:10.0.0.1", "pod-b:10.0.0.2", "pod-sick:10.0.0.3"]
+        .iter()
+        .map(|p| p.split_once(':').unwrap())
+        .map(|(name, ip)| format!("  - {{name: {name}, ip: {ip}, ports: [8000], node: fake-node}}\n"))
+        .collect();
+    std::fs::write(dir.join("pool.yaml"), format!("pods:\n{pool}")).unwrap();
+}
+
+/// At `--log-level debug` and with no OTLP endpoint (the usual production set-up), the DEBUG
+/// `candidate` (one per candidate, with the factor breakdown) and `timings` lines are logged
+/// (issue 18: they never appeared without an exporter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_at_debug_without_otlp_logs_candidates_and_timings() {
+    let (ext_proc, ingest, admin) = (free_port().unwrap(), free_port().unwrap(), free_port().unwrap());
+    let dir = std::env::temp_dir().join(format!("kvroute-picker-debug-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("picker.yaml");
+    let addr = |p: u16| format!("127.0.0.1:{p}");
+    let yaml = binary_config_yaml(&dir, &addr(ext_proc), &addr(ingest), &addr(admin));
+    std::fs::write(&config, yaml).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
+        .args(["--config", config.to_str().unwrap(), "--log-level", "debug"])
+        .env_remove("EPP_LOG_LEVEL")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut child = KillOnDrop(child);
+    let mut ready = String::new();
+    BufReader::new(stdout).read_line(&mut ready).unwrap();
+    assert_eq!(ready.trim(), "READY");
+    let log_reader =
+        std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
+    let prompt = tokens(64, 0);
+    let fleet = pool_pods(hashes_of(&prompt));
+    let _agent = FakeAgent::connect(addr(ingest).parse().unwrap(), &fleet).await.unwrap();
+    wait_pods(addr(admin).parse().unwrap(), &fleet).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
+    let r = route_one(addr(ext_proc).parse().unwrap(), &[("x-request-id", "req-debug-1")], &body).await;
+    assert!(matches!(r.response, Some(Response::RequestBody(_))), "{r:?}");
+    stop_on_sigterm(&mut child);
+    let lines = log_reader.join().unwrap();
+    let about = |msg: &str| -> Vec<serde_json::Value> {
+        lines
+            .iter()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["fields"]["message"] == msg && v["fields"]["request_id"] == "req-debug-1")
+            .collect()
+    };
+    let candidates = about("candidate");
+    assert_eq!(candidates.len(), 2, "one DEBUG line per candidate (the sick pod is excluded): {lines:?}");
+    for c in &candidates {
+        assert_eq!(c["level"], "DEBUG");
+        for f in ["pod", "score", "cache", "load", "queue", "health", "adapter", "matched_blocks"] {
+            assert!(!c["fields"][f].is_null(), "candidate line lacks {f}: {c}");
+        }
+    }
+    let timings = about("timings");
+    assert_eq!(timings.len(), 1, "{lines:?}");
+    assert!(timings[0]["fields"]["decision_us"].as_u64().is_some(), "{}", timings[0]);
+    // Nothing at TRACE when asked for DEBUG.
+    assert!(about("block walk").is_empty());
+    // No Rust `Some(..)`/`None` debug formatting in any field of any line.
+    for l in &lines {
+        assert!(!l.contains("Some(") && !l.contains(":\"None\""), "Rust Option formatting in a log field: {l}");
+    }
 }

@@ -21,7 +21,7 @@ const DECEMBER: [&str; 5] = ["w1", "w2", "pressure", "cold-start", "llm-d"];
 const LLMD_RATES: [f64; 7] = [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0];
 
 #[derive(Parser, Debug)]
-#[command(name = "kvroute-sim", about = "Discrete-event routing-quality simulation on kvroute's real router")]
+#[command(version = kvroute_cli::LONG_VERSION, name = "kvroute-sim", about = "Discrete-event routing-quality simulation on kvroute's real router")]
 struct Args {
     /// Workloads, comma-separated: shared-prefix, chat, herd, lora, zipf (`classic`), w1, w2,
     /// pressure, cold-start, llm-d (`december`, docs/design.md §10), `all`, or `none` (only the

@@ -22,6 +22,14 @@
 //! engine → kvroute map is keyed by `(u16, u64)`: no allocation per lookup, and a parent is
 //! looked up once per medium seen (GPU first, then CPU, then the others), never by a scan.
 //!
+//! Bounds (issue 17: a hostile or broken engine made one record hold 3 M blocks, and 80 k LoRA
+//! names were searched linearly on the one KV-event thread): at most [`BlockRecord::capacity`]
+//! engine blocks over all media (default [`DEFAULT_MAX_BLOCKS`]); stores past it are dropped and
+//! counted ([`ApplyOutcome::dropped_capacity`]: under-claim), and removals make room again.
+//! Hash roots per (adapter, block size) are found through a map, at most
+//! [`MAX_HASHED_ADAPTERS`] adapters kept (cheap to recompute: dropped all at once when full);
+//! at most [`MAX_MEDIA`] media are told apart, stores on further ones are dropped and counted.
+//!
 //! Concurrency: plain data, owned by one pod's state behind its mutex; no locking here.
 
 use super::kv_events::{BlockExtra, BlockStored, KvEvent, KvEventBatch, Medium};
@@ -45,6 +53,12 @@ pub struct ApplyOutcome {
     pub skipped_extra_keys: u64,
     /// Blocks dropped because `token_ids` did not cover them.
     pub dropped_short_tokens: u64,
+    /// Blocks dropped because the record was full ([`BlockRecord::capacity`]) or their medium
+    /// was one too many ([`MAX_MEDIA`]).
+    pub dropped_capacity: u64,
+    /// Times the record was cleared because the decoder lost events that may have removed
+    /// blocks ([`KvEvent::Untrusted`]).
+    pub untrusted_clears: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -95,6 +109,18 @@ const CPU_TIER: usize = 1;
 /// Largest `seen` set kept between flushes (entries); a flush of more blocks frees it after.
 const SEEN_KEEP: usize = 4096;
 
+/// Default most engine blocks one record holds, over all media. A GPU block costs the record
+/// about 116 bytes (measured: 1 M blocks, 116 MiB), so this is about 29 MiB per engine, 232 MiB
+/// for eight engines under the agent's 512 MiB limit. vLLM's `num_gpu_blocks` is 27 910 for an
+/// 8B model on an 80 GB GPU; a 1B model on a 141 GB GPU has about 200 000.
+pub const DEFAULT_MAX_BLOCKS: usize = 1 << 18;
+
+/// Most LoRA adapters whose hash roots are kept (then all are dropped and recomputed as needed).
+pub const MAX_HASHED_ADAPTERS: usize = 4096;
+
+/// Most media told apart (GPU, CPU and 14 others).
+pub const MAX_MEDIA: usize = 16;
+
 /// Interned medium (index into [`BlockRecord`]'s media list).
 type MediumId = u16;
 const GPU: MediumId = 0;
@@ -118,8 +144,12 @@ pub struct BlockRecord {
     engine_to_kv: FoldMap<(MediumId, EngineBlockHash), BlockHash>,
     /// GPU, then CPU.
     tiers: [Tier; 2],
-    /// One hasher per (LoRA name, block size): few, so a vector searched in order.
-    hashers: Vec<(Option<String>, u32, BlockHasher)>,
+    /// Hashers of the base model, by block size.
+    base_hashers: FoldMap<u32, BlockHasher>,
+    /// Hashers per LoRA adapter name, by block size (at most [`MAX_HASHED_ADAPTERS`] names).
+    lora_hashers: FoldMap<Box<str>, FoldMap<u32, BlockHasher>>,
+    /// Most entries of `engine_to_kv`.
+    capacity: usize,
     scratch: Vec<BlockHash>,
     /// Hashes already placed in the changes being taken; kept between calls for its capacity
     /// (a fresh set per flush, grown by rehashing, was ~7 % of the agent's CPU under load).
@@ -134,7 +164,9 @@ impl BlockRecord {
             media: vec![Medium::Gpu, Medium::Cpu],
             engine_to_kv: FoldMap::default(),
             tiers: [Tier::default(), Tier::default()],
-            hashers: Vec::new(),
+            base_hashers: FoldMap::default(),
+            lora_hashers: FoldMap::default(),
+            capacity: DEFAULT_MAX_BLOCKS,
             scratch: Vec::new(),
             seen: FoldSet::default(),
         }
@@ -145,7 +177,8 @@ impl BlockRecord {
     pub fn set_model(&mut self, model: &str) {
         if self.model != model {
             self.model = model.to_string();
-            self.hashers.clear();
+            self.base_hashers.clear();
+            self.lora_hashers.clear();
             self.clear();
         }
     }
@@ -153,6 +186,26 @@ impl BlockRecord {
     /// Base model id of the hash root.
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// Most engine blocks held over all media; stores past it are dropped (counted).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Sets [`Self::capacity`]. Blocks already held over a lowered capacity stay until removed.
+    pub fn set_capacity(&mut self, blocks: usize) {
+        self.capacity = blocks;
+    }
+
+    /// Engine blocks held over all media (what [`Self::capacity`] bounds).
+    pub fn len(&self) -> usize {
+        self.engine_to_kv.len()
+    }
+
+    /// True when no block is held.
+    pub fn is_empty(&self) -> bool {
+        self.engine_to_kv.is_empty()
     }
 
     /// Number of distinct kvroute hashes on GPU.
@@ -197,6 +250,10 @@ impl BlockRecord {
                     }
                 }
                 KvEvent::AllCleared => self.clear(),
+                KvEvent::Untrusted(_) => {
+                    out.untrusted_clears += 1;
+                    self.clear();
+                }
             }
         }
         out
@@ -211,10 +268,13 @@ impl BlockRecord {
         }
     }
 
-    /// Id of `medium`, interning it on first sight; `None` only past 65 536 distinct media.
+    /// Id of `medium`, interning it on first sight; `None` past [`MAX_MEDIA`] distinct media.
     fn intern_medium(&mut self, medium: &Medium) -> Option<MediumId> {
         if let Some(id) = self.find_medium(medium) {
             return Some(id);
+        }
+        if self.media.len() >= MAX_MEDIA {
+            return None;
         }
         let id = MediumId::try_from(self.media.len()).ok()?;
         self.media.push(medium.clone());
@@ -243,17 +303,10 @@ impl BlockRecord {
             },
         };
         let Some(medium) = self.intern_medium(&s.medium) else {
-            out.dropped_unknown_parent += n;
+            out.dropped_capacity += n;
             return;
         };
-        let found =
-            self.hashers.iter().position(|(l, b, _)| *b == s.block_size && l.as_deref() == s.lora_name.as_deref());
-        let idx = found.unwrap_or_else(|| {
-            let h = BlockHasher::new(&self.model, s.lora_name.as_deref(), s.block_size as usize);
-            self.hashers.push((s.lora_name.clone(), s.block_size, h));
-            self.hashers.len() - 1
-        });
-        let Some((_, _, hasher)) = self.hashers.get(idx) else { return };
+        let hasher = self.hasher(s.lora_name.as_deref(), s.block_size);
         let start = parent.unwrap_or_else(|| hasher.root());
         // Re-hash block by block, folding each block's extra keys; stop at the first block that
         // cannot be placed (too few tokens, uninterpretable keys): its prefix is unknown.
@@ -282,8 +335,14 @@ impl BlockRecord {
         let mut prev = parent;
         let mut run_parent = parent;
         let hashes = std::mem::take(&mut self.scratch);
-        for (engine_hash, kv) in s.block_hashes.iter().zip(hashes.iter().copied()).take(placed) {
-            let old = self.engine_to_kv.insert((medium, *engine_hash), kv);
+        for (i, (engine_hash, kv)) in s.block_hashes.iter().zip(hashes.iter().copied()).take(placed).enumerate() {
+            let key = (medium, *engine_hash);
+            if self.engine_to_kv.len() >= self.capacity && !self.engine_to_kv.contains_key(&key) {
+                // Full: the rest of the run (each block a child of the one before) is not kept.
+                out.dropped_capacity += (placed - i) as u64;
+                break;
+            }
+            let old = self.engine_to_kv.insert(key, kv);
             if let Some(t) = tier {
                 let tier = &mut self.tiers[t];
                 match old {
@@ -319,6 +378,25 @@ impl BlockRecord {
         {
             self.tiers[t].pending_stored.push((run_parent, run));
         }
+    }
+
+    /// The hasher of (`lora`, `block_size`) under the record's model, from the index (filled on
+    /// first use; the adapter index is dropped whole when it reaches [`MAX_HASHED_ADAPTERS`]).
+    fn hasher(&mut self, lora: Option<&str>, block_size: u32) -> BlockHasher {
+        let model = &self.model;
+        let make = || BlockHasher::new(model, lora, block_size as usize);
+        let Some(name) = lora else {
+            return self.base_hashers.entry(block_size).or_insert_with(make).clone();
+        };
+        if let Some(h) = self.lora_hashers.get(name).and_then(|m| m.get(&block_size)) {
+            return h.clone();
+        }
+        if self.lora_hashers.len() >= MAX_HASHED_ADAPTERS && !self.lora_hashers.contains_key(name) {
+            self.lora_hashers.clear();
+        }
+        let h = make();
+        self.lora_hashers.entry(name.into()).or_default().insert(block_size, h.clone());
+        h
     }
 
     /// Whether changes wait to be taken (either tier).

@@ -7,6 +7,25 @@
 //! (older releases). Unknown fields and trailing elements are ignored; absent optional fields take
 //! their defaults (absent `medium` = GPU).
 //!
+//! Events are judged one by one (issue 17: one unreadable event used to reject its whole batch,
+//! and the resulting gap cleared the pod's whole record). Keep what can be kept, clear only what
+//! cannot be trusted (docs/design.md §7, under-claim):
+//! - an event of a type this decoder does not know (a newer vLLM) is skipped and counted
+//!   ([`Damage::unknown_events`]);
+//! - a `BlockStored` whose fields cannot be read, or an event without a type, is skipped and
+//!   counted ([`Damage::skipped_events`]): losing a store only under-claims;
+//! - a `BlockRemoved` whose hashes or medium cannot be read becomes [`KvEvent::Untrusted`] in its
+//!   place: blocks it named may be gone, so the record is cleared there;
+//! - a payload that breaks off (truncated, or unreadable msgpack) inside its events array keeps
+//!   the events read whole before the break. What was lost is untrusted (an
+//!   [`KvEvent::Untrusted`] at the break) unless it can only have been the rest of one final
+//!   `BlockStored` (its type already read, and the array header says no event follows);
+//! - a payload with no readable events array at all is a [`KvEventError`].
+//!
+//! Bounds: nesting depth at most [`MAX_DEPTH`]; a `lora_name` over [`MAX_NAME_BYTES`] or a medium
+//! name over [`MAX_MEDIUM_BYTES`] makes its event unreadable (as above). Every other size is
+//! bounded by the payload, whose size the ZeroMQ socket bounds.
+//!
 //! Block hashes: vLLM sends unsigned integers (the low 64 bits of a SHA-256). A negative integer is
 //! taken as its two's-complement u64; a byte string (some configurations send raw digests) is read
 //! as the big-endian u64 of its LAST 8 bytes (zero-padded on the left when shorter). The hash is
@@ -107,7 +126,47 @@ pub enum KvEvent {
     },
     /// The engine dropped its whole prefix cache.
     AllCleared,
+    /// Not sent by the engine: here the decoder lost events that may have removed blocks (an
+    /// unreadable `BlockRemoved`, a payload cut short), so the record is not to be trusted past
+    /// this point: it is cleared here (under-claim). The text says why.
+    Untrusted(String),
 }
+
+/// What the decoder skipped or could not read in one batch; all zero for an intact batch.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Damage {
+    /// Events of a type this decoder does not know (a newer vLLM), skipped.
+    pub unknown_events: u32,
+    /// The first few of their type names (at most [`MAX_UNKNOWN_NAMES`], each cut to
+    /// [`MAX_LOGGED_NAME`] characters), for the log.
+    pub unknown_types: Vec<String>,
+    /// Events skipped because they could not be read and their loss only under-claims
+    /// (a `BlockStored` with unreadable fields, an event without a type).
+    pub skipped_events: u32,
+    /// Why the first skipped event was skipped.
+    pub first_skip_reason: Option<String>,
+    /// The payload broke off before the end of its events array.
+    pub truncated: bool,
+}
+
+impl Damage {
+    /// True when nothing was skipped or lost.
+    pub fn is_none(&self) -> bool {
+        *self == Damage::default()
+    }
+}
+
+/// Most unknown type names kept per batch in [`Damage::unknown_types`].
+pub const MAX_UNKNOWN_NAMES: usize = 4;
+/// Longest unknown type name kept (characters).
+pub const MAX_LOGGED_NAME: usize = 64;
+/// Deepest msgpack nesting read (vLLM's batches nest 5 deep: batch, events, event, extra_keys,
+/// entry); deeper input fails as unreadable msgpack instead of growing the stack.
+pub const MAX_DEPTH: usize = 32;
+/// Longest `lora_name` accepted (bytes).
+pub const MAX_NAME_BYTES: usize = 1024;
+/// Longest medium name accepted (bytes).
+pub const MAX_MEDIUM_BYTES: usize = 64;
 
 /// A decoded `KVEventBatch`.
 #[derive(Debug, Clone, PartialEq)]
@@ -118,6 +177,16 @@ pub struct KvEventBatch {
     pub events: Vec<KvEvent>,
     /// Data-parallel rank, if sent.
     pub dp_rank: Option<i64>,
+    /// What was skipped or lost while decoding.
+    pub damage: Damage,
+}
+
+impl KvEventBatch {
+    /// True when the batch holds a [`KvEvent::Untrusted`]: events were lost that may have
+    /// removed blocks.
+    pub fn untrusted(&self) -> bool {
+        self.events.iter().any(|e| matches!(e, KvEvent::Untrusted(_)))
+    }
 }
 
 /// A decoded PUB message or replayed batch.
@@ -182,7 +251,8 @@ pub fn decode_replay(frames: &[Vec<u8>]) -> Result<ReplayFrame, KvEventError> {
     }))
 }
 
-/// Decodes a msgpack `KVEventBatch` payload.
+/// Decodes a msgpack `KVEventBatch` payload. Damage inside the events array is reported in the
+/// batch (see the module docs); an error only when no events array could be read at all.
 pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, KvEventError> {
     wire::decode_batch(payload)
 }

@@ -5,6 +5,10 @@
 //! with well-formed quoting, or the whole page is rejected with [`MetricsError`] (a half-parsed page
 //! could silently report an idle engine). It is pure and allocation-light; no shared state.
 //!
+//! Work is bounded: a page of more than [`MAX_LINES`] lines is rejected before its lines are
+//! parsed (issue 17: a 1M-series page cost a core at one scrape per 200 ms); the page's bytes are
+//! bounded by the reader ([`super::scrape::ReadLimits`]).
+//!
 //! Aggregation over vLLM's `engine` label (data-parallel ranks): request counts are summed,
 //! `kv_cache_usage_perc` takes the maximum (the fullest rank limits admission).
 //! `vllm:lora_requests_info` is a gauge whose value is a Unix timestamp; vLLM leaves older label
@@ -24,10 +28,17 @@ pub enum MetricsError {
         /// The offending line (truncated to 120 chars).
         text: String,
     },
+    /// The page has more lines than [`MAX_LINES`]: not parsed.
+    #[error("page has more than {0} lines: not parsed")]
+    TooManyLines(usize),
     /// The page parsed but lacks a series the agent cannot work without.
     #[error("missing series {0} (is this a vLLM /metrics page?)")]
     Missing(&'static str),
 }
+
+/// Most lines of a page parsed (vLLM's page has 100–5 000: more with data-parallel ranks and
+/// adapters). At this bound a page parses in about 5 ms.
+pub const MAX_LINES: usize = 100_000;
 
 /// One sample: metric name, label pairs, value.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,6 +116,10 @@ impl<'a> LineRef<'a> {
 
 /// Walks every non-comment line, checking each; `each` sees the parsed lines in page order.
 fn for_each_line<'a>(text: &'a str, mut each: impl FnMut(LineRef<'a>)) -> Result<(), MetricsError> {
+    // Counting newlines first is one byte scan, far cheaper than parsing the lines it refuses.
+    if text.bytes().filter(|&b| b == b'\n').count() >= MAX_LINES {
+        return Err(MetricsError::TooManyLines(MAX_LINES));
+    }
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -333,6 +348,22 @@ mod tests {
         let truncated = &full[..full.len() / 2];
         // A page cut mid-line either fails to parse or lacks series; it never panics.
         let _ = parse_engine_metrics(truncated);
+    }
+
+    #[test]
+    fn a_page_of_a_million_series_is_refused_before_it_is_parsed() {
+        let mut page = fixture("vllm-metrics-busy-lora.txt");
+        for i in 0..1_000_000 {
+            page.push_str(&format!("x{i} 1\n"));
+        }
+        assert_eq!(parse_engine_metrics(&page), Err(MetricsError::TooManyLines(MAX_LINES)));
+        // Just under the bound, the page parses.
+        let mut page = fixture("vllm-metrics-busy-lora.txt");
+        let lines = page.lines().count();
+        for i in 0..MAX_LINES - lines - 1 {
+            page.push_str(&format!("x{i} 1\n"));
+        }
+        assert_eq!(parse_engine_metrics(&page).map(|m| m.num_requests_running), Ok(7));
     }
 
     #[test]

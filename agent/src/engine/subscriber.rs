@@ -29,6 +29,19 @@
 //! rebuilt from its replay history (seq ≥ 0). A network blip to the same engine costs the same
 //! clear-and-replay: never wrong, at worst under-claiming blocks older than the replay buffer.
 //!
+//! Damaged batches (docs/design.md §7; see [`super::kv_events`] for what the decoder keeps): events
+//! of unknown types and unreadable stores are skipped and counted
+//! (`kvroute_agent_kv_events_skipped_total{reason}`), the rest of the batch applies. A batch that
+//! lost events which may have removed blocks ([`KvEvent::Untrusted`]) is first asked for again
+//! from the replay endpoint (the engine may hold it whole); only when that fails does the record
+//! clear at that point, counted as a resync. The seq of a damaged batch counts as received, so it
+//! never turns into a gap that clears the whole record later.
+//!
+//! Bounds: a message over [`MAX_MESSAGE_BYTES`] makes libzmq drop the connection (which then
+//! resyncs like any reconnect); a replay keeps at most [`MAX_REPLAY_BATCHES`] batches and
+//! [`MAX_REPLAY_BYTES`] of payload, else it counts as failed. Warnings about damage are
+//! rate-limited per engine ([`DAMAGE_WARN_EVERY`]; unknown type names: once each).
+//!
 //! All sockets share one ZeroMQ context (one libzmq I/O thread and one reaper for the node).
 //! `connect()` returns at once even when the engine is not up; libzmq reconnects by itself
 //! (0.2–0.3 s after a publisher restart). The thread exits when every sink reports itself closed
@@ -43,8 +56,8 @@
 //! not hold the thread for the replay timeout. The thread of [`spawn_dynamic`] runs, idle if it
 //! has no engine, until `stop` or until its handle is dropped and no engine is left.
 
-use super::kv_events::{KvMessage, ReplayFrame, decode_message, decode_replay};
-use crate::telemetry::{AgentMetrics, pod_label};
+use super::kv_events::{KvEvent, KvMessage, ReplayFrame, decode_message, decode_replay};
+use crate::telemetry::{AgentMetrics, pod_label, pod_reason_labels};
 use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -217,6 +230,24 @@ const IDLE_WAKE_MS: i64 = 500;
 /// thread decodes cannot starve the others (the rest wait for the next pass).
 const MAX_BATCHES_PER_PASS: usize = 4096;
 
+/// Largest KV-event message accepted (bytes; libzmq's `ZMQ_MAXMSGSIZE`). A vLLM batch covers one
+/// engine step, at most `max_num_batched_tokens` new tokens at about 5 bytes each plus 9 per
+/// block hash: 16 MiB is over 3 M tokens in one step.
+pub const MAX_MESSAGE_BYTES: i64 = 16 << 20;
+
+/// Most batches one replay keeps (vLLM buffers 10 000 steps by default).
+pub const MAX_REPLAY_BATCHES: usize = 20_000;
+
+/// Most payload bytes one replay keeps.
+pub const MAX_REPLAY_BYTES: usize = 256 << 20;
+
+/// Shortest time between two warnings about damaged batches from one engine (the counters
+/// count every one).
+pub const DAMAGE_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Unknown event type names remembered per engine, each warned about once.
+const WARNED_TYPES: usize = 16;
+
 /// One engine's sockets, sink and sequence state.
 struct Engine<S> {
     cfg: SubscriberConfig,
@@ -232,6 +263,13 @@ struct Engine<S> {
     malformed: Counter,
     replayed: Counter,
     resyncs: Counter,
+    skipped_unknown: Counter,
+    skipped_unreadable: Counter,
+    skipped_untrusted: Counter,
+    /// Unknown event types already warned about.
+    warned_types: Vec<String>,
+    /// Last warning about a damaged batch.
+    last_damage_warn: Option<Instant>,
 }
 
 impl<S: EventSink> Engine<S> {
@@ -247,6 +285,7 @@ impl<S: EventSink> Engine<S> {
         let sub = ctx.socket(zmq::SUB).map_err(zerr("socket", ep))?;
         sub.set_subscribe(b"").map_err(zerr("subscribe", ep))?;
         sub.set_linger(0).map_err(zerr("linger", ep))?;
+        sub.set_maxmsgsize(MAX_MESSAGE_BYTES).map_err(zerr("maxmsgsize", ep))?;
         // Monitor before connect, so the first CONNECTED is seen too.
         let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
         sub.monitor(monitor_endpoint, i32::from(events)).map_err(zerr("monitor", ep))?;
@@ -255,11 +294,22 @@ impl<S: EventSink> Engine<S> {
         monitor.connect(monitor_endpoint).map_err(zerr("connect", monitor_endpoint))?;
         sub.connect(ep).map_err(zerr("connect", ep))?;
         let labels = pod_label(&cfg.pod);
+        // One statement each: a family's read guard lives to the end of its statement, and a
+        // second get_or_create on the same family in that statement would wait for it for ever.
+        let skipped = |reason| metrics.kv_events_skipped.get_or_create(&pod_reason_labels(&cfg.pod, reason)).clone();
+        let skipped_unknown = skipped("unknown_type");
+        let skipped_unreadable = skipped("unreadable");
+        let skipped_untrusted = skipped("untrusted");
         Ok(Self {
             received: metrics.kv_events_received.get_or_create(&labels).clone(),
             malformed: metrics.kv_events_malformed.get_or_create(&labels).clone(),
             replayed: metrics.kv_events_replayed.get_or_create(&labels).clone(),
             resyncs: metrics.kv_resyncs.get_or_create(&labels).clone(),
+            skipped_unknown,
+            skipped_unreadable,
+            skipped_untrusted,
+            warned_types: Vec::new(),
+            last_damage_warn: None,
             cfg,
             sink,
             sub,
@@ -277,7 +327,52 @@ impl<S: EventSink> Engine<S> {
         }
         self.st.last = Some(m.seq);
         self.dirty = true;
+        self.note_damage(&m);
         self.sink.batch(m);
+    }
+
+    /// Counts and logs what the decoder skipped or lost in `m` (the batch itself still goes to
+    /// the sink: its record clears at each [`KvEvent::Untrusted`]).
+    fn note_damage(&mut self, m: &KvMessage) {
+        let d = &m.batch.damage;
+        let untrusted: Vec<&str> = m
+            .batch
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::Untrusted(why) => Some(why.as_str()),
+                _ => None,
+            })
+            .collect();
+        if d.is_none() && untrusted.is_empty() {
+            return;
+        }
+        let pod = self.cfg.pod.as_str();
+        self.skipped_unknown.inc_by(u64::from(d.unknown_events));
+        self.skipped_unreadable.inc_by(u64::from(d.skipped_events));
+        self.skipped_untrusted.inc_by(untrusted.len() as u64);
+        self.resyncs.inc_by(untrusted.len() as u64);
+        for name in &d.unknown_types {
+            if self.warned_types.len() < WARNED_TYPES && !self.warned_types.contains(name) {
+                self.warned_types.push(name.clone());
+                tracing::warn!(pod, seq = m.seq, event_type = %name, "KV events of an unknown type skipped (newer vLLM?)");
+            }
+        }
+        if d.skipped_events == 0 && untrusted.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        if self.last_damage_warn.is_some_and(|t| now.duration_since(t) < DAMAGE_WARN_EVERY) {
+            tracing::debug!(pod, seq = m.seq, skipped = d.skipped_events, untrusted = ?untrusted, "damaged KV-event batch");
+            return;
+        }
+        self.last_damage_warn = Some(now);
+        if let Some(why) = untrusted.first() {
+            tracing::warn!(pod, seq = m.seq, reason = %why, "KV events lost that may have removed blocks: clearing the pod's record (rebuilt from new events)");
+        }
+        if let Some(why) = &d.first_skip_reason {
+            tracing::warn!(pod, seq = m.seq, skipped = d.skipped_events, reason = %why, "unreadable KV events skipped (their blocks are not claimed)");
+        }
     }
 
     fn reset(&mut self, reason: &str) {
@@ -340,7 +435,25 @@ impl<S: EventSink> Engine<S> {
             }
             _ => {}
         }
+        let msg = if msg.batch.untrusted() { self.whole_copy(ctx, msg) } else { msg };
         self.forward(msg);
+    }
+
+    /// A batch that lost events: the replay endpoint's copy of it when that one is whole, else
+    /// the batch as it is.
+    fn whole_copy(&mut self, ctx: &zmq::Context, msg: KvMessage) -> KvMessage {
+        if self.cfg.kv_replay.is_none() {
+            return msg;
+        }
+        let got = replay(ctx, &[(&self.cfg, msg.seq)]).pop().flatten().unwrap_or_default();
+        match got.into_iter().find(|m| m.seq == msg.seq && !m.batch.untrusted()) {
+            Some(whole) => {
+                tracing::info!(pod = %self.cfg.pod, seq = msg.seq, "damaged KV-event batch replaced by its replayed copy");
+                self.replayed.inc();
+                whole
+            }
+            None => msg,
+        }
     }
 }
 
@@ -624,6 +737,8 @@ struct Pending<'a> {
     dealer: Option<zmq::Socket>,
     deadline: Instant,
     out: Vec<KvMessage>,
+    /// Payload bytes in `out`.
+    bytes: usize,
     done: bool,
 }
 
@@ -639,13 +754,14 @@ fn replay(ctx: &zmq::Context, requests: &[(&SubscriberConfig, u64)]) -> Vec<Opti
                 let open = || -> Result<zmq::Socket, zmq::Error> {
                     let dealer = ctx.socket(zmq::DEALER)?;
                     dealer.set_linger(0)?;
+                    dealer.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
                     dealer.connect(endpoint)?;
                     dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], 0)?;
                     Ok(dealer)
                 };
                 open().map_err(|e| tracing::warn!(pod = %cfg.pod, endpoint, error = %e, "replay failed")).ok()
             });
-            Pending { cfg, dealer, deadline: start + cfg.replay_timeout, out: Vec::new(), done: false }
+            Pending { cfg, dealer, deadline: start + cfg.replay_timeout, out: Vec::new(), bytes: 0, done: false }
         })
         .collect();
     loop {
@@ -678,6 +794,13 @@ fn replay(ctx: &zmq::Context, requests: &[(&SubscriberConfig, u64)]) -> Vec<Opti
                         break;
                     }
                 };
+                p.bytes += frames.iter().map(Vec::len).sum::<usize>();
+                if p.out.len() >= MAX_REPLAY_BATCHES || p.bytes > MAX_REPLAY_BYTES {
+                    tracing::warn!(pod = %p.cfg.pod, batches = p.out.len(), bytes = p.bytes, "replay larger than its bounds: abandoned");
+                    p.dealer = None;
+                    p.out = Vec::new();
+                    break;
+                }
                 match decode_replay(&frames) {
                     Ok(ReplayFrame::End) => {
                         p.done = true;
@@ -696,10 +819,13 @@ fn replay(ctx: &zmq::Context, requests: &[(&SubscriberConfig, u64)]) -> Vec<Opti
                 Some(p.out)
             } else {
                 if p.dealer.is_some() {
-                    tracing::warn!(pod = %p.cfg.pod, endpoint = ?p.cfg.kv_replay, "replay timed out");
+                    tracing::warn!(pod = %p.cfg.pod, endpoint = p.cfg.kv_replay.as_deref().unwrap_or(""), "replay timed out");
                 }
                 None
             }
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests;

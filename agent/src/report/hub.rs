@@ -119,6 +119,11 @@ impl Pod {
         self.inner.lock().record.apply(batch)
     }
 
+    /// Sets the most engine blocks the pod's record holds (see `BlockRecord::set_capacity`).
+    pub fn set_block_capacity(&self, blocks: usize) {
+        self.inner.lock().record.set_capacity(blocks);
+    }
+
     /// Forgets every block (events lost beyond replay, engine restart): a `cleared` goes out at
     /// the next flush.
     pub fn clear_blocks(&self) {

@@ -42,12 +42,13 @@ impl EventSink for PodSink {
             .map(|e| match e {
                 KvEvent::Stored(s) => s.block_hashes.len(),
                 KvEvent::Removed { block_hashes, .. } => block_hashes.len(),
-                KvEvent::AllCleared => 0,
+                KvEvent::AllCleared | KvEvent::Untrusted(_) => 0,
             })
             .sum();
         self.block_events.inc_by(blocks as u64);
         let out = self.pod.apply_batch(&msg.batch);
-        let dropped = out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens;
+        let dropped =
+            out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens + out.dropped_capacity;
         if dropped > 0 {
             self.dropped.inc_by(dropped);
             tracing::debug!(pod = %self.pod.name(), seq = msg.seq, ?out, "blocks dropped");

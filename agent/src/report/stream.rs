@@ -46,6 +46,14 @@ pub enum ReportError {
     /// The picker closed the stream.
     #[error("picker {0} closed the stream")]
     Closed(String),
+    /// The TLS files could not be read.
+    #[error("TLS file {path}: {source}")]
+    TlsFile {
+        /// The file.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
 }
 
 /// Identity sent in `Hello`.
@@ -55,6 +63,28 @@ pub struct AgentIdentity {
     pub agent_id: String,
     /// Node name.
     pub node_name: String,
+    /// mTLS material to present to the pickers (`None`: plaintext, `insecure_ingest`).
+    pub tls: Option<Arc<crate::config::PickerTlsConfig>>,
+}
+
+/// HTTP/2 keepalive PING interval on a picker connection, idle or not.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a PING may go unanswered before the connection (and the stream) is dropped and the
+/// agent reconnects: a SIGSTOPped or partitioned picker, whose kernel still ACKs TCP, is seen as
+/// dead within [`KEEPALIVE_INTERVAL`] + this (issue 17).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest TCP connect to a picker.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The connection settings of a picker stream: HTTP/2 keepalive both ways (the picker PINGs too,
+/// `picker/src/limits.rs`) and a connect deadline.
+fn picker_endpoint(endpoint: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::new(endpoint.to_string())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true))
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -153,6 +183,32 @@ fn membership_msgs(hub: &Hub, id: &AgentIdentity, sent: &mut Sent) -> Vec<AgentM
     out
 }
 
+/// A client of `endpoint`: plaintext, or mTLS with `tls` (files read now, so a rotated
+/// certificate is used from this connection on; the scheme becomes `https`).
+async fn connect(
+    endpoint: &str,
+    tls: Option<&crate::config::PickerTlsConfig>,
+) -> Result<AgentIngestClient<tonic::transport::Channel>, ReportError> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let err = |source| ReportError::Connect { endpoint: endpoint.into(), source };
+    let Some(tls) = tls else {
+        let channel = picker_endpoint(endpoint).map_err(err)?.connect().await.map_err(err)?;
+        return Ok(AgentIngestClient::new(channel));
+    };
+    let read = |path: &str| std::fs::read(path).map_err(|source| ReportError::TlsFile { path: path.into(), source });
+    let (ca, cert, key) = (read(&tls.ca_file)?, read(&tls.cert_file)?, read(&tls.key_file)?);
+    let config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .identity(Identity::from_pem(cert, key))
+        .domain_name(tls.server_name.clone());
+    let url = match endpoint.strip_prefix("http://") {
+        Some(rest) => format!("https://{rest}"),
+        None => endpoint.to_string(),
+    };
+    let channel = picker_endpoint(&url).map_err(err)?.tls_config(config).map_err(err)?.connect().await.map_err(err)?;
+    Ok(AgentIngestClient::new(channel))
+}
+
 async fn stream_once(
     endpoint: &str,
     hub: &Arc<Hub>,
@@ -160,9 +216,9 @@ async fn stream_once(
     metrics: &AgentMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), ReportError> {
-    let connect = AgentIngestClient::connect(endpoint.to_string());
+    let connect = connect(endpoint, id.tls.as_deref());
     let mut client = tokio::select! {
-        c = connect => c.map_err(|source| ReportError::Connect { endpoint: endpoint.into(), source })?,
+        c = connect => c?,
         () = stopped(&mut shutdown) => return Ok(()),
     };
     let picker_label = vec![("picker".to_string(), endpoint.to_string())];
@@ -181,6 +237,7 @@ async fn stream_once(
         () = stopped(&mut shutdown) => return Ok(()),
     };
     tracing::info!(picker = %endpoint, pods = sent.len(), "picker stream open, snapshots sent");
+    let _connected = crate::telemetry::PickerConnected::new(metrics);
     let mut in_flight: HashMap<String, (u64, Instant)> = HashMap::new();
     // A delta goes out only for a pod this stream described, and only past that snapshot.
     let wanted = |sent: &Sent, d: &PodDelta| sent.get(&d.pod).is_some_and(|(s, _)| d.seq > *s);

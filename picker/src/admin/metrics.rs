@@ -6,10 +6,24 @@
 //! `Pool::index_stats()`, so a pod that left the pool also leaves the scrape.
 //!
 //! prometheus-client appends `_total` to counter names itself: counters are registered without it.
+//!
+//! Names: the `epp_*` families are the contract of docs/design.md §9 and keep their names. Beside
+//! them the picker exports the Gateway API Inference Extension's standard EPP families (GIE
+//! `pkg/epp/metrics`, "Metrics & Observability" guide), so GIE dashboards and HPA recipes work
+//! unchanged: `inference_pool_ready_pods{name}`, `inference_pool_average_kv_cache_utilization{name}`,
+//! `inference_pool_average_queue_size{name}`, `inference_pool_per_pod_queue_size{name,
+//! model_server_pod}`, `inference_objective_request_total{model_name,target_model_name}`,
+//! `inference_objective_request_error_total{model_name,target_model_name,error_code}`,
+//! `inference_extension_scheduler_e2e_duration_seconds` and `inference_extension_info{commit,
+//! build_ref}`. `name` is the InferencePool's name ([`Metrics::set_pool_name`]).
+//!
+//! Per-pod label: `model_server_pod` (GIE's name for the model-server pod), never `pod`: a
+//! Prometheus Operator scrape sets its own `pod` target label (the picker's pod) and renames a
+//! clashing exposed `pod` label to `exported_pod`, which broke every per-pod query and alert.
 
 use std::sync::atomic::AtomicU64;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -22,6 +36,15 @@ use std::sync::atomic::Ordering;
 use crate::pending::SharedView;
 use crate::pool::Pool;
 use crate::replicas::ReplicaCounters;
+use crate::score::ScoringConfig;
+
+/// The `name` label of the `inference_pool_*` families until [`Metrics::set_pool_name`] names the
+/// InferencePool (a picker fed by a static pool file has no pool object).
+pub const DEFAULT_POOL_LABEL: &str = "kvroute";
+
+/// Codes the picker answers itself (docs/design.md §5), pre-created at 0 so `rate()` and
+/// `increase()` see the first error (a series born at 1 has no increase).
+pub const ERROR_CODES: [u16; 6] = [400, 404, 413, 429, 500, 503];
 
 /// `{model}` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -37,11 +60,57 @@ pub struct AdapterLabel {
     pub adapter: String,
 }
 
-/// `{pod}` label.
+/// `{model_server_pod}` label (GIE's name for the model-server pod; see the module docs for why
+/// not `pod`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PodLabel {
-    /// Pod name.
-    pub pod: String,
+    /// Model-server pod name.
+    pub model_server_pod: String,
+}
+
+/// GIE `{name}` label: the InferencePool.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    /// InferencePool name.
+    pub name: String,
+}
+
+/// GIE `{name, model_server_pod}` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolPodLabel {
+    /// InferencePool name.
+    pub name: String,
+    /// Model-server pod name.
+    pub model_server_pod: String,
+}
+
+/// GIE `{model_name, target_model_name}` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObjectiveLabel {
+    /// Client-facing model name ("" when the request named none we could read).
+    pub model_name: String,
+    /// Model (or adapter) the request is served by.
+    pub target_model_name: String,
+}
+
+/// GIE `{model_name, target_model_name, error_code}` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObjectiveErrorLabel {
+    /// Client-facing model name ("" when unknown).
+    pub model_name: String,
+    /// Target model name ("" when unknown).
+    pub target_model_name: String,
+    /// HTTP status the picker answered.
+    pub error_code: String,
+}
+
+/// GIE `inference_extension_info{commit, build_ref}` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct InfoLabel {
+    /// Git commit the binary was built from.
+    pub commit: String,
+    /// Version.
+    pub build_ref: String,
 }
 
 /// `{source}` label of `epp_cache_credit_blocks_total`: `index` (KV events) or `pending`.
@@ -106,14 +175,24 @@ pub struct Metrics {
     pub decision_latency_us: Histogram,
     /// `epp_composite_score`: the chosen pod's composite score, [0,1] (0.05 steps).
     pub composite_score: Histogram,
-    /// `epp_candidate_pods`: candidates scored in the last decision.
+    /// `epp_candidate_pods`: candidates scored in the last decision (not the pool's state: see
+    /// `epp_pool_routable_pods`).
     pub candidate_pods: Gauge,
     /// `epp_stale_cache_routing_total`: engine's cached tokens fell short of the prediction.
     pub stale_cache_routing: Counter,
     /// `epp_adapter_loads_triggered_total{adapter}`: routed to a pod not running the adapter.
     pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
-    /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/413/429/503).
+    /// `epp_request_errors_total{code}`: requests the picker answered itself (400/404/408/413/429/503).
     pub request_errors: Family<CodeLabel, Counter>,
+    /// `epp_ingest_refusals_total{reason}`: agent connections and reports refused
+    /// (docs/design.md §14 "Trust"; reasons in `ingest::Refusal`).
+    pub ingest_refusals: Family<crate::ingest::guard::ReasonLabel, Counter>,
+    /// GIE `inference_objective_request_total{model_name,target_model_name}`: requests routed.
+    pub objective_requests: Family<ObjectiveLabel, Counter>,
+    /// GIE `inference_objective_request_error_total{…,error_code}`: requests answered with an error.
+    pub objective_errors: Family<ObjectiveErrorLabel, Counter>,
+    /// GIE `inference_extension_scheduler_e2e_duration_seconds`: scoring and selection, seconds.
+    pub scheduler_e2e_seconds: Histogram,
     queue_depth: Family<PodLabel, Gauge>,
     pod_health_score: Family<PodLabel, Gauge<f64, AtomicU64>>,
     prefix_tree_nodes: Gauge,
@@ -128,7 +207,26 @@ pub struct Metrics {
     replica_peers: Gauge,
     replica_disconnects: Counter,
     replica_lagged: Counter,
+    /// `epp_requests_by_priority_total{priority}`: routed requests by their InferenceObjective's
+    /// priority (docs/design.md §14; 0 without an objective).
+    pub requests_by_priority: Family<PriorityLabel, Counter>,
+    pool_pods: Gauge,
+    pool_ready_pods: Gauge,
+    pool_routable_pods: Gauge,
+    gie_ready_pods: Family<PoolLabel, Gauge>,
+    gie_avg_kv_cache: Family<PoolLabel, Gauge<f64, AtomicU64>>,
+    gie_avg_queue: Family<PoolLabel, Gauge<f64, AtomicU64>>,
+    gie_pod_queue: Family<PoolPodLabel, Gauge>,
+    info: Family<InfoLabel, Gauge>,
+    pool_name: RwLock<String>,
     scrape: Mutex<()>,
+}
+
+/// Label: an InferenceObjective priority.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PriorityLabel {
+    /// The priority (an integer, higher = more important).
+    pub priority: i32,
 }
 
 impl Default for Metrics {
@@ -151,6 +249,12 @@ impl Metrics {
         let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
         let request_errors = Family::<CodeLabel, Counter>::default();
         let queue_depth = Family::<PodLabel, Gauge>::default();
+        let ingest_refusals = Family::<crate::ingest::guard::ReasonLabel, Counter>::default();
+        registry.register(
+            "epp_ingest_refusals",
+            "Agent connections and reports refused (identity, scope, ownership, caps, ranges), by reason",
+            ingest_refusals.clone(),
+        );
         let pod_health_score = Family::<PodLabel, Gauge<f64, AtomicU64>>::default();
         let prefix_tree_nodes = Gauge::default();
         let prefix_index_entries = Gauge::default();
@@ -192,6 +296,22 @@ impl Metrics {
             "Subscribers cut off for falling behind this replica's events",
             replica_lagged.clone(),
         );
+        let objective_requests = Family::<ObjectiveLabel, Counter>::default();
+        let objective_errors = Family::<ObjectiveErrorLabel, Counter>::default();
+        // GIE's own buckets for this family (seconds).
+        let scheduler_e2e_seconds =
+            Histogram::new([0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1]);
+        let pool_pods = Gauge::default();
+        let pool_ready_pods = Gauge::default();
+        let pool_routable_pods = Gauge::default();
+        let gie_ready_pods = Family::<PoolLabel, Gauge>::default();
+        let gie_avg_kv_cache = Family::<PoolLabel, Gauge<f64, AtomicU64>>::default();
+        let gie_avg_queue = Family::<PoolLabel, Gauge<f64, AtomicU64>>::default();
+        let gie_pod_queue = Family::<PoolPodLabel, Gauge>::default();
+        let info = Family::<InfoLabel, Gauge>::default();
+        for code in ERROR_CODES {
+            let _ = request_errors.get_or_create(&CodeLabel { code });
+        }
 
         registry.register("epp_routing_decisions", "Requests routed, by model", routing_decisions.clone());
         registry.register("epp_cache_match_ratio", "Chosen pod's prefix match ratio", cache_match_ratio.clone());
@@ -236,8 +356,74 @@ impl Metrics {
             "Configured maxQueue: a pod at or above it is not a candidate (alert threshold base)",
             max_queue.clone(),
         );
+        let requests_by_priority = Family::<PriorityLabel, Counter>::default();
+        registry.register(
+            "epp_requests_by_priority",
+            "Requests routed, by the priority of their InferenceObjective (0 without one)",
+            requests_by_priority.clone(),
+        );
+        registry.register(
+            "epp_pool_pods",
+            "Pods the picker knows (reported by an agent, connected or within the grace period)",
+            pool_pods.clone(),
+        );
+        registry.register("epp_pool_ready_pods", "Pods whose engine reported ready", pool_ready_pods.clone());
+        registry.register(
+            "epp_pool_routable_pods",
+            "Pods that would be candidates now: ready, healthy enough, queue below maxQueue",
+            pool_routable_pods.clone(),
+        );
+        registry.register(
+            "inference_objective_request",
+            "Counter of inference objective requests broken out for each model and target model",
+            objective_requests.clone(),
+        );
+        registry.register(
+            "inference_objective_request_error",
+            "Counter of inference objective requests errors broken out for each model and target model",
+            objective_errors.clone(),
+        );
+        registry.register(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency distribution in seconds",
+            scheduler_e2e_seconds.clone(),
+        );
+        registry.register(
+            "inference_pool_ready_pods",
+            "The number of ready pods in the inference server pool",
+            gie_ready_pods.clone(),
+        );
+        registry.register(
+            "inference_pool_average_kv_cache_utilization",
+            "The average kv cache utilization for an inference server pool",
+            gie_avg_kv_cache.clone(),
+        );
+        registry.register(
+            "inference_pool_average_queue_size",
+            "The average number of requests pending in the model server queue",
+            gie_avg_queue.clone(),
+        );
+        registry.register(
+            "inference_pool_per_pod_queue_size",
+            "The total number of requests pending in the model server queue for each underlying pod",
+            gie_pod_queue.clone(),
+        );
+        registry.register("inference_extension_info", "General information of the current build", info.clone());
         Self {
+            requests_by_priority,
             registry,
+            objective_requests,
+            objective_errors,
+            scheduler_e2e_seconds,
+            pool_pods,
+            pool_ready_pods,
+            pool_routable_pods,
+            gie_ready_pods,
+            gie_avg_kv_cache,
+            gie_avg_queue,
+            gie_pod_queue,
+            info,
+            pool_name: RwLock::new(DEFAULT_POOL_LABEL.to_owned()),
             routing_decisions,
             cache_match_ratio,
             scoring_latency_us,
@@ -247,6 +433,7 @@ impl Metrics {
             stale_cache_routing,
             adapter_loads_triggered,
             request_errors,
+            ingest_refusals,
             queue_depth,
             pod_health_score,
             prefix_tree_nodes,
@@ -265,18 +452,88 @@ impl Metrics {
         }
     }
 
-    /// Refreshes the pool-derived metrics and the configured `max_queue` (requests), and encodes
-    /// everything in the OpenMetrics text format.
-    pub fn render(&self, pool: &Pool, max_queue: u32) -> Result<String, std::fmt::Error> {
+    /// Names the InferencePool in the `inference_pool_*` families' `name` label (default
+    /// [`DEFAULT_POOL_LABEL`]).
+    pub fn set_pool_name(&self, name: &str) {
+        name.clone_into(&mut self.pool_name.write());
+    }
+
+    /// Sets `inference_extension_info{commit, build_ref}` to 1 (the binary knows its commit; the
+    /// library does not, so that a new commit does not recompile it).
+    pub fn set_build_info(&self, commit: &str, version: &str) {
+        self.info.clear();
+        self.info.get_or_create(&InfoLabel { commit: commit.to_owned(), build_ref: version.to_owned() }).set(1);
+    }
+
+    /// Creates the per-model series at 0 for `models` (client name, target model), so the first
+    /// request shows as an increase.
+    pub fn register_models<'a>(&self, models: impl IntoIterator<Item = (&'a str, &'a str)>) {
+        for (model, target) in models {
+            let _ = self.routing_decisions.get_or_create(&ModelLabel { model: model.to_owned() });
+            let _ = self
+                .objective_requests
+                .get_or_create(&ObjectiveLabel { model_name: model.to_owned(), target_model_name: target.to_owned() });
+        }
+    }
+
+    /// Counts a request the picker answered with `code`, for `model` (client name, target) when
+    /// the request got that far.
+    pub fn count_error(&self, code: u16, model: Option<(&str, &str)>) {
+        self.request_errors.get_or_create(&CodeLabel { code }).inc();
+        let (model_name, target_model_name) = model.unwrap_or(("", ""));
+        self.objective_errors
+            .get_or_create(&ObjectiveErrorLabel {
+                model_name: model_name.to_owned(),
+                target_model_name: target_model_name.to_owned(),
+                error_code: code.to_string(),
+            })
+            .inc();
+    }
+
+    /// Refreshes the pool-derived metrics from `pool` and the scoring settings (`max_queue`,
+    /// `health_exclusion_threshold` decide "routable", as the router's filter does: docs/design.md
+    /// §4), and encodes everything in the OpenMetrics text format.
+    pub fn render(&self, pool: &Pool, scoring: &ScoringConfig) -> Result<String, std::fmt::Error> {
         let _one_scrape_at_a_time = self.scrape.lock();
+        let max_queue = scoring.max_queue;
         self.max_queue.set(i64::from(max_queue));
         self.queue_depth.clear();
         self.pod_health_score.clear();
-        for p in pool.pods() {
-            let label = PodLabel { pod: p.name };
+        self.gie_pod_queue.clear();
+        self.gie_ready_pods.clear();
+        self.gie_avg_kv_cache.clear();
+        self.gie_avg_queue.clear();
+        let pool_name = self.pool_name.read().clone();
+        let pods = pool.pods();
+        let (mut ready, mut routable, mut kv_sum, mut queue_sum) = (0_i64, 0_i64, 0.0_f64, 0_u64);
+        for p in &pods {
+            let label = PodLabel { model_server_pod: p.name.clone() };
             self.queue_depth.get_or_create(&label).set(i64::from(p.queue_depth));
             self.pod_health_score.get_or_create(&label).set(p.health_score);
+            self.gie_pod_queue
+                .get_or_create(&PoolPodLabel { name: pool_name.clone(), model_server_pod: p.name.clone() })
+                .set(i64::from(p.queue_depth));
+            if p.ready {
+                ready += 1;
+                // NaN health is unhealthy, as in the router's filter.
+                let healthy = p.health_score >= scoring.health_exclusion_threshold;
+                if healthy && p.queue_depth < max_queue {
+                    routable += 1;
+                }
+            }
+            kv_sum += p.kv_cache_usage;
+            queue_sum += u64::from(p.queue_depth);
         }
+        let total = i64::try_from(pods.len()).unwrap_or(i64::MAX);
+        self.pool_pods.set(total);
+        self.pool_ready_pods.set(ready);
+        self.pool_routable_pods.set(routable);
+        let pool_label = PoolLabel { name: pool_name };
+        self.gie_ready_pods.get_or_create(&pool_label).set(ready);
+        // GIE averages over the pool's pods; an empty pool reads 0, not NaN.
+        let n = pods.len().max(1) as f64;
+        self.gie_avg_kv_cache.get_or_create(&pool_label).set(kv_sum / n);
+        self.gie_avg_queue.get_or_create(&pool_label).set(queue_sum as f64 / n);
         let stats = pool.index_stats();
         self.prefix_tree_nodes.set(i64::try_from(stats.nodes).unwrap_or(i64::MAX));
         self.prefix_index_entries.set(i64::try_from(stats.entries).unwrap_or(i64::MAX));
@@ -291,7 +548,7 @@ impl Metrics {
     pub fn render_all(
         &self,
         pool: &Pool,
-        max_queue: u32,
+        scoring: &ScoringConfig,
         shared: &SharedView,
         replica: &ReplicaCounters,
     ) -> Result<String, std::fmt::Error> {
@@ -337,7 +594,7 @@ impl Metrics {
             mirror(&self.replica_disconnects, replica.disconnects.load(Ordering::Relaxed));
             mirror(&self.replica_lagged, replica.lagged.load(Ordering::Relaxed));
         }
-        self.render(pool, max_queue)
+        self.render(pool, scoring)
     }
 }
 

@@ -41,12 +41,42 @@ pub struct Rejection {
     pub kind: &'static str,
     /// Human message: what was wrong and what to do.
     pub message: String,
+    /// The request's (client model, target model), when it got as far as resolving its model
+    /// (for `inference_objective_request_error_total`).
+    pub model: Option<(String, String)>,
 }
 
+/// Longest rejection message, in bytes: messages may quote the client's input (a model name, a
+/// value the JSON parser refused), which is echoed into the error body and the log only this far
+/// (issue 17: a 4 MB model name was echoed whole into the 404 and the logs).
+pub const MAX_MESSAGE_BYTES: usize = 512;
+
 impl Rejection {
-    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, kind, message: message.into() }
+    /// A rejection with `status`, error `type` `kind` and a message for the client.
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, message: bounded_message(message.into()), model: None }
     }
+
+    /// The same rejection, naming the request's client model and target model.
+    #[must_use]
+    pub fn for_model(mut self, model: &str, target: &str) -> Self {
+        self.model = Some((model.to_owned(), target.to_owned()));
+        self
+    }
+}
+
+/// `message` cut to [`MAX_MESSAGE_BYTES`] at a character boundary (with the total length named),
+/// control characters replaced by U+FFFD so a quoted input cannot forge log lines.
+pub fn bounded_message(message: String) -> String {
+    let clean = |s: &str| s.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect::<String>();
+    if message.len() <= MAX_MESSAGE_BYTES {
+        return if message.chars().any(char::is_control) { clean(&message) } else { message };
+    }
+    let mut end = MAX_MESSAGE_BYTES;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", clean(&message[..end]), message.len())
 }
 
 impl From<ModelError> for Rejection {
@@ -67,6 +97,20 @@ impl From<RouteError> for Rejection {
     }
 }
 
+/// Longest client-sent name quoted in an error, in characters.
+const MAX_ECHOED_NAME_CHARS: usize = 128;
+
+/// A client-sent name as errors quote it: at most [`MAX_ECHOED_NAME_CHARS`] characters, control
+/// characters replaced (the 404 for an unknown model quotes the name).
+fn echo_name(name: &str) -> String {
+    let mut out: String =
+        name.chars().take(MAX_ECHOED_NAME_CHARS).map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect();
+    if name.chars().nth(MAX_ECHOED_NAME_CHARS).is_some() {
+        out.push('…');
+    }
+    out
+}
+
 /// What one stream needs to know about the request to make a decision.
 #[derive(Debug)]
 pub struct DecisionInput<'a> {
@@ -78,6 +122,8 @@ pub struct DecisionInput<'a> {
     pub body: Option<&'a [u8]>,
     /// Envoy subset hint: allowed `ip:port`s.
     pub subset: Option<&'a [String]>,
+    /// The InferenceObjective the request names (header `x-llm-d-inference-objective`), if any.
+    pub objective: Option<&'a str>,
 }
 
 /// A request ready for the router: its model, tokens and block chain, and (approximate mode) where
@@ -94,6 +140,9 @@ pub struct PreparedRequest<'g> {
     pub tokens: Vec<u32>,
     /// Why the prompt cannot be prefix-matched (e.g. `cache_salt`, docs/design.md §2); "" when it can.
     pub unmatched_reason: &'static str,
+    /// The priority of the request's InferenceObjective (0 without one; docs/design.md §14).
+    /// Carried for logs, metrics and `/explain`; admission by priority is later work.
+    pub priority: i32,
     hashes: HashBuf,
     approx_matches: Option<ApproxMatches>,
 }
@@ -148,7 +197,8 @@ impl Drop for HashBuf {
 }
 
 /// Parse → model → tokens → chain → matches: everything a decision computes before scoring.
-/// Errors: an invalid body (400), an unknown model (404), no model for a body-less request (503).
+/// Errors: an invalid or empty body (400; an inference path without a body is empty), an
+/// unknown model (404), no model for a body-less request (503).
 pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest<'g>, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
@@ -157,12 +207,15 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
             let parsed = parse_body(input.path, body)?;
             (parsed.model, parsed.prompt)
         }
+        None if crate::model::needs_body(input.path) => {
+            return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
+        }
         None => match &gw.default_model {
             Some(m) => (m.clone(), PromptInput::None("request without body")),
             None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
         },
     };
-    let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(model_name.clone()))?;
+    let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(echo_name(&model_name)))?;
     drop(parse_span);
     tracing::Span::current().record("model", model_name.as_str());
     let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };
@@ -189,7 +242,8 @@ pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Prepare
         tracing::Span::current().record("blocks", hashes.0.len());
     });
     let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes.0));
-    Ok(PreparedRequest { model_name, model, mode, tokens, unmatched_reason, hashes, approx_matches })
+    let priority = gw.priority(input.objective);
+    Ok(PreparedRequest { model_name, model, mode, tokens, unmatched_reason, priority, hashes, approx_matches })
 }
 
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
@@ -213,7 +267,9 @@ pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejec
         }
         Err(e) => {
             observer.no_pod(&prepared, &e);
-            Err(e.into())
+            // GIE's target model is what the engine serves: the adapter when there is one.
+            let target = prepared.model.adapter.as_ref().unwrap_or(&prepared.model.target_model);
+            Err(Rejection::from(e).for_model(&prepared.model_name, target))
         }
     }
 }

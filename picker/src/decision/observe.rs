@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use super::{PreparedRequest, Rejection};
-use crate::admin::metrics::{AdapterLabel, CodeLabel, Metrics, ModelLabel};
+use crate::admin::metrics::{AdapterLabel, Metrics, ModelLabel, ObjectiveLabel};
 use crate::score::{CandidateScore, Decision, RouteError};
 
 /// Reports one decision, from its start (for the decision-latency metric).
@@ -41,6 +41,7 @@ impl<'a> DecisionObserver<'a> {
     /// The router ran (routed or not) in `route_elapsed`.
     pub fn scored(&self, route_elapsed: Duration) {
         self.metrics.scoring_latency_us.observe(route_elapsed.as_secs_f64() * 1e6);
+        self.metrics.scheduler_e2e_seconds.observe(route_elapsed.as_secs_f64());
     }
 
     /// No pod could take the request.
@@ -102,10 +103,18 @@ impl<'a> DecisionObserver<'a> {
             match_ratio = decision.match_ratio,
             matched_blocks = decision.matched_blocks,
             total_blocks = decision.total_blocks,
+            priority = p.priority,
             "pod selected"
         );
         let m = self.metrics;
         m.routing_decisions.get_or_create(&ModelLabel { model: p.model_name.clone() }).inc();
+        m.requests_by_priority.get_or_create(&crate::admin::metrics::PriorityLabel { priority: p.priority }).inc();
+        m.objective_requests
+            .get_or_create(&ObjectiveLabel {
+                model_name: p.model_name.clone(),
+                target_model_name: p.model.adapter.as_ref().unwrap_or(&p.model.target_model).clone(),
+            })
+            .inc();
         m.cache_match_ratio.observe(decision.match_ratio);
         m.composite_score.observe(decision.score);
         m.candidate_pods.set(i64::try_from(decision.candidate_count).unwrap_or(i64::MAX));
@@ -120,7 +129,7 @@ impl<'a> DecisionObserver<'a> {
 
 /// A request the picker answers itself (`rej`): counted by status and logged.
 pub fn rejected(metrics: &Metrics, request_id: &str, rej: &Rejection) {
-    metrics.request_errors.get_or_create(&CodeLabel { code: rej.status }).inc();
+    metrics.count_error(rej.status, rej.model.as_ref().map(|(m, t)| (m.as_str(), t.as_str())));
     tracing::info!(request_id, status = rej.status, kind = rej.kind, message = %rej.message, "request rejected");
 }
 

@@ -40,7 +40,7 @@ fn completion_body(model: &str) -> Vec<u8> {
 /// must see every block.
 async fn explain_names_the_routed_pod(gw: &Gateway, model: &str, mode: RoutingMode, path: &str, body: &[u8]) {
     let (cached_pod, idle_pod) = (format!("{model}-cached"), format!("{model}-idle"));
-    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None };
+    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
     let prepared = prepare(gw, &input).unwrap();
     assert_eq!(prepared.mode, mode, "{model}");
     let chain = prepared.block_hashes().to_vec();
@@ -94,6 +94,7 @@ async fn explain_rejects_like_routing() {
         path: "/v1/completions",
         body: Some(body),
         subset: None,
+        objective: None,
     };
     let unknown = explain(&gw, &input(br#"{"model":"nope","prompt":"x"}"#)).unwrap_err();
     assert_eq!((unknown.status, unknown.message.as_str()), (404, "model `nope` does not exist"));
@@ -102,4 +103,88 @@ async fn explain_rejects_like_routing() {
     assert_eq!(decide(&gw, &input(br#"{"model":"Qwen/Qwen2.5-7B-Instruct","prompt":"x"}"#)).unwrap_err().status, 503);
     let ex = explain(&gw, &input(br#"{"model":"Qwen/Qwen2.5-7B-Instruct","prompt":"x"}"#)).unwrap();
     assert_eq!(ex.explanation.choice, None);
+}
+
+/// Issue 17: a 4 MB model name, or one carrying line breaks, is quoted in the 404 only bounded
+/// and cleaned; so is a parser error quoting a huge string value.
+#[test]
+fn errors_quote_client_input_bounded_and_without_control_characters() {
+    let gw = gateway("{name: m}");
+    let huge = format!("evil\nINFO forged line {}", "x".repeat(4 << 20));
+    let body = serde_json::json!({"model": huge, "prompt": "hi"}).to_string().into_bytes();
+    let input =
+        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(&body), subset: None, objective: None };
+    let Err(rej) = prepare(&gw, &input) else { panic!("unknown model accepted") };
+    assert_eq!(rej.status, 404);
+    assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
+    assert!(rej.message.contains("evil\u{FFFD}INFO forged line"), "{}", rej.message);
+    assert!(!rej.message.chars().any(char::is_control), "{:?}", rej.message);
+
+    let bad = format!(r#"{{"model":"m","prompt":"hi","max_tokens":"{}"}}"#, "9".repeat(1 << 20)).into_bytes();
+    let input =
+        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(&bad), subset: None, objective: None };
+    if let Err(rej) = prepare(&gw, &input) {
+        assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
+    }
+    assert_eq!(bounded_message("short".into()), "short");
+    let cut = bounded_message("é".repeat(400));
+    assert!(cut.ends_with("… (800 bytes)") && cut.len() <= MAX_MESSAGE_BYTES + 32, "{cut}");
+}
+
+fn responses_body(model: &str) -> Vec<u8> {
+    let text = "Routing places each request where its prompt prefix is cached. ".repeat(12);
+    serde_json::json!({"model": model, "instructions": "You are a careful assistant.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": text}]},
+    ]})
+    .to_string()
+    .into_bytes()
+}
+
+/// OpenAI Responses API (`/v1/responses`): prefix-matched like chat in every mode, and in precise
+/// mode tokenized exactly as the equivalent chat request (instructions = system message), which
+/// is what the engine renders; `input` as a plain string too.
+#[tokio::test]
+async fn responses_api_is_prefix_matched_like_chat() {
+    let dir = tokenizer_dir();
+    let gw = gateway(&format!("{{name: precise, tokenizer: {dir}}}, {{name: approximate}}"));
+    for (model, mode) in [("precise", RoutingMode::Precise), ("approximate", RoutingMode::Approximate)] {
+        explain_names_the_routed_pod(&gw, model, mode, "/v1/responses", &responses_body(model)).await;
+    }
+    let prep = |path: &'static str, body: &[u8]| {
+        let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
+        let p = prepare(&gw, &input).unwrap();
+        (p.tokens.clone(), p.unmatched_reason)
+    };
+    let (chat, _) = prep("/v1/chat/completions", &chat_body("precise"));
+    let (responses, why) = prep("/v1/responses", &responses_body("precise"));
+    assert!(chat.len() > 100, "{}", chat.len());
+    assert_eq!(responses, chat, "same tokens as the chat request the engine renders ({why})");
+    let plain = serde_json::json!({"model": "precise", "input": "hello there"}).to_string();
+    let user_only = serde_json::json!({"model": "precise", "messages": [{"role": "user", "content": "hello there"}]});
+    assert_eq!(
+        prep("/v1/responses", plain.as_bytes()).0,
+        prep("/v1/chat/completions", user_only.to_string().as_bytes()).0
+    );
+    // An item the chat template cannot show the same way: routed by load, with the reason.
+    let call = serde_json::json!({"model": "precise", "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]});
+    let (tokens, why) = prep("/v1/responses", call.to_string().as_bytes());
+    assert!(tokens.is_empty() && why.contains("responses input item"), "{why}");
+}
+
+/// An inference request without a body, or with an empty one, is a 400 with a clear message; a
+/// body-less request to another path (`/v1/models`) is still routed by load.
+#[tokio::test]
+async fn empty_body_is_a_400() {
+    let gw = gateway(&format!("{{name: {MODEL}}}"));
+    for path in ["/v1/completions", "/v1/chat/completions", "/v1/responses"] {
+        for body in [None, Some(&b""[..]), Some(&b" \n"[..])] {
+            let input = DecisionInput { request_id: "t", path, body, subset: None, objective: None };
+            let rej = decide(&gw, &input).unwrap_err();
+            assert_eq!(rej.status, 400, "{path} {body:?}: {rej:?}");
+            assert!(rej.message.contains("needs a JSON request body"), "{}", rej.message);
+        }
+    }
+    put(&gw.pool, "p", MODEL, stats(0.0, 0, 1.0), &[]).await;
+    let input = DecisionInput { request_id: "t", path: "/v1/models", body: None, subset: None, objective: None };
+    assert_eq!(decide(&gw, &input).unwrap().pod.as_str(), "p");
 }

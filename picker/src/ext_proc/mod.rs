@@ -12,7 +12,9 @@
 //!   `tracestate` (the parent of the `epp.decision` span, whose own `traceparent` is set upstream);
 //!   a request without a body (`end_of_stream`) is routed right there by load; otherwise CONTINUE.
 //! - request body: accumulated until `end_of_stream` (one message in BUFFERED mode, several also
-//!   accepted), decided exactly once. Over `body_limit_bytes` → 413 at once.
+//!   accepted), decided exactly once. Over `body_limit_bytes` → 413 at once. A body that has not
+//!   ended `body_timeout` after the headers (a peer that sends headers and then nothing, or part of
+//!   a body and stalls) → 408, the body dropped and the stream ended.
 //! - response headers: `x-request-id` added for the client.
 //! - response body: each chunk answered at once; usage scanned; at end of stream the slot's
 //!   predicted-vs-actual cached tokens are compared (stale routing counted) and the slot released.
@@ -84,6 +86,7 @@ impl ExternalProcessor for ExtProcService {
             inbound: request.into_inner(),
             st: StreamState::default(),
             replies: VecDeque::with_capacity(2),
+            ending: false,
         };
         Ok(GrpcResponse::new(Box::pin(futures::stream::unfold(stream, next_reply))))
     }
@@ -100,6 +103,8 @@ struct ProcessorStream {
     inbound: Streaming<ProcessingRequest>,
     st: StreamState,
     replies: VecDeque<ProcessingResponse>,
+    /// The picker ends the stream once `replies` are sent (the body deadline passed).
+    ending: bool,
 }
 
 /// The next reply of a stream, reading and handling messages until one is due; `None` ends it.
@@ -109,7 +114,22 @@ async fn next_reply(mut s: ProcessorStream) -> Option<(Result<ProcessingResponse
         if let Some(r) = s.replies.pop_front() {
             return Some((Ok(r), s));
         }
-        let msg = match s.inbound.message().await {
+        if s.ending {
+            return None;
+        }
+        // While a request body is awaited, the wait is bounded by its deadline.
+        let next = match s.st.body_deadline.filter(|_| !s.st.decided) {
+            Some(deadline) => match tokio::time::timeout_at(deadline, s.inbound.message()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    let reply = body_timed_out(&s.gateway, &mut s.st);
+                    s.ending = true;
+                    return Some((Ok(reply), s));
+                }
+            },
+            None => s.inbound.message().await,
+        };
+        let msg = match next {
             Ok(Some(m)) => m,
             Ok(None) => return None,
             Err(status) => {
@@ -130,6 +150,8 @@ struct StreamState {
     /// W3C `traceparent` / `tracestate` of the request (lower-case keys), the decision span's parent.
     trace_headers: HashMap<String, String>,
     subset: Option<Vec<String>>,
+    /// The InferenceObjective header's value (docs/design.md §14).
+    objective: Option<String>,
     body: Vec<u8>,
     /// The request has been routed or rejected; later request-phase messages only CONTINUE.
     decided: bool,
@@ -139,6 +161,17 @@ struct StreamState {
     slot: Option<InFlightSlot>,
     usage: Option<UsageScanner>,
     response_status: Option<u16>,
+    /// When the request body must have ended (set by request headers without `end_of_stream`).
+    body_deadline: Option<tokio::time::Instant>,
+}
+
+/// The body deadline passed: drop what arrived of the body and answer 408 (the caller ends the
+/// stream after it).
+fn body_timed_out(gw: &Gateway, st: &mut StreamState) -> ProcessingResponse {
+    st.decided = true;
+    st.body = Vec::new();
+    let message = format!("request body not received within {} ms", gw.body_timeout.as_millis());
+    reject(gw, st, Rejection::new(408, "request_timeout", message))
 }
 
 /// Handles one message from Envoy; the replies it needs (none, one, or a decision and body chunks)
@@ -184,6 +217,7 @@ async fn on_request_headers(
 ) {
     let headers = h.headers.unwrap_or_default();
     st.path = header(&headers, ":path").unwrap_or_default();
+    st.objective = crate::admin::objective_header(|k| header(&headers, k));
     for key in ["traceparent", "tracestate"] {
         if let Some(v) = header(&headers, key) {
             st.trace_headers.insert(key.to_owned(), v);
@@ -192,6 +226,9 @@ async fn on_request_headers(
     st.request_id = header(&headers, reply::REQUEST_ID_HEADER)
         .filter(|v| !v.is_empty() && v.len() <= 128)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    if !h.end_of_stream {
+        st.body_deadline = Some(tokio::time::Instant::now() + gw.body_timeout);
+    }
     if h.end_of_stream {
         match route_request(gw, st, None).await {
             Routing::Routed { endpoint, trace, .. } => {
@@ -218,11 +255,13 @@ async fn on_request_body(gw: &Arc<Gateway>, st: &mut StreamState, b: HttpBody, o
     if st.request_id.is_empty() {
         st.request_id = uuid::Uuid::new_v4().to_string();
     }
+    // A body without headers first is bounded in time too.
+    st.body_deadline.get_or_insert_with(|| tokio::time::Instant::now() + gw.body_timeout);
     if st.body.len() + b.body.len() > gw.body_limit_bytes {
         st.decided = true;
         st.body = Vec::new();
         let msg = format!("request body exceeds the limit of {} bytes", gw.body_limit_bytes);
-        out.push(reject(gw, st, Rejection { status: 413, kind: "request_too_large", message: msg }));
+        out.push(reject(gw, st, Rejection::new(413, "request_too_large", msg)));
         return;
     }
     if st.body.is_empty() && b.end_of_stream {
@@ -317,6 +356,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                     path: &st.path,
                     body: body.as_deref(),
                     subset: st.subset.as_deref(),
+                    objective: st.objective.as_deref(),
                 };
                 tokio::task::block_in_place(|| run(gw, &input))
             };
@@ -324,12 +364,14 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         } else {
             let gw = gw.clone();
             let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
+            let objective = st.objective.clone();
             let joined = tokio::task::spawn_blocking(move || {
                 let input = DecisionInput {
                     request_id: &request_id,
                     path: &path,
                     body: body.as_deref(),
                     subset: subset.as_deref(),
+                    objective: objective.as_deref(),
                 };
                 let result = run(&gw, &input);
                 (body, result)
@@ -337,7 +379,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
             .await;
             joined.unwrap_or_else(|e| {
                 let message = format!("routing task failed: {e}");
-                (None, Err(Rejection { status: 500, kind: "internal_error", message }))
+                (None, Err(Rejection::new(500, "internal_error", message)))
             })
         };
     match result {

@@ -14,6 +14,12 @@
 //! is never closed by the picker. Stream end (or error) → the stream's pods enter the grace period.
 //! Acks ("applied up to seq") are sent every [`ACK_EVERY`] messages or [`ACK_INTERVAL`], after a
 //! pool barrier, for the pods whose seq advanced.
+//!
+//! Trust (docs/design.md §14, [`guard`]): a stream's reports count only after a `Hello` whose node
+//! its client certificate names (mTLS, [`tls`]); each pod must be in that node's scope and not held
+//! by another live stream, within the caps; stats must be in range. Refused parts are counted and
+//! dropped (the rest of the message applies); a delta for a pod the stream does not hold claims it
+//! and asks for a resync.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -35,6 +41,11 @@ use tracing::{debug, info, warn};
 
 use crate::pool::{Pool, PoolUpdate, StreamId};
 
+pub mod guard;
+pub mod tls;
+
+pub use guard::{Refusal, Refusals, ReportScope, Trust};
+
 /// Messages between Acks.
 pub const ACK_EVERY: u64 = 100;
 /// Longest time between Acks while messages arrive.
@@ -54,12 +65,21 @@ static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
 #[derive(Debug, Clone)]
 pub struct IngestService {
     pool: Arc<Pool>,
+    trust: Trust,
 }
 
 impl IngestService {
-    /// A service feeding `pool`.
+    /// A service feeding `pool` from plaintext streams, pods in scope per the pool's membership
+    /// (every pod without a pool source; ownership, caps and ranges still enforced); refusals
+    /// counted in a family of its own.
     pub fn new(pool: Arc<Pool>) -> IngestService {
-        IngestService { pool }
+        let scope: Arc<dyn ReportScope> = pool.clone();
+        IngestService { pool, trust: Trust { scope, ..Trust::insecure(Default::default()) } }
+    }
+
+    /// A service feeding `pool` under `trust` (identity, scope, ownership, caps, counters).
+    pub fn with_trust(pool: Arc<Pool>, trust: Trust) -> IngestService {
+        IngestService { pool, trust }
     }
 
     /// The tonic server for this service, accepting messages up to [`MAX_MESSAGE_BYTES`].
@@ -76,10 +96,26 @@ impl AgentIngest for IngestService {
 
     async fn report(&self, request: Request<Streaming<AgentMessage>>) -> Result<Response<ReportStream>, Status> {
         let peer = request.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+        let request_ip = request.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+        let leaf = request.peer_certs().and_then(|c| c.first().cloned());
+        if self.trust.mtls && leaf.is_none() {
+            // Unreachable through the mTLS listener (the handshake requires a certificate).
+            self.trust.refusals.refuse(
+                Refusal::NoClientCertificate,
+                &request_ip,
+                "",
+                &"stream without a client certificate",
+            );
+            return Err(Status::unauthenticated("client certificate required"));
+        }
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
         let stream = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
-        let session = Session::new(self.pool.clone(), stream, tx);
+        let mut session = Session::new(self.pool.clone(), stream, tx);
+        session.trust = Some(self.trust.clone());
+        session.leaf = leaf;
+        // Refusals are logged once per (reason, peer IP), not per connection.
+        session.peer = request_ip;
         tokio::spawn(session.run(inbound, peer));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
     }
@@ -87,6 +123,8 @@ impl AgentIngest for IngestService {
 
 #[derive(Debug, Default)]
 struct PodSeq {
+    /// This stream holds the pod's claim ([`guard::Claims`]).
+    held: bool,
     /// Last applied seq; `None` until a snapshot arrived on this stream.
     last: Option<u64>,
     /// Last seq acknowledged.
@@ -103,11 +141,29 @@ struct Session {
     pods: HashMap<String, PodSeq>,
     since_ack: u64,
     last_ack: Instant,
+    /// `None` only in unit tests of the sequence logic.
+    trust: Option<Trust>,
+    /// The client certificate (mTLS).
+    leaf: Option<rustls_pki_types::CertificateDer<'static>>,
+    /// The node of the accepted `Hello`.
+    node: Option<String>,
+    peer: String,
 }
 
 impl Session {
     fn new(pool: Arc<Pool>, stream: StreamId, tx: mpsc::Sender<PickerMessage>) -> Session {
-        Session { pool, stream, tx, pods: HashMap::new(), since_ack: 0, last_ack: Instant::now() }
+        Session {
+            pool,
+            stream,
+            tx,
+            pods: HashMap::new(),
+            since_ack: 0,
+            last_ack: Instant::now(),
+            trust: None,
+            leaf: None,
+            node: None,
+            peer: String::new(),
+        }
     }
 
     async fn run(mut self, mut inbound: Streaming<AgentMessage>, peer: String) {
@@ -133,6 +189,9 @@ impl Session {
             }
         }
         let _ = self.pool.update(PoolUpdate::StreamEnded { stream: self.stream }).await;
+        if let Some(t) = &self.trust {
+            t.claims.release(self.stream, self.pods.iter().filter(|(_, s)| s.held).map(|(p, _)| p.as_str()));
+        }
         info!(stream = self.stream, pods = self.pods.len(), "agent stream ended");
     }
 
@@ -161,15 +220,24 @@ impl Session {
             warn!(stream = self.stream, version = h.protocol_version, agent = %h.agent_id, "unexpected protocol version; continuing as v1");
         }
         info!(stream = self.stream, agent = %h.agent_id, node = %h.node_name, pods = h.pods.len(), "agent hello");
+        if !self.accept_node(&h.node_name) {
+            return Ok(());
+        }
         let mut pods = Vec::with_capacity(h.pods.len());
+        let mut listed = std::collections::HashSet::with_capacity(h.pods.len());
         for info in h.pods {
-            if info.pod.is_empty() || info.endpoint.is_empty() || info.model.is_empty() {
-                warn!(stream = self.stream, pod = %info.pod, "hello names a pod without name/endpoint/model; ignored");
+            if let Err(e) = guard::check_info(&info) {
+                self.refuse(Refusal::InvalidPodInfo, &info.pod, &e);
                 continue;
             }
-            self.pods.entry(info.pod.clone()).or_default();
+            if !self.admit(&info.pod, true) {
+                continue;
+            }
+            listed.insert(info.pod.clone());
             pods.push(info);
         }
+        // Pods this stream held and no longer lists have left its agent: their claims go.
+        self.release_unlisted(&listed);
         self.pool.update(PoolUpdate::Hello { stream: self.stream, pods }).await
     }
 
@@ -179,6 +247,14 @@ impl Session {
             self.resync("", "snapshot without pod info");
             return Ok(());
         };
+        if let Err(e) = guard::check_info(&info) {
+            self.refuse(Refusal::InvalidPodInfo, &info.pod, &e);
+            return Ok(());
+        }
+        if !self.admit(&info.pod, true) {
+            return Ok(());
+        }
+        let stats = self.checked_stats(&info.pod, s.stats);
         let blocks = flatten_runs(&s.blocks);
         debug!(stream = self.stream, pod = %info.pod, seq = s.seq, blocks = blocks.len(), "snapshot");
         let st = self.pods.entry(info.pod.clone()).or_default();
@@ -186,7 +262,7 @@ impl Session {
         st.resync_at = None;
         let pod = info.pod.clone();
         self.pool
-            .update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats: s.stats, blocks })
+            .update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats, blocks })
             .await?;
         // The CPU tier is replaced as a whole too (docs/design.md §2 tiers).
         let stored = flatten_runs(&s.offloaded_blocks);
@@ -196,6 +272,12 @@ impl Session {
     }
 
     async fn delta(&mut self, d: PodDelta) -> Result<(), crate::pool::PoolError> {
+        // Re-scoped on every delta: a pod that left the pool (or moved off this node) is refused and
+        // its claim released at once; if it comes back, its claim is taken again and, with no
+        // snapshot on this stream, its next delta asks for one.
+        if !self.admit(&d.pod, true) {
+            return Ok(());
+        }
         let st = self.pods.entry(d.pod.clone()).or_default();
         let expected = st.last.map(|l| l.wrapping_add(1));
         if expected != Some(d.seq) {
@@ -218,12 +300,13 @@ impl Session {
             return Ok(());
         }
         st.last = Some(d.seq);
+        let stats = self.checked_stats(&d.pod, d.stats);
         let (cleared, stored, removed) = match d.blocks {
             Some(b) => (b.cleared, flatten_runs(&b.stored), b.removed.into_iter().map(BlockHash).collect()),
             None => (false, Vec::new(), Vec::new()),
         };
         tracing::trace!(stream = self.stream, pod = %d.pod, seq = d.seq, cleared, stored = stored.len(),
-            removed = removed.len(), has_stats = d.stats.is_some(), "delta");
+            removed = removed.len(), has_stats = stats.is_some(), "delta");
         let offloaded = d.offloaded.map(|b| PoolUpdate::Offloaded {
             stream: self.stream,
             pod: d.pod.clone(),
@@ -239,7 +322,7 @@ impl Session {
                 cleared,
                 stored,
                 removed,
-                stats: d.stats,
+                stats,
             })
             .await?;
         match offloaded {
@@ -274,6 +357,151 @@ impl Session {
                 }
             }
         }
+    }
+}
+
+/// Trust checks of a stream (docs/design.md §14; rules in [`guard`]), kept apart from the
+/// sequence logic above.
+impl Session {
+    /// Counts and logs a refusal concerning `pod` from this stream.
+    fn refuse(&self, reason: Refusal, pod: &str, detail: &dyn std::fmt::Display) {
+        if let Some(t) = &self.trust {
+            t.refusals.refuse(reason, self.node.as_deref().unwrap_or(&self.peer), pod, detail);
+        }
+    }
+
+    /// Takes the `Hello`'s `node` as this stream's identity if the client certificate names it
+    /// (mTLS) or on trust (plaintext). Otherwise the stream has no identity: its reports are
+    /// refused and the pods it held are released.
+    fn accept_node(&mut self, node: &str) -> bool {
+        let Some(t) = &self.trust else {
+            self.node = Some(node.to_string());
+            return true;
+        };
+        if t.mtls && !self.leaf.as_ref().is_some_and(|leaf| guard::certificate_names_node(leaf, node)) {
+            let detail = format!(
+                "Hello names node {node:?}; the certificate does not (DNS SAN <node>{})",
+                guard::AGENT_SAN_SUFFIX
+            );
+            t.refusals.refuse(Refusal::NodeNotInCertificate, &self.peer, "", &detail);
+            self.node = None;
+            self.release_unlisted(&std::collections::HashSet::new());
+            return false;
+        }
+        if self.node.as_deref().is_some_and(|n| n != node) {
+            self.release_unlisted(&std::collections::HashSet::new());
+        }
+        self.node = Some(node.to_string());
+        true
+    }
+
+    /// Whether this stream may report `pod` now: it has an identity, the pod is in its node's
+    /// scope (re-checked when `rescope`, i.e. on `Hello` and snapshots) and its claim is this
+    /// stream's (claimed here if free). Refusals are counted.
+    fn admit(&mut self, pod: &str, rescope: bool) -> bool {
+        let Some(t) = self.trust.clone() else { return true };
+        let Some(node) = self.node.clone() else {
+            self.refuse(Refusal::NoHello, pod, &"report before an accepted Hello");
+            return false;
+        };
+        let held = self.pods.get(pod).is_some_and(|s| s.held);
+        if held && !rescope {
+            return true;
+        }
+        if let Err(r) = t.scope.admits(pod, &node) {
+            self.refuse(r, pod, &format_args!("pod {pod:?} is not the node {node:?}'s to report"));
+            if held {
+                t.claims.release(self.stream, [pod]);
+                if let Some(s) = self.pods.get_mut(pod) {
+                    s.held = false;
+                    s.last = None;
+                }
+            }
+            return false;
+        }
+        if held {
+            return true;
+        }
+        let count = self.pods.values().filter(|s| s.held).count();
+        match t.claims.claim(pod, self.stream, count) {
+            Ok(_) => {
+                self.pods.entry(pod.to_string()).or_default().held = true;
+                true
+            }
+            Err(r) => {
+                self.refuse(r, pod, &format_args!("claim of pod {pod:?} refused"));
+                false
+            }
+        }
+    }
+
+    /// Releases the claims of held pods not in `listed`.
+    fn release_unlisted(&mut self, listed: &std::collections::HashSet<String>) {
+        let gone: Vec<String> =
+            self.pods.iter().filter(|(p, s)| s.held && !listed.contains(*p)).map(|(p, _)| p.clone()).collect();
+        if gone.is_empty() {
+            return;
+        }
+        if let Some(t) = &self.trust {
+            t.claims.release(self.stream, gone.iter().map(String::as_str));
+        }
+        for p in gone {
+            self.pods.remove(&p);
+        }
+    }
+
+    /// `stats` if in range; otherwise `None`, counted as [`Refusal::InvalidStats`].
+    fn checked_stats(
+        &self,
+        pod: &str,
+        stats: Option<kvroute_proto::agent::v1::PodStats>,
+    ) -> Option<kvroute_proto::agent::v1::PodStats> {
+        let s = stats?;
+        match guard::check_stats(&s) {
+            Ok(()) => Some(s),
+            Err(e) => {
+                self.refuse(Refusal::InvalidStats, pod, &e);
+                None
+            }
+        }
+    }
+}
+
+/// One agent stream's handling driven without a network: each message goes through the same
+/// checks, sequence rules and pool updates as a message read from a `Report` stream, and the
+/// picker's replies (Acks, resync requests) are returned. For fuzzing (`fuzz/`) and tests.
+#[doc(hidden)]
+pub struct StreamDriver {
+    session: Session,
+    replies: mpsc::Receiver<PickerMessage>,
+}
+
+impl StreamDriver {
+    /// A new stream feeding `pool`.
+    pub fn new(pool: Arc<Pool>) -> StreamDriver {
+        let (tx, replies) = mpsc::channel(RESPONSE_QUEUE);
+        let stream = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
+        StreamDriver { session: Session::new(pool, stream, tx), replies }
+    }
+
+    /// Handles `msg` as the stream would (an Ack round every [`ACK_EVERY`] messages included);
+    /// returns the replies it queued.
+    pub async fn feed(&mut self, msg: AgentMessage) -> Result<Vec<PickerMessage>, crate::pool::PoolError> {
+        self.session.handle(msg).await?;
+        self.session.since_ack += 1;
+        if self.session.since_ack >= ACK_EVERY {
+            self.session.ack().await;
+        }
+        let mut out = Vec::new();
+        while let Ok(m) = self.replies.try_recv() {
+            out.push(m);
+        }
+        Ok(out)
+    }
+
+    /// Ends the stream as a disconnect would (its pods enter the grace period).
+    pub async fn end(self) -> Result<(), crate::pool::PoolError> {
+        self.session.pool.update(PoolUpdate::StreamEnded { stream: self.session.stream }).await
     }
 }
 

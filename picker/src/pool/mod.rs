@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
+use kvroute_cluster::PoolView;
 use kvroute_common::BlockHash;
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use parking_lot::{Mutex, MutexGuard};
@@ -107,6 +108,12 @@ pub enum PoolUpdate {
     /// `cleared` first (with `stored` after a snapshot: the whole tier), then `stored`, then
     /// `removed`. Kept in a second index; a block in both tiers counts as GPU.
     Offloaded { stream: StreamId, pod: String, cleared: bool, stored: Vec<BlockHash>, removed: Vec<BlockHash> },
+    /// The InferencePool (or pool file) changed (docs/design.md §14): from now on the pool's
+    /// endpoints are the only pods. Each endpoint is a pod here, named `<pod>-rank-<i>`, with the
+    /// address from the view; endpoints that left are dropped at once, new Ready ones are
+    /// candidates at once (by load until their agent reports), agents' reports for any other
+    /// name are ignored.
+    Membership { view: Arc<PoolView> },
 }
 
 enum WriterMsg {
@@ -131,6 +138,21 @@ pub(crate) struct PodStatus {
     pub(crate) annotations: Vec<(String, String)>,
     /// `kvroute.io/cost-per-hour` parsed ($/hour, finite and > 0), if present and valid.
     pub(crate) cost_per_hour: Option<f64>,
+    /// Where the pod's membership comes from.
+    pub(crate) member: Membership,
+}
+
+/// How a pod became a pod of the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Membership {
+    /// Registered by an agent's report (no pool source: library use and unit tests only; the
+    /// picker binary always has a pool source). Needs stats before it is a candidate.
+    Agent,
+    /// An endpoint of the pool view whose pod is Ready: a candidate, by load until its agent
+    /// reports.
+    PoolReady,
+    /// An endpoint of the pool view whose pod is not Ready (or terminating): never a candidate.
+    PoolUnready,
 }
 
 /// The sorted annotations of `info` and its parsed price (docs/design.md §4 cost awareness). An invalid
@@ -201,6 +223,8 @@ pub struct Pool {
     select_lock: Mutex<()>,
     tx: mpsc::Sender<WriterMsg>,
     next_slot: AtomicU64,
+    /// The pool view last handed to the writer; `None` without a pool source.
+    membership: arc_swap::ArcSwapOption<PoolView>,
 }
 
 /// A pod as seen by metrics and `/explain`.
@@ -268,7 +292,46 @@ impl Pool {
             select_lock: Mutex::new(()),
             tx,
             next_slot: AtomicU64::new(1),
+            membership: arc_swap::ArcSwapOption::empty(),
         })
+    }
+
+    /// Makes `view` the pool's membership (docs/design.md §14) and waits until the writer applied
+    /// it: when this returns, decisions see exactly the view's Ready endpoints as candidates.
+    /// Once set, the pool never goes back to agent-registered pods.
+    pub async fn set_membership(&self, view: Arc<PoolView>) -> Result<(), PoolError> {
+        self.membership.store(Some(view.clone()));
+        self.update(PoolUpdate::Membership { view }).await?;
+        self.sync().await
+    }
+
+    /// The pool view in force, if the pool has a pool source.
+    pub fn membership(&self) -> Option<Arc<PoolView>> {
+        self.membership.load_full()
+    }
+
+    /// Whether endpoint `name` (`<pod>-rank-<i>`) is a member: always without a pool source,
+    /// otherwise only an endpoint of the pool view. The ingest checks reports with the stricter
+    /// `ReportScope for Pool` (member and on the reporting agent's node); the writer checks
+    /// membership again when it applies a report.
+    pub fn admits(&self, name: &str) -> bool {
+        match &*self.membership.load() {
+            None => true,
+            Some(view) => view.endpoint(name).is_some(),
+        }
+    }
+
+    /// Fraction of the pool view's Ready endpoints whose agent has reported stats, and how many
+    /// Ready endpoints there are; `None` without a pool source or before the view synced.
+    pub fn agent_coverage(&self) -> Option<(f64, usize)> {
+        let view = self.membership.load_full()?;
+        if !view.synced {
+            return None;
+        }
+        let table = self.table.load();
+        let ready = table.status.iter().filter(|s| s.member == Membership::PoolReady).count();
+        let reported = table.status.iter().filter(|s| s.member == Membership::PoolReady && s.stats.is_some()).count();
+        Some(if ready == 0 { (1.0, 0) } else { (reported as f64 / ready as f64, ready) })
     }
 
     /// The configuration the pool runs with.

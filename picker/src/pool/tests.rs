@@ -141,3 +141,72 @@ fn pool_works_without_an_outer_runtime() {
     assert!(pool.pods().is_empty());
     assert_eq!(pool.index_stats().nodes, 0);
 }
+
+/// A synced pool view with `pods` as `(name, ip, ready)`, one target port 8000 (endpoints
+/// `<name>-rank-0`).
+pub(crate) fn view(pods: &[(&str, &str, bool)]) -> Arc<kvroute_cluster::PoolView> {
+    use kvroute_cluster::{PoolPod, PoolSpecView, PoolView, Source};
+    let spec = PoolSpecView { target_ports: vec![8000], app_protocol: "http".into(), ..Default::default() };
+    let pods = pods.iter().map(|(name, ip, ready)| PoolPod {
+        name: (*name).into(),
+        namespace: "ns".into(),
+        uid: None,
+        node: Some("node-1".into()),
+        ip: ip.parse().ok(),
+        ready: *ready,
+        terminating: false,
+        ports: vec![(0, 8000)],
+        labels: Default::default(),
+        annotations: Default::default(),
+    });
+    Arc::new(PoolView::build(Source::File("pool.yaml".into()), Some(spec), pods, true))
+}
+
+fn endpoints(pool: &Pool) -> Vec<(String, String)> {
+    let mut v: Vec<_> = pool.pods().into_iter().map(|p| (p.name, p.endpoint)).collect();
+    v.sort();
+    v
+}
+
+#[tokio::test]
+async fn pool_view_is_the_only_source_of_pods_and_addresses() {
+    let pool = small();
+    // An agent-registered pod from before the pool source is not the pool's.
+    put(&pool, "stray", "m", stats(0.1, 0, 1.0), &chain(0, 3)).await;
+    pool.set_membership(view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", false)])).await.unwrap();
+    assert_eq!(
+        endpoints(&pool),
+        [("a-rank-0".into(), "10.0.0.1:8000".into()), ("b-rank-0".into(), "10.0.0.2:8000".into())]
+    );
+    assert!(pool.admits("a-rank-0") && pool.admits("b-rank-0") && !pool.admits("stray"));
+    // A report for a member keeps the pool's address, whatever the report says.
+    put(&pool, "a-rank-0", "m", stats(0.2, 1, 0.9), &chain(10, 4)).await;
+    let a = pool.pods().into_iter().find(|p| p.name == "a-rank-0").unwrap();
+    assert_eq!((a.endpoint.as_str(), a.model.as_str(), a.blocks), ("10.0.0.1:8000", "m", 4));
+    // A report for a non-member changes nothing (the writer ignores it even if ingest let it by).
+    put(&pool, "intruder-rank-0", "m", stats(0.0, 0, 1.0), &chain(20, 4)).await;
+    assert_eq!(pool.pods().len(), 2);
+    assert_eq!(pool.agent_coverage(), Some((1.0, 1)));
+    // Re-addressed, unready → ready, deleted: applied at once, no restart.
+    pool.set_membership(view(&[("a", "10.0.0.9", true), ("b", "10.0.0.2", true)])).await.unwrap();
+    assert_eq!(endpoints(&pool)[0], ("a-rank-0".into(), "10.0.0.9:8000".into()));
+    assert_eq!(pool.agent_coverage(), Some((0.5, 2)));
+    pool.set_membership(view(&[("b", "10.0.0.2", true)])).await.unwrap();
+    assert_eq!(endpoints(&pool), [("b-rank-0".into(), "10.0.0.2:8000".into())]);
+    assert!(!pool.admits("a-rank-0"));
+    assert_eq!(pool.index_stats().entries, 0, "the deleted pod's blocks left the index");
+}
+
+#[tokio::test]
+async fn expired_agent_state_of_a_member_is_dropped_but_the_member_stays() {
+    let pool = small();
+    pool.set_membership(view(&[("a", "10.0.0.1", true)])).await.unwrap();
+    put(&pool, "a-rank-0", "m", stats(0.2, 1, 0.9), &chain(0, 4)).await;
+    assert!(pool.update(PoolUpdate::StreamEnded { stream: 1 }).await.is_ok());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(pool.sync().await.is_ok());
+    let pods = pool.pods();
+    assert_eq!(pods.len(), 1, "still in the pool");
+    assert_eq!((pods[0].blocks, pods[0].connected, pods[0].ready), (0, false, false));
+    assert_eq!(pool.agent_coverage(), Some((0.0, 1)));
+}

@@ -16,7 +16,9 @@ use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
 
-use super::{InFlight, PodRecord, PodStatus, PodTable, PoolConfig, PoolUpdate, StreamId, WriterMsg};
+use kvroute_cluster::PoolView;
+
+use super::{InFlight, Membership, PodRecord, PodStatus, PodTable, PoolConfig, PoolUpdate, StreamId, WriterMsg};
 use crate::index::{IndexSnapshot, IndexWriter, PodIdx};
 
 /// Most messages applied per published batch.
@@ -43,6 +45,16 @@ struct Writer {
     next_fresh: usize,
     free: VecDeque<PodIdx>,
     table_dirty: bool,
+    /// The pool view's endpoints by name; `None` until a pool source sent its first view.
+    members: Option<HashMap<String, Member>>,
+}
+
+/// What the pool view says about one endpoint.
+struct Member {
+    addr: Arc<str>,
+    ready: bool,
+    /// Pod annotations, sorted (they win over an agent's on the same key).
+    annotations: Vec<(String, String)>,
 }
 
 pub(super) fn spawn(
@@ -62,6 +74,7 @@ pub(super) fn spawn(
         next_fresh: 0,
         free: VecDeque::new(),
         table_dirty: false,
+        members: None,
     };
     let started = std::thread::Builder::new().name("kvroute-pool-writer".into()).spawn(move || run(w, rx));
     if let Err(e) = started {
@@ -158,6 +171,27 @@ impl Writer {
         if info.pod.is_empty() {
             return None;
         }
+        if let Some(members) = &self.members {
+            // Pool mode: every member already has a slot; anything else is not in the pool
+            // (ingest counted the refusal; the view may have changed since it checked).
+            let Some(member) = members.get(&info.pod) else {
+                debug!(pod = %info.pod, "report for a pod outside the pool ignored");
+                return None;
+            };
+            let idx = *self.names.get(&info.pod)?;
+            let p = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut)?;
+            if p.status.model != info.model {
+                p.status.model.clone_from(&info.model);
+                self.table_dirty = true;
+            }
+            p.status.block_size = info.block_size;
+            (p.status.annotations, p.status.cost_per_hour) = merged_annotations(info, &member.annotations);
+            p.status.connected = true;
+            p.status.disconnected_at = None;
+            p.owner = stream;
+            p.dirty = true;
+            return Some(idx);
+        }
         if info.block_size != 0 && info.block_size as usize != self.config.block_size {
             warn!(pod = %info.pod, pod_block_size = info.block_size, picker_block_size = self.config.block_size,
                 "pod's block size differs from the picker's: its blocks will not match requests");
@@ -195,10 +229,18 @@ impl Writer {
             connected: true,
             disconnected_at: None,
             seq: 0,
+            member: Membership::Agent,
         };
+        self.insert(idx, &info.pod, status, stream);
+        info!(pod = %info.pod, endpoint = %info.endpoint, model = %info.model, "pod registered");
+        Some(idx)
+    }
+
+    /// Puts a new record for `name` in slot `idx` (freshly allocated).
+    fn insert(&mut self, idx: PodIdx, name: &str, status: PodStatus, owner: StreamId) {
         let rec = Arc::new(PodRecord {
             idx,
-            name: Arc::from(info.pod.as_str()),
+            name: Arc::from(name),
             status: ArcSwap::from_pointee(status.clone()),
             inflight: InFlight::default(),
             blocks: Default::default(),
@@ -207,11 +249,99 @@ impl Writer {
         if i >= self.pods.len() {
             self.pods.resize_with(i + 1, || None);
         }
-        self.pods[i] = Some(WPod { rec, status, owner: stream, dirty: true });
-        self.names.insert(info.pod.clone(), idx);
+        self.pods[i] = Some(WPod { rec, status, owner, dirty: true });
+        self.names.insert(name.to_string(), idx);
         self.table_dirty = true;
-        info!(pod = %info.pod, endpoint = %info.endpoint, model = %info.model, "pod registered");
-        Some(idx)
+    }
+
+    /// Drops pod `idx` now: its blocks leave the index, its slot is freed.
+    fn remove(&mut self, idx: PodIdx) {
+        self.index.drop_pod(idx);
+        self.cpu.drop_pod(idx);
+        if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::take) {
+            self.names.remove(&*p.rec.name);
+        }
+        self.free.push_back(idx);
+        self.table_dirty = true;
+    }
+
+    /// Applies a new pool view (docs/design.md §14): endpoints that left are dropped, new ones
+    /// registered (no stats: by load until their agent reports), addresses and readiness taken
+    /// from the view.
+    fn set_membership(&mut self, view: &PoolView) {
+        let members: HashMap<String, Member> = view
+            .endpoints
+            .iter()
+            .map(|e| {
+                let mut annotations: Vec<(String, String)> =
+                    e.annotations.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                annotations.sort();
+                (e.name.clone(), Member { addr: Arc::from(e.addr.to_string()), ready: e.ready, annotations })
+            })
+            .collect();
+        let gone: Vec<PodIdx> =
+            self.pods.iter().flatten().filter(|p| !members.contains_key(&*p.rec.name)).map(|p| p.rec.idx).collect();
+        for idx in gone {
+            if let Some(p) = self.pods.get(idx.as_usize()).and_then(Option::as_ref) {
+                info!(pod = %p.rec.name, endpoint = %p.status.endpoint, "left the pool: no longer a candidate");
+            }
+            self.remove(idx);
+        }
+        for (name, m) in &members {
+            let state = if m.ready { Membership::PoolReady } else { Membership::PoolUnready };
+            if let Some(&idx) = self.names.get(name) {
+                let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut) else { continue };
+                if p.status.endpoint != m.addr {
+                    info!(pod = %name, from = %p.status.endpoint, to = %m.addr, "pod re-addressed");
+                    p.status.endpoint = m.addr.clone();
+                    p.dirty = true;
+                }
+                if p.status.member != state {
+                    info!(pod = %name, ready = m.ready, "pool readiness changed");
+                    p.status.member = state;
+                    p.dirty = true;
+                }
+                let merged = merge(&p.status.annotations, &m.annotations);
+                if merged != p.status.annotations {
+                    (p.status.annotations, p.status.cost_per_hour) = priced(name, merged);
+                    p.dirty = true;
+                }
+                continue;
+            }
+            let Some(idx) = self.alloc_idx() else {
+                error!(pod = %name, "pool full (65536 pods): endpoint ignored");
+                continue;
+            };
+            let (annotations, cost_per_hour) = priced(name, m.annotations.clone());
+            let status = PodStatus {
+                annotations,
+                cost_per_hour,
+                endpoint: m.addr.clone(),
+                model: String::new(),
+                block_size: 0,
+                stats: None,
+                connected: false,
+                disconnected_at: None,
+                seq: 0,
+                member: state,
+            };
+            self.insert(idx, name, status, 0);
+            info!(pod = %name, endpoint = %m.addr, ready = m.ready, "joined the pool");
+        }
+        if self.members.is_none() {
+            // Pods an agent registered before the pool source existed are not the pool's.
+            let agent_only: Vec<PodIdx> = self
+                .pods
+                .iter()
+                .flatten()
+                .filter(|p| p.status.member == Membership::Agent)
+                .map(|p| p.rec.idx)
+                .collect();
+            for idx in agent_only {
+                self.remove(idx);
+            }
+        }
+        self.members = Some(members);
     }
 
     fn set_stats(&mut self, idx: PodIdx, stats: Option<PodStats>, seq: u64) {
@@ -259,6 +389,7 @@ impl Writer {
                 self.cpu.store(idx, &stored);
                 self.cpu.remove(idx, &removed);
             }
+            PoolUpdate::Membership { view } => self.set_membership(&view),
             PoolUpdate::StreamEnded { stream } => {
                 let now = Instant::now();
                 for p in self.pods.iter_mut().flatten() {
@@ -287,15 +418,52 @@ impl Writer {
             return;
         }
         for idx in expired {
-            self.index.drop_pod(idx);
-            self.cpu.drop_pod(idx);
-            if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::take) {
-                info!(pod = %p.rec.name, "grace period over: pod dropped");
-                self.names.remove(&*p.rec.name);
+            let member = self
+                .pods
+                .get_mut(idx.as_usize())
+                .and_then(Option::as_mut)
+                .filter(|p| p.status.member != Membership::Agent);
+            if let Some(p) = member {
+                // Still in the pool: forget what the agent said, keep routing it by load.
+                info!(pod = %p.rec.name, "grace period over: agent state dropped, pod routed by load");
+                p.status.stats = None;
+                p.status.disconnected_at = None;
+                p.status.seq = 0;
+                p.dirty = true;
+                self.index.clear_pod(idx);
+                self.cpu.clear_pod(idx);
+                continue;
             }
-            self.free.push_back(idx);
+            if let Some(p) = self.pods.get(idx.as_usize()).and_then(Option::as_ref) {
+                info!(pod = %p.rec.name, "grace period over: pod dropped");
+            }
+            self.remove(idx);
         }
         self.table_dirty = true;
         self.publish();
     }
+}
+
+/// `info`'s annotations merged under the pool's (`pool` wins on a shared key), sorted, and the
+/// parsed price.
+fn merged_annotations(info: &PodInfo, pool: &[(String, String)]) -> (Vec<(String, String)>, Option<f64>) {
+    let (agent, _) = super::annotations_of(info);
+    priced(&info.pod, merge(&agent, pool))
+}
+
+/// `base` with `over`'s entries added or replacing, sorted by key.
+fn merge(base: &[(String, String)], over: &[(String, String)]) -> Vec<(String, String)> {
+    let mut map: std::collections::BTreeMap<&str, &str> = base.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    for (k, v) in over {
+        map.insert(k, v);
+    }
+    map.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// Sorted annotations and their parsed price (docs/design.md §4 cost awareness).
+fn priced(pod: &str, annotations: Vec<(String, String)>) -> (Vec<(String, String)>, Option<f64>) {
+    let info =
+        PodInfo { pod: pod.to_string(), annotations: annotations.iter().cloned().collect(), ..PodInfo::default() };
+    let (_, cost) = super::annotations_of(&info);
+    (annotations, cost)
 }

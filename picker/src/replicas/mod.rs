@@ -19,8 +19,14 @@
 //! [`MAX_MESSAGE_BYTES`] ends the stream. Events for pods this replica does not know are counted
 //! and dropped.
 //!
-//! TLS: the server is added to the ingest server's builder (whatever TLS it has); the client's
-//! channel is built by a caller-supplied [`Dialer`], so the same certificates serve both.
+//! Trust (docs/design.md §14): the server is added to the ingest server's builder, so under mTLS
+//! a subscriber has passed the same handshake as an agent (a client certificate chained to the
+//! ingest CA); [`ReplicaService::with_trust`] then requires that certificate to be a picker's
+//! (DNS SAN [`REPLICA_SAN`], no wildcard) and refuses anything else
+//! (`epp_ingest_refusals_total{reason="not_a_replica"}`, UNAUTHENTICATED): an agent's
+//! certificate cannot subscribe. Subscribing, [`tls_dialer`] presents this picker's own ingest
+//! certificate and verifies the peer's as [`REPLICA_SAN`] under the same CA. Without TLS
+//! (`insecure_ingest`) subscribers are taken on trust, as agents are.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -41,6 +47,9 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
 use crate::gateway::Gateway;
+use crate::ingest::guard::{REPLICA_SAN, certificate_names_replica};
+use crate::ingest::tls::TlsFiles;
+use crate::ingest::{Refusal, Refusals};
 use crate::pending::{Origin, ReplicaEvent};
 
 /// Protocol version spoken (`SubscribeRequest.protocol_version`, `Hello.protocol_version`).
@@ -147,12 +156,22 @@ pub fn from_message(m: ReplicaMessage) -> Result<Option<ReplicaEvent>, ReplicaEr
 pub struct ReplicaService {
     gateway: Arc<Gateway>,
     me: Arc<ReplicaIdentity>,
+    /// Subscribers arrive over mTLS: their certificate must be a picker's.
+    mtls: bool,
+    refusals: Option<Refusals>,
 }
 
 impl ReplicaService {
-    /// A service publishing `gateway`'s routing decisions to subscribers.
+    /// A service publishing `gateway`'s routing decisions to any subscriber (plaintext, taken on
+    /// trust: the `insecure_ingest` case and tests).
     pub fn new(gateway: Arc<Gateway>, me: Arc<ReplicaIdentity>) -> Self {
-        ReplicaService { gateway, me }
+        ReplicaService { gateway, me, mtls: false, refusals: None }
+    }
+
+    /// A service on the ingest listener: when `mtls`, only subscribers whose client certificate
+    /// names [`REPLICA_SAN`] are served; others are refused and counted in `refusals`.
+    pub fn with_trust(gateway: Arc<Gateway>, me: Arc<ReplicaIdentity>, mtls: bool, refusals: Refusals) -> Self {
+        ReplicaService { gateway, me, mtls, refusals: Some(refusals) }
     }
 
     /// The tonic server for this service, accepting messages up to [`MAX_MESSAGE_BYTES`].
@@ -168,6 +187,20 @@ impl ReplicaSync for ReplicaService {
     type SubscribeStream = EventStream;
 
     async fn subscribe(&self, request: Request<SubscribeRequest>) -> Result<Response<EventStream>, Status> {
+        if self.mtls {
+            let replica = request.peer_certs().and_then(|c| c.first().cloned()).is_some_and(|leaf| {
+                let leaf: rustls_pki_types::CertificateDer<'_> = leaf;
+                certificate_names_replica(&leaf)
+            });
+            if !replica {
+                let who = request.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+                if let Some(r) = &self.refusals {
+                    let detail = format!("ReplicaSync subscriber's certificate does not name {REPLICA_SAN}");
+                    r.refuse(Refusal::NotAReplica, &who, "", &detail);
+                }
+                return Err(Status::unauthenticated(format!("a picker certificate ({REPLICA_SAN}) is required")));
+            }
+        }
         let req = request.into_inner();
         if req.replica_id == self.me.id {
             return Err(Status::failed_precondition("this is the subscriber itself"));
@@ -206,16 +239,37 @@ impl ReplicaSync for ReplicaService {
     }
 }
 
-/// Builds the channel to a peer (plaintext by default; the caller may add TLS).
-pub type Dialer = Arc<dyn Fn(SocketAddr) -> Result<Endpoint, tonic::transport::Error> + Send + Sync>;
+/// Builds the channel to a peer ([`plaintext_dialer`] or [`tls_dialer`]); the error is the reason
+/// no channel could be described (unreadable TLS files, a bad address).
+pub type Dialer = Arc<dyn Fn(SocketAddr) -> Result<Endpoint, String> + Send + Sync>;
 
-/// A plaintext dialer with a 2 s connect timeout and TCP_NODELAY.
+/// An endpoint with a 2 s connect timeout, TCP_NODELAY and HTTP/2 keepalive.
+fn endpoint(url: String) -> Result<Endpoint, String> {
+    Ok(Endpoint::from_shared(url)
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10)))
+}
+
+/// A plaintext dialer (peers serving `insecure_ingest`).
 pub fn plaintext_dialer() -> Dialer {
-    Arc::new(|addr: SocketAddr| {
-        Ok(Endpoint::from_shared(format!("http://{addr}"))?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10)))
+    Arc::new(|addr: SocketAddr| endpoint(format!("http://{addr}")))
+}
+
+/// An mTLS dialer: presents `files`' certificate and key (this picker's ingest certificate, a
+/// [`REPLICA_SAN`] certificate) and verifies the peer's against `files.ca_file` as
+/// [`REPLICA_SAN`]. The files are read at each connection, so a rotation applies from the next.
+pub fn tls_dialer(files: TlsFiles) -> Dialer {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    Arc::new(move |addr: SocketAddr| {
+        let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+        let (ca, cert, key) = (read(&files.ca_file)?, read(&files.cert_file)?, read(&files.key_file)?);
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca))
+            .identity(Identity::from_pem(cert, key))
+            .domain_name(REPLICA_SAN);
+        endpoint(format!("https://{addr}"))?.tls_config(tls).map_err(|e| e.to_string())
     })
 }
 
@@ -291,7 +345,7 @@ async fn subscribe_once(
     origin: Origin,
     dialer: &Dialer,
 ) -> Result<(), Status> {
-    let endpoint = dialer(addr).map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let endpoint = dialer(addr).map_err(Status::invalid_argument)?;
     let channel: Channel = endpoint.connect().await.map_err(|e| Status::unavailable(e.to_string()))?;
     let mut client = ReplicaSyncClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let req = SubscribeRequest { replica_id: me.id.clone(), protocol_version: PROTOCOL_VERSION };

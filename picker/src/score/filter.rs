@@ -1,4 +1,4 @@
-//! Candidate filtering (docs/design.md §4, §15): model, readiness, connection (or grace period),
+//! Candidate filtering (docs/design.md §4, §14, §15): model, pool readiness, engine readiness, connection (or grace period),
 //! health threshold, Envoy subset hint, then queue spill.
 //!
 //! Order: the static checks ([`exclusion`]) run lock-free before scoring; the spill check
@@ -7,12 +7,13 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use crate::pool::PodStatus;
+use crate::pool::{Membership, PodStatus};
 
 /// Why a pod of the requested model is not a candidate.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Exclusion {
     NoStats,
+    PodNotReady,
     NotReady,
     GraceExpired,
     Unhealthy { score: f64, threshold: f64, reason: String },
@@ -24,6 +25,7 @@ impl fmt::Display for Exclusion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Exclusion::NoStats => write!(f, "no stats reported yet"),
+            Exclusion::PodNotReady => write!(f, "pod not Ready in the InferencePool"),
             Exclusion::NotReady => write!(f, "engine not ready"),
             Exclusion::GraceExpired => write!(f, "agent disconnected beyond the grace period"),
             Exclusion::Unhealthy { score, threshold, reason } if reason.is_empty() => {
@@ -46,8 +48,12 @@ pub(crate) fn exclusion(
     grace: Duration,
     now: Instant,
 ) -> Option<Exclusion> {
-    let Some(stats) = &status.stats else {
-        return Some(Exclusion::NoStats);
+    let stats = match (&status.stats, status.member) {
+        (_, Membership::PoolUnready) => return Some(Exclusion::PodNotReady),
+        (Some(stats), _) => stats,
+        // A Ready pod of the pool routes by load until its agent reports (docs/design.md §14).
+        (None, Membership::PoolReady) => return subset_exclusion(status, subset),
+        (None, Membership::Agent) => return Some(Exclusion::NoStats),
     };
     if !stats.ready {
         return Some(Exclusion::NotReady);
@@ -65,6 +71,11 @@ pub(crate) fn exclusion(
             reason: stats.health_reason.clone(),
         });
     }
+    subset_exclusion(status, subset)
+}
+
+/// [`Exclusion::NotInSubset`] when Envoy's subset hint leaves `status`'s endpoint out.
+fn subset_exclusion(status: &PodStatus, subset: Option<&[String]>) -> Option<Exclusion> {
     if let Some(allowed) = subset
         && !allowed.iter().any(|e| **e == *status.endpoint)
     {

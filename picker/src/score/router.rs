@@ -21,7 +21,7 @@ use super::{
 };
 use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
 use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
-use crate::pool::{PodTable, Pool};
+use crate::pool::{Membership, PodTable, Pool};
 
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
 #[derive(Debug)]
@@ -406,8 +406,12 @@ impl Router {
         index.match_prefix(req.block_hashes, &mut sc.walk);
         let grace = Duration::from_millis(self.pool.config().grace_ttl_ms);
         let now = Instant::now();
-        let Some(model_pods) = table.by_model.get(req.model) else { return 0 };
-        for &i in model_pods {
+        // Pods of the pool whose agent has not reported yet serve no known model: candidates for
+        // every model, by load (docs/design.md §14).
+        let model_pods = table.by_model.get(req.model).map_or(&[][..], Vec::as_slice);
+        let unreported =
+            if req.model.is_empty() { &[][..] } else { table.by_model.get("").map_or(&[][..], Vec::as_slice) };
+        for &i in model_pods.iter().chain(unreported) {
             let (rec, status) = (&table.pods[i as usize], &table.status[i as usize]);
             match filter::exclusion(status, req.subset, self.config.health_exclusion_threshold, grace, now) {
                 Some(why) => sc.excluded.push((i, why)),
@@ -418,7 +422,7 @@ impl Router {
                 }
             }
         }
-        model_pods.len()
+        model_pods.len() + unreported.len()
     }
 
     /// Queue depths, spill, factor scores, composite and choice (an index into `sc.rows`); call
@@ -464,15 +468,18 @@ impl Router {
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
             let stats = status.stats.as_ref();
+            // Without a report, a Ready pod of the pool counts as idle and healthy (Kubernetes
+            // says Ready); its in-flight count is its queue depth (docs/design.md §14).
+            let (idle, healthy) = if status.member == Membership::PoolReady { (0.0, 1.0) } else { (1.0, 0.0) };
             PodFacts {
                 name: &table.pods[r.pod as usize].name,
                 endpoint: &status.endpoint,
                 matched_blocks: r.credited(),
                 pending_blocks: r.pending,
                 offloaded_blocks: r.offloaded,
-                gpu_utilization: stats.map_or(1.0, |s| s.gpu_utilization),
+                gpu_utilization: stats.map_or(idle, |s| s.gpu_utilization),
                 queue_depth: r.depth,
-                health_score: stats.map_or(0.0, |s| s.health_score),
+                health_score: stats.map_or(healthy, |s| s.health_score),
                 health_reason: stats.map_or("", |s| s.health_reason.as_str()),
                 kv_cache_usage: stats.map_or(0.0, |s| s.kv_cache_usage),
                 running_adapters: stats.map_or(&[], |s| s.running_adapters.as_slice()),

@@ -390,3 +390,27 @@ async fn tokens_saved_preset_stops_a_short_prompt_outweighing_load() {
         assert_eq!(d.pod, want, "{preset}: {:?}", d.candidates);
     }
 }
+
+#[tokio::test]
+async fn pool_members_route_by_load_before_reports_and_unready_ones_never() {
+    use crate::pool::tests::{put, stats, view};
+    let (pool, r) = router(ScoringConfig::default());
+    assert!(pool.set_membership(view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", false)])).await.is_ok());
+    // No agent has reported: a routes by load, for any model; b is not Ready.
+    let Ok(d) = r.route(&req(&[])) else { panic!("a Ready member must be routable before its agent reports") };
+    assert_eq!((d.pod.as_str(), d.endpoint.as_str()), ("a-rank-0", "10.0.0.1:8000"));
+    let ex = r.explain(&req(&[]));
+    assert!(ex.excluded.iter().any(|(p, why)| p == "b-rank-0" && why.contains("not Ready")), "{:?}", ex.excluded);
+    // In-flight requests make up the unreported pod's queue: a second Ready member takes the next.
+    assert!(pool.set_membership(view(&[("a", "10.0.0.1", true), ("c", "10.0.0.3", true)])).await.is_ok());
+    let Ok(d2) = r.route(&req(&[])) else { panic!() };
+    assert_eq!(d2.pod.as_str(), "c-rank-0", "a holds one in-flight request, c none");
+    // A reporting pod joins its model's group; the unreported one stays a candidate.
+    put(&pool, "c-rank-0", "m", stats(0.1, 0, 1.0), &[]).await;
+    let ex = r.explain(&req(&[]));
+    assert_eq!(ex.candidates.len(), 2, "{ex:?}");
+    // Once the pool drops every pod, nothing is routable.
+    assert!(pool.set_membership(view(&[])).await.is_ok());
+    assert!(r.route(&req(&[])).is_err());
+    drop((d, d2));
+}

@@ -36,8 +36,10 @@ pub struct InferencePoolSpec {
     /// `http` (default) or `kubernetes.io/h2c`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_protocol: Option<String>,
-    /// The Endpoint Picker Service.
-    pub endpoint_picker_ref: EndpointPickerRef,
+    /// The Endpoint Picker Service. Optional in the GIE v1 CRD (`required: [selector,
+    /// targetPorts]`); a pool a Gateway routes to needs one (checked in `checks::gateway`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker_ref: Option<EndpointPickerRef>,
 }
 
 /// `selector` of an InferencePool (labels only).
@@ -168,4 +170,80 @@ pub struct HttpRouteRule {
     /// Timeouts (kept as JSON).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeouts: Option<serde_json::Value>,
+}
+
+/// `cert-manager.io/v1` Issuer (the subset the cert-manager component uses: self-signed or CA).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Issuer {
+    /// Always `cert-manager.io/v1`.
+    pub api_version: String,
+    /// Always `Issuer`.
+    pub kind: String,
+    /// Name, namespace, labels.
+    pub metadata: ObjectMeta,
+    /// How it signs.
+    pub spec: IssuerSpec,
+}
+
+/// Exactly one of `selfSigned` and `ca`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct IssuerSpec {
+    /// Self-signed (`{}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub self_signed: Option<BTreeMap<String, serde_json::Value>>,
+    /// A CA whose key pair is in `secretName`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<CaIssuer>,
+}
+
+/// A CA Issuer's Secret.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CaIssuer {
+    /// Secret holding `tls.crt` and `tls.key` of the CA.
+    pub secret_name: String,
+}
+
+/// `cert-manager.io/v1` Certificate (the subset the cert-manager component uses).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Certificate {
+    /// Always `cert-manager.io/v1`.
+    pub api_version: String,
+    /// Always `Certificate`.
+    pub kind: String,
+    /// Name, namespace, labels.
+    pub metadata: ObjectMeta,
+    /// What to issue.
+    pub spec: CertificateSpec,
+}
+
+/// A Certificate's request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CertificateSpec {
+    /// Secret the key pair (and `ca.crt`) is written to.
+    pub secret_name: String,
+    /// Who signs.
+    pub issuer_ref: ObjectRef,
+    /// A CA certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "isCA")]
+    pub is_ca: Option<bool>,
+    /// Subject CN.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub common_name: Option<String>,
+    /// Lifetime (Go duration).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration: Option<String>,
+    /// Key algorithm, size, rotation (kept as JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_key: Option<serde_json::Value>,
+    /// Key usages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usages: Option<Vec<String>>,
+    /// DNS SANs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_names: Option<Vec<String>>,
 }

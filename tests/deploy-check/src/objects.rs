@@ -9,6 +9,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Namespace, PersistentVolumeClaim, PodTemplateSpec, Service, ServiceAccount,
 };
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -16,7 +17,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::DeployCheckError;
-use crate::crd::{Gateway, HttpRoute, InferencePool};
+use crate::crd::{Certificate, Gateway, HttpRoute, InferencePool, Issuer};
 
 /// One rendered object.
 #[derive(Debug, Clone)]
@@ -54,6 +55,12 @@ pub enum Object {
     Gateway(Gateway),
     /// gateway.networking.k8s.io/v1 HTTPRoute.
     HttpRoute(HttpRoute),
+    /// networking.k8s.io/v1 NetworkPolicy.
+    NetworkPolicy(NetworkPolicy),
+    /// cert-manager.io/v1 Issuer.
+    Issuer(Issuer),
+    /// cert-manager.io/v1 Certificate.
+    Certificate(Certificate),
 }
 
 /// A workload's pod template, seen the same way for every workload kind.
@@ -106,6 +113,9 @@ impl Object {
             Object::InferencePool(o) => ("InferencePool", &o.metadata),
             Object::Gateway(o) => ("Gateway", &o.metadata),
             Object::HttpRoute(o) => ("HTTPRoute", &o.metadata),
+            Object::NetworkPolicy(o) => ("NetworkPolicy", &o.metadata),
+            Object::Issuer(o) => ("Issuer", &o.metadata),
+            Object::Certificate(o) => ("Certificate", &o.metadata),
         }
     }
 }
@@ -203,6 +213,9 @@ fn parse_one(index: usize, doc: &serde_json::Value) -> Result<Object, DeployChec
         ("inference.networking.k8s.io/v1", "InferencePool") => Object::InferencePool(typed(doc)?),
         ("gateway.networking.k8s.io/v1", "Gateway") => Object::Gateway(typed(doc)?),
         ("gateway.networking.k8s.io/v1", "HTTPRoute") => Object::HttpRoute(typed(doc)?),
+        ("networking.k8s.io/v1", "NetworkPolicy") => Object::NetworkPolicy(typed(doc)?),
+        ("cert-manager.io/v1", "Issuer") => Object::Issuer(typed(doc)?),
+        ("cert-manager.io/v1", "Certificate") => Object::Certificate(typed(doc)?),
         _ => {
             return Err(DeployCheckError::UnknownKind {
                 index,

@@ -131,8 +131,77 @@ fn config_map_data<'a>(r: &'a mut Rendered, prefix: &str) -> &'a mut std::collec
 }
 
 #[test]
-fn scaling_pickers_without_listing_them_in_agents_fails() {
-    broken("standalone", |r| picker_sts(r).spec.as_mut().unwrap().replicas = Some(3), "must list every picker replica");
+fn scaling_pickers_needs_no_agent_change_but_a_headless_service_that_publishes_not_ready() {
+    let mut r = rendered("standalone");
+    picker_sts(&mut r).spec.as_mut().unwrap().replicas = Some(5);
+    assert_clean("standalone with 5 pickers", &r);
+    broken(
+        "standalone",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::Service(s) = o
+                    && s.metadata.name.as_deref() == Some("kvroute-picker-peers")
+                {
+                    s.spec.as_mut().unwrap().publish_not_ready_addresses = None;
+                }
+            }
+        },
+        "publishNotReadyAddresses: true",
+    );
+}
+
+#[test]
+fn objects_outside_the_pools_namespace_fail() {
+    // The mistake this deployment once shipped: components' objects without a namespace.
+    broken(
+        "gateway-api",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::HttpRoute(h) = o {
+                    h.metadata.namespace = None;
+                }
+            }
+        },
+        "has no namespace",
+    );
+    broken(
+        "standalone",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::Deployment(d) = o {
+                    d.metadata.namespace = Some("default".into());
+                }
+            }
+        },
+        "namespace default ≠ the InferencePool's kvroute",
+    );
+}
+
+#[test]
+fn routed_pool_without_endpoint_picker_and_wrong_pool_name_fail() {
+    broken(
+        "gateway-api",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::InferencePool(p) = o {
+                    p.spec.endpoint_picker_ref = None;
+                }
+            }
+        },
+        "endpointPickerRef is missing",
+    );
+    broken(
+        "standalone",
+        |r| {
+            let c = &mut agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+            for e in c.env.as_mut().unwrap() {
+                if e.name == "POOL_NAME" {
+                    e.value = Some("other-pool".into());
+                }
+            }
+        },
+        "--pool-name \"other-pool\" names no InferencePool",
+    );
 }
 
 #[test]
@@ -204,10 +273,19 @@ fn invalid_agent_config_fails_with_the_agents_own_message() {
         "standalone",
         |r| {
             let data = config_map_data(r, "kvroute-agent-config");
-            let text = data.get("gpu-node-1.yaml").unwrap().replace("tcp://10.0.0.11:5557", "10.0.0.11:5557");
-            data.insert("gpu-node-1.yaml".into(), text);
+            let text = data.get("agent.yaml").unwrap().replace("scrape_interval_ms: 200", "scrape_interval_ms: 0");
+            data.insert("agent.yaml".into(), text);
         },
-        "node gpu-node-1: fails the agent's validation",
+        "fails the agent's validation",
+    );
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-agent-config");
+            let text = format!("{}engines: [{{pod: p, endpoint: 10.0.0.1:8000}}]\n", data.get("agent.yaml").unwrap());
+            data.insert("agent.yaml".into(), text);
+        },
+        "engines must come from the InferencePool",
     );
 }
 
@@ -256,7 +334,7 @@ fn inference_pool_pointing_at_the_wrong_port_fails() {
         |r| {
             for o in &mut r.objects {
                 if let Object::InferencePool(p) = o {
-                    p.spec.endpoint_picker_ref.port.as_mut().unwrap().number = 9090;
+                    p.spec.endpoint_picker_ref.as_mut().unwrap().port.as_mut().unwrap().number = 9090;
                 }
             }
         },
@@ -291,25 +369,45 @@ fn picker_body_limit_above_envoy_buffer_fails() {
     );
 }
 
+/// components/monitoring added to the standalone overlay: its ServiceMonitor selects the picker's
+/// Service and names a port that Service has; its PodMonitor selects the agent's pods and names a
+/// container port they declare. (Prometheus Operator kinds are not in the typed model: read raw.)
 #[test]
-fn engine_model_or_port_unknown_to_picker_and_pool_fails() {
-    broken(
-        "gateway-api",
-        |r| {
-            let data = config_map_data(r, "kvroute-agent-config");
-            let text =
-                data.get("gpu-node-2.yaml").unwrap().replace("model: Qwen/Qwen2.5-7B-Instruct", "model: Qwen/Qwen3-8B");
-            data.insert("gpu-node-2.yaml".into(), text);
-        },
-        "serves Qwen/Qwen3-8B, which no picker models[].target_model names",
-    );
-    broken(
-        "gateway-api",
-        |r| {
-            let data = config_map_data(r, "kvroute-agent-config");
-            let text = data.get("gpu-node-1.yaml").unwrap().replace("10.0.0.11:8000", "10.0.0.11:8001");
-            data.insert("gpu-node-1.yaml".into(), text);
-        },
-        "endpoint 10.0.0.11:8001 is not on a targetPort [8000] of InferencePool vllm-qwen2-5-7b",
-    );
+fn monitoring_component_targets_the_picker_service_and_agent_pods() {
+    let dir = repo_root().join("target/deploy-check-monitoring");
+    std::fs::create_dir_all(&dir).unwrap();
+    // kustomize wants relative roots: `dir` is two levels below the repository root.
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources: [../../deploy/k8s/overlays/standalone]\ncomponents: [../../deploy/k8s/components/monitoring]\n",
+    )
+    .unwrap();
+    let docs = split_documents(&render(&dir).unwrap_or_else(|e| panic!("{e}"))).unwrap();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("{kind}/{name} not rendered"))
+    };
+    let matches = |selector: &serde_json::Value, labels: &serde_json::Value| {
+        let sel = selector["matchLabels"].as_object().unwrap();
+        !sel.is_empty() && sel.iter().all(|(k, v)| labels[k] == *v)
+    };
+    let sm = find("ServiceMonitor", "kvroute-picker");
+    assert_eq!(sm["metadata"]["namespace"], "kvroute");
+    let svc = find("Service", "kvroute-picker");
+    assert!(matches(&sm["spec"]["selector"], &svc["metadata"]["labels"]), "{sm} does not select {svc}");
+    let port = sm["spec"]["endpoints"][0]["port"].as_str().unwrap();
+    assert!(svc["spec"]["ports"].as_array().unwrap().iter().any(|p| p["name"] == port), "no port {port} on {svc}");
+    let pm = find("PodMonitor", "kvroute-agent");
+    let ds = find("DaemonSet", "kvroute-agent");
+    let pod = &ds["spec"]["template"];
+    assert!(matches(&pm["spec"]["selector"], &pod["metadata"]["labels"]), "{pm} does not select the agent pods");
+    let port = pm["spec"]["podMetricsEndpoints"][0]["port"].as_str().unwrap();
+    let declared = pod["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default());
+    assert!(declared.clone().any(|p| p["name"] == port), "agent pods declare no port {port}");
 }

@@ -38,7 +38,7 @@ pub struct LoraModule {
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "kvroute-emulator",
-    version,
+    version = kvroute_cli::LONG_VERSION,
     about = "A vLLM stand-in: OpenAI API, vLLM /metrics, prefix cache, KV events over ZeroMQ"
 )]
 pub struct EmulatorConfig {

@@ -1,20 +1,34 @@
 //! `kvroute-emulator`: parse flags, start, print `READY http://HOST:PORT`, run until SIGINT/SIGTERM.
+//! Exit codes as every kvroute binary (`kvroute_cli`): 2 for a bad flag or log level, 1 for a
+//! runtime failure (a listener that cannot bind).
 
 use std::io::Write;
 
-use anyhow::Context;
 use clap::Parser;
 use kvroute_emulator::EmulatorConfig;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     let config = EmulatorConfig::parse();
-    tracing_subscriber::fmt()
-        .json()
-        .with_writer(std::io::stderr)
-        .with_env_filter(EnvFilter::try_new(&config.log_level).context("invalid --log-level")?)
-        .init();
+    let filter = match EnvFilter::try_new(&config.log_level) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("kvroute-emulator: invalid --log-level {:?}: {e}", config.log_level);
+            return kvroute_cli::Exit::Usage.into();
+        }
+    };
+    tracing_subscriber::fmt().json().with_writer(std::io::stderr).with_env_filter(filter).init();
+    match run(config).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute-emulator: {e:#}");
+            kvroute_cli::Exit::Runtime.into()
+        }
+    }
+}
+
+async fn run(config: EmulatorConfig) -> anyhow::Result<()> {
     let running = kvroute_emulator::start(config).await?;
     {
         let mut stdout = std::io::stdout().lock();

@@ -721,10 +721,18 @@ async fn large_bodies_reach_the_context_length_check() {
     // Exactly at the limit: 4080 + 16 = 4096 passes.
     complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 4080), "max_tokens": 16})).await;
     let over = vec![b'x'; 9 * 1024 * 1024];
-    let resp = client.post(url(&emu, "/v1/completions")).body(over).send().await.unwrap();
-    assert_eq!(resp.status(), 413);
-    let err: Json = resp.json().await.unwrap();
-    assert_eq!(err["error"]["code"], 413);
+    // The emulator answers 413 from the Content-Length and closes; a loaded machine may let it
+    // close before the client finished writing (broken pipe). Either way nothing was accepted,
+    // and a body under the limit still works afterwards.
+    match client.post(url(&emu, "/v1/completions")).body(over).send().await {
+        Ok(resp) => {
+            assert_eq!(resp.status(), 413);
+            let err: Json = resp.json().await.unwrap();
+            assert_eq!(err["error"]["code"], 413);
+        }
+        Err(e) => assert!(e.is_request() && !e.is_timeout(), "oversized body: {e}"),
+    }
+    complete(&emu, json!({"model": "test-model", "prompt": tokens(0, 64), "max_tokens": 4})).await;
     emu.shutdown().await;
 }
 

@@ -7,6 +7,7 @@
 
 use crate::paths::{self, free_port};
 use crate::process::ManagedProcess;
+use crate::tls;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -169,9 +170,27 @@ impl Fleet {
             engine.process = Some(task.await.context("engine start task")??);
         }
 
+        // mTLS between agents and picker, as deployed (docs/design.md §14): a CA made now, the
+        // picker's certificate and one per node.
+        let pki = work.join("tls");
+        let ca = tls::TestCa::new("kvroute fleet CA")?;
+        let ca_file = pki.join("ca.crt");
+        std::fs::create_dir_all(&pki)?;
+        std::fs::write(&ca_file, ca.cert_pem())?;
+        let picker_tls = tls::write(&pki, "picker", &ca.picker()?)?;
+
         let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+        // File mode (docs/design.md §14): the pool file is the picker's only source of endpoints.
+        write_yaml(
+            &work.join(POOL_FILE),
+            &pool_file(spec.engines_per_agent, engines.iter().enumerate().map(|(i, e)| (i, e, true))),
+        )?;
         let picker_cfg = work.join("picker.yaml");
-        write_yaml(&picker_cfg, &picker_config(&spec, ext_proc_port, ingest_port, admin_port))?;
+        let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
+        picker_yaml["ingest_tls"] = json!({
+            "ca_file": path_arg(&ca_file), "cert_file": path_arg(&picker_tls.cert), "key_file": path_arg(&picker_tls.key),
+        });
+        write_yaml(&picker_cfg, &picker_yaml)?;
         let picker_args =
             vec!["--config".into(), path_arg(&picker_cfg), "--log-level".into(), spec.picker_log_level.clone()];
         let picker = ManagedProcess::spawn(
@@ -190,7 +209,12 @@ impl Fleet {
             let cfg_path = work.join(format!("agent-{a}.yaml"));
             let metrics_port = free_port()?;
             agent_admins.push(format!("http://127.0.0.1:{metrics_port}"));
-            write_yaml(&cfg_path, &agent_config(&spec, a, chunk, ingest_port, metrics_port))?;
+            let mut agent_yaml = agent_config(&spec, a, chunk, ingest_port, metrics_port);
+            let node_tls = tls::write(&pki, &format!("node-{a}"), &ca.agent(&format!("node-{a}"))?)?;
+            agent_yaml["picker_tls"] = json!({
+                "ca_file": path_arg(&ca_file), "cert_file": path_arg(&node_tls.cert), "key_file": path_arg(&node_tls.key),
+            });
+            write_yaml(&cfg_path, &agent_yaml)?;
             let scenario = spec.agent_scenarios.get(a).cloned().unwrap_or_else(|| "healthy.yaml".into());
             let scenario_path = paths::repo_root().join("agent/scenarios").join(scenario);
             let args = vec![
@@ -289,10 +313,10 @@ impl Fleet {
         Ok(r.error_for_status()?.text().await?)
     }
 
-    /// A gauge of the picker's metrics for one pod (`name{pod="<pod>"}`), if exported.
+    /// A gauge of the picker's metrics for one pod (`name{model_server_pod="<pod>"}`), if exported.
     pub async fn pod_gauge(&self, name: &str, pod: &str) -> Result<Option<f64>> {
         let text = self.picker_metrics().await?;
-        Ok(metric_value(&text, name, &format!("pod=\"{pod}\"")))
+        Ok(metric_value(&text, name, &format!("model_server_pod=\"{pod}\"")))
     }
 
     /// Waits until the picker reports a health score for every named pod.
@@ -302,7 +326,7 @@ impl Fleet {
             let text = self.picker_metrics().await.unwrap_or_default();
             let missing: Vec<&String> = pods
                 .iter()
-                .filter(|p| metric_value(&text, "epp_pod_health_score", &format!("pod=\"{p}\"")).is_none())
+                .filter(|p| metric_value(&text, "epp_pod_health_score", &format!("model_server_pod=\"{p}\"")).is_none())
                 .collect();
             if missing.is_empty() {
                 return Ok(());
@@ -333,10 +357,10 @@ impl Fleet {
                     return Ok(v);
                 }
                 if Instant::now() > deadline {
-                    bail!("{name}{{pod={pod}}} = {v} did not reach the expected value within {timeout:?}");
+                    bail!("{name}{{model_server_pod={pod}}} = {v} did not reach the expected value within {timeout:?}");
                 }
             } else if Instant::now() > deadline {
-                bail!("{name}{{pod={pod}}} not exported within {timeout:?}");
+                bail!("{name}{{model_server_pod={pod}}} not exported within {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -369,6 +393,13 @@ impl Fleet {
             e.process = Some(p);
         }
         Ok(())
+    }
+
+    /// Rewrites the picker's pool file: the engines `(index, ready)` listed are the pool's pods,
+    /// the others leave it. The picker follows within its poll period (500 ms), without a restart.
+    pub fn set_pool(&self, members: &[(usize, bool)]) -> Result<()> {
+        let listed = members.iter().filter_map(|&(i, ready)| self.engines.get(i).map(|e| (i, e, ready)));
+        write_yaml(&self.work.join(POOL_FILE), &pool_file(self.spec.engines_per_agent, listed))
     }
 
     /// Kills the picker and starts it again with the same config and ports (empty index; the
@@ -448,7 +479,7 @@ impl Fleet {
     }
 }
 
-/// Value of the first sample of `name` whose label set contains `label` (e.g. `pod="engine-0-rank-0"`).
+/// Value of the first sample of `name` whose label set contains `label` (e.g. `model_server_pod="engine-0-rank-0"`).
 pub fn metric_value(text: &str, name: &str, label: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let rest = l.strip_prefix(name)?;
@@ -481,6 +512,22 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
     a
 }
 
+/// The picker's pool file, next to its config.
+const POOL_FILE: &str = "pool.yaml";
+
+/// A pool file (`kvroute_cluster::file`) listing `engines` `(index, engine, ready)` as pods
+/// `engine-<i>` on 127.0.0.1, each on the node of the agent that reports it (`node-<index /
+/// engines_per_agent>`): the picker accepts a pod's reports only from its node's agent.
+fn pool_file<'a>(engines_per_agent: usize, engines: impl Iterator<Item = (usize, &'a Engine, bool)>) -> Value {
+    let pods: Vec<Value> = engines
+        .map(|(i, e, ready)| {
+            let node = format!("node-{}", i / engines_per_agent.max(1));
+            json!({"name": e.pod, "ip": "127.0.0.1", "ports": [e.port], "ready": ready, "node": node})
+        })
+        .collect();
+    json!({ "pods": pods })
+}
+
 fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Value {
     let model = if spec.picker_approximate {
         json!({"name": spec.model, "target_model": spec.model, "adapter": null, "mode": "approximate"})
@@ -498,6 +545,7 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
         "admin_addr": format!("127.0.0.1:{admin}"),
         "block_size": 16,
         "models": [model],
+        "pool_file": POOL_FILE,
     })
 }
 
@@ -519,7 +567,7 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: u16,
         .collect();
     json!({
         "node_name": format!("node-{index}"),
-        "pickers": [format!("http://127.0.0.1:{ingest}")],
+        "pickers": [format!("https://127.0.0.1:{ingest}")],
         "metrics_addr": format!("127.0.0.1:{metrics_port}"),
         "report_interval_ms": spec.report_interval_ms,
         "engines": engines,
@@ -600,7 +648,10 @@ fn read_yaml(path: &Path) -> Result<Value> {
 }
 
 fn write_yaml(path: &Path, value: &Value) -> Result<()> {
-    std::fs::write(path, serde_norway::to_string(value)?).with_context(|| format!("writing {}", path.display()))
+    // Write then rename: a watcher polling the file never reads half of it.
+    let tmp = path.with_extension("yaml.tmp");
+    std::fs::write(&tmp, serde_norway::to_string(value)?).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming onto {}", path.display()))
 }
 
 fn path_arg(p: &Path) -> String {

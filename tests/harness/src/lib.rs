@@ -18,6 +18,7 @@ pub mod paths;
 pub mod process;
 pub mod run;
 pub mod stats;
+pub mod tls;
 pub mod workload;
 
 pub use client::{ChatOutcome, GatewayClient};

@@ -3,10 +3,28 @@
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 
-/// The workspace root (two levels above this crate).
+/// The workspace root, where the fixtures, `.tools/` and `target/kvroute-runs/` are:
+/// `$KVROUTE_ROOT`, else the tree this crate was built in (two levels above it) while it exists,
+/// else the first ancestor of the running executable or of the current directory that holds
+/// `tests/fixtures/tokenizer-qwen2.5` (a copied tree, or binaries moved out of their build
+/// tree), else the build tree anyway (errors then name the missing file). The current directory
+/// does not matter otherwise: the harness binaries run from anywhere.
 pub fn repo_root() -> PathBuf {
+    if let Some(root) = std::env::var_os("KVROUTE_ROOT") {
+        return PathBuf::from(root);
+    }
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    here.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_else(|| here.to_path_buf())
+    let built = here.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_else(|| here.to_path_buf());
+    let is_root = |p: &Path| p.join("tests/fixtures/tokenizer-qwen2.5").is_dir();
+    if is_root(&built) {
+        return built;
+    }
+    let starts = [std::env::current_exe().ok(), std::env::current_dir().ok()];
+    starts
+        .into_iter()
+        .flatten()
+        .find_map(|s| s.ancestors().find(|a| is_root(a)).map(Path::to_path_buf))
+        .unwrap_or(built)
 }
 
 /// The directory holding the workspace's binaries: `$KVROUTE_BIN_DIR`, else the directory of the

@@ -77,7 +77,7 @@ async fn wait_matched(
 
 async fn agent_counter(fleet: &Fleet, name: &str, pod: &str) -> f64 {
     let text = fleet.agent_metrics(0).await.expect("agent metrics");
-    metric_value(&text, name, &format!("pod=\"{pod}\"")).unwrap_or(0.0)
+    metric_value(&text, name, &format!("model_server_pod=\"{pod}\"")).unwrap_or(0.0)
 }
 
 /// The whole prompt (all full blocks but possibly the last) is indexed on `pod`.

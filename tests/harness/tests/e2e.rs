@@ -139,3 +139,56 @@ async fn every_engine_down_gives_503_with_a_json_error() {
     }
     fleet.shutdown().await;
 }
+
+/// File mode (docs/design.md §14): the picker's pool file is the only source of candidates. Edits
+/// move traffic without a restart: a pod that left the file or turned unready gets no request, its
+/// agent's reports for the departed pod are refused and counted, and a pod put back is a candidate
+/// again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_file_edits_move_traffic_without_restarts() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let fleet = Fleet::start(spec("e2e-pool-file")).await.expect("fleet starts");
+    let client = GatewayClient::new(&fleet.gateway).expect("client");
+    // engine-3 leaves the pool, engine-2 turns unready; the picker polls the file every 500 ms.
+    fleet.set_pool(&[(0, true), (1, true), (2, false)]).expect("pool file written");
+    let candidates = |ex: &Value| -> Vec<String> {
+        ex["candidates"].as_array().into_iter().flatten().filter_map(|c| c["pod"].as_str().map(String::from)).collect()
+    };
+    let probe = json!({"model": MODEL, "messages": [{"role": "user", "content": "which pods?"}]});
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let ex = fleet.explain_chat(&probe).await.expect("explain");
+        let mut c = candidates(&ex);
+        c.sort();
+        if c == ["engine-0-rank-0", "engine-1-rank-0"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "routing did not follow the pool file within 2 s: {c:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let w = Workload::multi_turn_chat(29, 12, 1, 1, 60, 10);
+    for c in &w.conversations {
+        let served = chat(&client, &w.messages(c, 0, &[])).await.served_by.unwrap_or_default();
+        assert!(served == "engine-0-rank-0" || served == "engine-1-rank-0", "served by {served} outside the pool");
+    }
+    // The agent still reports engine-3 (its static list): refused, counted.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = fleet.picker_metrics().await.expect("metrics");
+        let refused =
+            kvroute_harness::fleet::metric_value(&text, "epp_ingest_refusals_total", "reason=\"not_in_pool\"");
+        if refused.is_some_and(|v| v >= 1.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "engine-3's reports were not refused");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Back in the pool: a candidate again at once, its agent's state following.
+    fleet.set_pool(&[(0, true), (1, true), (2, true), (3, true)]).expect("pool file written");
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while candidates(&fleet.explain_chat(&probe).await.expect("explain")).len() < 4 {
+        assert!(Instant::now() < deadline, "pods put back were not candidates within 2 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fleet.shutdown().await;
+}

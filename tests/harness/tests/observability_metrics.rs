@@ -26,7 +26,7 @@ fn plain(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
-/// Every `epp_queue_depth{pod=…}` sample.
+/// Every `epp_queue_depth{model_server_pod=…}` sample.
 fn queue_depths(text: &str) -> Vec<f64> {
     text.lines().filter_map(|l| l.strip_prefix("epp_queue_depth{")?.rsplit_once(' ')?.1.trim().parse().ok()).collect()
 }
@@ -45,6 +45,15 @@ async fn picker_metrics_follow_the_traffic() {
     assert_eq!(decisions(&m), 0.0, "{m}");
     assert_eq!(plain(&m, "epp_stale_cache_routing_total"), Some(0.0), "{m}");
     assert_eq!(queue_depths(&m), vec![0.0; 4], "idle fleet: {m}");
+    // The pool's state reads from the first scrape on an idle fleet (epp_candidate_pods is the
+    // last decision's and reads 0 here), under kvroute's names and GIE's.
+    assert_eq!(plain(&m, "epp_pool_ready_pods"), Some(4.0), "{m}");
+    assert_eq!(plain(&m, "epp_pool_routable_pods"), Some(4.0), "{m}");
+    assert_eq!(metric_value(&m, "inference_pool_ready_pods", "name=\"kvroute\""), Some(4.0), "{m}");
+    assert_eq!(metric_value(&m, "inference_pool_average_queue_size", "name=\"kvroute\""), Some(0.0), "{m}");
+    assert_eq!(m.matches("inference_pool_per_pod_queue_size{").count(), 4, "{m}");
+    // Error counters exist at 0 before any error.
+    assert_eq!(metric_value(&m, "epp_request_errors_total", "code=\"503\""), Some(0.0), "{m}");
 
     // Sequential turns: one decision each, counted under the model.
     let w = Workload::multi_turn_chat(23, 4, 1, 2, 300, 20);

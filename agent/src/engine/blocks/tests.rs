@@ -114,6 +114,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             extra_keys: vec![BlockExtra::Plain],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     // Reported in the CPU tier only.
     assert_eq!(rec.take_offloaded_changes().map(|c| stored_hashes(&c)), Some(vec![ca[0].0]));
@@ -131,6 +132,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             extra_keys: vec![BlockExtra::Opaque],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     // Uninterpretable extra keys: skipped.
     assert!(stored_hashes(&rec.take_changes()).is_empty());
@@ -147,6 +149,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             extra_keys: vec![BlockExtra::Plain],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     let c = rec.take_changes();
     assert_eq!(c.stored, vec![BlockRun { parent: ca[0].0, hashes: vec![ca[1].0] }]);
@@ -191,6 +194,7 @@ fn one_block(hash: u64, parent: Option<u64>, tokens: &[u32], medium: Medium) -> 
             extra_keys: vec![BlockExtra::Plain],
         })],
         dp_rank: None,
+        damage: Default::default(),
     }
 }
 
@@ -211,6 +215,7 @@ fn block_on_another_medium_can_parent_a_gpu_block() {
         ts: 0.0,
         events: vec![KvEvent::Removed { block_hashes: vec![EngineBlockHash(1)], medium: disk }],
         dp_rank: None,
+        damage: Default::default(),
     });
     let out = rec.apply(&one_block(3, Some(1), &a[16..32], Medium::Gpu));
     assert_eq!(out.dropped_unknown_parent, 1);
@@ -226,6 +231,7 @@ fn removal_from_a_medium_never_seen_changes_nothing() {
         ts: 0.0,
         events: vec![KvEvent::Removed { block_hashes: vec![EngineBlockHash(1)], medium: Medium::Other("nvme".into()) }],
         dp_rank: None,
+        damage: Default::default(),
     });
     assert!(!rec.has_changes());
     assert_eq!(rec.gpu_len(), 1);
@@ -261,8 +267,79 @@ fn salted_and_multimodal_blocks_hash_like_the_picker() {
             ],
         })],
         dp_rank: None,
+        damage: Default::default(),
     });
     assert_eq!(stored_hashes(&rec.take_changes()), want.iter().map(|h| h.0).collect::<Vec<_>>());
     // The unsalted chain of the same tokens shares nothing with it.
     assert!(chain(None, &a[..48]).iter().all(|h| !want.contains(h)));
+}
+
+/// One GPU block `hash` of `tokens` under adapter `lora`, no parent.
+fn lora_block(hash: u64, lora: &str, tokens: &[u32]) -> KvEventBatch {
+    let mut b = one_block(hash, None, tokens, Medium::Gpu);
+    if let KvEvent::Stored(s) = &mut b.events[0] {
+        s.lora_name = Some(lora.to_string());
+    }
+    b
+}
+
+#[test]
+fn a_full_record_drops_new_stores_counted_until_removals_make_room() {
+    for folder in ["v0.33", "legacy-array"] {
+        let (a, b) = prompts();
+        let (ca, cb) = (chain(None, &a), chain(None, &b));
+        let mut rec = BlockRecord::new(MODEL);
+        assert_eq!(rec.capacity(), DEFAULT_MAX_BLOCKS);
+        rec.set_capacity(4);
+        assert_eq!(rec.apply(&batch(folder, 0)).stored_gpu, 3);
+        // Batch 1 stores B's two own blocks: one fits, the other (its child) is dropped.
+        let out = rec.apply(&batch(folder, 1));
+        assert_eq!((out.stored_gpu, out.dropped_capacity), (1, 1), "{folder}");
+        assert_eq!(rec.len(), 4);
+        assert!(rec.contains(cb[2]) && !rec.contains(cb[3]));
+        // Batch 2 removes A's third block: room for one more, which batch 3's LoRA block takes;
+        // its CPU copy of A's first block no longer fits.
+        rec.apply(&batch(folder, 2));
+        let out = rec.apply(&batch(folder, 3));
+        assert_eq!((out.stored_gpu, out.dropped_capacity), (1, 1), "{folder}");
+        assert_eq!(rec.len(), 4);
+        assert!(rec.contains(ca[0]) && !rec.contains(ca[2]));
+        // Re-storing A's chain: its two blocks still held need no room, the removed third does.
+        let out = rec.apply(&batch(folder, 0));
+        assert_eq!((out.stored_gpu, out.dropped_capacity), (0, 1), "{folder}");
+    }
+}
+
+#[test]
+fn adapters_are_found_by_name_and_their_index_stays_bounded() {
+    let (a, _) = prompts();
+    let mut rec = BlockRecord::new(MODEL);
+    let adapters = MAX_HASHED_ADAPTERS + 100;
+    for i in 0..adapters {
+        let name = format!("adapter-{i}");
+        rec.apply(&lora_block(i as u64, &name, &a[..16]));
+        assert!(rec.lora_hashers.len() <= MAX_HASHED_ADAPTERS);
+    }
+    assert_eq!(rec.gpu_len(), adapters);
+    // Each block was hashed under its own adapter's root, before and after the index was reset.
+    for i in [0, MAX_HASHED_ADAPTERS - 1, MAX_HASHED_ADAPTERS, adapters - 1] {
+        assert!(rec.contains(chain(Some(&format!("adapter-{i}")), &a[..16])[0]), "adapter-{i}");
+    }
+    // The base model and a second block size have their own roots.
+    rec.apply(&one_block(u64::MAX, None, &a[..16], Medium::Gpu));
+    assert!(rec.contains(chain(None, &a[..16])[0]));
+}
+
+#[test]
+fn stores_on_media_past_the_limit_are_dropped_counted() {
+    let (a, _) = prompts();
+    let mut rec = BlockRecord::new(MODEL);
+    let mut dropped = 0;
+    for i in 0..MAX_MEDIA as u64 + 4 {
+        let out = rec.apply(&one_block(i, None, &a[..16], Medium::Other(format!("tier-{i}"))));
+        dropped += out.dropped_capacity;
+    }
+    // GPU and CPU are two of the limit's media; 14 others fit.
+    assert_eq!(dropped, 6);
+    assert_eq!(rec.len(), MAX_MEDIA - 2);
 }

@@ -49,6 +49,7 @@ fn ours(e: &KvEvent) -> Json {
             "medium": medium_name(medium),
         }),
         KvEvent::AllCleared => json!({"type": "AllBlocksCleared"}),
+        KvEvent::Untrusted(why) => json!({"type": "Untrusted", "why": why}),
     }
 }
 
@@ -226,12 +227,195 @@ fn malformed_input_is_an_error() {
     let good = frames("v0.33", 0);
     assert!(matches!(decode_message(&good[..1]), Err(KvEventError::Frames { .. })));
     assert!(matches!(decode_message(&[good[0].clone(), vec![1, 2], good[2].clone()]), Err(KvEventError::Seq(2))));
-    let truncated = good[2][..good[2].len() / 2].to_vec();
-    assert!(decode_message(&[good[0].clone(), good[1].clone(), truncated]).is_err());
+    // Cut before the events array: nothing to keep.
+    assert!(matches!(
+        decode_message(&[good[0].clone(), good[1].clone(), good[2][..5].to_vec()]),
+        Err(KvEventError::Msgpack(_))
+    ));
     assert!(matches!(decode_message(&[good[0].clone(), good[1].clone(), vec![0xc0]]), Err(KvEventError::Shape(_))));
+    assert!(matches!(decode_batch(&[0xc1]), Err(KvEventError::Msgpack(_))));
     let mut buf = Vec::new();
-    let bad = Value::Array(vec![Value::F64(0.0), Value::Array(vec![Value::Array(vec![Value::from("Bogus")])])]);
-    rmpv::encode::write_value(&mut buf, &bad).expect("encode");
+    rmpv::encode::write_value(&mut buf, &Value::Array(vec![Value::F64(0.0), Value::from("events?")])).expect("encode");
     assert!(matches!(decode_batch(&buf), Err(KvEventError::Shape(_))));
     assert!(decode_replay(&[vec![1], vec![0; 8], vec![]]).is_err());
+}
+
+/// The fixture batch `n` of `folder` as a msgpack value tree.
+fn fixture_value(folder: &str, n: usize) -> Value {
+    let payload = &frames(folder, n)[2];
+    rmpv::decode::read_value(&mut payload.as_slice()).expect("fixture is msgpack")
+}
+
+/// `batch` (a value tree) with its events replaced by `events`, encoded.
+fn with_events(mut batch: Value, events: Vec<Value>) -> Vec<u8> {
+    if let Value::Array(parts) = &mut batch {
+        parts[1] = Value::Array(events);
+    }
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &batch).expect("encode");
+    buf
+}
+
+fn events_of(batch: &Value) -> Vec<Value> {
+    batch.as_array().and_then(|p| p[1].as_array()).cloned().expect("events array")
+}
+
+/// An event of `kind` in the folder's shape (map for v0.33, positional array for legacy).
+fn event(folder: &str, kind: &str, fields: Vec<(&str, Value)>) -> Value {
+    if folder == "v0.33" {
+        let mut m = vec![(Value::from("type"), Value::from(kind))];
+        m.extend(fields.into_iter().map(|(k, v)| (Value::from(k), v)));
+        Value::Map(m)
+    } else {
+        let mut a = vec![Value::from(kind)];
+        a.extend(fields.into_iter().map(|(_, v)| v));
+        Value::Array(a)
+    }
+}
+
+#[test]
+fn an_unknown_event_type_is_skipped_and_counted_and_the_rest_kept() {
+    for folder in FOLDERS {
+        // Batch 3 holds two BlockStored; a newer vLLM's event between them.
+        let whole = fixture_value(folder, 3);
+        let mut events = events_of(&whole);
+        let newer = event(folder, "BlockPinned", vec![("block_hashes", Value::Array(vec![Value::from(7)]))]);
+        events.insert(1, newer);
+        events.push(event(folder, "BlockPinned", vec![]));
+        events.push(event(folder, "CacheResized", vec![("num_gpu_blocks", Value::from(4))]));
+        let b = decode_batch(&with_events(whole.clone(), events)).expect("decodes");
+        let want = decode_message(&frames(folder, 3)).expect("fixture").batch;
+        assert_eq!(b.events, want.events, "{folder}");
+        assert_eq!(b.damage.unknown_events, 3);
+        assert_eq!(b.damage.unknown_types, vec!["BlockPinned", "CacheResized"]);
+        assert!(!b.untrusted() && !b.damage.truncated);
+    }
+}
+
+#[test]
+fn an_unreadable_store_is_skipped_but_an_unreadable_removal_is_untrusted() {
+    for folder in FOLDERS {
+        let whole = fixture_value(folder, 3);
+        let mut events = events_of(&whole);
+        let bad_store = event(
+            folder,
+            "BlockStored",
+            vec![
+                ("block_hashes", Value::Array(vec![Value::from(1)])),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", Value::from("x")),
+            ],
+        );
+        let bad_removal = event(folder, "BlockRemoved", vec![("block_hashes", Value::from(true))]);
+        events.insert(0, bad_store);
+        events.insert(2, bad_removal);
+        let b = decode_batch(&with_events(whole, events)).expect("decodes");
+        let want = decode_message(&frames(folder, 3)).expect("fixture").batch.events;
+        assert_eq!(b.events.len(), 3, "{folder}: {:?}", b.events);
+        assert_eq!(b.events[0], want[0]);
+        assert!(matches!(&b.events[1], KvEvent::Untrusted(why) if why.contains("BlockRemoved")), "{:?}", b.events[1]);
+        assert_eq!(b.events[2], want[1]);
+        assert_eq!(b.damage.skipped_events, 1);
+        assert!(b.damage.first_skip_reason.as_deref().is_some_and(|r| r.contains("token_ids")));
+    }
+}
+
+/// Byte offsets where each event of a fixture payload starts, and where the events end (the
+/// fixtures are `[ts, [events…], rank]` with fewer than 16 events).
+fn event_offsets(payload: &[u8]) -> (Vec<usize>, usize) {
+    assert_eq!(payload[0], 0x93, "fixarray of 3");
+    let mut rest = &payload[1..];
+    rmpv::decode::read_value(&mut rest).expect("ts");
+    let header = rest[0];
+    assert_eq!(header & 0xf0, 0x90, "fixarray of events");
+    rest = &rest[1..];
+    let mut starts = Vec::new();
+    for _ in 0..(header & 0x0f) {
+        starts.push(payload.len() - rest.len());
+        rmpv::decode::read_value(&mut rest).expect("event");
+    }
+    (starts, payload.len() - rest.len())
+}
+
+#[test]
+fn a_payload_cut_short_keeps_its_whole_events_and_distrusts_only_what_may_be_lost() {
+    for folder in FOLDERS {
+        for n in 0..5 {
+            let f = frames(folder, n);
+            let payload = &f[2];
+            let whole = decode_batch(payload).expect("fixture").events;
+            let (starts, end) = event_offsets(payload);
+            let Some(&first) = starts.first() else { continue };
+            for cut in 1..payload.len() {
+                let got = decode_message(&[f[0].clone(), f[1].clone(), payload[..cut].to_vec()]);
+                if cut < first {
+                    assert!(got.is_err(), "{folder}/{n} cut at {cut}: no events array yet");
+                    continue;
+                }
+                let b = got.unwrap_or_else(|e| panic!("{folder}/{n} cut at {cut}: {e}")).batch;
+                if cut >= end {
+                    // Only the rank is missing: every event is there.
+                    assert_eq!(b.events, whole);
+                    continue;
+                }
+                // Events whose last byte is before the cut.
+                let ends: Vec<usize> = starts.iter().skip(1).copied().chain([end]).collect();
+                let complete = ends.iter().filter(|&&e| e <= cut).count();
+                let kept: Vec<&KvEvent> = b.events.iter().filter(|e| !matches!(e, KvEvent::Untrusted(_))).collect();
+                assert_eq!(kept, whole.iter().take(complete).collect::<Vec<_>>(), "{folder}/{n} cut at {cut}");
+                assert!(b.damage.truncated);
+                // Only the rest of one final BlockStored (its type read) is safe to lose.
+                let in_last = complete + 1 == whole.len() && !starts.contains(&cut);
+                let last_is_store = matches!(whole.last(), Some(KvEvent::Stored(_)));
+                let type_read = cut > starts[complete] + 20;
+                if in_last && last_is_store && type_read {
+                    assert!(!b.untrusted(), "{folder}/{n} cut at {cut}: {:?}", b.events);
+                }
+                if !in_last {
+                    assert!(matches!(b.events.last(), Some(KvEvent::Untrusted(_))), "{folder}/{n} cut at {cut}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn deep_nesting_is_an_error_not_a_stack_overflow() {
+    // [0.0, [{"type": "BlockRemoved", "x": [[[…0…]]]}]], written by hand (a value tree this deep
+    // would overflow the encoder's own stack).
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &Value::F64(0.0)).expect("encode");
+    let mut payload = vec![0x92];
+    payload.extend(buf);
+    payload.extend([0x91, 0x82]);
+    for s in ["type", "BlockRemoved", "x"] {
+        rmpv::encode::write_value(&mut payload, &Value::from(s)).expect("encode");
+    }
+    payload.extend(std::iter::repeat_n(0x91, 100_000));
+    payload.push(0);
+    let b = decode_batch(&payload).expect("the events array was reached");
+    assert!(b.untrusted() && b.damage.truncated, "{b:?}");
+}
+
+#[test]
+fn oversized_names_make_an_event_unreadable() {
+    let long = "l".repeat(MAX_NAME_BYTES + 1);
+    let stored = Value::Map(vec![
+        (Value::from("type"), Value::from("BlockStored")),
+        (Value::from("block_hashes"), Value::Array(vec![Value::from(1)])),
+        (Value::from("token_ids"), Value::Array((0..16).map(Value::from).collect())),
+        (Value::from("block_size"), Value::from(16)),
+        (Value::from("lora_name"), Value::from(long.as_str())),
+    ]);
+    let removed = Value::Map(vec![
+        (Value::from("type"), Value::from("BlockRemoved")),
+        (Value::from("block_hashes"), Value::Array(vec![Value::from(1)])),
+        (Value::from("medium"), Value::from("m".repeat(MAX_MEDIUM_BYTES + 1).as_str())),
+    ]);
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &Value::Array(vec![Value::F64(0.0), Value::Array(vec![stored, removed])]))
+        .expect("encode");
+    let b = decode_batch(&buf).expect("decodes");
+    assert_eq!(b.damage.skipped_events, 1);
+    assert!(matches!(&b.events[..], [KvEvent::Untrusted(_)]), "{:?}", b.events);
 }

@@ -14,11 +14,17 @@
 //!
 //! Map keys may come in any order (the `"type"` of an event map is not assumed first): map
 //! events collect every known field, then the kind decides which are required.
+//!
+//! Results go into a [`Gathered`] that the visitors write through (serde seeds), not through
+//! serde's return values: when the payload breaks off, the deserializer's error unwinds every
+//! visitor, and the events read whole before the break are still there to keep.
 
-use super::{BlockExtra, BlockStored, KvEvent, KvEventBatch, KvEventError, Medium};
-use kvroute_common::EngineBlockHash;
-use kvroute_common::ExtraKey;
-use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use super::{
+    BlockExtra, BlockStored, Damage, KvEvent, KvEventBatch, KvEventError, MAX_DEPTH, MAX_LOGGED_NAME,
+    MAX_MEDIUM_BYTES, MAX_NAME_BYTES, MAX_UNKNOWN_NAMES, Medium,
+};
+use kvroute_common::{EngineBlockHash, ExtraKey};
+use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -28,8 +34,10 @@ type Lenient<T> = Result<T, String>;
 /// Decodes a msgpack `KVEventBatch` payload (see the parent module for the accepted shapes).
 pub(super) fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, KvEventError> {
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
-    let batch = Batch::deserialize(&mut de).map_err(|e| KvEventError::Msgpack(e.to_string()))?;
-    batch.0
+    de.set_max_depth(MAX_DEPTH);
+    let mut g = Gathered::default();
+    let read = BatchSeed(&mut g).deserialize(&mut de);
+    g.finish(read.err().map(|e| e.to_string()))
 }
 
 /// A msgpack value that is not needed whole: scalars kept (strings and bytes borrowed from the
@@ -126,39 +134,39 @@ impl<'de> Scalar<'de> {
 }
 
 /// The scalar visits every lenient visitor shares: anything that is not the container it wants
-/// becomes a [`Scalar`], handed to `$conv`.
+/// becomes a [`Scalar`], handed to `$conv` with the visitor (`|visitor, scalar| value`).
 macro_rules! scalar_visits {
     ($conv:expr) => {
         fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::Bool(v)))
+            Ok(($conv)(self, Scalar::Bool(v)))
         }
         fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
-            Ok(($conv)(int_scalar(v)))
+            Ok(($conv)(self, int_scalar(v)))
         }
         fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::U64(v)))
+            Ok(($conv)(self, Scalar::U64(v)))
         }
         fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::F64(v)))
+            Ok(($conv)(self, Scalar::F64(v)))
         }
         fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::Str(Cow::Owned(v.to_string()))))
+            Ok(($conv)(self, Scalar::Str(Cow::Owned(v.to_string()))))
         }
         fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::Str(Cow::Borrowed(v))))
+            Ok(($conv)(self, Scalar::Str(Cow::Borrowed(v))))
         }
         fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::Bin(Cow::Owned(v.to_vec()))))
+            Ok(($conv)(self, Scalar::Bin(Cow::Owned(v.to_vec()))))
         }
         fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::Bin(Cow::Borrowed(v))))
+            Ok(($conv)(self, Scalar::Bin(Cow::Borrowed(v))))
         }
         fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(($conv)(Scalar::Nil))
+            Ok(($conv)(self, Scalar::Nil))
         }
         fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
             IgnoredAny::deserialize(d)?;
-            Ok(($conv)(Scalar::Compound))
+            Ok(($conv)(self, Scalar::Compound))
         }
     };
 }
@@ -184,7 +192,7 @@ impl<'de> Visitor<'de> for ScalarVisitor {
         f.write_str("any msgpack value")
     }
 
-    scalar_visits!(|s| s);
+    scalar_visits!(|_, s| s);
 
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
         skip_seq(seq)?;
@@ -223,7 +231,7 @@ impl<'de> Visitor<'de> for HashItemVisitor {
         f.write_str("a block hash")
     }
 
-    scalar_visits!(|s: Scalar<'_>| HashItem(s.hash()));
+    scalar_visits!(|_, s: Scalar<'_>| HashItem(s.hash()));
 
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<HashItem, A::Error> {
         skip_seq(seq)?;
@@ -251,7 +259,7 @@ impl<'de> Visitor<'de> for HashesVisitor {
         f.write_str("block hashes")
     }
 
-    scalar_visits!(|_| Hashes(Err("block_hashes is not an array".to_string())));
+    scalar_visits!(|_, _| Hashes(Err("block_hashes is not an array".to_string())));
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         skip_map(map)?;
@@ -351,7 +359,7 @@ impl<'de> Visitor<'de> for TokensVisitor {
         f.write_str("token ids")
     }
 
-    scalar_visits!(|_| Tokens(Err("BlockStored without token_ids".to_string())));
+    scalar_visits!(|_, _| Tokens(Err("BlockStored without token_ids".to_string())));
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         skip_map(map)?;
@@ -395,7 +403,7 @@ impl<'de> Visitor<'de> for ExtraElemVisitor {
         f.write_str("an extra key")
     }
 
-    scalar_visits!(|s: Scalar<'de>| match s {
+    scalar_visits!(|_, s: Scalar<'de>| match s {
         Scalar::Str(s) => ExtraElem::Str(s),
         _ => ExtraElem::Other,
     });
@@ -470,7 +478,7 @@ impl<'de> Visitor<'de> for ExtraEntryVisitor {
         f.write_str("an extra_keys entry")
     }
 
-    scalar_visits!(ExtraEntry::One);
+    scalar_visits!(|_, s| ExtraEntry::One(s));
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         skip_map(map)?;
@@ -527,7 +535,7 @@ impl<'de> Visitor<'de> for ExtraKeysVisitor {
         f.write_str("extra_keys")
     }
 
-    scalar_visits!(ExtraKeys::One);
+    scalar_visits!(|_, s| ExtraKeys::One(s));
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         skip_map(map)?;
@@ -553,6 +561,38 @@ impl<'de> Deserialize<'de> for ExtraKeys<'de> {
 const STORED_FIELDS: [&str; 8] =
     ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"];
 const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
+
+/// An event's kind, once its type name is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown,
+}
+
+impl Kind {
+    fn of(name: &str) -> Kind {
+        match name {
+            "BlockStored" => Kind::Stored,
+            "BlockRemoved" => Kind::Removed,
+            "AllBlocksCleared" => Kind::Cleared,
+            _ => Kind::Unknown,
+        }
+    }
+}
+
+/// What became of one event read whole.
+enum Outcome {
+    /// Decoded.
+    Event(KvEvent),
+    /// Of an unknown type (its name): skipped.
+    Unknown(String),
+    /// Unreadable, and losing it only under-claims: skipped (why).
+    Skip(String),
+    /// Unreadable, and it may have removed blocks: the record is cleared here (why).
+    Untrusted(String),
+}
 
 /// Every field an event may carry, as read (absent = `None`).
 #[derive(Default)]
@@ -591,49 +631,71 @@ impl<'de> EventFields<'de> {
         })
     }
 
-    fn into_event(self, kind: &str) -> Result<KvEvent, KvEventError> {
-        let shape = KvEventError::Shape;
-        let hashes = |h: Option<Hashes>| match h {
-            Some(Hashes(h)) => h.map_err(shape),
-            None => Err(shape("block_hashes is not an array".into())),
-        };
-        let medium = |m: Option<Scalar<'_>>| m.map_or(Ok(Medium::Gpu), |m| m.medium().map_err(shape));
+    /// The event of type `name` (kind `kind`) these fields make, or what to do without it.
+    fn into_outcome(self, kind: Kind, name: &str) -> Outcome {
         match kind {
-            "BlockStored" => {
-                let block_hashes = hashes(self.block_hashes)?;
-                let parent = match self.parent {
-                    None | Some(Scalar::Nil) => None,
-                    Some(h) => Some(h.hash().map_err(shape)?),
-                };
-                let token_ids = match self.token_ids {
-                    Some(Tokens(t)) => t.map_err(shape)?,
-                    None => return Err(shape("BlockStored without token_ids".into())),
-                };
-                let block_size =
-                    match self.block_size.as_ref().and_then(Scalar::as_u64).and_then(|b| u32::try_from(b).ok()) {
-                        Some(b) if b > 0 => b,
-                        _ => return Err(shape("BlockStored without a positive block_size".into())),
-                    };
-                let lora_name = self.lora_name.as_ref().and_then(Scalar::as_str).map(str::to_string);
-                let extra_keys =
-                    ExtraKeys::per_block(self.extra_keys.as_ref(), block_hashes.len(), lora_name.as_deref());
-                Ok(KvEvent::Stored(BlockStored {
-                    block_hashes,
-                    parent,
-                    token_ids,
-                    block_size,
-                    lora_id: self.lora_id.as_ref().and_then(Scalar::as_i64),
-                    medium: medium(self.medium)?,
-                    lora_name,
-                    extra_keys,
-                }))
-            }
-            "BlockRemoved" => {
-                Ok(KvEvent::Removed { block_hashes: hashes(self.block_hashes)?, medium: medium(self.medium)? })
-            }
-            "AllBlocksCleared" => Ok(KvEvent::AllCleared),
-            other => Err(shape(format!("unknown event type {other:?}"))),
+            Kind::Stored => self.stored().map_or_else(Outcome::Skip, |s| Outcome::Event(KvEvent::Stored(s))),
+            Kind::Removed => self.removed().map_or_else(Outcome::Untrusted, Outcome::Event),
+            Kind::Cleared => Outcome::Event(KvEvent::AllCleared),
+            Kind::Unknown => Outcome::Unknown(name.chars().take(MAX_LOGGED_NAME).collect()),
         }
+    }
+
+    fn stored(self) -> Lenient<BlockStored> {
+        let block_hashes = hashes(self.block_hashes)?;
+        let parent = match self.parent {
+            None | Some(Scalar::Nil) => None,
+            Some(h) => Some(h.hash()?),
+        };
+        let token_ids = match self.token_ids {
+            Some(Tokens(t)) => t?,
+            None => return Err("BlockStored without token_ids".into()),
+        };
+        let block_size = match self.block_size.as_ref().and_then(Scalar::as_u64).and_then(|b| u32::try_from(b).ok()) {
+            Some(b) if b > 0 => b,
+            _ => return Err("BlockStored without a positive block_size".into()),
+        };
+        let lora_name = match self.lora_name {
+            Some(Scalar::Str(s)) if s.len() > MAX_NAME_BYTES => {
+                return Err(format!("lora_name of {} bytes (limit {MAX_NAME_BYTES})", s.len()));
+            }
+            Some(Scalar::Str(s)) => Some(s.into_owned()),
+            _ => None,
+        };
+        let extra_keys = ExtraKeys::per_block(self.extra_keys.as_ref(), block_hashes.len(), lora_name.as_deref());
+        Ok(BlockStored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_id: self.lora_id.as_ref().and_then(Scalar::as_i64),
+            medium: medium(self.medium)?,
+            lora_name,
+            extra_keys,
+        })
+    }
+
+    fn removed(self) -> Lenient<KvEvent> {
+        let block_hashes = hashes(self.block_hashes).map_err(|e| format!("BlockRemoved: {e}"))?;
+        let medium = medium(self.medium).map_err(|e| format!("BlockRemoved: {e}"))?;
+        Ok(KvEvent::Removed { block_hashes, medium })
+    }
+}
+
+fn hashes(h: Option<Hashes>) -> Lenient<Vec<EngineBlockHash>> {
+    match h {
+        Some(Hashes(h)) => h,
+        None => Err("block_hashes is not an array".into()),
+    }
+}
+
+fn medium(m: Option<Scalar<'_>>) -> Lenient<Medium> {
+    match m {
+        Some(Scalar::Str(s)) if s.len() > MAX_MEDIUM_BYTES => {
+            Err(format!("medium name of {} bytes (limit {MAX_MEDIUM_BYTES})", s.len()))
+        }
+        Some(m) => m.medium(),
+        None => Ok(Medium::Gpu),
     }
 }
 
@@ -662,26 +724,106 @@ impl<'de, A: MapAccess<'de>> FieldSource<'de> for FromMap<'_, A> {
     }
 }
 
-/// One event, decoded (or what was wrong with it).
-struct Event(Result<KvEvent, KvEventError>);
+/// What the visitors have read so far; see the module docs for why it lives outside serde's
+/// return values.
+#[derive(Default)]
+struct Gathered {
+    ts: Option<f64>,
+    dp_rank: Option<i64>,
+    /// The events array's header was read.
+    events_started: bool,
+    /// Its last element was read.
+    events_done: bool,
+    /// Its declared length.
+    declared: usize,
+    /// Events read whole, whatever became of them.
+    read: usize,
+    /// Kind of the event being read, once its type name was read.
+    current: Option<Kind>,
+    /// Why the batch has no usable events array (a shape problem, not a msgpack one).
+    shape: Option<String>,
+    events: Vec<KvEvent>,
+    damage: Damage,
+}
 
-struct EventVisitor;
+impl Gathered {
+    fn take(&mut self, outcome: Outcome) {
+        self.read += 1;
+        self.current = None;
+        match outcome {
+            Outcome::Event(e) => self.events.push(e),
+            Outcome::Unknown(name) => {
+                self.damage.unknown_events += 1;
+                if self.damage.unknown_types.len() < MAX_UNKNOWN_NAMES && !self.damage.unknown_types.contains(&name) {
+                    self.damage.unknown_types.push(name);
+                }
+            }
+            Outcome::Skip(why) => {
+                self.damage.skipped_events += 1;
+                self.damage.first_skip_reason.get_or_insert(why);
+            }
+            Outcome::Untrusted(why) => self.events.push(KvEvent::Untrusted(why)),
+        }
+    }
 
-impl<'de> Visitor<'de> for EventVisitor {
-    type Value = Event;
+    /// The batch, given the deserializer's error if it stopped early (see the module docs of
+    /// the parent for what is kept).
+    fn finish(mut self, error: Option<String>) -> Result<KvEventBatch, KvEventError> {
+        if let Some(why) = self.shape {
+            return Err(KvEventError::Shape(why));
+        }
+        if !self.events_started {
+            return Err(match error {
+                Some(e) => KvEventError::Msgpack(e),
+                None => KvEventError::Shape("batch has no events array".into()),
+            });
+        }
+        if let Some(e) = error
+            && !self.events_done
+        {
+            self.damage.truncated = true;
+            // Lost: the event being read and every one after it. Only the rest of one final
+            // BlockStored can be lost without risk.
+            let after = self.declared.saturating_sub(self.read + 1);
+            if !(self.current == Some(Kind::Stored) && after == 0) {
+                let of = self.declared;
+                self.events
+                    .push(KvEvent::Untrusted(format!("payload broke off after {} of {of} events ({e})", self.read)));
+            }
+        }
+        Ok(KvEventBatch { ts: self.ts.unwrap_or(0.0), events: self.events, dp_rank: self.dp_rank, damage: self.damage })
+    }
+}
+
+/// Reads one event into a [`Gathered`].
+struct EventSeed<'a>(&'a mut Gathered);
+
+impl<'de> DeserializeSeed<'de> for EventSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for EventSeed<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a KV event (map or array)")
     }
 
-    scalar_visits!(|s: Scalar<'_>| Event(Err(KvEventError::Shape(format!("event is neither map nor array: {s}")))));
+    scalar_visits!(|v: Self, s: Scalar<'_>| v.0.take(Outcome::Skip(format!("event is neither map nor array: {s}"))));
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut kind: Option<Scalar<'de>> = None;
         let mut fields = EventFields::default();
         while let Some(key) = map.next_key::<Scalar<'de>>()? {
             match key.as_str() {
-                Some("type") => kind = Some(map.next_value()?),
+                Some("type") => {
+                    let k: Scalar<'de> = map.next_value()?;
+                    self.0.current = k.as_str().map(Kind::of);
+                    kind = Some(k);
+                }
                 Some(name) => {
                     fields.read(name, FromMap(&mut map))?;
                 }
@@ -690,22 +832,27 @@ impl<'de> Visitor<'de> for EventVisitor {
                 }
             }
         }
-        Ok(Event(match kind.as_ref().and_then(Scalar::as_str) {
-            Some(kind) => fields.into_event(kind),
-            None => Err(KvEventError::Shape("event map without a string \"type\"".into())),
-        }))
+        let outcome = match kind.as_ref().and_then(Scalar::as_str) {
+            Some(name) => fields.into_outcome(Kind::of(name), name),
+            None => Outcome::Skip("event map without a string \"type\"".into()),
+        };
+        self.0.take(outcome);
+        Ok(())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let kind: Option<Scalar<'de>> = seq.next_element()?;
-        let Some(kind) = kind.as_ref().and_then(Scalar::as_str) else {
+        let Some(name) = kind.as_ref().and_then(Scalar::as_str) else {
             skip_seq(seq)?;
-            return Ok(Event(Err(KvEventError::Shape("event array without a type name first".into()))));
+            self.0.take(Outcome::Skip("event array without a type name first".into()));
+            return Ok(());
         };
-        let names: &[&str] = match kind {
-            "BlockStored" => &STORED_FIELDS,
-            "BlockRemoved" => &REMOVED_FIELDS,
-            _ => &[],
+        let k = Kind::of(name);
+        self.0.current = Some(k);
+        let names: &[&str] = match k {
+            Kind::Stored => &STORED_FIELDS,
+            Kind::Removed => &REMOVED_FIELDS,
+            Kind::Cleared | Kind::Unknown => &[],
         };
         let mut fields = EventFields::default();
         for name in names {
@@ -714,107 +861,89 @@ impl<'de> Visitor<'de> for EventVisitor {
             }
         }
         skip_seq(seq)?;
-        Ok(Event(fields.into_event(kind)))
+        self.0.take(fields.into_outcome(k, name));
+        Ok(())
     }
 }
 
-impl<'de> Deserialize<'de> for Event {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(EventVisitor)
+/// Reads the events array into a [`Gathered`], event by event.
+struct EventsSeed<'a>(&'a mut Gathered);
+
+impl<'de> DeserializeSeed<'de> for EventsSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
     }
 }
 
-/// The events array: every event, or the first one that was wrong.
-struct Events(Result<Vec<KvEvent>, KvEventError>);
-
-struct EventsVisitor;
-
-impl<'de> Visitor<'de> for EventsVisitor {
-    type Value = Events;
+impl<'de> Visitor<'de> for EventsSeed<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an events array")
     }
 
-    scalar_visits!(|_| Events(Err(KvEventError::Shape("batch has no events array".into()))));
+    scalar_visits!(|v: Self, _| v.0.shape = Some("batch has no events array".into()));
 
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<(), A::Error> {
         skip_map(map)?;
-        Ok(Events(Err(KvEventError::Shape("batch has no events array".into()))))
+        self.0.shape = Some("batch has no events array".into());
+        Ok(())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 12));
-        let mut bad = None;
-        while let Some(Event(e)) = seq.next_element()? {
-            match e {
-                Ok(e) if bad.is_none() => out.push(e),
-                Ok(_) => {}
-                Err(e) => bad = bad.or(Some(e)),
-            }
-        }
-        Ok(Events(bad.map_or(Ok(out), Err)))
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let g = self.0;
+        g.events_started = true;
+        g.declared = seq.size_hint().unwrap_or(0);
+        g.events.reserve(g.declared.min(1 << 12));
+        while seq.next_element_seed(EventSeed(&mut *g))?.is_some() {}
+        g.events_done = true;
+        Ok(())
     }
 }
 
-impl<'de> Deserialize<'de> for Events {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(EventsVisitor)
+/// Reads a whole batch into a [`Gathered`].
+struct BatchSeed<'a>(&'a mut Gathered);
+
+impl<'de> DeserializeSeed<'de> for BatchSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
     }
 }
 
-/// A whole batch, or what was wrong with its shape.
-struct Batch(Result<KvEventBatch, KvEventError>);
-
-impl Batch {
-    fn build(ts: Option<Scalar<'_>>, events: Option<Events>, rank: Option<Scalar<'_>>) -> Batch {
-        let ts = ts.as_ref().and_then(Scalar::as_f64).unwrap_or(0.0);
-        let dp_rank = rank.as_ref().and_then(Scalar::as_i64);
-        Batch(match events {
-            Some(Events(Ok(events))) => Ok(KvEventBatch { ts, events, dp_rank }),
-            Some(Events(Err(e))) => Err(e),
-            None => Err(KvEventError::Shape("batch has no events array".into())),
-        })
-    }
-}
-
-struct BatchVisitor;
-
-impl<'de> Visitor<'de> for BatchVisitor {
-    type Value = Batch;
+impl<'de> Visitor<'de> for BatchSeed<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a KVEventBatch (array or map)")
     }
 
-    scalar_visits!(|s: Scalar<'_>| Batch(Err(KvEventError::Shape(format!("batch is neither array nor map: {s}")))));
+    scalar_visits!(|v: Self, s: Scalar<'_>| v.0.shape = Some(format!("batch is neither array nor map: {s}")));
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let ts = seq.next_element::<Scalar<'de>>()?;
-        let events = if ts.is_some() { seq.next_element::<Events>()? } else { None };
-        let rank = if events.is_some() { seq.next_element::<Scalar<'de>>()? } else { None };
-        skip_seq(seq)?;
-        Ok(Batch::build(ts, events, rank))
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let g = self.0;
+        let Some(ts) = seq.next_element::<Scalar<'de>>()? else { return Ok(()) };
+        g.ts = ts.as_f64();
+        if seq.next_element_seed(EventsSeed(&mut *g))?.is_none() {
+            return Ok(());
+        }
+        g.dp_rank = seq.next_element::<Scalar<'de>>()?.as_ref().and_then(Scalar::as_i64);
+        skip_seq(seq)
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let (mut ts, mut events, mut rank) = (None, None, None);
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let g = self.0;
         while let Some(key) = map.next_key::<Scalar<'de>>()? {
             match key.as_str() {
-                Some("ts") => ts = Some(map.next_value::<Scalar<'de>>()?),
-                Some("events") => events = Some(map.next_value::<Events>()?),
-                Some("data_parallel_rank") => rank = Some(map.next_value::<Scalar<'de>>()?),
+                Some("ts") => g.ts = map.next_value::<Scalar<'de>>()?.as_f64(),
+                Some("events") => map.next_value_seed(EventsSeed(&mut *g))?,
+                Some("data_parallel_rank") => g.dp_rank = map.next_value::<Scalar<'de>>()?.as_i64(),
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
         }
-        Ok(Batch::build(ts, events, rank))
-    }
-}
-
-impl<'de> Deserialize<'de> for Batch {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(BatchVisitor)
+        Ok(())
     }
 }

@@ -1,8 +1,9 @@
 //! The picker and agent config files inside their ConfigMaps, checked with the binaries' own parsers
 //! and `validate()`, and against the manifests: listen ports equal the declared container ports,
-//! listeners bind all interfaces, tokenizer directories live on a mounted volume, every agent
-//! lists exactly the picker StatefulSet's replicas by their per-pod DNS names, every engine's model
-//! is a picker `target_model`, and every engine endpoint is on an InferencePool target port.
+//! listeners bind all interfaces, tokenizer directories live on a mounted volume; picker and agents
+//! name an InferencePool of the deployment with `--pool-name` (docs/design.md §14); the agents' one
+//! config finds the pickers through the picker's headless Service (`publishNotReadyAddresses`)
+//! and reads the PodResources socket from a read-only mount.
 //!
 //! Tokenizers: the picker's tokenizer volume (a PVC) is not in the repository, so each tokenizer
 //! path is first checked to lie under one of the picker's volume mounts and then replaced by
@@ -15,7 +16,7 @@ use k8s_openapi::api::core::v1::Container;
 use kvroute_agent::config::AgentConfig;
 use kvroute_picker::config::PickerConfig;
 
-use super::{CheckContext, Problem, Sink, config_arg, config_file, config_volume, containers, named_port, workload_id};
+use super::{CheckContext, Problem, Sink, config_arg, config_file, containers, named_port, workload_id};
 use crate::objects::{Object, Rendered};
 
 fn listener(sink: &mut Sink<'_>, c: &Container, field: &str, addr: SocketAddr, port_name: &str) {
@@ -68,13 +69,19 @@ pub(super) fn picker(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         }
         m.tokenizer = Some(ctx.tokenizer_fixture.clone());
     }
-    if let Err(e) = config.validate() {
+    let pool = flag_value(c, "--pool-name");
+    check_pool_name(&mut sink, r, pool.as_deref());
+    config.apply_pool_flags(pool.as_deref(), None);
+    if let Err(e) = config.validate().and_then(|()| config.require_pool_source()) {
         sink.push(format!("ConfigMap {cm} key {key} fails the picker's validation: {e}"));
     }
 }
 
-/// `http://<sts>-<i>.<serviceName>:<ingest port>` for every replica, or why they cannot be known.
-fn expected_pickers(r: &Rendered, ctx: &CheckContext) -> Result<Vec<String>, String> {
+/// The picker's headless Service agents report to (the StatefulSet's governing Service) and its
+/// ingest port's name, or why they cannot be known: headless, `publishNotReadyAddresses: true`
+/// (agents stream to a picker before it is Ready: readiness waits for their reports), a port named
+/// `ingest`.
+fn expected_pickers(r: &Rendered, ctx: &CheckContext) -> Result<(String, String), String> {
     let sts = r
         .objects
         .iter()
@@ -87,7 +94,12 @@ fn expected_pickers(r: &Rendered, ctx: &CheckContext) -> Result<Vec<String>, Str
     let svc = r.service(&svc_name).ok_or_else(|| format!("governing Service {svc_name} does not exist"))?;
     let spec = svc.spec.as_ref().ok_or("governing Service has no spec")?;
     if spec.cluster_ip.as_deref() != Some("None") {
-        return Err(format!("governing Service {svc_name} must be headless (clusterIP: None) for per-pod DNS"));
+        return Err(format!("governing Service {svc_name} must be headless (clusterIP: None)"));
+    }
+    if spec.publish_not_ready_addresses != Some(true) {
+        return Err(format!(
+            "Service {svc_name} must set publishNotReadyAddresses: true (a picker is Ready only after agents reported to it)"
+        ));
     }
     let ingest = spec
         .ports
@@ -96,8 +108,7 @@ fn expected_pickers(r: &Rendered, ctx: &CheckContext) -> Result<Vec<String>, Str
         .iter()
         .find(|p| p.name.as_deref() == Some("ingest"))
         .ok_or_else(|| format!("Service {svc_name} has no port named ingest"))?;
-    let replicas = sts.replicas.unwrap_or(1);
-    Ok((0..replicas).map(|i| format!("http://{}-{i}.{svc_name}:{}", ctx.picker, ingest.port)).collect())
+    Ok((svc_name, ingest.name.clone().unwrap_or_default()))
 }
 
 pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
@@ -105,9 +116,6 @@ pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         Sink::new(out, format!("DaemonSet/{}", ctx.agent)).push("agent workload missing");
         return;
     };
-    let expected = expected_pickers(r, ctx);
-    let served = picker_targets(r, ctx);
-    let pools = pool_ports(r);
     let mut sink = Sink::new(out, workload_id(&w));
     if w.kind != "DaemonSet" {
         sink.push("the agent must be a DaemonSet (one per GPU node)");
@@ -134,98 +142,73 @@ pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
     if !node_name_env {
         sink.push(format!("container {}: NODE_NAME must come from the downward API (fieldRef spec.nodeName)", c.name));
     }
-    let template = config_arg(c).unwrap_or_default();
-    if !template.contains("$(NODE_NAME)") {
-        sink.push(format!("--config {template} must contain $(NODE_NAME): each node reads its own engine list"));
-        return;
+    let path = config_arg(c).unwrap_or_default();
+    if path.contains("$(NODE_NAME)") {
+        sink.push(format!(
+            "--config {path}: one config for every node; engines come from the pool, not per-node files"
+        ));
     }
-    // The ConfigMap behind the template's directory: every key is one node's config.
-    let cm_name = match config_volume(w.template, c, template) {
-        Ok((cmv, _)) => cmv.name.clone(),
-        Err(e) => return sink.push(format!("--config {template}: {e}")),
+    let (cm, key, text) = match config_file(r, w.template, c, path) {
+        Ok(found) => found,
+        Err(e) => return sink.push(format!("--config {path}: {e}")),
     };
-    let keys: Vec<String> =
-        r.config_map(&cm_name).and_then(|cm| cm.data.as_ref()).map(|d| d.keys().cloned().collect()).unwrap_or_default();
-    let (prefix, suffix) = template.split_once("$(NODE_NAME)").unwrap_or_default();
-    let file_suffix = suffix.to_string();
-    let nodes: Vec<&str> = keys.iter().filter_map(|k| k.strip_suffix(file_suffix.as_str())).collect();
-    if nodes.is_empty() {
-        sink.push(format!("ConfigMap {cm_name} has no <node>{file_suffix} key: no node can start an agent"));
+    let mut config: AgentConfig = match serde_norway::from_str(text) {
+        Ok(config) => config,
+        Err(e) => return sink.push(format!("ConfigMap {cm} key {key}: {e}")),
+    };
+    let pool = flag_value(c, "--pool-name");
+    check_pool_name(&mut sink, r, pool.as_deref());
+    if let Some(name) = pool {
+        config.pool = Some(kvroute_agent::config::PoolConfig { name, namespace: None });
     }
-    for node in nodes {
-        let path = format!("{prefix}{node}{suffix}");
-        let text = match config_file(r, w.template, c, &path) {
-            Ok((_, _, text)) => text,
-            Err(e) => {
-                sink.push(format!("node {node}: {e}"));
-                continue;
-            }
-        };
-        let config: AgentConfig = match serde_norway::from_str(text) {
-            Ok(config) => config,
-            Err(e) => {
-                sink.push(format!("ConfigMap {cm_name} key {node}{file_suffix}: {e}"));
-                continue;
-            }
-        };
-        if let Err(e) = config.validate() {
-            sink.push(format!("node {node}: fails the agent's validation: {e}"));
-        }
-        if let Some(n) = &config.node_name
-            && n != node
-        {
-            sink.push(format!("node {node}: node_name {n} differs from its key; leave it out (NODE_NAME fills it)"));
-        }
-        listener(&mut sink, c, &format!("node {node}: metrics_addr"), config.metrics_addr, "metrics");
-        match &expected {
-            Ok(want) if *want != config.pickers => {
-                sink.push(format!("node {node}: pickers {:?} must list every picker replica: {want:?}", config.pickers))
-            }
-            Ok(_) => {}
-            Err(e) => sink.push(format!("node {node}: cannot derive the picker replicas: {e}")),
-        }
-        for e in &config.engines {
-            if let (Some(model), Some(targets)) = (&e.model, &served)
-                && !targets.contains(model)
-            {
-                sink.push(format!(
-                    "node {node}: engine {} serves {model}, which no picker models[].target_model names \
-                     (its blocks would hash under another root and never match)",
-                    e.pod
-                ));
-            }
-            let port = e.endpoint.rsplit_once(':').and_then(|(_, p)| p.parse::<i32>().ok());
-            for (pool, ports) in &pools {
-                if !port.is_some_and(|p| ports.contains(&p)) {
-                    sink.push(format!(
-                        "node {node}: engine {} endpoint {} is not on a targetPort {ports:?} of InferencePool {pool}",
-                        e.pod, e.endpoint
-                    ));
-                }
-            }
-        }
+    config.node_name.get_or_insert_with(|| "node-from-downward-api".into());
+    if let Err(e) = config.validate() {
+        sink.push(format!("ConfigMap {cm} key {key} fails the agent's validation: {e}"));
+    }
+    if config.pool.is_none() || !config.engines.is_empty() || config.engine_file.is_some() {
+        sink.push("engines must come from the InferencePool (--pool-name), not a static list or engine file");
+    }
+    listener(&mut sink, c, "metrics_addr", config.metrics_addr, "metrics");
+    match (&config.picker_service, expected_pickers(r, ctx)) {
+        (Some(s), Ok((svc, port))) if s.name == svc && s.port == port => {}
+        (Some(s), Ok((svc, port))) => sink.push(format!(
+            "picker_service {}:{} must be the picker's headless Service {svc} and its port {port}",
+            s.name, s.port
+        )),
+        (Some(_), Err(e)) => sink.push(format!("cannot check picker_service: {e}")),
+        (None, _) => sink.push(
+            "picker_service must name the picker's headless Service: a static pickers list breaks when pickers scale",
+        ),
+    }
+    let socket_mounted = c.volume_mounts.as_deref().unwrap_or(&[]).iter().any(|m| {
+        std::path::Path::new(&config.pod_resources_socket).starts_with(&m.mount_path) && m.read_only == Some(true)
+    });
+    if !socket_mounted {
+        sink.push(format!(
+            "the PodResources socket {} must be on a read-only volume mount",
+            config.pod_resources_socket
+        ));
     }
 }
 
-/// The base models the picker routes (`models[].target_model`), when its config can be read.
-fn picker_targets(r: &Rendered, ctx: &CheckContext) -> Option<Vec<String>> {
-    let w = r.workload(&ctx.picker)?;
-    let c = containers(w.template).iter().find(|c| config_arg(c).is_some())?;
-    let (_, _, text) = config_file(r, w.template, c, config_arg(c)?).ok()?;
-    let config = PickerConfig::from_yaml(text).ok()?;
-    Some(config.models.iter().map(|m| m.target().to_string()).collect())
+/// The value of `flag` in `c`'s args, with `$(VAR)` replaced by the container's literal env value.
+fn flag_value(c: &Container, flag: &str) -> Option<String> {
+    let args = c.args.as_deref().unwrap_or(&[]);
+    let v = args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1))?;
+    let env = c.env.as_deref().unwrap_or(&[]);
+    Some(match v.strip_prefix("$(").and_then(|v| v.strip_suffix(')')) {
+        Some(var) => env.iter().find(|e| e.name == var).and_then(|e| e.value.clone()).unwrap_or_default(),
+        None => v.clone(),
+    })
 }
 
-/// Every InferencePool's name and target ports.
-fn pool_ports(r: &Rendered) -> Vec<(String, Vec<i32>)> {
-    r.objects
-        .iter()
-        .filter_map(|o| match o {
-            Object::InferencePool(p) => Some((
-                p.metadata.name.clone().unwrap_or_default(),
-                p.spec.target_ports.iter().map(|t| t.number).collect(),
-            )),
-            _ => None,
-        })
-        .collect()
+/// `--pool-name` must name an InferencePool of the rendered overlay.
+fn check_pool_name(sink: &mut Sink<'_>, r: &Rendered, pool: Option<&str>) {
+    match pool {
+        None => sink.push("no --pool-name: the pool's pods are the only engines and candidates (docs/design.md §14)"),
+        Some(p) if !r.has("InferencePool", p) => {
+            sink.push(format!("--pool-name {p:?} names no InferencePool of this deployment"))
+        }
+        Some(_) => {}
+    }
 }

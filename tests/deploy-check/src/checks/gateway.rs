@@ -24,7 +24,13 @@ pub(super) fn check(r: &Rendered, out: &mut Vec<Problem>) {
                 if spec.selector.match_labels.is_empty() {
                     sink.push("selector.matchLabels is empty");
                 }
-                let epp = &spec.endpoint_picker_ref;
+                let pool_name = pool.metadata.name.as_deref().unwrap_or_default();
+                let Some(epp) = &spec.endpoint_picker_ref else {
+                    if routed_to(r, pool_name) {
+                        sink.push("an HTTPRoute sends traffic here but endpointPickerRef is missing: the gateway cannot reach the picker");
+                    }
+                    continue;
+                };
                 if !matches!(epp.failure_mode.as_deref(), None | Some("FailOpen") | Some("FailClose")) {
                     sink.push(format!("endpointPickerRef.failureMode {:?}: FailOpen or FailClose", epp.failure_mode));
                 }
@@ -91,6 +97,49 @@ pub(super) fn check(r: &Rendered, out: &mut Vec<Problem>) {
                 }
             }
             _ => {}
+        }
+    }
+}
+
+/// Whether an HTTPRoute has the InferencePool `pool` as a backend.
+fn routed_to(r: &Rendered, pool: &str) -> bool {
+    r.objects.iter().any(|o| match o {
+        Object::HttpRoute(route) => route.spec.rules.iter().flat_map(|rule| &rule.backend_refs).any(|b| {
+            b.group.as_deref() == Some(POOL_GROUP) && b.kind.as_deref() == Some("InferencePool") && b.name == pool
+        }),
+        _ => false,
+    })
+}
+
+/// Every namespaced object in one namespace, the InferencePool's (docs/design.md §14): the pool's
+/// `endpointPickerRef` and HTTPRoute `backendRefs` resolve in their own namespace, the picker and
+/// agents watch the pool's namespace, and their Roles grant only that one.
+pub(super) fn namespaces(r: &Rendered, out: &mut Vec<Problem>) {
+    let pool_ns = r.objects.iter().find_map(|o| match o {
+        Object::InferencePool(p) => Some(p.metadata.namespace.clone()),
+        _ => None,
+    });
+    let Some(pool_ns) = pool_ns else {
+        return Sink::new(out, "InferencePool/*".to_string())
+            .push("no InferencePool: the picker has no pool to route to");
+    };
+    let Some(pool_ns) = pool_ns else {
+        return Sink::new(out, "InferencePool/*".to_string())
+            .push("the InferencePool has no namespace; set `namespace:` in the overlay's kustomization");
+    };
+    for o in &r.objects {
+        let (kind, meta) = o.kind_meta();
+        if matches!(kind, "Namespace" | "ClusterRole" | "ClusterRoleBinding") {
+            continue;
+        }
+        match meta.namespace.as_deref() {
+            None => Sink::new(out, o.id()).push(format!(
+                "has no namespace: it would land in the client's current one, not the pool's ({pool_ns}); \
+                 set `namespace: {pool_ns}` in the overlay's kustomization"
+            )),
+            Some(ns) if ns != pool_ns => Sink::new(out, o.id())
+                .push(format!("namespace {ns} ≠ the InferencePool's {pool_ns}: every object lives in the pool's")),
+            Some(_) => {}
         }
     }
 }

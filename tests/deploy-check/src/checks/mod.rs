@@ -74,6 +74,7 @@ pub fn check_all(r: &Rendered, ctx: &CheckContext) -> Vec<Problem> {
     configs::picker(r, ctx, &mut out);
     configs::agent(r, ctx, &mut out);
     gateway::check(r, &mut out);
+    gateway::namespaces(r, &mut out);
     envoy::check(r, ctx, &mut out);
     out
 }

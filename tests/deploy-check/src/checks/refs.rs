@@ -1,6 +1,6 @@
 //! References between objects (ConfigMaps, PVCs, ServiceAccounts) and the pod security baseline
 //! every workload here meets (read-only root filesystem, non-root, no privilege escalation,
-//! resource requests, no API token).
+//! resource requests, an API token only for a ServiceAccount bound to a read-only Role).
 
 use super::{Problem, Sink, containers, workload_id};
 use crate::objects::{Object, Rendered};
@@ -74,8 +74,13 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
     for w in r.workloads() {
         let mut sink = Sink::new(out, workload_id(&w));
         let Some(spec) = &w.template.spec else { continue };
-        if spec.automount_service_account_token != Some(false) {
-            sink.push("automountServiceAccountToken must be false: no kvroute component calls the API server");
+        // Only a workload whose ServiceAccount is bound to a read-only Role may hold a token
+        // (the picker and the agent watch the pool, docs/design.md §14); no other calls the API.
+        let sa = spec.service_account_name.as_deref().unwrap_or("default");
+        if spec.automount_service_account_token != Some(false) && !bound_read_only(r, sa) {
+            sink.push(format!(
+                "automountServiceAccountToken must be false unless ServiceAccount {sa} is bound to a read-only Role"
+            ));
         }
         let pod_non_root = spec.security_context.as_ref().and_then(|s| s.run_as_non_root) == Some(true);
         for c in containers(w.template) {
@@ -99,14 +104,20 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
     }
     for o in &r.objects {
         match o {
-            Object::ServiceAccount(sa) if sa.automount_service_account_token != Some(false) => {
-                Sink::new(out, o.id()).push("automountServiceAccountToken must be false");
+            Object::ServiceAccount(sa)
+                if sa.automount_service_account_token != Some(false)
+                    && !bound_read_only(r, sa.metadata.name.as_deref().unwrap_or_default()) =>
+            {
+                Sink::new(out, o.id()).push("automountServiceAccountToken must be false (no read-only Role binds it)");
             }
             Object::ClusterRole(_) | Object::ClusterRoleBinding(_) => {
                 Sink::new(out, o.id()).push("kvroute needs no cluster-wide permissions");
             }
             Object::Role(role) => {
                 for rule in role.rules.as_deref().unwrap_or(&[]) {
+                    if let Some(v) = rule.verbs.iter().find(|v| !READ_VERBS.contains(&v.as_str())) {
+                        Sink::new(out, o.id()).push(format!("verb {v}: kvroute only reads (get, list, watch)"));
+                    }
                     if rule.verbs.iter().any(|v| v == "*")
                         || rule.resources.as_deref().unwrap_or(&[]).iter().any(|x| x == "*")
                     {
@@ -117,4 +128,30 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
             _ => {}
         }
     }
+}
+
+/// The verbs kvroute's Roles may grant: it only reads the cluster.
+const READ_VERBS: [&str; 3] = ["get", "list", "watch"];
+
+/// Whether a RoleBinding binds ServiceAccount `sa` to an existing Role granting only [`READ_VERBS`].
+fn bound_read_only(r: &Rendered, sa: &str) -> bool {
+    r.objects.iter().any(|o| match o {
+        Object::RoleBinding(b) => {
+            b.subjects.as_deref().unwrap_or(&[]).iter().any(|s| s.kind == "ServiceAccount" && s.name == sa)
+                && b.role_ref.kind == "Role"
+                && r.objects.iter().any(|o| match o {
+                    Object::Role(role) => {
+                        role.metadata.name.as_deref() == Some(b.role_ref.name.as_str())
+                            && role
+                                .rules
+                                .as_deref()
+                                .unwrap_or(&[])
+                                .iter()
+                                .all(|rule| rule.verbs.iter().all(|v| READ_VERBS.contains(&v.as_str())))
+                    }
+                    _ => false,
+                })
+        }
+        _ => false,
+    })
 }

@@ -8,7 +8,7 @@ use kvroute_harness::{Fleet, FleetSpec, GatewayClient, Pacing, RunSummary, TurnR
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
-#[command(about = "Run a local kvroute fleet behind Envoy and route a multi-turn chat workload through it")]
+#[command(version = kvroute_cli::LONG_VERSION, about = "Run a local kvroute fleet behind Envoy and route a multi-turn chat workload through it")]
 struct Args {
     /// Number of distinct system prompts.
     #[arg(long, default_value_t = 8)]

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
-#[command(about = "Added latency of Envoy + kvroute picker over Envoy alone (round robin), same run")]
+#[command(version = kvroute_cli::LONG_VERSION, about = "Added latency of Envoy + kvroute picker over Envoy alone (round robin), same run")]
 struct Args {
     /// Requests per second sent to each gateway.
     #[arg(long, default_value_t = 20.0)]

@@ -38,7 +38,7 @@ const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 const REQUEST_ID_HEADER: &str = "x-request-id";
 
 #[derive(Parser, Debug)]
-#[command(about = "ext_proc server with the picker's reply shapes and a fixed destination")]
+#[command(version = kvroute_cli::LONG_VERSION, about = "ext_proc server with the picker's reply shapes and a fixed destination")]
 struct Args {
     /// Address to listen on.
     #[arg(long)]

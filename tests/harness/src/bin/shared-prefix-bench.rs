@@ -39,7 +39,7 @@ enum Client {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Shared-prefix workload through Envoy + kvroute vs Envoy round robin; client-side TTFT p50/p90")]
+#[command(version = kvroute_cli::LONG_VERSION, about = "Shared-prefix workload through Envoy + kvroute vs Envoy round robin; client-side TTFT p50/p90")]
 struct Args {
     /// Prefix groups.
     #[arg(long, default_value_t = 24)]

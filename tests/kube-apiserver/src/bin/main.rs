@@ -21,7 +21,7 @@ use kvroute_kube_stand_in::{ApiServer, Options, ResourceType};
 use serde::Deserialize;
 
 #[derive(Parser)]
-#[command(about = "Kubernetes API server and kubelet PodResources stand-ins (no cluster needed)")]
+#[command(version = kvroute_cli::LONG_VERSION, about = "Kubernetes API server and kubelet PodResources stand-ins (no cluster needed)")]
 struct Args {
     /// Listen address of the API.
     #[arg(long, default_value = "127.0.0.1:6443")]

@@ -1,0 +1,126 @@
+//! Time and count bounds of the picker's listeners (issue 17: every outside input is bounded in
+//! size, count and time). The `limits:` section of the picker's config file:
+//!
+//! ```yaml
+//! limits:
+//!   body_timeout_ms: 30000          # ext_proc: request headers → end of body, else 408
+//!   keepalive_ms: 10000             # ext_proc + ingest: HTTP/2 PING interval
+//!   keepalive_timeout_ms: 20000     # ... and the wait for its answer before closing
+//!   ext_proc_max_streams: 4096      # ext_proc: concurrent streams per connection
+//!   admin_header_timeout_ms: 10000  # admin HTTP: request head / idle keep-alive
+//!   admin_max_connections: 256      # admin HTTP: open connections
+//! ```
+//!
+//! - A stream that sends request headers and then no body, or part of a body and stalls, holds
+//!   memory (up to `body_limit_bytes`) and a stream: after `body_timeout_ms` it gets a 408
+//!   immediate response and ends.
+//! - HTTP/2 keepalive finds a peer that vanished without closing (a SIGSTOPped or partitioned
+//!   agent or Envoy) within `keepalive_ms + keepalive_timeout_ms`: the connection closes, its
+//!   streams end (an agent's pods enter the grace period, an Envoy stream releases its slot).
+//! - The admin listener closes a connection whose request head does not arrive in
+//!   `admin_header_timeout_ms` and keeps at most `admin_max_connections` open (the oldest slow
+//!   one is closed first), so half-sent requests cannot starve `/healthz`.
+
+use serde::Deserialize;
+use std::time::Duration;
+
+/// Default [`Limits::body_timeout_ms`].
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 30_000;
+/// Default [`Limits::keepalive_ms`].
+pub const DEFAULT_KEEPALIVE_MS: u64 = 10_000;
+/// Default [`Limits::keepalive_timeout_ms`].
+pub const DEFAULT_KEEPALIVE_TIMEOUT_MS: u64 = 20_000;
+/// Default [`Limits::ext_proc_max_streams`].
+pub const DEFAULT_EXT_PROC_MAX_STREAMS: u32 = 4096;
+
+/// The `limits:` section (see the module doc). Every field is optional.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Longest time, in ms, from an ext_proc stream's request headers to the end of its request
+    /// body; past it the request gets a 408 and the stream ends. Default
+    /// [`DEFAULT_BODY_TIMEOUT_MS`] (30 000).
+    pub body_timeout_ms: u64,
+    /// HTTP/2 keepalive PING interval, ms, on the ext_proc and ingest listeners. Default
+    /// [`DEFAULT_KEEPALIVE_MS`] (10 000).
+    pub keepalive_ms: u64,
+    /// How long, in ms, a keepalive PING may go unanswered before the connection is closed.
+    /// Default [`DEFAULT_KEEPALIVE_TIMEOUT_MS`] (20 000).
+    pub keepalive_timeout_ms: u64,
+    /// Most concurrent ext_proc streams (requests) on one connection from Envoy. Default
+    /// [`DEFAULT_EXT_PROC_MAX_STREAMS`] (4096).
+    pub ext_proc_max_streams: u32,
+    /// Admin listener: longest wait, ms, for a request head (also the idle timeout between
+    /// kept-alive requests). Default 10 000.
+    pub admin_header_timeout_ms: u64,
+    /// Admin listener: most open connections (past it the oldest one that sent no request head
+    /// is closed). Default 256.
+    pub admin_max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            body_timeout_ms: DEFAULT_BODY_TIMEOUT_MS,
+            keepalive_ms: DEFAULT_KEEPALIVE_MS,
+            keepalive_timeout_ms: DEFAULT_KEEPALIVE_TIMEOUT_MS,
+            ext_proc_max_streams: DEFAULT_EXT_PROC_MAX_STREAMS,
+            admin_header_timeout_ms: kvroute_common::listener::DEFAULT_HEADER_READ_TIMEOUT.as_millis() as u64,
+            admin_max_connections: kvroute_common::listener::DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+impl Limits {
+    /// The first field that is zero (every limit must be positive), if any.
+    pub fn zero_field(&self) -> Option<&'static str> {
+        [
+            ("limits.body_timeout_ms", self.body_timeout_ms == 0),
+            ("limits.keepalive_ms", self.keepalive_ms == 0),
+            ("limits.keepalive_timeout_ms", self.keepalive_timeout_ms == 0),
+            ("limits.ext_proc_max_streams", self.ext_proc_max_streams == 0),
+            ("limits.admin_header_timeout_ms", self.admin_header_timeout_ms == 0),
+            ("limits.admin_max_connections", self.admin_max_connections == 0),
+        ]
+        .into_iter()
+        .find_map(|(name, zero)| zero.then_some(name))
+    }
+
+    /// [`Limits::body_timeout_ms`] as a duration.
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_timeout_ms)
+    }
+
+    /// A gRPC server builder with the HTTP/2 keepalive of these limits (ext_proc and ingest; the
+    /// caller adds its own services, TLS and stream bounds).
+    pub fn grpc_server(&self) -> tonic::transport::Server {
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_millis(self.keepalive_ms)))
+            .http2_keepalive_timeout(Some(Duration::from_millis(self.keepalive_timeout_ms)))
+            .tcp_keepalive(Some(Duration::from_millis(self.keepalive_ms)))
+    }
+
+    /// The admin listener's bounds.
+    pub fn admin_listener(&self) -> kvroute_common::listener::ListenerLimits {
+        kvroute_common::listener::ListenerLimits {
+            header_read_timeout: Duration::from_millis(self.admin_header_timeout_ms),
+            max_connections: self.admin_max_connections,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_zero_fields() {
+        let l: Limits = serde_norway::from_str("{}").unwrap();
+        assert_eq!(l, Limits::default());
+        assert_eq!(l.zero_field(), None);
+        let l: Limits = serde_norway::from_str("{body_timeout_ms: 0}").unwrap();
+        assert_eq!(l.zero_field(), Some("limits.body_timeout_ms"));
+        assert!(serde_norway::from_str::<Limits>("{body_timeout: 1}").is_err(), "unknown keys are refused");
+    }
+}

@@ -1,0 +1,187 @@
+//! Writes the seed inputs of every fuzz target into `fuzz/corpus/<target>/seed-*` from real
+//! data: the vLLM fixtures (KV-event batches, `/metrics` pages, chat requests), the shipped
+//! config files, and OpenAI request bodies of every shape. Run once when the seeds change:
+//! `cargo run -p kvroute-fuzz-targets --example seed_corpus`.
+
+use kvroute_proto::agent::v1::{
+    AgentMessage, BlockChanges, BlockRun, Hello, PodDelta, PodInfo, PodSnapshot, PodStats, agent_message,
+};
+use prost::Message;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn write(target: &str, name: &str, data: &[u8]) -> std::io::Result<()> {
+    let dir = root().join("fuzz/corpus").join(target);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join(format!("seed-{name}")), data)
+}
+
+fn main() -> std::io::Result<()> {
+    // ext_proc bodies: byte 0 = path (0 completions, 1 chat) | model selector << 2.
+    let bodies: &[(u8, &str, &str)] = &[
+        (0, "completion-text", r#"{"model":"approx","prompt":"Once upon a time there was a router","max_tokens":8}"#),
+        (0, "completion-tokens", r#"{"model":"qwen","prompt":[151644,872,198,9707,11,1879],"max_tokens":1}"#),
+        (
+            0,
+            "completion-batch",
+            r#"{"model":"qwen","prompt":[[1,2,3]],"stream":true,"stream_options":{"include_usage":true}}"#,
+        ),
+        (0, "completion-batch-many", r#"{"model":"approx","prompt":["a","b"]}"#),
+        (
+            1,
+            "chat-simple",
+            r#"{"model":"qwen","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":"Hi"}]}"#,
+        ),
+        (
+            1,
+            "chat-parts",
+            r#"{"model":"qwen","messages":[{"role":"user","content":[{"type":"text","text":"What is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}"#,
+        ),
+        (
+            1,
+            "chat-tools",
+            r#"{"model":"qwen","messages":[{"role":"user","content":"Weather in Paris?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","tool_call_id":"c1","content":"18C"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]}"#,
+        ),
+        (
+            1,
+            "chat-approx-lora",
+            r#"{"model":"lora","messages":[{"role":"user","content":"SELECT * FROM t"}],"stream":true}"#,
+        ),
+        (1, "chat-salted", r#"{"model":"qwen","messages":[{"role":"user","content":"x"}],"cache_salt":"s1"}"#),
+        (2, "embeddings", r#"{"model":"approx","input":"embed me"}"#),
+        (0, "no-model", r#"{"prompt":"x"}"#),
+    ];
+    for (sel, name, body) in bodies {
+        let mut data = vec![*sel];
+        data.extend_from_slice(body.as_bytes());
+        write("ext_proc_body", name, &data)?;
+    }
+
+    // Chat requests: the five of the tokenizer fixture.
+    let text = std::fs::read_to_string(root().join("tests/fixtures/tokenizer-qwen2.5/expected-chat.json"))?;
+    let cases: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&text).map_err(std::io::Error::other)?;
+    for (name, case) in &cases {
+        let req = &case["request"];
+        let mut chat = serde_json::json!({"messages": req["messages"]});
+        if let Some(tools) = req.get("tools") {
+            chat["tools"] = tools.clone();
+        }
+        write("chat_template", name, chat.to_string().as_bytes())?;
+    }
+
+    // KV events: every captured batch, as a SUB message (0) and as a replay reply (1, 2).
+    for folder in ["v0.33", "legacy-array"] {
+        for n in 0..5 {
+            let dir = root().join("tests/fixtures/vllm-kv-events").join(folder);
+            let seq = std::fs::read(dir.join(format!("batch-{n}.seq")))?;
+            let payload = std::fs::read(dir.join(format!("batch-{n}.msgpack")))?;
+            for sel in 0..3u8 {
+                let mut data = vec![sel];
+                data.extend_from_slice(&seq);
+                data.extend_from_slice(&payload);
+                write("kv_events", &format!("{folder}-{n}-{sel}"), &data)?;
+            }
+        }
+    }
+
+    // /metrics pages.
+    for page in ["vllm-metrics-busy-lora.txt", "vllm-metrics-idle-nolora.txt"] {
+        write("prometheus", page, &std::fs::read(root().join("tests/fixtures/vllm-metrics").join(page))?)?;
+    }
+
+    // An agent stream: Hello, snapshot, deltas (in order, a gap, a clear), an empty message.
+    let info = PodInfo {
+        pod: "engine-0".into(),
+        endpoint: "10.0.0.1:8000".into(),
+        model: "m".into(),
+        block_size: 16,
+        ..Default::default()
+    };
+    let stats = PodStats {
+        num_requests_running: 3,
+        num_requests_waiting: 1,
+        kv_cache_usage: 0.4,
+        health_score: 1.0,
+        ready: true,
+        ..Default::default()
+    };
+    let msgs = vec![
+        agent_message::Msg::Hello(Hello {
+            agent_id: "a-1".into(),
+            node_name: "n".into(),
+            protocol_version: 1,
+            pods: vec![info.clone()],
+        }),
+        agent_message::Msg::Snapshot(PodSnapshot {
+            info: Some(info),
+            seq: 5,
+            stats: Some(stats.clone()),
+            blocks: vec![BlockRun { parent: 0, hashes: vec![11, 12, 13] }],
+            offloaded_blocks: Vec::new(),
+        }),
+        agent_message::Msg::Delta(PodDelta {
+            pod: "engine-0".into(),
+            seq: 6,
+            stats: Some(stats),
+            blocks: Some(BlockChanges {
+                cleared: false,
+                stored: vec![BlockRun { parent: 13, hashes: vec![14] }],
+                removed: vec![12],
+            }),
+            offloaded: None,
+        }),
+        agent_message::Msg::Delta(PodDelta {
+            pod: "engine-0".into(),
+            seq: 9,
+            stats: None,
+            blocks: Some(BlockChanges { cleared: true, ..Default::default() }),
+            offloaded: None,
+        }),
+    ];
+    let mut stream = Vec::new();
+    for m in msgs {
+        AgentMessage { msg: Some(m) }.encode_length_delimited(&mut stream).map_err(std::io::Error::other)?;
+    }
+    AgentMessage { msg: None }.encode_length_delimited(&mut stream).map_err(std::io::Error::other)?;
+    write("agent_messages", "stream", &stream)?;
+
+    // Config files: the shipped examples.
+    write("agent_config", "example", &std::fs::read(root().join("agent/agent.example.yaml"))?)?;
+    write("agent_config", "kubernetes", &std::fs::read(root().join("agent/agent.kubernetes.example.yaml"))?)?;
+    for node in ["gpu-node-1.yaml", "gpu-node-2.yaml"] {
+        write("agent_config", node, &std::fs::read(root().join("deploy/k8s/base/agent/nodes").join(node))?)?;
+    }
+    write("picker_config", "deploy", &std::fs::read(root().join("deploy/k8s/base/picker/picker.yaml"))?)?;
+    let presets = "models:\n  - name: m\n    mode: approximate\n    approximate: {block_chars: 32, max_blocks: 8}\n\
+                   scoring:\n  preset: multi-lora\n  max_queue: 5\n  custom: [{scorer: cost, weight: 0.0, margin: 0.2}]\n";
+    write("picker_config", "presets", presets.as_bytes())?;
+
+    // Cluster inputs: a pool file (0), an engine file (1), a vLLM pod as the API server sends it (2).
+    let pool = "target_ports: [8000]\npods:\n  - name: vllm-0\n    ip: 127.0.0.1\n    ports: [8000, 8001]\n\
+                    node: node-1\n    annotations: {kvroute.io/cost-per-hour: \"3.67\"}\n  - {name: vllm-1, ip: 10.0.0.2, ready: false}\n\
+                models:\n  - name: chat\n    targets: [{model: base, adapter: my-lora, weight: 90}, {model: base, weight: 10}]\n\
+                  - name: base\nobjectives: [{name: premium, priority: 10}]\n";
+    write("cluster_inputs", "pool-file", &[b"\x00".as_slice(), pool.as_bytes()].concat())?;
+    let engines = "engines:\n  - pod: vllm-0\n    endpoint: 127.0.0.1:8000\n    kv_events: tcp://127.0.0.1:5557\n\
+                   kv_replay: tcp://127.0.0.1:5558\n    gpus: [0, GPU-0b2d]\n    model: Qwen/Qwen2.5-7B-Instruct\n\
+                   max_num_seqs: 256\n    block_size: 16\n  - {pod: vllm-0, endpoint: 127.0.0.1:8001, rank: 1}\n";
+    write("cluster_inputs", "engine-file", &[b"\x01".as_slice(), engines.as_bytes()].concat())?;
+    let pod = serde_json::json!({
+        "metadata": {"name": "vllm-0", "namespace": "inference", "uid": "u-1",
+                     "annotations": {"kvroute.io/kv-replay-port": "5558"}},
+        "spec": {"nodeName": "node-1", "containers": [{
+            "name": "vllm", "image": "vllm/vllm-openai",
+            "command": ["sh", "-c"],
+            "args": ["vllm serve Qwen/Qwen2.5-7B-Instruct --port 8000 --data-parallel-size 2 --served-model-name qwen \
+                      --kv-events-config '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$(KV_PORT)\",\"topic\":\"kv\"}'"],
+            "env": [{"name": "KV_PORT", "value": "5557"}],
+            "ports": [{"containerPort": 8000}, {"containerPort": 8001}]}]},
+        "status": {"podIP": "10.0.0.11", "conditions": [{"type": "Ready", "status": "True"}]}
+    });
+    write("cluster_inputs", "vllm-pod", &[b"\x02".as_slice(), pod.to_string().as_bytes()].concat())?;
+    Ok(())
+}
