@@ -261,9 +261,7 @@ impl Session {
         st.last = Some(s.seq);
         st.resync_at = None;
         let pod = info.pod.clone();
-        self.pool
-            .update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats, blocks })
-            .await?;
+        self.pool.update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats, blocks }).await?;
         // The CPU tier is replaced as a whole too (docs/design.md §2 tiers).
         let stored = flatten_runs(&s.offloaded_blocks);
         self.pool
@@ -315,15 +313,7 @@ impl Session {
             removed: b.removed.into_iter().map(BlockHash).collect(),
         });
         self.pool
-            .update(PoolUpdate::Delta {
-                stream: self.stream,
-                pod: d.pod,
-                seq: d.seq,
-                cleared,
-                stored,
-                removed,
-                stats,
-            })
+            .update(PoolUpdate::Delta { stream: self.stream, pod: d.pod, seq: d.seq, cleared, stored, removed, stats })
             .await?;
         match offloaded {
             Some(u) => self.pool.update(u).await,

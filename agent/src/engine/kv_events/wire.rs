@@ -20,8 +20,8 @@
 //! visitor, and the events read whole before the break are still there to keep.
 
 use super::{
-    BlockExtra, BlockStored, Damage, KvEvent, KvEventBatch, KvEventError, MAX_DEPTH, MAX_LOGGED_NAME,
-    MAX_MEDIUM_BYTES, MAX_NAME_BYTES, MAX_UNKNOWN_NAMES, Medium,
+    BlockExtra, BlockStored, Damage, KvEvent, KvEventBatch, KvEventError, MAX_DEPTH, MAX_LOGGED_NAME, MAX_MEDIUM_BYTES,
+    MAX_NAME_BYTES, MAX_UNKNOWN_NAMES, Medium,
 };
 use kvroute_common::{EngineBlockHash, ExtraKey};
 use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
