@@ -203,6 +203,7 @@ pub struct Metrics {
     pending_chains: Family<OutcomeLabel, Counter>,
     pending_entries: Gauge,
     pile_guard_redirects: Counter,
+    pending_withheld: Counter,
     replica_events: Family<ResultLabel, Counter>,
     replica_peers: Gauge,
     replica_disconnects: Counter,
@@ -264,6 +265,7 @@ impl Metrics {
         let pending_chains = Family::<OutcomeLabel, Counter>::default();
         let pending_entries = Gauge::default();
         let pile_guard_redirects = Counter::default();
+        let pending_withheld = Counter::default();
         let replica_events = Family::<ResultLabel, Counter>::default();
         let replica_peers = Gauge::default();
         let replica_disconnects = Counter::default();
@@ -283,6 +285,11 @@ impl Metrics {
             "epp_pile_guard_redirects",
             "Decisions the pile guard sent to the least loaded candidate",
             pile_guard_redirects.clone(),
+        );
+        registry.register(
+            "epp_pending_credit_withheld",
+            "Candidates scored without their pending credit: queued pending_queue_share of max_queue above the least queued",
+            pending_withheld.clone(),
         );
         registry.register("epp_replica_events", "Peer replicas' events, applied or refused", replica_events.clone());
         registry.register("epp_replica_peers", "Peer replicas followed now", replica_peers.clone());
@@ -444,6 +451,7 @@ impl Metrics {
             pending_chains,
             pending_entries,
             pile_guard_redirects,
+            pending_withheld,
             replica_events,
             replica_peers,
             replica_disconnects,
@@ -568,6 +576,7 @@ impl Metrics {
                 credit.pending_blocks.load(Ordering::Relaxed),
             );
             mirror(&self.pile_guard_redirects, credit.pile_redirects.load(Ordering::Relaxed));
+            mirror(&self.pending_withheld, credit.pending_withheld.load(Ordering::Relaxed));
             let (counts, entries) = {
                 let st = shared.lock();
                 (st.pending.counts(), st.pending.size().0)

@@ -200,6 +200,8 @@ pub struct CreditCounters {
     pub pending_blocks: AtomicU64,
     /// Decisions the pile guard sent to the least loaded candidate (docs/design.md §4).
     pub pile_redirects: AtomicU64,
+    /// Candidates whose pending credit was withheld for their queue (`pending_queue_share`).
+    pub pending_withheld: AtomicU64,
 }
 
 /// The pending table, peers' in-flight requests and the replica event stream (module docs).

@@ -82,6 +82,8 @@ pub enum CacheFactor {
     TokensSaved,
 }
 
+/// Default [`ScoringConfig::pending_queue_share`].
+pub const DEFAULT_PENDING_QUEUE_SHARE: f64 = 0.5;
 /// Default [`ScoringConfig::pile_guard_margin`], in requests.
 pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 24;
 /// Default [`ScoringConfig::pile_guard_factor`].
@@ -136,6 +138,13 @@ pub struct ScoringConfig {
     /// Most (block, pod) pending entries kept; the oldest chains go first beyond it. Default
     /// [`DEFAULT_PENDING_MAX_BLOCKS`] (1 048 576).
     pub pending_max_blocks: usize,
+    /// Pending credit is withheld from a pod whose queue depth is at least this share of
+    /// `max_queue` above the least queued candidate's (docs/design.md §4 "Pending entries"): a
+    /// chain still being prefilled draws the next requests of its prefix, but not a whole queue
+    /// while other pods stand idle (a thundering herd then spreads over the spill pods instead of
+    /// filling them one after another). In [0, 1]; 0 turns the cap off. Default
+    /// [`DEFAULT_PENDING_QUEUE_SHARE`] (0.5: 10 requests under `max_queue` 20).
+    pub pending_queue_share: f64,
     /// How matched blocks become the cache factor (docs/design.md §4): `ratio` (default, the
     /// match ratio) or `tokens_saved` (the prefill a match saves, full credit only from
     /// `full_credit_tokens` on, so a short prompt's match cannot outweigh load and health).
@@ -213,6 +222,7 @@ impl Default for ScoringConfig {
             custom: Vec::new(),
             pending_ttl_ms: DEFAULT_PENDING_TTL_MS,
             pending_max_blocks: DEFAULT_PENDING_MAX_BLOCKS,
+            pending_queue_share: DEFAULT_PENDING_QUEUE_SHARE,
             pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
             pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
             cache_factor: CacheFactor::Ratio,
@@ -287,6 +297,9 @@ impl ScoringConfig {
         if !(0.0..=1.0).contains(&self.offload_credit) {
             return Err(ScoringConfigError::OffloadCredit(self.offload_credit));
         }
+        if !(0.0..=1.0).contains(&self.pending_queue_share) {
+            return Err(ScoringConfigError::PendingQueueShare(self.pending_queue_share));
+        }
         if self.full_credit_tokens == 0 {
             return Err(ScoringConfigError::FullCreditTokens);
         }
@@ -346,6 +359,9 @@ pub enum ScoringConfigError {
     /// `offload_credit` outside [0,1].
     #[error("scoring.offload_credit must be in [0, 1] (credit per CPU-tier block), got {0}")]
     OffloadCredit(f64),
+    /// `pending_queue_share` outside [0,1].
+    #[error("scoring.pending_queue_share must be in [0, 1] (a share of max_queue), got {0}")]
+    PendingQueueShare(f64),
     /// `full_credit_tokens` of 0.
     #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
     FullCreditTokens,

@@ -46,6 +46,8 @@ struct Row {
     pending: u32,
     /// Blocks after the credited ones the pod holds only in its CPU tier (docs/design.md §2).
     offloaded: u32,
+    /// The CPU tier's consecutive match from the chain's start (`offloaded` is what it adds).
+    cpu: u32,
     /// queueDepth, read under the selection lock (peers' in-flight requests included).
     depth: u32,
     /// Requests on the pod: reported running + `depth` (the pile guard's measure).
@@ -418,7 +420,7 @@ impl Router {
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                    sc.rows.push(Row { pod: i, matched, pending: 0, offloaded: 0, depth: 0, load: 0 });
+                    sc.rows.push(Row { pod: i, matched, pending: 0, offloaded: 0, cpu: 0, depth: 0, load: 0 });
                 }
             }
         }
@@ -464,6 +466,7 @@ impl Router {
                 });
             }
         }
+        self.cap_pending(&mut sc.rows);
         let mut facts = recycle(std::mem::take(&mut sc.facts));
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
@@ -538,16 +541,31 @@ impl Router {
         Ok(choice)
     }
 
-    /// Sets every row's CPU-tier-only blocks (docs/design.md §2 tiers): the CPU tier's consecutive
-    /// match beyond what the GPU index and pending entries credit.
+    /// Sets every row's CPU-tier match (docs/design.md §2 tiers); [`Router::score`] credits what it
+    /// adds beyond the GPU index and pending entries.
     fn overlay_offloaded(&self, sc: &mut Scratch, table: &PodTable, chain: &[kvroute_common::BlockHash]) {
         let cpu = self.pool.cpu_index.load();
         if cpu.match_prefix(chain, &mut sc.cpu_walk) == 0 {
             return;
         }
         for row in &mut sc.rows {
-            let held = sc.cpu_walk.matched(table.pods[row.pod as usize].idx);
-            row.offloaded = held.saturating_sub(row.credited());
+            row.cpu = sc.cpu_walk.matched(table.pods[row.pod as usize].idx);
+        }
+    }
+
+    /// docs/design.md §4 pending entries: withholds pending credit from rows queued
+    /// `pending_queue_share × max_queue` or more above the least queued candidate, then sets each
+    /// row's CPU-tier-only blocks beyond what it is credited.
+    fn cap_pending(&self, rows: &mut [Row]) {
+        let share = self.config.pending_queue_share;
+        let margin = (share * f64::from(self.config.max_queue)).ceil() as u32;
+        let least = rows.iter().map(|r| r.depth).min().unwrap_or(0);
+        for row in rows {
+            if share > 0.0 && row.pending > 0 && row.depth >= least.saturating_add(margin.max(1)) {
+                row.pending = 0;
+                self.shared.credit.pending_withheld.fetch_add(1, Ordering::Relaxed);
+            }
+            row.offloaded = row.cpu.saturating_sub(row.credited());
         }
     }
 

@@ -142,14 +142,22 @@ async fn counterintuitive_case_is_b_under_defaults_and_a_under_latency_api() {
 
 /// docs/design.md §15: thundering herd: 4 pods, maxQueue 20, 50 simultaneous requests whose prefix only one
 /// pod holds: 20 go there (its queue, counted from the picker's own in-flight since the last
-/// report, reaches maxQueue and it spills). The first spilled request makes its pod hold the
-/// prefix pending (docs/design.md §3), so the next spills follow it until that pod's queue is full
-/// as well: one cold prefill per spill pod used, 20 / 20 / 10 / 0. Without pending entries the
-/// spills spread evenly, each spill pod prefilling the prefix: 20 / 10 / 10 / 10.
+/// report, reaches maxQueue and it spills), the other 30 spread 10 / 10 / 10. With pending
+/// entries (docs/design.md §4) the first spill to a pod makes it hold the prefix pending, so the
+/// next spills follow it, but only while its queue is less than `pending_queue_share` (½) of
+/// maxQueue above the least queued candidate's: each spill pod is then chosen cold once and
+/// credited pending for the rest of its share. Without the share cap the first spill pod filled
+/// to maxQueue too (20 / 20 / 10 / 0).
 #[tokio::test]
 async fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
-    for (pending_ttl_ms, want) in [(crate::pending::DEFAULT_PENDING_TTL_MS, [20, 10, 0]), (0, [10, 10, 10])] {
-        let (pool, r) = router(ScoringConfig { pending_ttl_ms, ..ScoringConfig::default() });
+    let cases = [
+        (crate::pending::DEFAULT_PENDING_TTL_MS, 0.5, [10, 10, 10], 3),
+        (0, 0.5, [10, 10, 10], 30),
+        (crate::pending::DEFAULT_PENDING_TTL_MS, 0.0, [20, 10, 0], 2),
+    ];
+    for (pending_ttl_ms, pending_queue_share, want, cold) in cases {
+        let cfg = ScoringConfig { pending_ttl_ms, pending_queue_share, ..ScoringConfig::default() };
+        let (pool, r) = router(cfg.clone());
         let c = chain(7, 64);
         put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
         for n in ["c1", "c2", "c3"] {
@@ -164,10 +172,13 @@ async fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
             spills.sort_unstable_by(|a, b| b.cmp(a));
             (count("hot"), spills)
         };
-        assert_eq!(spread(&held), (20, want), "pending_ttl_ms {pending_ttl_ms}");
+        assert_eq!(spread(&held), (20, want), "pending_ttl_ms {pending_ttl_ms}, share {pending_queue_share}");
+        // Spill decisions credited nothing: the cold choices.
+        let uncredited = held[20..].iter().filter(|d| d.matched_blocks == 0).count();
+        assert_eq!(uncredited, cold, "pending_ttl_ms {pending_ttl_ms}, share {pending_queue_share}");
         // The same from 10 threads at once: reservations are atomic with the choice.
         drop(held);
-        let (pool, r) = router(ScoringConfig { pending_ttl_ms, ..ScoringConfig::default() });
+        let (pool, r) = router(cfg);
         put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
         for n in ["c1", "c2", "c3"] {
             put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
@@ -181,7 +192,7 @@ async fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
             })
             .collect();
         let held: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
-        assert_eq!(spread(&held), (20, want), "threads, pending_ttl_ms {pending_ttl_ms}");
+        assert_eq!(spread(&held), (20, want), "threads, pending_ttl_ms {pending_ttl_ms}, share {pending_queue_share}");
     }
 }
 
