@@ -15,5 +15,5 @@ pub mod listener;
 #[cfg(feature = "telemetry")]
 pub mod telemetry;
 
-pub use hash::{BlockHasher, DEFAULT_BLOCK_SIZE};
+pub use hash::{BlockHasher, BlockKeys, DEFAULT_BLOCK_SIZE, ExtraKey, MmItem};
 pub use ids::{BlockHash, EngineBlockHash};

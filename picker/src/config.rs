@@ -33,6 +33,7 @@
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
 //! # or a preset (README "Tuning guide") with overrides and custom scorers:
+//! # replicas: { peers: [10.0.0.11:9003, 10.0.0.12:9003] }   # share pending chains and in-flight counts
 //! # scoring:
 //! #   preset: latency-api
 //! #   weights: {cache: 0.40, load: 0.15, queue: 0.25, health: 0.05, adapter: 0.05}
@@ -188,6 +189,9 @@ pub struct PickerConfig {
     /// [`ScoringConfig`] field over it. Default: the `chatbot` preset ([`ScoringConfig::default`]).
     #[serde(deserialize_with = "scoring_over_preset")]
     pub scoring: ScoringConfig,
+    /// The other picker replicas (docs/design.md §4 "One view across replicas"). Default none:
+    /// this picker routes on its own view.
+    pub replicas: ReplicasConfig,
     /// Time and count bounds of the listeners (body deadline, HTTP/2 keepalive, stream and
     /// connection caps): see [`crate::limits`]. Default [`Limits::default`].
     pub limits: Limits,
@@ -242,6 +246,16 @@ pub struct ServerTlsFiles {
     pub key_file: PathBuf,
 }
 
+/// Picker replicas this one shares its view with: pending chains and in-flight requests go both
+/// ways over `ReplicaSync`, served on each replica's ingest listener.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicasConfig {
+    /// Every replica's ingest address (`ip:port`), this one's included or not (a replica that
+    /// reaches itself recognises its own id and stops dialing that address). Default empty.
+    pub peers: Vec<SocketAddr>,
+}
+
 impl Default for PickerConfig {
     fn default() -> Self {
         Self {
@@ -254,6 +268,7 @@ impl Default for PickerConfig {
             max_blocks_per_pod: DEFAULT_MAX_BLOCKS_PER_POD,
             models: Vec::new(),
             scoring: ScoringConfig::default(),
+            replicas: ReplicasConfig::default(),
             pool: None,
             pool_file: None,
             ready_coverage: DEFAULT_READY_COVERAGE,

@@ -15,6 +15,7 @@ use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
 use crate::model::ModelRegistry;
 use crate::pool::Pool;
+use crate::replicas::ReplicaIdentity;
 use crate::score::Router;
 use crate::server::StartError;
 
@@ -35,6 +36,8 @@ pub struct Gateway {
     pub body_timeout: std::time::Duration,
     /// Model used for requests without a body (the first configured model).
     pub default_model: Option<String>,
+    /// This picker on the replica stream (docs/design.md §4): its id and counters.
+    pub replica: Arc<ReplicaIdentity>,
     /// The pool source's model table (InferenceObjective priorities, docs/design.md §14);
     /// `None` without a pool source.
     pub model_table: ArcSwapOption<ModelTable>,
@@ -64,6 +67,7 @@ impl Gateway {
             body_limit_bytes: config.body_limit_bytes,
             body_timeout: config.limits.body_timeout(),
             default_model: config.models.first().map(|m| m.name.clone()),
+            replica: ReplicaIdentity::new(),
             model_table: ArcSwapOption::empty(),
             ready: AtomicBool::new(config.pool_source().is_none()),
             draining: AtomicBool::new(false),

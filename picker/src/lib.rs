@@ -20,7 +20,9 @@ pub mod gateway;
 pub mod ingest;
 pub mod limits;
 pub mod model;
+pub mod pending;
 pub mod pool;
+pub mod replicas;
 pub mod score;
 pub mod server;
 

@@ -7,8 +7,10 @@
 //!
 //! Bodies: `/v1/completions` `prompt` (string → `encode_prompt`; token array → as is; a one-element
 //! batch of either) and `/v1/chat/completions` `messages` (+ `tools`) → `encode_chat`. A tokenizer
-//! failure yields no tokens and a warning: the request is then routed by load alone. Requests with
-//! `cache_salt` are never prefix-matched (docs/design.md §2).
+//! failure yields no tokens and a warning: the request is then routed by load alone. A request's
+//! `cache_salt` enters its block hashes as vLLM's does (on the first block, docs/design.md §2), so
+//! a salted prompt matches only blocks its own salt built; approximate mode does not match salted
+//! prompts (its text chains carry no salt).
 //!
 //! Mode (docs/design.md §6): precise models hash token blocks and match the KV-event index; approximate
 //! models (default without a tokenizer, or when it fails to load) hash text blocks
@@ -101,6 +103,8 @@ pub struct ParsedBody {
     pub model: String,
     /// The prompt.
     pub prompt: PromptInput,
+    /// The `cache_salt` field (a non-empty string; anything else makes the prompt unmatched).
+    pub cache_salt: Option<String>,
 }
 
 impl ModelRegistry {
@@ -270,17 +274,23 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         _ => return Err(ModelError::MissingModel),
     };
-    if obj.get("cache_salt").is_some_and(|s| !s.is_null()) {
-        return Ok(ParsedBody { model, prompt: PromptInput::None("cache_salt set: not prefix-matched") });
-    }
+    let cache_salt = match obj.remove("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s),
+        // vLLM refuses these (400); the picker routes them by load.
+        Some(_) => {
+            let prompt = PromptInput::None("cache_salt is not a non-empty string");
+            return Ok(ParsedBody { model, prompt, cache_salt: None });
+        }
+    };
     if is_responses_path(path) {
-        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj) });
+        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj), cache_salt });
     }
     let chat = is_chat_path(path) || (!obj.contains_key("prompt") && obj.contains_key("messages"));
     let prompt = if chat {
         let messages = match obj.remove("messages") {
             Some(Value::Array(m)) => m,
-            _ => return Ok(ParsedBody { model, prompt: PromptInput::None("no messages array") }),
+            _ => return Ok(ParsedBody { model, prompt: PromptInput::None("no messages array"), cache_salt }),
         };
         let tools = match obj.remove("tools") {
             Some(Value::Array(t)) => Some(t),
@@ -290,7 +300,7 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
     } else {
         completion_prompt(obj.remove("prompt"))
     };
-    Ok(ParsedBody { model, prompt })
+    Ok(ParsedBody { model, prompt, cache_salt })
 }
 
 /// `prompt` of `/v1/completions`: a string, a token array, or a one-element batch of either.
@@ -411,7 +421,15 @@ mod tests {
         let p = parse_body("/v1/completions", br#"{"model":"m","prompt":[-1]}"#).unwrap();
         assert!(matches!(p.prompt, PromptInput::None(_)));
         let p = parse_body("/v1/completions", br#"{"model":"m","prompt":"x","cache_salt":"s"}"#).unwrap();
-        assert!(matches!(p.prompt, PromptInput::None(_)));
+        assert!(matches!(p.prompt, PromptInput::Text(ref s) if s == "x"));
+        assert_eq!(p.cache_salt.as_deref(), Some("s"));
+        let p = parse_body("/v1/completions", br#"{"model":"m","prompt":"x","cache_salt":null}"#).unwrap();
+        assert!(matches!(p.prompt, PromptInput::Text(_)) && p.cache_salt.is_none());
+        for bad in ["\"\"", "7", "[\"s\"]"] {
+            let body = format!("{{\"model\":\"m\",\"prompt\":\"x\",\"cache_salt\":{bad}}}");
+            let p = parse_body("/v1/completions", body.as_bytes()).unwrap();
+            assert!(matches!(p.prompt, PromptInput::None(_)) && p.cache_salt.is_none(), "{bad}");
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Wiring: binds the three listeners (ext_proc, AgentIngest, admin), serves them until asked to
-//! stop, and reports the first failure ([`start`], [`RunningPicker`]).
+//! Wiring: binds the three listeners (ext_proc, AgentIngest + ReplicaSync, admin), follows the
+//! peer replicas, serves until asked to stop, and reports the first failure ([`start`],
+//! [`RunningPicker`]).
 //!
 //! Concurrency: one task per server in a `JoinSet`; a `watch` channel asks all of them to stop
 //! (graceful: open streams finish). A server that stops on its own stops the others.
@@ -24,6 +25,7 @@ use crate::gateway::Gateway;
 use crate::ingest::guard::{Claims, Limits};
 use crate::ingest::tls::{self, ReloadingTls};
 use crate::ingest::{IngestService, Refusals, Trust};
+use crate::replicas::{ReplicaIdentity, ReplicaService};
 use crate::score::ScoringConfigError;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
@@ -104,6 +106,10 @@ pub struct RunningPicker {
     pub admin_addr: SocketAddr,
     /// The shared request-path state (tests inspect the pool and metrics through it).
     pub gateway: Arc<Gateway>,
+    /// This replica on the replica stream (its id, what the stream did).
+    pub replica: Arc<ReplicaIdentity>,
+    /// The peer replicas followed (from `replicas.peers`; replace the list to change them).
+    pub replica_peers: watch::Sender<Vec<SocketAddr>>,
     shutdown: ShutdownHandle,
     health: tonic_health::server::HealthReporter,
     /// Each server's task ends with its name (it stopped) or its error.
@@ -308,11 +314,21 @@ pub async fn start_with_scope(
         refusals: refusals.clone(),
     };
     let ingest = IngestService::with_trust(gateway.pool.clone(), trust).into_server();
+    // ReplicaSync shares the ingest listener: its port, its mTLS handshake and its refusal
+    // counters. Under mTLS a subscriber must present a picker certificate (docs/design.md §14).
+    let replica = gateway.replica.clone();
+    let replica_sync =
+        ReplicaService::with_trust(gateway.clone(), replica.clone(), ingest_tls.is_some(), refusals.clone())
+            .into_server();
+    let replica_dialer = match &config.ingest_tls {
+        Some(files) => crate::replicas::tls_dialer(files.clone()),
+        None => crate::replicas::plaintext_dialer(),
+    };
     let ingest_stop = stop(rx.clone());
     tasks.spawn(async move {
         // HTTP/2 keepalive finds a silent or vanished agent (its stream ends, its pods enter the
         // grace period) within keepalive_ms + keepalive_timeout_ms.
-        let server = limits.grpc_server().add_service(ingest);
+        let server = limits.grpc_server().add_service(ingest).add_service(replica_sync);
         let served = match ingest_tls {
             Some(tls) => {
                 server.serve_with_incoming_shutdown(tls::incoming(ingest_l, tls, Some(refusals)), ingest_stop).await
@@ -321,6 +337,10 @@ pub async fn start_with_scope(
         };
         served.map_err(|e| StartError::Serve { what: "ingest", source: e.into() }).map(|()| "ingest")
     });
+
+    let (replica_peers, peers_rx) = watch::channel(config.replicas.peers.clone());
+    let (gw, me, peers_stop) = (gateway.clone(), replica.clone(), rx.clone());
+    tokio::spawn(crate::replicas::run_peers(gw, me, peers_rx, replica_dialer, peers_stop));
 
     let app = admin::router_with_token(gateway.clone(), explain_token.map(Arc::from));
     let admin_stop = stop(rx);
@@ -374,6 +394,8 @@ pub async fn start_with_scope(
         ingest_addr,
         admin_addr,
         gateway,
+        replica,
+        replica_peers,
         shutdown: ShutdownHandle(Arc::new(shutdown)),
         health,
         tasks,

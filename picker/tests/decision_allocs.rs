@@ -64,12 +64,23 @@ fn allocations_per_decision(router: &Router, chain: &[BlockHash], rounds: usize)
 async fn a_decision_allocates_the_same_over_8_and_500_pods() {
     let (small, chain) = fleet(8).await;
     let (large, _) = fleet(500).await;
-    let small = Router::new(small, ScoringConfig::default()).expect("router");
-    let large = Router::new(large, ScoringConfig::default()).expect("router");
-    let a = allocations_per_decision(&small, &chain, 2_000);
-    let b = allocations_per_decision(&large, &chain, 2_000);
+    // Pending entries off: the decision alone.
+    let off = ScoringConfig { pending_ttl_ms: 0, ..ScoringConfig::default() };
+    let small_off = Router::new(small.clone(), off.clone()).expect("router");
+    let large_off = Router::new(large.clone(), off).expect("router");
+    let a = allocations_per_decision(&small_off, &chain, 2_000);
+    let b = allocations_per_decision(&large_off, &chain, 2_000);
     // The result: pod and endpoint strings and the candidate list (the pool writer thread may
     // allocate now and then on its timer: allow a fraction).
     assert!(a <= 3.5, "8 pods: {a} allocations per decision");
     assert!(b <= 3.5, "500 pods: {b} allocations per decision (8 pods: {a})");
+    // Pending entries on (the default, docs/design.md §4): a decision whose pod lacks part of the
+    // prompt also records that tail (its shared slice and the pending table's bookkeeping), a
+    // constant per decision, not per pod. On 8 pods the chosen pod holds the whole chain.
+    let small_on = Router::new(small, ScoringConfig::default()).expect("router");
+    let large_on = Router::new(large, ScoringConfig::default()).expect("router");
+    let a = allocations_per_decision(&small_on, &chain, 2_000);
+    let b = allocations_per_decision(&large_on, &chain, 2_000);
+    assert!(a <= 3.5, "pending on, 8 pods: {a} allocations per decision");
+    assert!(b <= 5.5, "pending on, 500 pods: {b} allocations per decision (8 pods: {a})");
 }

@@ -85,7 +85,12 @@ impl Pki {
 }
 
 async fn start(pki: &Pki, scoped: bool) -> RunningPicker {
-    let picker = tls::write(pki.path(), "picker", &pki.ca.picker().unwrap()).unwrap();
+    start_as(pki, scoped, "picker").await
+}
+
+/// [`start`] with the picker's certificate files named `name` (one per replica).
+async fn start_as(pki: &Pki, scoped: bool, name: &str) -> RunningPicker {
+    let picker = tls::write(pki.path(), name, &pki.ca.picker().unwrap()).unwrap();
     let yaml = format!(
         "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
          ingest_tls: {{ca_file: {}, cert_file: {}, key_file: {}}}\n",
@@ -173,6 +178,7 @@ fn snapshot(pod: &str, endpoint: &str, seq: u64, blocks: &[BlockHash], health: f
             seq,
             stats: Some(stats(health)),
             blocks: vec![BlockRun { parent: 0, hashes: blocks.iter().map(|h| h.0).collect() }],
+            offloaded_blocks: Vec::new(),
         })),
     }
 }
@@ -188,6 +194,7 @@ fn delta(pod: &str, seq: u64, stored: &[BlockHash], stats: Option<PodStats>) -> 
                 removed: vec![],
             }),
             stats,
+            offloaded: None,
         })),
     }
 }
@@ -529,4 +536,64 @@ async fn ext_proc_serves_tls_when_configured() {
     };
     assert!(refused, "plaintext answered on the TLS ext_proc port");
     picker.shutdown();
+}
+
+/// A `ReplicaSync` subscription to `picker` over TLS with `identity`: the first message, or the
+/// refusal.
+async fn subscribe_replica(picker: &RunningPicker, ca: &str, identity: &Pem) -> Result<(), tonic::Status> {
+    use kvroute_proto::replica::v1::SubscribeRequest;
+    use kvroute_proto::replica::v1::replica_sync_client::ReplicaSyncClient;
+    let config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name(tls::PICKER_SERVER_NAME)
+        .identity(Identity::from_pem(&identity.cert, &identity.key));
+    let endpoint =
+        Endpoint::from_shared(format!("https://{}", picker.ingest_addr)).unwrap().tls_config(config).unwrap();
+    let channel = endpoint.connect().await.map_err(|e| tonic::Status::unavailable(format!("{e:?}")))?;
+    let mut client = ReplicaSyncClient::new(channel);
+    let req = SubscribeRequest { replica_id: "test-subscriber".into(), protocol_version: 1 };
+    let mut stream = client.subscribe(req).await?.into_inner();
+    stream.message().await.map(|_| ())
+}
+
+/// docs/design.md §14: ReplicaSync rides the ingest listener's mTLS. Two replicas with picker
+/// certificates follow each other and share decisions; an agent's valid certificate cannot
+/// subscribe (it would read every routing decision), and is counted as `not_a_replica`.
+#[tokio::test]
+async fn replica_peers_authenticate_with_picker_certificates() {
+    let pki = Pki::new();
+    let a = start_as(&pki, true, "picker-a").await;
+    let b = start_as(&pki, true, "picker-b").await;
+    let _fleet_a = real_fleet(&a, &pki).await;
+    let _fleet_b = real_fleet(&b, &pki).await;
+    b.replica_peers.send(vec![a.ingest_addr]).unwrap();
+    let following = || b.replica.counters.connected.load(std::sync::atomic::Ordering::Relaxed) == 1;
+    assert!(poll_until(TIMEOUT, following).await, "replica b never followed a over mTLS");
+    assert_eq!(refusals(&a, Refusal::NotAReplica), 0);
+
+    // A decision on a reaches b as a pending chain on the same pod.
+    let hashes = prompt();
+    let req = RouteRequest { model: MODEL, adapter: None, block_hashes: &hashes, subset: None };
+    let applied = b.replica.counters.applied.load(std::sync::atomic::Ordering::Relaxed);
+    let d = a.gateway.router.route(&req).unwrap();
+    assert_eq!(d.pod, E0);
+    let shared = || b.replica.counters.applied.load(std::sync::atomic::Ordering::Relaxed) > applied;
+    assert!(poll_until(TIMEOUT, shared).await, "a's decision never reached b");
+    drop(d);
+
+    // An agent's certificate (valid, same CA) is refused at the service.
+    let n = refusals(&a, Refusal::NotAReplica);
+    let agent = pki.ca.agent("node-a").unwrap();
+    let refused = subscribe_replica(&a, &pki.ca.cert_pem(), &agent).await;
+    assert_eq!(refused.map_err(|s| s.code()), Err(tonic::Code::Unauthenticated));
+    counted(&a, Refusal::NotAReplica, n, 1).await;
+    // A self-signed picker certificate does not pass the handshake.
+    let n = refusals(&a, Refusal::UntrustedCertificate);
+    let forged = tls::self_signed(&[tls::PICKER_SERVER_NAME.to_string()]).unwrap();
+    assert!(subscribe_replica(&a, &pki.ca.cert_pem(), &forged).await.is_err());
+    counted(&a, Refusal::UntrustedCertificate, n, 1).await;
+    // Another picker certificate of the CA is served.
+    assert!(subscribe_replica(&a, &pki.ca.cert_pem(), &pki.ca.picker().unwrap()).await.is_ok());
+    a.shutdown();
+    b.shutdown();
 }

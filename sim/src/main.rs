@@ -48,6 +48,17 @@ struct Args {
     /// start: 3), else 1.
     #[arg(long)]
     routers: Option<usize>,
+    /// kvroute replicas do not share pending chains and in-flight counts (by default they do,
+    /// over the replica stream, as deploy/ configures them).
+    #[arg(long)]
+    independent_replicas: bool,
+    /// Scoring fields (JSON object) laid over every kvroute policy's preset, as in the picker's
+    /// `scoring:` section, e.g. `{"pile_guard_margin": 0}`.
+    #[arg(long)]
+    kvroute_scoring: Option<String>,
+    /// Delay of the replica stream between kvroute replicas, ms.
+    #[arg(long, default_value_t = 1.0)]
+    peer_delay_ms: f64,
     /// Share of requests sent straight to a random pod, bypassing the routers (left out of the
     /// figures).
     #[arg(long, default_value_t = 0.0)]
@@ -78,6 +89,10 @@ struct Args {
     /// Workload seeds, comma-separated; each runs every policy.
     #[arg(long, default_value = "1", value_delimiter = ',')]
     seeds: Vec<u64>,
+    /// Also write every request's outcome to `<out>/<workload>-<policy>-seed<N>.csv` (arrival,
+    /// router, pod, session, stage, prompt and cached tokens, TTFT, finish).
+    #[arg(long)]
+    dump_requests: bool,
     /// Where tables (`tables.md`, `summary.md`) and charts go.
     #[arg(long, default_value = "target/sim")]
     out: PathBuf,
@@ -155,6 +170,10 @@ fn main() -> anyhow::Result<()> {
             anyhow::bail!("unknown policy '{p}'; known: {}", policy::ALL.join(", "));
         }
     }
+    let overlay: Option<serde_json::Map<String, serde_json::Value>> = match &a.kvroute_scoring {
+        None => None,
+        Some(text) => Some(serde_json::from_str(text).context("--kvroute-scoring must be a JSON object")?),
+    };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let per_seed: Vec<Vec<Workload>> = a.seeds.iter().map(|s| workloads(&a, *s)).collect::<Result<_, _>>()?;
     let total: u64 = per_seed.iter().flatten().map(|w| w.requests.len() as u64).sum::<u64>() * policies.len() as u64;
@@ -177,6 +196,7 @@ fn main() -> anyhow::Result<()> {
                 pods: a.pods,
                 cost: c,
                 report_delay_us: a.report_delay_ms * 1000,
+                peer_delay_us: (a.peer_delay_ms * 1000.0) as u64,
                 direct_share: a.direct_share,
                 cache_reset_interval_us: (a.cache_reset_interval_s * 1e6) as u64,
                 seed: *seed,
@@ -186,9 +206,22 @@ fn main() -> anyhow::Result<()> {
             for p in &policies {
                 pb.set_message(format!("{} seed {seed} / {p}", w.name));
                 let mut replicas = (0..routers)
-                    .map(|r| policy::build(p, cfg.pods, a.approx_capacity_blocks, seed.wrapping_mul(1000) + r as u64))
+                    .map(|r| {
+                        let opts = policy::PolicyOptions {
+                            approx_capacity_blocks: a.approx_capacity_blocks,
+                            seed: seed.wrapping_mul(1000) + r as u64,
+                            shared_view: !a.independent_replicas,
+                            scoring_overlay: overlay.clone(),
+                        };
+                        policy::build(p, cfg.pods, &opts)
+                    })
                     .collect::<Result<Vec<_>, _>>()?;
                 let run = sim::run(w, &mut replicas, &cfg, Some(&pb))?;
+                if a.dump_requests {
+                    let path = a.out.join(format!("{}-{p}-seed{seed}.csv", w.name));
+                    std::fs::write(&path, report::outcomes_csv(&run))
+                        .with_context(|| format!("writing {}", path.display()))?;
+                }
                 rows.push(report::summarize(&run, w.stages.len()));
             }
             let fleet = format!(

@@ -26,7 +26,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::SimError;
 use crate::engine::{CostModel, PodEngine};
-use crate::policy::{PodReport, Policy};
+use crate::policy::{PodReport, Policy, ReplicaEvent};
 use crate::workload::Workload;
 
 /// Fleet, routers and reporting settings.
@@ -43,6 +43,8 @@ pub struct SimConfig {
     pub stats_interval_us: u64,
     /// Delay from an engine read to the routers seeing it, µs. Default 20 000.
     pub report_delay_us: u64,
+    /// Delay of the replica stream (a router replica's event to its peers), µs. Default 1 000.
+    pub peer_delay_us: u64,
     /// Share of requests sent straight to a random pod, in [0,1]. Default 0.
     pub direct_share: f64,
     /// Every this many µs one pod (in turn) empties its prefix cache; 0 = never. Default 0.
@@ -59,6 +61,7 @@ impl Default for SimConfig {
             kv_flush_us: 10_000,
             stats_interval_us: 200_000,
             report_delay_us: 20_000,
+            peer_delay_us: 1_000,
             direct_share: 0.0,
             cache_reset_interval_us: 0,
             seed: 1,
@@ -119,6 +122,7 @@ pub struct RunResult {
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     Deliver(usize),
+    Peer(usize),
     Arrival(usize),
     StepDone(usize),
     Reset(usize),
@@ -133,6 +137,8 @@ struct Loop<'a> {
     pods: Vec<PodEngine>,
     outcomes: Vec<Outcome>,
     reports: Vec<Option<PodReport>>,
+    /// Replica events in flight to the other replicas: (sender, event).
+    peer_events: Vec<Option<(usize, ReplicaEvent)>>,
     next_stats_us: Vec<u64>,
 }
 
@@ -155,6 +161,18 @@ impl Loop<'_> {
             }
             Ok(None) => Ok(()),
             Err(message) => Err(SimError::Engine { pod, message }),
+        }
+    }
+
+    /// Sends replica `from`'s new events to the other replicas after the stream's delay.
+    fn forward_peer_events(&mut self, routers: &mut [Box<dyn Policy>], from: usize, now: u64) {
+        if routers.len() < 2 {
+            return;
+        }
+        for ev in routers[from].take_peer_events() {
+            self.peer_events.push(Some((from, ev)));
+            let idx = self.peer_events.len() - 1;
+            self.at(now + self.cfg.peer_delay_us, Ev::Peer(idx));
         }
     }
 
@@ -203,6 +221,7 @@ pub fn run(
         pods: (0..pods).map(|_| PodEngine::new(&cfg.cost)).collect(),
         outcomes: vec![Outcome::default(); n],
         reports: Vec::new(),
+        peer_events: Vec::new(),
         next_stats_us: vec![0; pods],
     };
     let mut rng = StdRng::seed_from_u64(cfg.seed ^ 0xD1EC7);
@@ -239,6 +258,7 @@ pub fn run(
                     if pod >= pods {
                         return Err(SimError::BadPick { policy: name.clone(), pod });
                     }
+                    l.forward_peer_events(routers, r, now);
                     (pod, Some(r))
                 };
                 l.outcomes[id].pod = pod;
@@ -265,7 +285,8 @@ pub fn run(
                 for req in result.finished {
                     l.outcomes[req].finish_us = now;
                     if let Some(r) = l.outcomes[req].router {
-                        routers[r].on_finish(&workload.requests[req], pod);
+                        routers[r].on_finish(&workload.requests[req], pod, now);
+                        l.forward_peer_events(routers, r, now);
                     }
                     unfinished -= 1;
                 }
@@ -275,6 +296,15 @@ pub fn run(
                 if let Some(report) = l.reports.get_mut(idx).and_then(Option::take) {
                     for r in routers.iter_mut() {
                         r.on_report(&report);
+                    }
+                }
+            }
+            Ev::Peer(idx) => {
+                if let Some((from, ev)) = l.peer_events.get_mut(idx).and_then(Option::take) {
+                    for (r, router) in routers.iter_mut().enumerate() {
+                        if r != from {
+                            router.on_peer_event(from, &ev, now);
+                        }
                     }
                 }
             }
@@ -315,9 +345,15 @@ mod tests {
 
     fn replicas(name: &str, n: usize, pods: usize) -> Vec<Box<dyn Policy>> {
         (0..n)
-            .map(|i| match policy::build(name, pods, 31_250, i as u64) {
-                Ok(p) => p,
-                Err(e) => panic!("{e}"),
+            .map(|i| {
+                match policy::build(
+                    name,
+                    pods,
+                    &policy::PolicyOptions { seed: i as u64, ..policy::PolicyOptions::default() },
+                ) {
+                    Ok(p) => p,
+                    Err(e) => panic!("{e}"),
+                }
             })
             .collect()
     }

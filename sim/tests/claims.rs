@@ -10,10 +10,11 @@ use kvroute_sim::workload::{self, Workload};
 
 fn run(w: &Workload, name: &str, pods: usize) -> RunResult {
     let cfg = SimConfig { pods, ..SimConfig::default() };
-    let p: Box<dyn Policy> = match policy::build(name, pods, policy::GIE_CAPACITY_BLOCKS, 3) {
-        Ok(p) => p,
-        Err(e) => panic!("building {name}: {e}"),
-    };
+    let p: Box<dyn Policy> =
+        match policy::build(name, pods, &policy::PolicyOptions { seed: 3, ..policy::PolicyOptions::default() }) {
+            Ok(p) => p,
+            Err(e) => panic!("building {name}: {e}"),
+        };
     match sim::run(w, &mut [p], &cfg, None) {
         Ok(r) => r,
         Err(e) => panic!("running {name}: {e}"),

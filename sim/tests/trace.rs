@@ -16,7 +16,7 @@ fn example_trace_second_turns_return_to_their_pod() {
     };
     assert_eq!(w.requests.len(), 5);
     let cfg = SimConfig::default();
-    let p = match policy::build("kvroute", cfg.pods, policy::GIE_CAPACITY_BLOCKS, 1) {
+    let p = match policy::build("kvroute", cfg.pods, &policy::PolicyOptions::default()) {
         Ok(p) => p,
         Err(e) => panic!("{e}"),
     };

@@ -4,12 +4,15 @@
 //! chains from the kvroute hash recorded for its engine parent (or from the (model, adapter) root
 //! when it has none), and each further block from the one before. The record keeps
 //! (medium, engine hash) → kvroute hash for every medium (a CPU-offloaded block can be the parent
-//! of a GPU block), and the set of kvroute hashes on GPU with their parents (to build snapshots
-//! as `BlockRun`s). Only GPU blocks are reported.
+//! of a GPU block), and, per reported tier, the set of kvroute hashes with their parents (to build
+//! snapshots as `BlockRun`s). Two tiers are reported (docs/design.md §2 tiers): GPU, and CPU
+//! (vLLM KV offloading `medium: CPU`, LMCache), which the picker credits partially; other media
+//! (disk, remote) only serve as parents.
 //!
+//! Extra keys (docs/design.md §2): a block's `cache_salt` and multimodal items are folded into its
+//! kvroute hash after its tokens, exactly as the picker folds a request's ([`hash_block_keyed`]).
 //! Under-claim rule: a block whose parent the agent never saw is dropped and counted; so is a
-//! block whose `extra_keys` carry multimodal identifiers or a cache salt, and every block after it
-//! in the same run (their prefix is not plain text).
+//! block whose extra keys the agent cannot interpret, and every block after it in the same run.
 //!
 //! Changes since the last flush are accumulated and netted against the current state when taken
 //! (a block stored then removed inside one flush window is not announced as stored), so the
@@ -29,8 +32,9 @@
 //!
 //! Concurrency: plain data, owned by one pod's state behind its mutex; no locking here.
 
-use super::kv_events::{BlockStored, KvEvent, KvEventBatch, Medium};
+use super::kv_events::{BlockExtra, BlockStored, KvEvent, KvEventBatch, Medium};
 use fold_hash::{FoldMap, FoldSet, FoldState};
+use kvroute_common::hash::{hash_block, hash_block_keyed};
 use kvroute_common::{BlockHash, BlockHasher, EngineBlockHash};
 use kvroute_proto::agent::v1::{BlockChanges, BlockRun};
 
@@ -41,9 +45,11 @@ mod fold_hash;
 pub struct ApplyOutcome {
     /// Blocks stored on GPU and announced.
     pub stored_gpu: u64,
+    /// Blocks stored in the CPU tier and announced.
+    pub stored_cpu: u64,
     /// Blocks dropped because their parent is unknown.
     pub dropped_unknown_parent: u64,
-    /// Blocks skipped because of multimodal / salted extra keys.
+    /// Blocks skipped because their extra keys could not be interpreted.
     pub skipped_extra_keys: u64,
     /// Blocks dropped because `token_ids` did not cover them.
     pub dropped_short_tokens: u64,
@@ -56,12 +62,49 @@ pub struct ApplyOutcome {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct GpuBlock {
+struct TierBlock {
     /// kvroute parent; `None` = chain root.
     parent: Option<BlockHash>,
-    /// Engine entries mapping to this hash on GPU (normally 1).
+    /// Engine entries mapping to this hash in the tier (normally 1).
     refs: u32,
 }
+
+/// A reported tier's blocks and the changes waiting to be taken.
+#[derive(Debug, Default)]
+struct Tier {
+    blocks: FoldMap<BlockHash, TierBlock>,
+    pending_cleared: bool,
+    pending_stored: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
+    pending_removed: Vec<BlockHash>,
+}
+
+impl Tier {
+    fn has_changes(&self) -> bool {
+        self.pending_cleared || !self.pending_stored.is_empty() || !self.pending_removed.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.blocks.clear();
+        self.pending_cleared = true;
+        self.pending_stored.clear();
+        self.pending_removed.clear();
+    }
+
+    fn unref(&mut self, kv: BlockHash) {
+        if let Some(b) = self.blocks.get_mut(&kv) {
+            b.refs = b.refs.saturating_sub(1);
+            if b.refs == 0 {
+                self.blocks.remove(&kv);
+                self.pending_removed.push(kv);
+            }
+        }
+    }
+}
+
+/// Index of the GPU tier in [`BlockRecord`]'s tiers.
+const GPU_TIER: usize = 0;
+/// Index of the CPU tier.
+const CPU_TIER: usize = 1;
 
 /// Largest `seen` set kept between flushes (entries); a flush of more blocks frees it after.
 const SEEN_KEEP: usize = 4096;
@@ -81,6 +124,16 @@ pub const MAX_MEDIA: usize = 16;
 /// Interned medium (index into [`BlockRecord`]'s media list).
 type MediumId = u16;
 const GPU: MediumId = 0;
+const CPU: MediumId = 1;
+
+/// The reported tier of a medium, if any.
+fn tier_of(m: MediumId) -> Option<usize> {
+    match m {
+        GPU => Some(GPU_TIER),
+        CPU => Some(CPU_TIER),
+        _ => None,
+    }
+}
 
 /// One engine's blocks. `model` is the base model id used as the hash root.
 #[derive(Debug)]
@@ -89,16 +142,14 @@ pub struct BlockRecord {
     /// Interned media: index = medium id used in `engine_to_kv` keys.
     media: Vec<Medium>,
     engine_to_kv: FoldMap<(MediumId, EngineBlockHash), BlockHash>,
-    gpu: FoldMap<BlockHash, GpuBlock>,
+    /// GPU, then CPU.
+    tiers: [Tier; 2],
     /// Hashers of the base model, by block size.
     base_hashers: FoldMap<u32, BlockHasher>,
     /// Hashers per LoRA adapter name, by block size (at most [`MAX_HASHED_ADAPTERS`] names).
     lora_hashers: FoldMap<Box<str>, FoldMap<u32, BlockHasher>>,
     /// Most entries of `engine_to_kv`.
     capacity: usize,
-    pending_cleared: bool,
-    pending_stored: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
-    pending_removed: Vec<BlockHash>,
     scratch: Vec<BlockHash>,
     /// Hashes already placed in the changes being taken; kept between calls for its capacity
     /// (a fresh set per flush, grown by rehashing, was ~7 % of the agent's CPU under load).
@@ -112,13 +163,10 @@ impl BlockRecord {
             model: model.to_string(),
             media: vec![Medium::Gpu, Medium::Cpu],
             engine_to_kv: FoldMap::default(),
-            gpu: FoldMap::default(),
+            tiers: [Tier::default(), Tier::default()],
             base_hashers: FoldMap::default(),
             lora_hashers: FoldMap::default(),
             capacity: DEFAULT_MAX_BLOCKS,
-            pending_cleared: false,
-            pending_stored: Vec::new(),
-            pending_removed: Vec::new(),
             scratch: Vec::new(),
             seen: FoldSet::default(),
         }
@@ -162,22 +210,26 @@ impl BlockRecord {
 
     /// Number of distinct kvroute hashes on GPU.
     pub fn gpu_len(&self) -> usize {
-        self.gpu.len()
+        self.tiers[GPU_TIER].blocks.len()
+    }
+
+    /// Number of distinct kvroute hashes in the CPU tier.
+    pub fn cpu_len(&self) -> usize {
+        self.tiers[CPU_TIER].blocks.len()
     }
 
     /// Whether `hash` is currently recorded on GPU.
     pub fn contains(&self, hash: BlockHash) -> bool {
-        self.gpu.contains_key(&hash)
+        self.tiers[GPU_TIER].blocks.contains_key(&hash)
     }
 
-    /// Forgets everything and queues a `cleared` (engine cleared its cache, restarted, or events
-    /// were lost beyond replay).
+    /// Forgets everything and queues a `cleared` for both tiers (engine cleared its cache,
+    /// restarted, or events were lost beyond replay: the CPU tier is under-claimed too).
     pub fn clear(&mut self) {
         self.engine_to_kv.clear();
-        self.gpu.clear();
-        self.pending_cleared = true;
-        self.pending_stored.clear();
-        self.pending_removed.clear();
+        for t in &mut self.tiers {
+            t.clear();
+        }
     }
 
     /// Applies one batch in order.
@@ -191,9 +243,9 @@ impl BlockRecord {
                     let Some(m) = self.find_medium(medium) else { continue };
                     for h in block_hashes {
                         if let Some(kv) = self.engine_to_kv.remove(&(m, *h))
-                            && m == GPU
+                            && let Some(t) = tier_of(m)
                         {
-                            self.unref_gpu(kv);
+                            self.tiers[t].unref(kv);
                         }
                     }
                 }
@@ -211,7 +263,7 @@ impl BlockRecord {
     fn find_medium(&self, medium: &Medium) -> Option<MediumId> {
         match medium {
             Medium::Gpu => Some(GPU),
-            Medium::Cpu => Some(1),
+            Medium::Cpu => Some(CPU),
             other => self.media.iter().position(|m| m == other).and_then(|i| MediumId::try_from(i).ok()),
         }
     }
@@ -256,14 +308,29 @@ impl BlockRecord {
         };
         let hasher = self.hasher(s.lora_name.as_deref(), s.block_size);
         let start = parent.unwrap_or_else(|| hasher.root());
-        // Only the blocks before the first opaque one are plain text.
-        let plain = s.opaque_extra_keys.iter().position(|o| *o).unwrap_or(s.block_hashes.len());
-        let take_tokens = (plain * s.block_size as usize).min(s.token_ids.len());
+        // Re-hash block by block, folding each block's extra keys; stop at the first block that
+        // cannot be placed (too few tokens, uninterpretable keys): its prefix is unknown.
+        let n = s.block_hashes.len();
+        let bs = s.block_size as usize;
         self.scratch.clear();
-        hasher.extend_chain(start, &s.token_ids[..take_tokens], &mut self.scratch);
-        let placed = self.scratch.len().min(plain);
-        out.skipped_extra_keys += (s.block_hashes.len() - plain) as u64;
-        out.dropped_short_tokens += (plain - placed) as u64;
+        let mut prev = start;
+        for i in 0..n {
+            let Some(tokens) = s.token_ids.get(i * bs..(i + 1) * bs) else {
+                out.dropped_short_tokens += (n - i) as u64;
+                break;
+            };
+            prev = match s.extra_keys.get(i).unwrap_or(&BlockExtra::Plain) {
+                BlockExtra::Plain => hash_block(prev, tokens),
+                BlockExtra::Keys(keys) => hash_block_keyed(prev, tokens, keys),
+                BlockExtra::Opaque => {
+                    out.skipped_extra_keys += (n - i) as u64;
+                    break;
+                }
+            };
+            self.scratch.push(prev);
+        }
+        let placed = self.scratch.len();
+        let tier = tier_of(medium);
         let mut run: Vec<BlockHash> = Vec::with_capacity(placed);
         let mut prev = parent;
         let mut run_parent = parent;
@@ -276,24 +343,29 @@ impl BlockRecord {
                 break;
             }
             let old = self.engine_to_kv.insert(key, kv);
-            if medium == GPU {
+            if let Some(t) = tier {
+                let tier = &mut self.tiers[t];
                 match old {
-                    // Re-store of a known engine block: nothing new on GPU.
+                    // Re-store of a known engine block: nothing new in the tier.
                     Some(old) if old == kv => {}
                     other => {
                         if let Some(old) = other {
-                            self.unref_gpu(old);
+                            tier.unref(old);
                         }
-                        let entry = self.gpu.entry(kv).or_insert(GpuBlock { parent: prev, refs: 0 });
+                        let entry = tier.blocks.entry(kv).or_insert(TierBlock { parent: prev, refs: 0 });
                         entry.refs += 1;
                         if entry.refs == 1 {
                             if run.is_empty() {
                                 run_parent = prev;
                             }
                             run.push(kv);
-                            out.stored_gpu += 1;
+                            if t == GPU_TIER {
+                                out.stored_gpu += 1;
+                            } else {
+                                out.stored_cpu += 1;
+                            }
                         } else if !run.is_empty() {
-                            self.pending_stored.push((run_parent, std::mem::take(&mut run)));
+                            tier.pending_stored.push((run_parent, std::mem::take(&mut run)));
                         }
                     }
                 }
@@ -301,8 +373,10 @@ impl BlockRecord {
             prev = Some(kv);
         }
         self.scratch = hashes;
-        if !run.is_empty() {
-            self.pending_stored.push((run_parent, run));
+        if let Some(t) = tier
+            && !run.is_empty()
+        {
+            self.tiers[t].pending_stored.push((run_parent, run));
         }
     }
 
@@ -325,31 +399,32 @@ impl BlockRecord {
         h
     }
 
-    fn unref_gpu(&mut self, kv: BlockHash) {
-        if let Some(b) = self.gpu.get_mut(&kv) {
-            b.refs = b.refs.saturating_sub(1);
-            if b.refs == 0 {
-                self.gpu.remove(&kv);
-                self.pending_removed.push(kv);
-            }
-        }
-    }
-
-    /// Whether changes wait to be taken.
+    /// Whether changes wait to be taken (either tier).
     pub fn has_changes(&self) -> bool {
-        self.pending_cleared || !self.pending_stored.is_empty() || !self.pending_removed.is_empty()
+        self.tiers.iter().any(Tier::has_changes)
     }
 
-    /// Takes the changes since the previous call, netted against the current state.
+    /// Takes the GPU tier's changes since the previous call, netted against the current state.
     pub fn take_changes(&mut self) -> BlockChanges {
-        let mut changes = BlockChanges { cleared: std::mem::take(&mut self.pending_cleared), ..Default::default() };
+        self.take_tier_changes(GPU_TIER)
+    }
+
+    /// Takes the CPU tier's changes since the previous call (docs/design.md §2 tiers), `None`
+    /// when there are none.
+    pub fn take_offloaded_changes(&mut self) -> Option<BlockChanges> {
+        self.tiers[CPU_TIER].has_changes().then(|| self.take_tier_changes(CPU_TIER))
+    }
+
+    fn take_tier_changes(&mut self, t: usize) -> BlockChanges {
+        let tier = &mut self.tiers[t];
+        let mut changes = BlockChanges { cleared: std::mem::take(&mut tier.pending_cleared), ..Default::default() };
         let announced = &mut self.seen;
         announced.clear();
-        for (parent, hashes) in self.pending_stored.drain(..) {
+        for (parent, hashes) in tier.pending_stored.drain(..) {
             let mut prev = parent;
             let mut cur: Option<BlockRun> = None;
             for h in hashes {
-                if self.gpu.contains_key(&h) && announced.insert(h) {
+                if tier.blocks.contains_key(&h) && announced.insert(h) {
                     cur.get_or_insert_with(|| BlockRun { parent: prev.map_or(0, |p| p.0), hashes: Vec::new() })
                         .hashes
                         .push(h.0);
@@ -362,8 +437,8 @@ impl BlockRecord {
         }
         let removed_seen = &mut self.seen;
         removed_seen.clear();
-        for h in self.pending_removed.drain(..) {
-            if !self.gpu.contains_key(&h) && removed_seen.insert(h) {
+        for h in tier.pending_removed.drain(..) {
+            if !tier.blocks.contains_key(&h) && removed_seen.insert(h) {
                 changes.removed.push(h.0);
             }
         }
@@ -374,51 +449,61 @@ impl BlockRecord {
         changes
     }
 
+    /// The CPU tier as runs, for a `PodSnapshot`'s `offloaded_blocks`.
+    pub fn offloaded_snapshot_runs(&self) -> Vec<BlockRun> {
+        runs_of(&self.tiers[CPU_TIER].blocks)
+    }
+
     /// The whole GPU set as runs (each block exactly once), for a `PodSnapshot`.
     pub fn snapshot_runs(&self) -> Vec<BlockRun> {
-        let mut children: FoldMap<BlockHash, Vec<BlockHash>> = FoldMap::default();
-        let mut starts = Vec::new();
-        for (h, b) in &self.gpu {
-            match b.parent {
-                Some(p) if self.gpu.contains_key(&p) => children.entry(p).or_default().push(*h),
-                _ => starts.push(*h),
-            }
-        }
-        starts.sort_unstable();
-        let mut runs = Vec::new();
-        let mut visited = FoldSet::with_capacity_and_hasher(self.gpu.len(), FoldState::default());
-        let mut stack: Vec<BlockHash> = starts;
-        while let Some(first) = stack.pop() {
-            if !visited.insert(first) {
-                continue;
-            }
-            let parent = self.gpu.get(&first).and_then(|b| b.parent).map_or(0, |p| p.0);
-            let mut run = BlockRun { parent, hashes: vec![first.0] };
-            let mut cur = first;
-            loop {
-                match children.get(&cur).map(Vec::as_slice) {
-                    Some([only]) if !visited.contains(only) => {
-                        visited.insert(*only);
-                        run.hashes.push(only.0);
-                        cur = *only;
-                    }
-                    Some(many) => {
-                        stack.extend(many.iter().filter(|c| !visited.contains(c)));
-                        break;
-                    }
-                    None => break,
-                }
-            }
-            runs.push(run);
-        }
-        // Defensive: a parent cycle (impossible with chained hashes) still reports every block.
-        for (h, b) in &self.gpu {
-            if !visited.contains(h) {
-                runs.push(BlockRun { parent: b.parent.map_or(0, |p| p.0), hashes: vec![h.0] });
-            }
-        }
-        runs
+        runs_of(&self.tiers[GPU_TIER].blocks)
     }
+}
+
+/// A tier's blocks as runs, each block exactly once.
+fn runs_of(blocks: &FoldMap<BlockHash, TierBlock>) -> Vec<BlockRun> {
+    let mut children: FoldMap<BlockHash, Vec<BlockHash>> = FoldMap::default();
+    let mut starts = Vec::new();
+    for (h, b) in blocks {
+        match b.parent {
+            Some(p) if blocks.contains_key(&p) => children.entry(p).or_default().push(*h),
+            _ => starts.push(*h),
+        }
+    }
+    starts.sort_unstable();
+    let mut runs = Vec::new();
+    let mut visited = FoldSet::with_capacity_and_hasher(blocks.len(), FoldState::default());
+    let mut stack: Vec<BlockHash> = starts;
+    while let Some(first) = stack.pop() {
+        if !visited.insert(first) {
+            continue;
+        }
+        let parent = blocks.get(&first).and_then(|b| b.parent).map_or(0, |p| p.0);
+        let mut run = BlockRun { parent, hashes: vec![first.0] };
+        let mut cur = first;
+        loop {
+            match children.get(&cur).map(Vec::as_slice) {
+                Some([only]) if !visited.contains(only) => {
+                    visited.insert(*only);
+                    run.hashes.push(only.0);
+                    cur = *only;
+                }
+                Some(many) => {
+                    stack.extend(many.iter().filter(|c| !visited.contains(c)));
+                    break;
+                }
+                None => break,
+            }
+        }
+        runs.push(run);
+    }
+    // Defensive: a parent cycle (impossible with chained hashes) still reports every block.
+    for (h, b) in blocks {
+        if !visited.contains(h) {
+            runs.push(BlockRun { parent: b.parent.map_or(0, |p| p.0), hashes: vec![h.0] });
+        }
+    }
+    runs
 }
 
 #[cfg(test)]

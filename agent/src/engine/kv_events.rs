@@ -94,9 +94,22 @@ pub struct BlockStored {
     pub medium: Medium,
     /// LoRA adapter name, if any: part of the kvroute hash root.
     pub lora_name: Option<String>,
-    /// Per block: true when its `extra_keys` carry anything other than the LoRA name
-    /// (multimodal identifiers, cache salt): such blocks are not matchable by text requests.
-    pub opaque_extra_keys: Vec<bool>,
+    /// Per block, its `extra_keys` besides the LoRA name (docs/design.md §2): cache salt and
+    /// multimodal items are folded into the kvroute hash; keys the agent cannot read make the
+    /// block (and the rest of its run) unplaceable.
+    pub extra_keys: Vec<BlockExtra>,
+}
+
+/// A block's extra keys as the agent reads them (docs/design.md §2).
+#[derive(Debug, Clone, PartialEq)]
+pub enum BlockExtra {
+    /// Nothing besides the LoRA name: the block hashes from its tokens alone.
+    Plain,
+    /// Keys folded into the kvroute hash after the tokens: the cache salt (a string), multimodal
+    /// items `(identifier, offset)`, in vLLM's order.
+    Keys(Vec<kvroute_common::ExtraKey>),
+    /// Keys of a shape the agent cannot interpret: the block is skipped and counted.
+    Opaque,
 }
 
 /// One KV-cache event.

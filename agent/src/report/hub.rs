@@ -69,7 +69,7 @@ impl Pod {
         &self.name
     }
 
-    /// The full state as a snapshot (info, seq, stats, GPU blocks as runs).
+    /// The full state as a snapshot (info, seq, stats, GPU and CPU-tier blocks as runs).
     pub fn snapshot(&self) -> PodSnapshot {
         let g = self.inner.lock();
         PodSnapshot {
@@ -77,6 +77,7 @@ impl Pod {
             seq: g.seq,
             stats: Some(g.stats.clone()),
             blocks: g.record.snapshot_runs(),
+            offloaded_blocks: g.record.offloaded_snapshot_runs(),
         }
     }
 
@@ -93,6 +94,7 @@ impl Pod {
             seq: g.seq,
             stats: Some(g.stats.clone()),
             blocks: g.record.snapshot_runs(),
+            offloaded_blocks: g.record.offloaded_snapshot_runs(),
         };
         (snap, g.info_version)
     }
@@ -147,8 +149,9 @@ impl Pod {
     pub fn flush_blocks(&self) {
         let mut g = self.inner.lock();
         if g.record.has_changes() {
+            let offloaded = g.record.take_offloaded_changes();
             let blocks = g.record.take_changes();
-            self.send(&mut g, Some(blocks), None);
+            self.send(&mut g, Some(blocks), offloaded, None);
         }
     }
 
@@ -161,9 +164,10 @@ impl Pod {
             || stats.ready != g.stats.ready;
         g.stats = stats;
         if force || significant {
+            let offloaded = g.record.take_offloaded_changes();
             let blocks = g.record.has_changes().then(|| g.record.take_changes());
             let stats = g.stats.clone();
-            self.send(&mut g, blocks, Some(stats));
+            self.send(&mut g, blocks, offloaded, Some(stats));
             true
         } else {
             false
@@ -176,13 +180,19 @@ impl Pod {
         self.update_stats(stats, true);
     }
 
-    fn send(&self, g: &mut PodInner, blocks: Option<kvroute_proto::agent::v1::BlockChanges>, stats: Option<PodStats>) {
+    fn send(
+        &self,
+        g: &mut PodInner,
+        blocks: Option<kvroute_proto::agent::v1::BlockChanges>,
+        offloaded: Option<kvroute_proto::agent::v1::BlockChanges>,
+        stats: Option<PodStats>,
+    ) {
         g.seq += 1;
         if let Some(s) = &stats {
             g.sent_band = band(s.health_score);
             g.sent_waiting = s.num_requests_waiting;
         }
-        let delta = PodDelta { pod: self.name.clone(), seq: g.seq, blocks, stats };
+        let delta = PodDelta { pod: self.name.clone(), seq: g.seq, blocks, stats, offloaded };
         // No receiver (no picker connected yet) is fine: snapshots carry the state.
         let _ = self.tx.send(Arc::new(Outgoing::Delta { delta, created: Instant::now() }));
     }
@@ -193,12 +203,13 @@ impl Pod {
     fn farewell(&self, reason: &str) {
         let mut g = self.inner.lock();
         g.record.clear();
+        let offloaded = g.record.take_offloaded_changes();
         let blocks = g.record.take_changes();
         g.stats.ready = false;
         g.stats.health_score = 0.0;
         g.stats.health_reason = reason.to_string();
         let stats = g.stats.clone();
-        self.send(&mut g, Some(blocks), Some(stats));
+        self.send(&mut g, Some(blocks), offloaded, Some(stats));
     }
 }
 

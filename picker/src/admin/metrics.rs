@@ -31,7 +31,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use std::sync::atomic::Ordering;
+
+use crate::pending::SharedView;
 use crate::pool::Pool;
+use crate::replicas::ReplicaCounters;
 use crate::score::ScoringConfig;
 
 /// The `name` label of the `inference_pool_*` families until [`Metrics::set_pool_name`] names the
@@ -109,6 +113,27 @@ pub struct InfoLabel {
     pub build_ref: String,
 }
 
+/// `{source}` label of `epp_cache_credit_blocks_total`: `index` (KV events) or `pending`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// Where the credited blocks came from.
+    pub source: &'static str,
+}
+
+/// `{outcome}` label of `epp_pending_chains_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `recorded`, `recorded_from_peer`, `confirmed`, `expired`, `evicted`.
+    pub outcome: &'static str,
+}
+
+/// `{result}` label of `epp_replica_events_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// `applied` or `refused`.
+    pub result: &'static str,
+}
+
 /// `{code}` label: HTTP status the picker answered itself.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {
@@ -181,6 +206,15 @@ pub struct Metrics {
     prefix_index_entries: Gauge,
     prefix_index_bytes: Gauge,
     max_queue: Gauge,
+    cache_credit_blocks: Family<SourceLabel, Counter>,
+    pending_chains: Family<OutcomeLabel, Counter>,
+    pending_entries: Gauge,
+    pile_guard_redirects: Counter,
+    pending_withheld: Counter,
+    replica_events: Family<ResultLabel, Counter>,
+    replica_peers: Gauge,
+    replica_disconnects: Counter,
+    replica_lagged: Counter,
     /// `epp_requests_by_priority_total{priority}`: routed requests by their InferenceObjective's
     /// priority (docs/design.md §14; 0 without an objective).
     pub requests_by_priority: Family<PriorityLabel, Counter>,
@@ -237,6 +271,48 @@ impl Metrics {
         let prefix_index_entries = Gauge::default();
         let prefix_index_bytes = Gauge::default();
         let max_queue = Gauge::default();
+        let cache_credit_blocks = Family::<SourceLabel, Counter>::default();
+        let pending_chains = Family::<OutcomeLabel, Counter>::default();
+        let pending_entries = Gauge::default();
+        let pile_guard_redirects = Counter::default();
+        let pending_withheld = Counter::default();
+        let replica_events = Family::<ResultLabel, Counter>::default();
+        let replica_peers = Gauge::default();
+        let replica_disconnects = Counter::default();
+        let replica_lagged = Counter::default();
+        registry.register(
+            "epp_cache_credit_blocks",
+            "Blocks credited to chosen pods, by source: the KV-event index, or pending (routed, not yet confirmed)",
+            cache_credit_blocks.clone(),
+        );
+        registry.register(
+            "epp_pending_chains",
+            "Pending chains recorded (here or from a peer replica) and how their life ended",
+            pending_chains.clone(),
+        );
+        registry.register("epp_pending_entries", "(block, pod) pending entries held", pending_entries.clone());
+        registry.register(
+            "epp_pile_guard_redirects",
+            "Decisions the pile guard sent to the least loaded candidate",
+            pile_guard_redirects.clone(),
+        );
+        registry.register(
+            "epp_pending_credit_withheld",
+            "Candidates scored without their pending credit: queued pending_queue_share of max_queue above the least queued",
+            pending_withheld.clone(),
+        );
+        registry.register("epp_replica_events", "Peer replicas' events, applied or refused", replica_events.clone());
+        registry.register("epp_replica_peers", "Peer replicas followed now", replica_peers.clone());
+        registry.register(
+            "epp_replica_disconnects",
+            "Subscriptions to peer replicas that ended",
+            replica_disconnects.clone(),
+        );
+        registry.register(
+            "epp_replica_subscribers_lagged",
+            "Subscribers cut off for falling behind this replica's events",
+            replica_lagged.clone(),
+        );
         let objective_requests = Family::<ObjectiveLabel, Counter>::default();
         let objective_errors = Family::<ObjectiveErrorLabel, Counter>::default();
         // GIE's own buckets for this family (seconds).
@@ -399,6 +475,15 @@ impl Metrics {
             prefix_index_entries,
             prefix_index_bytes,
             max_queue,
+            cache_credit_blocks,
+            pending_chains,
+            pending_entries,
+            pile_guard_redirects,
+            pending_withheld,
+            replica_events,
+            replica_peers,
+            replica_disconnects,
+            replica_lagged,
             scrape: Mutex::new(()),
         }
     }
@@ -494,6 +579,61 @@ impl Metrics {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
+    }
+
+    /// Refreshes the routing metrics kept by the router (pending chains, cache credit, pile
+    /// guard) and the replica stream's, then renders like [`Metrics::render`].
+    pub fn render_all(
+        &self,
+        pool: &Pool,
+        scoring: &ScoringConfig,
+        shared: &SharedView,
+        replica: &ReplicaCounters,
+    ) -> Result<String, std::fmt::Error> {
+        {
+            let _one_scrape_at_a_time = self.scrape.lock();
+            // Counters mirror monotonic atomics: add what they grew by since the last scrape.
+            let mirror = |c: &Counter, v: u64| {
+                c.inc_by(v.saturating_sub(c.get()));
+            };
+            let credit = &shared.credit;
+            mirror(
+                &self.cache_credit_blocks.get_or_create(&SourceLabel { source: "index" }),
+                credit.indexed_blocks.load(Ordering::Relaxed),
+            );
+            mirror(
+                &self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }),
+                credit.pending_blocks.load(Ordering::Relaxed),
+            );
+            mirror(&self.pile_guard_redirects, credit.pile_redirects.load(Ordering::Relaxed));
+            mirror(&self.pending_withheld, credit.pending_withheld.load(Ordering::Relaxed));
+            let (counts, entries) = {
+                let st = shared.lock();
+                (st.pending.counts(), st.pending.size().0)
+            };
+            for (outcome, v) in [
+                ("recorded", counts.recorded_local),
+                ("recorded_from_peer", counts.recorded_peer),
+                ("confirmed", counts.confirmed),
+                ("expired", counts.expired),
+                ("evicted", counts.evicted),
+            ] {
+                mirror(&self.pending_chains.get_or_create(&OutcomeLabel { outcome }), v);
+            }
+            self.pending_entries.set(i64::try_from(entries).unwrap_or(i64::MAX));
+            mirror(
+                &self.replica_events.get_or_create(&ResultLabel { result: "applied" }),
+                replica.applied.load(Ordering::Relaxed),
+            );
+            mirror(
+                &self.replica_events.get_or_create(&ResultLabel { result: "refused" }),
+                replica.refused.load(Ordering::Relaxed),
+            );
+            self.replica_peers.set(i64::try_from(replica.connected.load(Ordering::Relaxed)).unwrap_or(0));
+            mirror(&self.replica_disconnects, replica.disconnects.load(Ordering::Relaxed));
+            mirror(&self.replica_lagged, replica.lagged.load(Ordering::Relaxed));
+        }
+        self.render(pool, scoring)
     }
 }
 

@@ -90,7 +90,7 @@ fn explain_allowed(req: &Request, token: Option<&str>) -> bool {
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
-    match gw.metrics.render(&gw.pool, gw.router.config()) {
+    match gw.metrics.render_all(&gw.pool, gw.router.config(), gw.router.shared(), &gw.replica.counters) {
         Ok(text) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
             .into_response(),
         Err(e) => {

@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use kvroute_common::BlockHash;
+use kvroute_common::{BlockHash, BlockKeys};
 
 use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::Gateway;
@@ -214,16 +214,16 @@ fn prepare_cancellable<'g>(
 ) -> Result<PreparedRequest<'g>, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
-    let (model_name, prompt) = match input.body {
+    let (model_name, prompt, cache_salt) = match input.body {
         Some(body) => {
             let parsed = parse_body(input.path, body)?;
-            (parsed.model, parsed.prompt)
+            (parsed.model, parsed.prompt, parsed.cache_salt)
         }
         None if crate::model::needs_body(input.path) => {
             return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
         }
         None => match &gw.default_model {
-            Some(m) => (m.clone(), PromptInput::None("request without body")),
+            Some(m) => (m.clone(), PromptInput::None("request without body"), None),
             None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
         },
     };
@@ -245,17 +245,28 @@ fn prepare_cancellable<'g>(
     };
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
+        // Text chains carry no salt: a salted prompt must not match another tenant's text.
+        _ if cache_salt.is_some() && mode == RoutingMode::Approximate => "cache_salt in approximate mode",
         _ if model.tokenizer.is_none() && mode == RoutingMode::Precise => "no tokenizer",
         _ => "",
     };
     let mut hashes = HashBuf::take();
     tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
-        let done = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
-            Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes.0),
-            Err(_) => model.approx_chain(&prompt, &mut Vec::new(), &mut hashes.0),
-        });
-        if !done {
-            model.hasher.hash_prompt(&tokens, &mut hashes.0);
+        if cache_salt.is_some() && mode == RoutingMode::Approximate {
+            hashes.0.clear();
+        } else if cache_salt.is_some() {
+            // vLLM folds the salt into the first block's hash, so the whole chain is the tenant's
+            // own (docs/design.md §2); the agent re-hashes the engine's blocks the same way.
+            let keys = BlockKeys { cache_salt, items: Vec::new() };
+            model.hasher.hash_prompt_keyed(&tokens, &keys, &mut hashes.0);
+        } else {
+            let done = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
+                Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes.0),
+                Err(_) => model.approx_chain(&prompt, &mut Vec::new(), &mut hashes.0),
+            });
+            if !done {
+                model.hasher.hash_prompt(&tokens, &mut hashes.0);
+            }
         }
         tracing::Span::current().record("blocks", hashes.0.len());
     });

@@ -188,3 +188,69 @@ async fn empty_body_is_a_400() {
     let input = DecisionInput { request_id: "t", path: "/v1/models", body: None, subset: None, objective: None };
     assert_eq!(decide(&gw, &input).unwrap().pod.as_str(), "p");
 }
+
+/// docs/design.md §2 salted prompts: in precise mode a salted prompt's chain is the keyed chain
+/// vLLM and the agent compute (the salt on the first block), shares no block with the unsalted
+/// chain or another salt's, and routes to the pod holding its own salted blocks; approximate mode
+/// does not match salted prompts.
+#[tokio::test]
+async fn a_salted_prompt_matches_only_its_salts_chain() {
+    let dir = tokenizer_dir();
+    let gw = gateway(&format!("{{name: precise, tokenizer: {dir}}}, {{name: approximate}}"));
+    let body = |model: &str, salt: Option<&str>| {
+        let mut v: serde_json::Value = serde_json::from_slice(&chat_body(model)).unwrap();
+        if let Some(s) = salt {
+            v["cache_salt"] = serde_json::json!(s);
+        }
+        v.to_string().into_bytes()
+    };
+    let chain = |b: &[u8]| {
+        let input = DecisionInput {
+            request_id: "t",
+            path: "/v1/chat/completions",
+            body: Some(b),
+            subset: None,
+            objective: None,
+        };
+        let p = prepare(&gw, &input).unwrap();
+        (p.tokens.clone(), p.block_hashes().to_vec(), p.unmatched_reason)
+    };
+    let (tokens, plain, _) = chain(&body("precise", None));
+    let (_, salted_a, why) = chain(&body("precise", Some("tenant-a")));
+    let (_, salted_b, _) = chain(&body("precise", Some("tenant-b")));
+    assert_eq!(why, "");
+    let Some(model) = gw.models.resolve("precise") else { panic!("model") };
+    let mut want = Vec::new();
+    let keys = kvroute_common::BlockKeys { cache_salt: Some("tenant-a".into()), items: Vec::new() };
+    model.hasher.hash_prompt_keyed(&tokens, &keys, &mut want);
+    assert_eq!(salted_a, want);
+    assert_eq!(salted_a.len(), plain.len());
+    assert!(salted_a.iter().all(|h| !plain.contains(h) && !salted_b.contains(h)));
+    // tenant-b's pod holds tenant-b's blocks, the other pod the unsalted ones: tenant-a matches
+    // neither; tenant-b routes to its own.
+    put(&gw.pool, "b-pod", "precise", stats(0.5, 0, 1.0), &salted_b).await;
+    put(&gw.pool, "plain-pod", "precise", stats(0.5, 0, 1.0), &plain).await;
+    let a_body = body("precise", Some("tenant-a"));
+    let input = DecisionInput {
+        request_id: "t",
+        path: "/v1/chat/completions",
+        body: Some(&a_body),
+        subset: None,
+        objective: None,
+    };
+    let ex = explain(&gw, &input).unwrap().explanation;
+    assert!(ex.candidates.iter().all(|c| c.matched_blocks == 0), "{ex:?}");
+    let b_body = body("precise", Some("tenant-b"));
+    let input = DecisionInput {
+        request_id: "t",
+        path: "/v1/chat/completions",
+        body: Some(&b_body),
+        subset: None,
+        objective: None,
+    };
+    let routed = decide(&gw, &input).unwrap();
+    assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("b-pod", salted_b.len()));
+    drop(routed);
+    let (_, approx, why) = chain(&body("approximate", Some("tenant-a")));
+    assert!(approx.is_empty() && why.contains("cache_salt"), "{why}");
+}

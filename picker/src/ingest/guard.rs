@@ -41,6 +41,9 @@ use crate::pool::StreamId;
 
 /// Suffix of the DNS SAN that names an agent's node: `<node>.agent.kvroute`.
 pub const AGENT_SAN_SUFFIX: &str = ".agent.kvroute";
+/// The DNS SAN of a picker's certificate (the name agents verify), which a `ReplicaSync`
+/// subscriber's client certificate must carry under mTLS.
+pub const REPLICA_SAN: &str = "picker.kvroute";
 /// First label of the probe name that tells a wildcard certificate apart.
 const WILDCARD_PROBE: &str = "kvroute-wildcard-probe";
 /// Default of [`Limits::max_pods_per_stream`]: far above any node's engines (8 GPUs × ranks).
@@ -80,6 +83,9 @@ pub enum Refusal {
     InvalidStats,
     /// Pod info without a name, endpoint or model, or a name over [`MAX_POD_NAME_BYTES`].
     InvalidPodInfo,
+    /// A `ReplicaSync` subscriber whose client certificate is not a picker's (DNS SAN
+    /// [`REPLICA_SAN`]).
+    NotAReplica,
 }
 
 impl Refusal {
@@ -98,6 +104,7 @@ impl Refusal {
             Refusal::PodCap => "pod_cap",
             Refusal::InvalidStats => "invalid_stats",
             Refusal::InvalidPodInfo => "invalid_pod_info",
+            Refusal::NotAReplica => "not_a_replica",
         }
     }
 }
@@ -210,13 +217,23 @@ impl<F: Fn(&str, &str) -> Result<(), Refusal> + Send + Sync> ReportScope for F {
 /// Whether the client certificate `leaf` names `node` (DNS SAN `<node>.agent.kvroute`) and no
 /// wildcard covers it (a wildcard would name every node).
 pub fn certificate_names_node(leaf: &CertificateDer<'_>, node: &str) -> bool {
+    certificate_names(leaf, &format!("{node}{AGENT_SAN_SUFFIX}"))
+}
+
+/// Whether the client certificate `leaf` is a picker replica's: it names [`REPLICA_SAN`] and no
+/// wildcard covers it (an agent's `<node>.agent.kvroute` certificate is not a replica's).
+pub fn certificate_names_replica(leaf: &CertificateDer<'_>) -> bool {
+    certificate_names(leaf, REPLICA_SAN)
+}
+
+/// Whether `leaf` is valid for DNS name `name` exactly, not through a wildcard.
+fn certificate_names(leaf: &CertificateDer<'_>, name: &str) -> bool {
     let Ok(cert) = webpki::EndEntityCert::try_from(leaf) else { return false };
-    let name = format!("{node}{AGENT_SAN_SUFFIX}");
-    let Ok(server_name) = ServerName::try_from(name.as_str()) else { return false };
+    let Ok(server_name) = ServerName::try_from(name) else { return false };
     if cert.verify_is_valid_for_subject_name(&server_name).is_err() {
         return false;
     }
-    let rest = name.split_once('.').map_or(name.as_str(), |(_, rest)| rest);
+    let rest = name.split_once('.').map_or(name, |(_, rest)| rest);
     let probe = format!("{WILDCARD_PROBE}.{rest}");
     ServerName::try_from(probe.as_str()).is_ok_and(|p| cert.verify_is_valid_for_subject_name(&p).is_err())
 }

@@ -260,7 +260,13 @@ impl Session {
         let st = self.pods.entry(info.pod.clone()).or_default();
         st.last = Some(s.seq);
         st.resync_at = None;
-        self.pool.update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats, blocks }).await
+        let pod = info.pod.clone();
+        self.pool.update(PoolUpdate::Snapshot { stream: self.stream, info, seq: s.seq, stats, blocks }).await?;
+        // The CPU tier is replaced as a whole too (docs/design.md §2 tiers).
+        let stored = flatten_runs(&s.offloaded_blocks);
+        self.pool
+            .update(PoolUpdate::Offloaded { stream: self.stream, pod, cleared: true, stored, removed: Vec::new() })
+            .await
     }
 
     async fn delta(&mut self, d: PodDelta) -> Result<(), crate::pool::PoolError> {
@@ -299,9 +305,20 @@ impl Session {
         };
         tracing::trace!(stream = self.stream, pod = %d.pod, seq = d.seq, cleared, stored = stored.len(),
             removed = removed.len(), has_stats = stats.is_some(), "delta");
+        let offloaded = d.offloaded.map(|b| PoolUpdate::Offloaded {
+            stream: self.stream,
+            pod: d.pod.clone(),
+            cleared: b.cleared,
+            stored: flatten_runs(&b.stored),
+            removed: b.removed.into_iter().map(BlockHash).collect(),
+        });
         self.pool
             .update(PoolUpdate::Delta { stream: self.stream, pod: d.pod, seq: d.seq, cleared, stored, removed, stats })
-            .await
+            .await?;
+        match offloaded {
+            Some(u) => self.pool.update(u).await,
+            None => Ok(()),
+        }
     }
 
     fn resync(&self, pod: &str, reason: &str) {

@@ -40,6 +40,7 @@ fn snapshot(pod: &str, seq: u64, hashes: Vec<u64>) -> AgentMessage {
             seq,
             stats: Some(stats(0.1, 0, 1.0)),
             blocks: vec![BlockRun { parent: 0, hashes }],
+            offloaded_blocks: vec![],
         })),
     }
 }
@@ -55,6 +56,7 @@ fn delta(pod: &str, seq: u64, stored: Vec<u64>, removed: Vec<u64>) -> AgentMessa
                 removed,
             }),
             stats: None,
+            offloaded: None,
         })),
     }
 }

@@ -73,6 +73,14 @@ pub struct InFlightSlot {
     /// Predicted cached prompt tokens (matched blocks × block size).
     pub(super) predicted_tokens: u64,
     pub(super) block_size: u64,
+    /// Told once when the slot is released, with its id (pending chains, the replica stream).
+    pub(super) on_release: Option<(Arc<dyn ReleaseHook>, u64)>,
+}
+
+/// Told when an [`InFlightSlot`] is released (the request ended, any way).
+pub trait ReleaseHook: Send + Sync {
+    /// Request `id` (as given to [`InFlightSlot::on_release`]) ended.
+    fn released(&self, id: u64);
 }
 
 impl fmt::Debug for InFlightSlot {
@@ -104,11 +112,20 @@ impl InFlightSlot {
     pub fn pod(&self) -> &str {
         &self.rec.name
     }
+
+    /// Tells `hook` once, with `id`, when the slot is released (replaces an earlier hook). No
+    /// allocation: the hook is shared.
+    pub(crate) fn on_release(&mut self, hook: Arc<dyn ReleaseHook>, id: u64) {
+        self.on_release = Some((hook, id));
+    }
 }
 
 impl Drop for InFlightSlot {
     fn drop(&mut self) {
         self.rec.inflight.release(self.routed_ms, self.id);
+        if let Some((hook, id)) = self.on_release.take() {
+            hook.released(id);
+        }
     }
 }
 

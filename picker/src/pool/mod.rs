@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
 pub(crate) use inflight::InFlight;
-pub use inflight::InFlightSlot;
+pub use inflight::{InFlightSlot, ReleaseHook};
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;
@@ -118,6 +118,10 @@ pub enum PoolUpdate {
     },
     /// The stream ended: its pods are disconnected and enter the grace period.
     StreamEnded { stream: StreamId },
+    /// Changes to a pod's CPU tier (docs/design.md §2 tiers: vLLM KV offloading, LMCache):
+    /// `cleared` first (with `stored` after a snapshot: the whole tier), then `stored`, then
+    /// `removed`. Kept in a second index; a block in both tiers counts as GPU.
+    Offloaded { stream: StreamId, pod: String, cleared: bool, stored: Vec<BlockHash>, removed: Vec<BlockHash> },
     /// The InferencePool (or pool file) changed (docs/design.md §14): from now on the pool's
     /// endpoints are the only pods. Each endpoint is a pod here, named `<pod>-rank-<i>`, with the
     /// address from the view; endpoints that left are dropped at once, new Ready ones are
@@ -232,6 +236,8 @@ pub struct Pool {
     config: PoolConfig,
     pub(crate) table: Arc<ArcSwap<PodTable>>,
     pub(crate) index: Arc<ArcSwap<IndexSnapshot>>,
+    /// The CPU tier's blocks (docs/design.md §2 tiers), published with `index`.
+    pub(crate) cpu_index: Arc<ArcSwap<IndexSnapshot>>,
     /// Held only while a decision scores candidates and reserves its slot ([`Selection`]).
     select_lock: Mutex<()>,
     tx: mpsc::Sender<WriterMsg>,
@@ -326,11 +332,13 @@ impl Pool {
         let (tx, rx) = mpsc::channel(UPDATE_QUEUE);
         let table = Arc::new(ArcSwap::from_pointee(PodTable::default()));
         let index = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
-        writer::spawn(config.clone(), rx, table.clone(), index.clone());
+        let cpu_index = Arc::new(ArcSwap::from_pointee(IndexSnapshot::default()));
+        writer::spawn(config.clone(), rx, table.clone(), index.clone(), cpu_index.clone());
         Arc::new(Pool {
             config,
             table,
             index,
+            cpu_index,
             select_lock: Mutex::new(()),
             tx,
             next_slot: AtomicU64::new(1),
@@ -502,12 +510,18 @@ pub(crate) struct Selection<'a> {
 }
 
 impl Selection<'_> {
-    /// Reserves an in-flight slot on `rec` (whose published status is `status`) routed now,
-    /// predicting `matched_blocks` cached blocks, and releases the lock.
-    pub(crate) fn reserve(self, rec: &Arc<PodRecord>, status: &PodStatus, matched_blocks: u32) -> InFlightSlot {
+    /// Reserves an in-flight slot on `rec` (whose published status is `status`) routed at
+    /// `routed_ms` (ms since the Unix epoch, the router's clock), predicting `matched_blocks`
+    /// cached blocks, and releases the lock.
+    pub(crate) fn reserve(
+        self,
+        rec: &Arc<PodRecord>,
+        status: &PodStatus,
+        matched_blocks: u32,
+        routed_ms: i64,
+    ) -> InFlightSlot {
         let Selection { pool, _guard: guard } = self;
         let id = pool.next_slot.fetch_add(1, Ordering::Relaxed);
-        let routed_ms = now_unix_ms();
         rec.inflight.reserve(routed_ms, id);
         drop(guard);
         let block_size = match status.block_size {
@@ -520,6 +534,7 @@ impl Selection<'_> {
             routed_ms,
             predicted_tokens: u64::from(matched_blocks) * block_size,
             block_size,
+            on_release: None,
         }
     }
 }

@@ -37,6 +37,8 @@ struct WPod {
 struct Writer {
     config: PoolConfig,
     index: IndexWriter,
+    /// The CPU tier (docs/design.md §2 tiers).
+    cpu: IndexWriter,
     table: Arc<ArcSwap<PodTable>>,
     names: HashMap<String, PodIdx>,
     pods: Vec<Option<WPod>>,
@@ -60,9 +62,11 @@ pub(super) fn spawn(
     rx: mpsc::Receiver<WriterMsg>,
     table: Arc<ArcSwap<PodTable>>,
     index: Arc<ArcSwap<IndexSnapshot>>,
+    cpu_index: Arc<ArcSwap<IndexSnapshot>>,
 ) {
     let w = Writer {
         index: IndexWriter::new(index, config.max_blocks_per_pod),
+        cpu: IndexWriter::new(cpu_index, config.max_blocks_per_pod),
         config,
         table,
         names: HashMap::new(),
@@ -131,6 +135,7 @@ impl Writer {
     /// column is what decisions read) if any pod or status changed.
     fn publish(&mut self) {
         self.index.publish();
+        self.cpu.publish();
         let regroup = self.table_dirty;
         let mut changed = self.table_dirty;
         for p in self.pods.iter_mut().flatten() {
@@ -254,6 +259,7 @@ impl Writer {
     /// Drops pod `idx` now: its blocks leave the index, its slot is freed.
     fn remove(&mut self, idx: PodIdx) {
         self.index.drop_pod(idx);
+        self.cpu.drop_pod(idx);
         if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::take) {
             self.names.remove(&*p.rec.name);
         }
@@ -376,6 +382,17 @@ impl Writer {
                 self.index.remove(idx, &removed);
                 self.set_stats(idx, stats, seq);
             }
+            PoolUpdate::Offloaded { stream: _, pod, cleared, stored, removed } => {
+                let Some(&idx) = self.names.get(&pod) else {
+                    debug!(%pod, "CPU-tier changes for an unknown pod ignored");
+                    return;
+                };
+                if cleared {
+                    self.cpu.clear_pod(idx);
+                }
+                self.cpu.store(idx, &stored);
+                self.cpu.remove(idx, &removed);
+            }
             PoolUpdate::Membership { view } => self.set_membership(&view),
             PoolUpdate::StreamEnded { stream } => {
                 let now = Instant::now();
@@ -419,6 +436,7 @@ impl Writer {
                 p.status.seq = 0;
                 p.dirty = true;
                 self.index.clear_pod(idx);
+                self.cpu.clear_pod(idx);
                 continue;
             }
             if let Some(p) = self.pods.get(idx.as_usize()).and_then(Option::as_ref) {

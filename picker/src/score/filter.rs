@@ -108,3 +108,10 @@ pub(crate) enum Spill {
 pub(crate) fn spill(mut depths: impl Iterator<Item = u32>, max_queue: u32) -> Spill {
     if depths.any(|d| d < max_queue) { Spill::KeepBelow } else { Spill::AllSaturated }
 }
+
+/// docs/design.md §4 pile guard: whether a pod carrying `load` requests (running + queueDepth)
+/// is piled far above the least loaded candidate's `least`: more than `margin` requests above
+/// it *and* more than `factor` times it. `margin` 0 turns the guard off.
+pub(crate) fn piled(load: u32, least: u32, margin: u32, factor: f64) -> bool {
+    margin > 0 && load > least.saturating_add(margin) && f64::from(load) > factor * f64::from(least)
+}

@@ -29,7 +29,7 @@ mod router;
 mod select;
 
 pub use adapter::AdapterAffinityScorer;
-pub use cache::PrefixCacheScorer;
+pub use cache::{PrefixCacheScorer, cache_credit};
 pub use cost::{COST_ANNOTATION, CostAwareScorer};
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
@@ -38,6 +38,7 @@ pub use router::{ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::pending::{DEFAULT_PENDING_MAX_BLOCKS, DEFAULT_PENDING_TTL_MS};
 use crate::pool::InFlightSlot;
 
 /// Factor weights (docs/design.md §4). Each in [0,1]; they must sum to 1.0 (±1e-6). All five are required
@@ -63,6 +64,30 @@ pub const DEFAULT_WEIGHTS: Weights = Weights { cache: 0.60, load: 0.20, queue: 0
 pub const DEFAULT_MAX_QUEUE: u32 = 20;
 /// Default [`ScoringConfig::max_utilization`] (fraction of GPU busy counted as fully loaded).
 pub const DEFAULT_MAX_UTILIZATION: f64 = 1.0;
+/// Default [`ScoringConfig::full_credit_tokens`].
+pub const DEFAULT_FULL_CREDIT_TOKENS: u32 = 2048;
+/// Default [`ScoringConfig::offload_credit`] (llm-d's 0.8; Dynamo uses 0.75 for host memory).
+pub const DEFAULT_OFFLOAD_CREDIT: f64 = 0.8;
+
+/// How matched blocks become the cache factor (docs/design.md §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheFactor {
+    /// cacheMatchRatio: credited blocks / the request's full blocks (the seed's formula).
+    #[default]
+    Ratio,
+    /// Saved prefill: credited blocks / max(the request's full blocks, `full_credit_tokens` in
+    /// blocks). The same as `ratio` for prompts of at least `full_credit_tokens`; a 17-token
+    /// prompt's one matched block earns 1/128 instead of 1.
+    TokensSaved,
+}
+
+/// Default [`ScoringConfig::pending_queue_share`].
+pub const DEFAULT_PENDING_QUEUE_SHARE: f64 = 0.5;
+/// Default [`ScoringConfig::pile_guard_margin`], in requests.
+pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 24;
+/// Default [`ScoringConfig::pile_guard_factor`].
+pub const DEFAULT_PILE_GUARD_FACTOR: f64 = 2.0;
 /// Default [`ScoringConfig::health_exclusion_threshold`] (docs/design.md §7: below 0.3 = excluded band).
 pub const DEFAULT_HEALTH_EXCLUSION_THRESHOLD: f64 = 0.3;
 
@@ -106,6 +131,39 @@ pub struct ScoringConfig {
     pub seed: u64,
     /// Custom scorers from config, each with its weight (docs/design.md §4). Default none.
     pub custom: Vec<CustomScorerConfig>,
+    /// How long a routed chain counts as cached on the chosen pod before its KV events confirm
+    /// it, ms (docs/design.md §3 "Pending entries"); 0 turns pending entries off. Default
+    /// [`DEFAULT_PENDING_TTL_MS`] (2000).
+    pub pending_ttl_ms: u64,
+    /// Most (block, pod) pending entries kept; the oldest chains go first beyond it. Default
+    /// [`DEFAULT_PENDING_MAX_BLOCKS`] (1 048 576).
+    pub pending_max_blocks: usize,
+    /// Pending credit is withheld from a pod whose queue depth is at least this share of
+    /// `max_queue` above the least queued candidate's (docs/design.md §4 "Pending entries"): a
+    /// chain still being prefilled draws the next requests of its prefix, but not a whole queue
+    /// while other pods stand idle (a thundering herd then spreads over the spill pods instead of
+    /// filling them one after another). In [0, 1]; 0 turns the cap off. Default
+    /// [`DEFAULT_PENDING_QUEUE_SHARE`] (0.5: 10 requests under `max_queue` 20).
+    pub pending_queue_share: f64,
+    /// How matched blocks become the cache factor (docs/design.md §4): `ratio` (default, the
+    /// match ratio) or `tokens_saved` (the prefill a match saves, full credit only from
+    /// `full_credit_tokens` on, so a short prompt's match cannot outweigh load and health).
+    pub cache_factor: CacheFactor,
+    /// `tokens_saved` only: prompt tokens a match must save for full cache credit. Default
+    /// [`DEFAULT_FULL_CREDIT_TOKENS`] (2048: one engine step of prefill, ≈ 0.45 s on an 8B model).
+    pub full_credit_tokens: u32,
+    /// Credit per block held only in a pod's CPU tier (vLLM KV offloading, LMCache), in [0,1]
+    /// (docs/design.md §2 tiers); a GPU block counts 1. Default [`DEFAULT_OFFLOAD_CREDIT`] (0.8).
+    pub offload_credit: f64,
+    /// Pile guard (docs/design.md §4): when the best-scored pod carries more requests (reported
+    /// running + queueDepth) than the least loaded candidate by more than this many *and* by more
+    /// than `pile_guard_factor` times, the least loaded candidate serves the request instead (the
+    /// best scored among equally loaded ones). A hot prefix (a system prompt every conversation
+    /// shares) thus spreads to other pods before its first holder saturates. 0 turns the guard
+    /// off. Default [`DEFAULT_PILE_GUARD_MARGIN`] (24).
+    pub pile_guard_margin: u32,
+    /// See `pile_guard_margin`; at least 1. Default [`DEFAULT_PILE_GUARD_FACTOR`] (2.0).
+    pub pile_guard_factor: f64,
 }
 
 /// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
@@ -162,25 +220,47 @@ impl Default for ScoringConfig {
             shed_when_saturated: false,
             seed: 0,
             custom: Vec::new(),
+            pending_ttl_ms: DEFAULT_PENDING_TTL_MS,
+            pending_max_blocks: DEFAULT_PENDING_MAX_BLOCKS,
+            pending_queue_share: DEFAULT_PENDING_QUEUE_SHARE,
+            pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
+            pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
+            cache_factor: CacheFactor::Ratio,
+            full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
+            offload_credit: DEFAULT_OFFLOAD_CREDIT,
         }
     }
 }
 
-/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue. `chatbot` is the
-/// default.
-pub const PRESETS: [(&str, Weights, u32); 4] = [
-    ("chatbot", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE),
-    ("latency-api", Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 }, 10),
-    ("batch", Weights { cache: 0.60, load: 0.30, queue: 0.00, health: 0.05, adapter: 0.05 }, 40),
-    ("multi-lora", Weights { cache: 0.45, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.20 }, 20),
+/// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue, cache factor.
+/// `chatbot` is the default; `tokens-saved` is `chatbot` scoring saved prefill instead of the
+/// match ratio (for fleets with many short prompts).
+pub const PRESETS: [(&str, Weights, u32, CacheFactor); 5] = [
+    ("chatbot", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE, CacheFactor::Ratio),
+    (
+        "latency-api",
+        Weights { cache: 0.45, load: 0.15, queue: 0.30, health: 0.05, adapter: 0.05 },
+        10,
+        CacheFactor::Ratio,
+    ),
+    ("batch", Weights { cache: 0.60, load: 0.30, queue: 0.00, health: 0.05, adapter: 0.05 }, 40, CacheFactor::Ratio),
+    (
+        "multi-lora",
+        Weights { cache: 0.45, load: 0.20, queue: 0.10, health: 0.05, adapter: 0.20 },
+        20,
+        CacheFactor::Ratio,
+    ),
+    ("tokens-saved", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE, CacheFactor::TokensSaved),
 ];
 
 impl ScoringConfig {
-    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`), other fields default.
+    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`, `tokens-saved`), other
+    /// fields default.
     pub fn preset(name: &str) -> Option<ScoringConfig> {
-        PRESETS.iter().find(|(n, _, _)| *n == name).map(|(_, weights, max_queue)| ScoringConfig {
+        PRESETS.iter().find(|(n, ..)| *n == name).map(|(_, weights, max_queue, cache_factor)| ScoringConfig {
             weights: *weights,
             max_queue: *max_queue,
+            cache_factor: *cache_factor,
             ..ScoringConfig::default()
         })
     }
@@ -210,6 +290,18 @@ impl ScoringConfig {
         }
         if !(0.0..=1.0).contains(&self.health_exclusion_threshold) {
             return Err(ScoringConfigError::HealthThreshold(self.health_exclusion_threshold));
+        }
+        if !(self.pile_guard_factor.is_finite() && self.pile_guard_factor >= 1.0) {
+            return Err(ScoringConfigError::PileGuardFactor(self.pile_guard_factor));
+        }
+        if !(0.0..=1.0).contains(&self.offload_credit) {
+            return Err(ScoringConfigError::OffloadCredit(self.offload_credit));
+        }
+        if !(0.0..=1.0).contains(&self.pending_queue_share) {
+            return Err(ScoringConfigError::PendingQueueShare(self.pending_queue_share));
+        }
+        if self.full_credit_tokens == 0 {
+            return Err(ScoringConfigError::FullCreditTokens);
         }
         for c in &self.custom {
             match c {
@@ -264,6 +356,18 @@ pub enum ScoringConfigError {
     /// Threshold outside [0,1].
     #[error("scoring.health_exclusion_threshold must be in [0, 1], got {0}")]
     HealthThreshold(f64),
+    /// `offload_credit` outside [0,1].
+    #[error("scoring.offload_credit must be in [0, 1] (credit per CPU-tier block), got {0}")]
+    OffloadCredit(f64),
+    /// `pending_queue_share` outside [0,1].
+    #[error("scoring.pending_queue_share must be in [0, 1] (a share of max_queue), got {0}")]
+    PendingQueueShare(f64),
+    /// `full_credit_tokens` of 0.
+    #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
+    FullCreditTokens,
+    /// `pile_guard_factor` below 1 (or not a number).
+    #[error("scoring.pile_guard_factor must be a number of at least 1, got {0}")]
+    PileGuardFactor(f64),
     /// Two scorers registered under one name.
     #[error("scorer '{name}' is registered twice ({weights}): scorer names must be unique")]
     DuplicateScorer {
@@ -281,7 +385,7 @@ pub enum ScoringConfigError {
         message: String,
     },
     /// `preset` names no preset.
-    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora")]
+    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora, tokens-saved")]
     UnknownPreset(String),
 }
 
@@ -316,8 +420,10 @@ pub struct Decision {
     pub score: f64,
     /// Its cacheMatchRatio in [0,1].
     pub match_ratio: f64,
-    /// Consecutive blocks from the start it holds.
+    /// Consecutive blocks from the start it holds (indexed or pending).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those credited only because they were pending (docs/design.md §3).
+    pub pending_blocks: u32,
     /// Full blocks in the request.
     pub total_blocks: u32,
     /// Candidates scored (after filters and spill).
@@ -351,8 +457,12 @@ pub struct CandidateScore {
     /// Custom scorers' factors `(name, factor)` in registration order (empty without any).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub custom: Vec<(&'static str, f64)>,
-    /// Consecutive matched blocks from the start.
+    /// Consecutive matched blocks from the start (indexed or pending).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those only pending (routed here, not yet confirmed by KV events).
+    pub pending_blocks: u32,
+    /// Blocks after `matched_blocks` held only in the pod's CPU tier (partial credit).
+    pub offloaded_blocks: u32,
 }
 
 /// What [`Router::explain`] returns: the same computation as `route`, no reservation.
@@ -391,8 +501,13 @@ pub struct PodFacts<'a> {
     pub name: &'a str,
     /// "ip:port".
     pub endpoint: &'a str,
-    /// Consecutive blocks from the start of the request the pod holds.
+    /// Consecutive blocks from the start of the request the pod holds (indexed or pending).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those credited only because they are pending (docs/design.md §3).
+    pub pending_blocks: u32,
+    /// Blocks after `matched_blocks` the pod holds only in its CPU tier, consecutively
+    /// (docs/design.md §2 tiers): credited at `offload_credit` each.
+    pub offloaded_blocks: u32,
     /// GPU utilization in [0,1].
     pub gpu_utilization: f64,
     /// Reported waiting + picker in-flight since the report (requests).
@@ -419,6 +534,8 @@ pub struct ScoreContext<'a> {
     pub adapter: Option<&'a str>,
     /// Full blocks in the request.
     pub total_blocks: u32,
+    /// Tokens per block (the `tokens_saved` cache factor converts `full_credit_tokens` with it).
+    pub block_size: u32,
     /// Scoring settings.
     pub config: &'a ScoringConfig,
     /// Every candidate (after filtering).

@@ -19,7 +19,8 @@ use super::{
     PrefixCacheScorer, PrefixMatches, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer,
     ScoringConfig, ScoringConfigError, load_ratio, validate_weights,
 };
-use crate::index::MatchScratch;
+use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
+use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
 use crate::pool::{Membership, PodTable, Pool};
 
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
@@ -31,15 +32,33 @@ pub struct Router {
     scorers: Vec<(Box<dyn Scorer>, f64)>,
     /// Decisions made; mixed with the seed for the random tie-break.
     decisions: AtomicU64,
+    /// Pending chains, peers' in-flight requests, the replica event stream, the clock.
+    shared: Arc<SharedView>,
 }
 
 /// A pod of the requested model that passed the static filters, for one decision.
 struct Row {
     /// Index into the pod table the decision loaded.
     pod: u32,
+    /// Blocks credited by the index (or approximate matches): the pod's frontier.
     matched: u32,
-    /// queueDepth, read under the selection lock.
+    /// Blocks after the frontier the pod holds pending (docs/design.md §3).
+    pending: u32,
+    /// Blocks after the credited ones the pod holds only in its CPU tier (docs/design.md §2).
+    offloaded: u32,
+    /// The CPU tier's consecutive match from the chain's start (`offloaded` is what it adds).
+    cpu: u32,
+    /// queueDepth, read under the selection lock (peers' in-flight requests included).
     depth: u32,
+    /// Requests on the pod: reported running + `depth` (the pile guard's measure).
+    load: u32,
+}
+
+impl Row {
+    /// Blocks credited in all: indexed, then pending.
+    fn credited(&self) -> u32 {
+        self.matched.saturating_add(self.pending)
+    }
 }
 
 /// What scoring computed for one [`Row`] (no borrows, so its buffer outlives a decision).
@@ -59,6 +78,8 @@ const BUILTINS: usize = 5;
 #[derive(Default)]
 struct Scratch {
     walk: MatchScratch,
+    /// The CPU tier's walk (docs/design.md §2 tiers).
+    cpu_walk: MatchScratch,
     rows: Vec<Row>,
     scored: Vec<Scored>,
     /// Custom scorers' factors, `scorers − 5` per row, row-major.
@@ -71,6 +92,9 @@ struct Scratch {
     order: Vec<u32>,
     /// Always empty between decisions: only its allocation is kept (see [`recycle`]).
     facts: Vec<PodFacts<'static>>,
+    /// `(pod, frontier)` per row, and the pending extension per row.
+    frontiers: Vec<(PodIdx, u32)>,
+    extension: Vec<u32>,
 }
 
 impl Scratch {
@@ -149,6 +173,16 @@ impl Router {
         Router::with_scorers(pool, config, Vec::new())
     }
 
+    /// Like [`Router::new`], on `clock` instead of the wall clock: pending chains expire and
+    /// in-flight reservations are stamped by it (the simulator replays its own time through it).
+    pub fn with_clock(
+        pool: Arc<Pool>,
+        config: ScoringConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Router, ScoringConfigError> {
+        Router::with_parts(pool, config, Vec::new(), clock)
+    }
+
     /// Like [`Router::new`], plus `extra` custom scorers registered in code with their weights
     /// (docs/design.md §4). The sum rule covers all of them: built-in + `config.custom` + `extra` weights
     /// must sum to 1.0 (±1e-6), each in [0,1], names unique; otherwise the error names every
@@ -157,6 +191,15 @@ impl Router {
         pool: Arc<Pool>,
         config: ScoringConfig,
         extra: Vec<(Box<dyn Scorer>, f64)>,
+    ) -> Result<Router, ScoringConfigError> {
+        Router::with_parts(pool, config, extra, Arc::new(SystemClock))
+    }
+
+    fn with_parts(
+        pool: Arc<Pool>,
+        config: ScoringConfig,
+        extra: Vec<(Box<dyn Scorer>, f64)>,
+        clock: Arc<dyn Clock>,
     ) -> Result<Router, ScoringConfigError> {
         config.validate_settings()?;
         let w = config.weights;
@@ -171,7 +214,27 @@ impl Router {
         scorers.extend(extra);
         let named: Vec<(&str, f64)> = scorers.iter().map(|(s, w)| (s.name(), *w)).collect();
         validate_weights(&named)?;
-        Ok(Router { pool, config, scorers, decisions: AtomicU64::new(0) })
+        let shared = Arc::new(SharedView::new(config.pending_ttl_ms, config.pending_max_blocks, clock));
+        Ok(Router { pool, config, scorers, decisions: AtomicU64::new(0), shared })
+    }
+
+    /// Pending chains, peers' in-flight requests and the replica event stream.
+    pub fn shared(&self) -> &Arc<SharedView> {
+        &self.shared
+    }
+
+    /// Applies a peer replica's event (see [`SharedView::apply_peer`]); false when it names a pod
+    /// this replica does not know.
+    pub fn apply_peer(&self, origin: Origin, ev: &ReplicaEvent) -> bool {
+        let table = self.pool.table.load();
+        self.shared.apply_peer(origin, ev, |name| table.pods.iter().find(|p| *p.name == *name).map(|p| p.idx))
+    }
+
+    /// A peer subscribes to this replica's events: a snapshot and the live stream (see
+    /// [`SharedView::subscribe`]); `None` unless replication is on.
+    pub fn subscribe_peer(&self) -> Option<(Vec<ReplicaEvent>, tokio::sync::broadcast::Receiver<ReplicaEvent>)> {
+        let table = self.pool.table.load();
+        self.shared.subscribe(|idx| table.pods.iter().find(|p| p.idx == idx).map(|p| p.name.clone()))
     }
 
     /// Names and weights of every registered scorer, built-ins first.
@@ -211,29 +274,60 @@ impl Router {
         matches: Option<&dyn PrefixMatches>,
     ) -> Result<Decision, RouteError> {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
-        let model_pods = self.prefilter(sc, table, req, matches);
+        let index = self.pool.index.load();
+        let model_pods = self.prefilter(sc, table, &index, req, matches);
         if sc.rows.is_empty() {
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         }
         let tick = self.decisions.fetch_add(1, Ordering::Relaxed);
         let selection = self.pool.lock_selection();
-        let Some(choice) = self.score(sc, table, req, total_blocks, tick)? else {
+        let now = self.shared.clock().now_unix_ms();
+        let mut shared = self.shared.lock();
+        shared.pending.purge(now, &index);
+        // Pending chains are token chains: approximate mode (text chains) keeps its own record.
+        let precise = matches.is_none();
+        if precise {
+            overlay_pending(sc, table, &shared, req.block_hashes, now);
+            self.overlay_offloaded(sc, table, req.block_hashes);
+        }
+        let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared)? else {
+            drop(shared);
             drop(selection);
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
         };
         let row = &sc.rows[choice];
         let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
-        let slot = selection.reserve(rec, status, row.matched);
+        let credited = row.credited();
+        let pending_blocks = row.pending;
+        let frontier = row.matched.min(total_blocks) as usize;
+        let tail: Option<Arc<[kvroute_common::BlockHash]>> =
+            (precise && shared.pending.enabled() && frontier < req.block_hashes.len())
+                .then(|| Arc::from(&req.block_hashes[frontier..]));
+        let id = self.shared.next_id();
+        if let Some(t) = &tail {
+            shared.pending.record(rec.idx, t.clone(), now, LOCAL, Some(id));
+        }
+        if shared.replicating() {
+            shared.track_local(id, rec.name.clone(), now);
+            let blocks = tail.unwrap_or_else(|| Arc::from([]));
+            shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks });
+        }
+        drop(shared);
+        let mut slot = selection.reserve(rec, status, credited, now);
+        slot.on_release(self.shared.clone(), id);
+        self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
+        self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
         let candidates: Vec<CandidateScore> = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
         let best = &sc.scored[choice];
-        trace!(pod = %rec.name, score = best.score, matched = row.matched, total_blocks, "routed");
+        trace!(pod = %rec.name, score = best.score, matched = credited, pending = pending_blocks, total_blocks, "routed");
         Ok(Decision {
             pod: rec.name.to_string(),
             endpoint: status.endpoint.to_string(),
             score: best.score,
             match_ratio: best.factors[0],
-            matched_blocks: row.matched,
+            matched_blocks: credited,
+            pending_blocks,
             total_blocks,
             candidate_count: sc.rows.len(),
             candidates,
@@ -261,7 +355,8 @@ impl Router {
         matches: Option<&dyn PrefixMatches>,
     ) -> Explanation {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
-        self.prefilter(sc, table, req, matches);
+        let index = self.pool.index.load();
+        self.prefilter(sc, table, &index, req, matches);
         let named = |sc: &Scratch, from: usize| -> Vec<(String, String)> {
             sc.excluded[from..]
                 .iter()
@@ -274,7 +369,15 @@ impl Router {
         }
         let static_excluded = sc.excluded.len();
         let tick = self.decisions.load(Ordering::Relaxed);
-        match self.score(sc, table, req, total_blocks, tick) {
+        let now = self.shared.clock().now_unix_ms();
+        let shared = self.shared.lock();
+        if matches.is_none() {
+            overlay_pending(sc, table, &shared, req.block_hashes, now);
+            self.overlay_offloaded(sc, table, req.block_hashes);
+        }
+        let scored = self.score(sc, table, req, total_blocks, tick, &shared);
+        drop(shared);
+        match scored {
             Ok(choice) => {
                 excluded.extend(named(sc, static_excluded));
                 match choice {
@@ -298,10 +401,11 @@ impl Router {
         &self,
         sc: &mut Scratch,
         table: &PodTable,
+        index: &IndexSnapshot,
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
     ) -> usize {
-        self.pool.index.load().match_prefix(req.block_hashes, &mut sc.walk);
+        index.match_prefix(req.block_hashes, &mut sc.walk);
         let limits = (Duration::from_millis(self.pool.config().grace_ttl_ms), self.pool.report_max_age());
         let now = Instant::now();
         // Pods of the pool whose agent has not reported yet serve no known model: candidates for
@@ -321,7 +425,7 @@ impl Router {
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                    sc.rows.push(Row { pod: i, matched, depth: 0 });
+                    sc.rows.push(Row { pod: i, matched, pending: 0, offloaded: 0, cpu: 0, depth: 0, load: 0 });
                 }
             }
         }
@@ -337,11 +441,18 @@ impl Router {
         req: &RouteRequest<'_>,
         total_blocks: u32,
         tick: u64,
+        shared: &SharedState,
     ) -> Result<Option<usize>, RouteError> {
         let (now, max_age) = (Instant::now(), self.pool.report_max_age());
         for row in &mut sc.rows {
-            let status = &table.status[row.pod as usize];
-            row.depth = table.pods[row.pod as usize].queue_depth(status, status.report_stale(now, max_age));
+            let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
+            let peers = match &status.stats {
+                Some(s) => shared.peers.since(rec.idx, s.observed_at_unix_ms),
+                None => shared.peers.since(rec.idx, i64::MIN),
+            };
+            row.depth = rec.queue_depth(status, status.report_stale(now, max_age)).saturating_add(peers);
+            let running = status.stats.as_ref().map_or(0, |s| s.num_requests_running);
+            row.load = running.saturating_add(row.depth);
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -361,6 +472,7 @@ impl Router {
                 });
             }
         }
+        self.cap_pending(&mut sc.rows);
         let mut facts = recycle(std::mem::take(&mut sc.facts));
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
@@ -374,7 +486,9 @@ impl Router {
             PodFacts {
                 name: &table.pods[r.pod as usize].name,
                 endpoint: &status.endpoint,
-                matched_blocks: r.matched,
+                matched_blocks: r.credited(),
+                pending_blocks: r.pending,
+                offloaded_blocks: r.offloaded,
                 gpu_utilization: stats.map_or(idle, |s| s.gpu_utilization),
                 queue_depth: r.depth,
                 health_score,
@@ -385,7 +499,9 @@ impl Router {
                 annotations: &status.annotations,
             }
         }));
-        let ctx = ScoreContext { adapter: req.adapter, total_blocks, config: &self.config, candidates: &facts };
+        let block_size = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
+        let ctx =
+            ScoreContext { adapter: req.adapter, total_blocks, block_size, config: &self.config, candidates: &facts };
         let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
         sc.preps.clear();
         sc.preps.extend(self.scorers.iter().map(|(s, _)| s.prepare(&ctx)));
@@ -425,7 +541,65 @@ impl Router {
             };
         }
         sc.facts = recycle(facts);
+        if let Some(c) = choice
+            && let Some(least) = self.pile_guard(sc, c)
+        {
+            choice = Some(least);
+            self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(choice)
+    }
+
+    /// Sets every row's CPU-tier match (docs/design.md §2 tiers); [`Router::score`] credits what it
+    /// adds beyond the GPU index and pending entries.
+    fn overlay_offloaded(&self, sc: &mut Scratch, table: &PodTable, chain: &[kvroute_common::BlockHash]) {
+        let cpu = self.pool.cpu_index.load();
+        if cpu.match_prefix(chain, &mut sc.cpu_walk) == 0 {
+            return;
+        }
+        for row in &mut sc.rows {
+            row.cpu = sc.cpu_walk.matched(table.pods[row.pod as usize].idx);
+        }
+    }
+
+    /// docs/design.md §4 pending entries: withholds pending credit from rows queued
+    /// `pending_queue_share × max_queue` or more above the least queued candidate, then sets each
+    /// row's CPU-tier-only blocks beyond what it is credited.
+    fn cap_pending(&self, rows: &mut [Row]) {
+        let share = self.config.pending_queue_share;
+        let margin = (share * f64::from(self.config.max_queue)).ceil() as u32;
+        let least = rows.iter().map(|r| r.depth).min().unwrap_or(0);
+        for row in rows {
+            if share > 0.0 && row.pending > 0 && row.depth >= least.saturating_add(margin.max(1)) {
+                row.pending = 0;
+                self.shared.credit.pending_withheld.fetch_add(1, Ordering::Relaxed);
+            }
+            row.offloaded = row.cpu.saturating_sub(row.credited());
+        }
+    }
+
+    /// docs/design.md §4 pile guard: when row `choice` carries far more requests than the least
+    /// loaded candidate (`pile_guard_margin` more and `pile_guard_factor` times as many), the
+    /// least loaded candidate that scores best among equally loaded ones; else `None`.
+    fn pile_guard(&self, sc: &Scratch, choice: usize) -> Option<usize> {
+        let (margin, factor) = (self.config.pile_guard_margin, self.config.pile_guard_factor);
+        let least = sc.rows.iter().map(|r| r.load).min()?;
+        if !filter::piled(sc.rows[choice].load, least, margin, factor) {
+            return None;
+        }
+        let mut alt: Option<usize> = None;
+        for (i, r) in sc.rows.iter().enumerate() {
+            if r.load != least {
+                continue;
+            }
+            alt = match alt {
+                Some(b) if select::better(&sc.scored[i].ranked, &sc.scored[b].ranked) != std::cmp::Ordering::Less => {
+                    Some(b)
+                }
+                _ => Some(i),
+            };
+        }
+        alt
     }
 
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).
@@ -448,7 +622,9 @@ impl Router {
             health: s.factors[3],
             adapter: s.factors[4],
             custom,
-            matched_blocks: row.matched,
+            matched_blocks: row.credited(),
+            pending_blocks: row.pending,
+            offloaded_blocks: row.offloaded,
         }
     }
 
@@ -499,6 +675,23 @@ impl Router {
             s += w * factor(j);
         }
         s.clamp(0.0, 1.0)
+    }
+}
+
+/// Adds to every row the blocks its pod holds pending after its index frontier
+/// (docs/design.md §3): one table lookup per distinct frontier, one per pending block found.
+fn overlay_pending(
+    sc: &mut Scratch,
+    table: &PodTable,
+    shared: &SharedState,
+    chain: &[kvroute_common::BlockHash],
+    now: i64,
+) {
+    sc.frontiers.clear();
+    sc.frontiers.extend(sc.rows.iter().map(|r| (table.pods[r.pod as usize].idx, r.matched)));
+    shared.pending.extend_all(chain, now, &sc.frontiers, &mut sc.extension);
+    for (row, ext) in sc.rows.iter_mut().zip(&sc.extension) {
+        row.pending = *ext;
     }
 }
 

@@ -21,7 +21,8 @@ fn s_default(r: &Router, cache_pct: u32, gpu: f64, queue: u32, health: f64, adap
     let run = vec!["x".to_string()];
     let none: Vec<String> = vec![];
     let f = facts(cache_pct, gpu, queue, health, if adapter { &run } else { &none });
-    let ctx = ScoreContext { adapter: Some("x"), total_blocks: 100, config: r.config(), candidates: &[] };
+    let ctx =
+        ScoreContext { adapter: Some("x"), total_blocks: 100, block_size: 16, config: r.config(), candidates: &[] };
     r.composite(&ctx, &f).1
 }
 
@@ -141,36 +142,58 @@ async fn counterintuitive_case_is_b_under_defaults_and_a_under_latency_api() {
 
 /// docs/design.md §15: thundering herd: 4 pods, maxQueue 20, 50 simultaneous requests whose prefix only one
 /// pod holds: 20 go there (its queue, counted from the picker's own in-flight since the last
-/// report, reaches maxQueue and it spills), the other 30 spread evenly over the other three.
+/// report, reaches maxQueue and it spills), the other 30 spread 10 / 10 / 10. With pending
+/// entries (docs/design.md §4) the first spill to a pod makes it hold the prefix pending, so the
+/// next spills follow it, but only while its queue is less than `pending_queue_share` (½) of
+/// maxQueue above the least queued candidate's: each spill pod is then chosen cold once and
+/// credited pending for the rest of its share. Without the share cap the first spill pod filled
+/// to maxQueue too (20 / 20 / 10 / 0).
 #[tokio::test]
 async fn thundering_herd_fills_the_hot_pod_to_max_queue_then_spreads() {
-    let (pool, r) = router(ScoringConfig::default());
-    let c = chain(7, 64);
-    put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
-    for n in ["c1", "c2", "c3"] {
-        put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
+    let cases = [
+        (crate::pending::DEFAULT_PENDING_TTL_MS, 0.5, [10, 10, 10], 3),
+        (0, 0.5, [10, 10, 10], 30),
+        (crate::pending::DEFAULT_PENDING_TTL_MS, 0.0, [20, 10, 0], 2),
+    ];
+    for (pending_ttl_ms, pending_queue_share, want, cold) in cases {
+        let cfg = ScoringConfig { pending_ttl_ms, pending_queue_share, ..ScoringConfig::default() };
+        let (pool, r) = router(cfg.clone());
+        let c = chain(7, 64);
+        put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
+        for n in ["c1", "c2", "c3"] {
+            put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
+        }
+        let held: Vec<_> = (0..50).filter_map(|_| r.route(&req(&c)).ok()).collect();
+        assert_eq!(held.len(), 50);
+        assert!(held[..20].iter().all(|d| d.pod == "hot"), "first 20 go to the cache-hot pod");
+        let spread = |held: &[crate::score::Decision]| {
+            let count = |n: &str| held.iter().filter(|d| d.pod == n).count();
+            let mut spills = [count("c1"), count("c2"), count("c3")];
+            spills.sort_unstable_by(|a, b| b.cmp(a));
+            (count("hot"), spills)
+        };
+        assert_eq!(spread(&held), (20, want), "pending_ttl_ms {pending_ttl_ms}, share {pending_queue_share}");
+        // Spill decisions credited nothing: the cold choices.
+        let uncredited = held[20..].iter().filter(|d| d.matched_blocks == 0).count();
+        assert_eq!(uncredited, cold, "pending_ttl_ms {pending_ttl_ms}, share {pending_queue_share}");
+        // The same from 10 threads at once: reservations are atomic with the choice.
+        drop(held);
+        let (pool, r) = router(cfg);
+        put(&pool, "hot", "m", stats(0.3, 0, 1.0), &c).await;
+        for n in ["c1", "c2", "c3"] {
+            put(&pool, n, "m", stats(0.3, 0, 1.0), &[]).await;
+        }
+        let r = Arc::new(r);
+        let c = Arc::new(c);
+        let threads: Vec<_> = (0..10)
+            .map(|_| {
+                let (r, c) = (r.clone(), c.clone());
+                std::thread::spawn(move || (0..5).filter_map(|_| r.route(&req(&c)).ok()).collect::<Vec<_>>())
+            })
+            .collect();
+        let held: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
+        assert_eq!(spread(&held), (20, want), "threads, pending_ttl_ms {pending_ttl_ms}, share {pending_queue_share}");
     }
-    let held: Vec<_> = (0..50).filter_map(|_| r.route(&req(&c)).ok()).collect();
-    assert_eq!(held.len(), 50);
-    assert!(held[..20].iter().all(|d| d.pod == "hot"), "first 20 go to the cache-hot pod");
-    let count = |n: &str| held.iter().filter(|d| d.pod == n).count();
-    assert_eq!(count("hot"), 20);
-    for n in ["c1", "c2", "c3"] {
-        assert_eq!(count(n), 10, "{n}");
-    }
-    // The same from 8 threads at once: reservations are atomic with the choice.
-    drop(held);
-    let r = Arc::new(r);
-    let c = Arc::new(c);
-    let threads: Vec<_> = (0..10)
-        .map(|_| {
-            let (r, c) = (r.clone(), c.clone());
-            std::thread::spawn(move || (0..5).filter_map(|_| r.route(&req(&c)).ok()).collect::<Vec<_>>())
-        })
-        .collect();
-    let held: Vec<_> = threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
-    let count = |n: &str| held.iter().filter(|d| d.pod == n).count();
-    assert_eq!((count("hot"), count("c1"), count("c2"), count("c3")), (20, 10, 10, 10));
 }
 
 /// docs/design.md §15: cold start: nobody holds the prefix → the least-loaded pod gets it; once it holds
@@ -217,10 +240,13 @@ async fn put_priced(pool: &Arc<Pool>, pod: &str, price: &str, s: PodStats, block
     assert!(pool.sync().await.is_ok());
 }
 
+/// The cost test's weights. Pending entries off: the claim is about a given cache state, and a
+/// routed request would make its pod hold the whole chain (pending) for the next decision.
 fn cost_config() -> ScoringConfig {
     ScoringConfig {
         weights: Weights { cache: 0.50, load: 0.15, queue: 0.10, health: 0.05, adapter: 0.05 },
         custom: vec![CustomScorerConfig::Cost { weight: 0.15, margin: 0.20 }],
+        pending_ttl_ms: 0,
         ..ScoringConfig::default()
     }
 }
@@ -263,7 +289,7 @@ proptest! {
     ) {
         let facts_v: Vec<PodFacts<'_>> = pods.iter().map(|(m, c)| PodFacts { cost_per_hour: *c, ..facts(*m, 0.5, 0, 1.0, &[]) }).collect();
         let cfg = ScoringConfig::default();
-        let ctx = ScoreContext { adapter: None, total_blocks: 50, config: &cfg, candidates: &facts_v };
+        let ctx = ScoreContext { adapter: None, total_blocks: 50, block_size: 16, config: &cfg, candidates: &facts_v };
         let s = CostAwareScorer { margin };
         let prep: Prepared = s.prepare(&ctx);
         let scores: Vec<f64> = facts_v.iter().map(|f| s.score(&ctx, &prep, f)).collect();

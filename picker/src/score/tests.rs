@@ -7,13 +7,16 @@ use proptest::prelude::*;
 
 use super::{PodFacts, RouteError, RouteRequest, Router, ScoreContext, ScoringConfig, ScoringConfigError, Weights};
 use crate::pool::tests::{chain, put, stats};
-use crate::pool::{Pool, PoolConfig};
+use crate::pool::{Pool, PoolConfig, PoolUpdate};
+use kvroute_common::BlockHash;
 
 pub(super) fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &[String]) -> PodFacts<'_> {
     PodFacts {
         name: "p",
         endpoint: "p:1",
         matched_blocks: matched,
+        pending_blocks: 0,
+        offloaded_blocks: 0,
         gpu_utilization: gpu,
         queue_depth: queue,
         health_score: health,
@@ -49,7 +52,7 @@ proptest! {
         let (_pool, r) = router(ScoringConfig::default());
         let running = if has_adapter { vec!["x".to_string()] } else { vec![] };
         let f = facts(matched, gpu, queue, health, &running);
-        let ctx = ScoreContext { adapter: wants_adapter.then_some("x"), total_blocks: total, config: r.config(), candidates: &[] };
+        let ctx = ScoreContext { adapter: wants_adapter.then_some("x"), total_blocks: total, block_size: 16, config: r.config(), candidates: &[] };
         let (factors, s) = r.composite(&ctx, &f);
         prop_assert!((0.0..=1.0).contains(&s), "S = {s}");
         for v in factors { prop_assert!((0.0..=1.0).contains(&v)); }
@@ -72,7 +75,7 @@ proptest! {
         let none: Vec<String> = vec![];
         let fa = facts(m_a.min(total), gpu_a, q_a, h_a, if ad_a { &run } else { &none });
         let fb = facts(m_b, gpu_b, q_b, h_b, if ad_b { &run } else { &none });
-        let ctx = ScoreContext { adapter: Some("x"), total_blocks: total, config: r.config(), candidates: &[] };
+        let ctx = ScoreContext { adapter: Some("x"), total_blocks: total, block_size: 16, config: r.config(), candidates: &[] };
         let (_, sa) = r.composite(&ctx, &fa);
         let (_, sb) = r.composite(&ctx, &fb);
         prop_assert!(sa > sb, "S_a {sa} <= S_b {sb}");
@@ -82,7 +85,7 @@ proptest! {
     #[test]
     fn max_health_penalty_is_0035(h in 0.3f64..=1.0) {
         let (_pool, r) = router(ScoringConfig::default());
-        let ctx = ScoreContext { adapter: None, total_blocks: 10, config: r.config(), candidates: &[] };
+        let ctx = ScoreContext { adapter: None, total_blocks: 10, block_size: 16, config: r.config(), candidates: &[] };
         let (_, best) = r.composite(&ctx, &facts(5, 0.5, 3, 1.0, &[]));
         let (_, s) = r.composite(&ctx, &facts(5, 0.5, 3, h, &[]));
         prop_assert!(best - s <= 0.035 + 1e-12);
@@ -339,6 +342,53 @@ async fn decision_lists_the_best_few_in_order_and_explain_all() {
     assert_eq!(names(&d.candidates), names(&e.candidates[..n]));
     assert_eq!(e.choice.as_deref(), Some(&*d.pod));
     assert!(e.candidates.windows(2).all(|w| w[0].score > w[1].score), "explain orders all");
+}
+
+/// docs/design.md §2 tiers: blocks only in a pod's CPU tier (vLLM KV offloading) earn
+/// `offload_credit` each, after the GPU blocks, and only consecutively from the start.
+#[tokio::test]
+async fn cpu_tier_blocks_earn_partial_credit_after_gpu_blocks() {
+    let (pool, r) = router(ScoringConfig { pending_ttl_ms: 0, ..ScoringConfig::default() });
+    let c = chain(700, 10);
+    put(&pool, "gpu", "m", stats(0.0, 0, 1.0), &c[..4]).await;
+    put(&pool, "cpu", "m", stats(0.0, 0, 1.0), &c[..4]).await;
+    let offload = |stored: Vec<BlockHash>| PoolUpdate::Offloaded {
+        stream: 1,
+        pod: "cpu".into(),
+        cleared: true,
+        stored,
+        removed: Vec::new(),
+    };
+    // Blocks 0..8 offloaded: 4 are on GPU too (count as GPU), 4 more at 0.8.
+    assert!(pool.update(offload(c[..8].to_vec())).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+    assert_eq!(d.pod, "cpu", "{:?}", d.candidates);
+    let cpu = &d.candidates[0];
+    assert_eq!((cpu.matched_blocks, cpu.offloaded_blocks), (4, 4));
+    assert!((cpu.cache - (4.0 + 0.8 * 4.0) / 10.0).abs() < 1e-9, "{}", cpu.cache);
+    assert!((d.candidates[1].cache - 0.4).abs() < 1e-9);
+    drop(d);
+    // A CPU tier that skips the first block credits nothing beyond the GPU frontier.
+    assert!(pool.update(offload(c[5..8].to_vec())).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+    assert!(d.candidates.iter().all(|k| k.offloaded_blocks == 0 && (k.cache - 0.4).abs() < 1e-9));
+}
+
+/// docs/design.md §4 `tokens-saved` preset: a one-block prompt's match on an overloaded,
+/// degraded pod no longer beats an idle healthy pod (the default ratio keeps the seed's choice).
+#[tokio::test]
+async fn tokens_saved_preset_stops_a_short_prompt_outweighing_load() {
+    let c = chain(900, 1);
+    for (preset, want) in [("chatbot", "busy"), ("tokens-saved", "idle")] {
+        let Some(cfg) = ScoringConfig::preset(preset) else { panic!("{preset}") };
+        let (pool, r) = router(ScoringConfig { pending_ttl_ms: 0, ..cfg });
+        put(&pool, "busy", "m", stats(0.95, 15, 0.5), &c).await;
+        put(&pool, "idle", "m", stats(0.0, 0, 1.0), &[]).await;
+        let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+        assert_eq!(d.pod, want, "{preset}: {:?}", d.candidates);
+    }
 }
 
 #[tokio::test]

@@ -29,7 +29,7 @@ impl Policy for Random {
         Ok(self.rng.random_range(0..self.pods))
     }
     fn on_report(&mut self, _report: &PodReport) {}
-    fn on_finish(&mut self, _req: &SimRequest, _pod: usize) {}
+    fn on_finish(&mut self, _req: &SimRequest, _pod: usize, _now_us: u64) {}
 }
 
 /// Pods in turn.
@@ -56,7 +56,7 @@ impl Policy for RoundRobin {
         Ok(p)
     }
     fn on_report(&mut self, _report: &PodReport) {}
-    fn on_finish(&mut self, _req: &SimRequest, _pod: usize) {}
+    fn on_finish(&mut self, _req: &SimRequest, _pod: usize, _now_us: u64) {}
 }
 
 /// Fewest requests the router has in flight on the pod (ties: lowest index after the last pick,
@@ -86,7 +86,7 @@ impl Policy for LeastConnections {
         Ok(p)
     }
     fn on_report(&mut self, _report: &PodReport) {}
-    fn on_finish(&mut self, _req: &SimRequest, pod: usize) {
+    fn on_finish(&mut self, _req: &SimRequest, pod: usize, _now_us: u64) {
         if let Some(c) = self.open.get_mut(pod) {
             *c = c.saturating_sub(1);
         }

@@ -78,7 +78,7 @@ impl Policy for DynamoCost {
         }
     }
 
-    fn on_finish(&mut self, req: &SimRequest, pod: usize) {
+    fn on_finish(&mut self, req: &SimRequest, pod: usize, _now_us: u64) {
         let blocks = self.routed.remove(&req.id).unwrap_or_default();
         if let Some(active) = self.active.get_mut(pod) {
             for b in blocks {

@@ -7,12 +7,15 @@
 //!   `PoolUpdate::Delta` (stored/removed blocks and stats), queued when the report arrives and
 //!   applied (`Pool::update` + `Pool::sync`) before the next decision, so the picker sees exactly
 //!   the reports that reached it by then.
-//! - In-flight accounting: the live pool counts slots routed at or after a report's wall-clock
-//!   `observed_at_unix_ms`; simulated time is not wall-clock time, so the simulation reports
-//!   `observed_at_unix_ms = 0` (every held slot counts) and itself drops a request's
-//!   [`InFlightSlot`] when the first stats report read at or after its routing time reaches the
-//!   picker (the engine's `num_requests_waiting` counts it from then on) or when its response ends,
-//!   whichever is first. That is docs/design.md §4's queueDepth definition exactly.
+//! - Time: the router runs on a [`ManualClock`] set to the simulated time before every call, and
+//!   engine stats carry the simulated read time as `observed_at_unix_ms`, so the picker's own
+//!   rules run as in production: a request's in-flight slot counts in queueDepth from its routing
+//!   until a stats read after it (docs/design.md §4), the slot is held until the response ends,
+//!   and pending chains expire after `pending_ttl_ms` of simulated time (docs/design.md §3).
+//! - Replicas: with `shared_view`, each replica publishes its decisions and request ends
+//!   ([`ReplicaEvent`]) and the simulation delivers them to the other replicas after the replica
+//!   stream's delay ([`Policy::take_peer_events`] / [`Policy::on_peer_event`]), the way
+//!   `kvroute_picker::replicas` carries them between pickers.
 //! - [`CacheView::Approximate`]: kvroute's approximate mode (docs/design.md §6) as the picker runs it:
 //!   the request's text chain (64-character chunks, at most 256) matched against the shipped
 //!   [`ApproxStore`] and given to [`Router::route_with`]; the chosen pod is recorded in the store.
@@ -20,14 +23,12 @@
 //!
 //! Every decision goes through `Router::route`/`route_with`, so a change to the picker's routing
 //! (scoring, filters, what the router records) shows in the simulation without a change here.
-//! One caveat: the pool's time-based rules run on the wall clock (`now_unix_ms`), not simulated
-//! time; a rule with a time-to-live (such as a TTL on routed-but-unconfirmed chains) would need the
-//! pool to take its clock from the caller to be simulated faithfully.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvroute_picker::approx::{ApproxStore, DEFAULT_MAX_BLOCKS};
+use kvroute_picker::pending::{ManualClock, ReplicaEvent};
 use kvroute_picker::pool::{InFlightSlot, Pool, PoolConfig, PoolUpdate};
 use kvroute_picker::score::{PrefixMatches, RouteRequest, Router, ScoringConfig};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
@@ -60,9 +61,12 @@ pub struct KvroutePolicy {
     pod_names: Vec<String>,
     pending: Vec<PoolUpdate>,
     seq: Vec<u64>,
-    /// Per pod: (routed at µs, request id, slot) not yet covered by a report.
-    slots: Vec<Vec<(u64, usize, InFlightSlot)>>,
+    /// Per pod: (request id, slot) of the requests in flight.
+    slots: Vec<Vec<(usize, InFlightSlot)>>,
     store: Option<ApproxStore>,
+    clock: Arc<ManualClock>,
+    /// This replica's events for its peers (with `shared_view`).
+    events: Option<tokio::sync::broadcast::Receiver<ReplicaEvent>>,
     /// Route errors answered by falling back to pod 0.
     pub fallbacks: u64,
 }
@@ -73,9 +77,17 @@ impl std::fmt::Debug for KvroutePolicy {
     }
 }
 
-fn to_stats(s: &EngineStats) -> PodStats {
+/// Simulated time 0 as a Unix time, ms (any fixed instant: only differences matter).
+pub const SIM_EPOCH_MS: i64 = 1_798_761_600_000;
+
+/// Simulated µs → the router clock's Unix ms.
+pub fn sim_ms(us: u64) -> i64 {
+    SIM_EPOCH_MS + i64::try_from(us / 1000).unwrap_or(i64::MAX / 2)
+}
+
+fn to_stats(s: &EngineStats, read_us: u64) -> PodStats {
     PodStats {
-        observed_at_unix_ms: 0,
+        observed_at_unix_ms: sim_ms(read_us),
         num_requests_waiting: s.waiting,
         num_requests_running: s.running,
         kv_cache_usage: s.kv_usage,
@@ -88,11 +100,26 @@ fn to_stats(s: &EngineStats) -> PodStats {
 }
 
 impl KvroutePolicy {
-    /// Registers `pods` idle pods with a fresh pool and a router using `config`.
-    pub fn new(name: &str, config: ScoringConfig, pods: usize, view: CacheView) -> Result<Self, SimError> {
+    /// Registers `pods` idle pods with a fresh pool and a router using `config`. With
+    /// `shared_view`, the router publishes its decisions for peer replicas.
+    pub fn new(
+        name: &str,
+        config: ScoringConfig,
+        pods: usize,
+        view: CacheView,
+        shared_view: bool,
+    ) -> Result<Self, SimError> {
         let rt = tokio::runtime::Builder::new_current_thread().build().map_err(SimError::Runtime)?;
         let pool = Pool::new(PoolConfig { grace_ttl_ms: 3_600_000, ..PoolConfig::default() });
-        let router = Router::new(pool.clone(), config).map_err(|e| SimError::Scoring(e.to_string()))?;
+        let clock = Arc::new(ManualClock::new(SIM_EPOCH_MS));
+        let router =
+            Router::with_clock(pool.clone(), config, clock.clone()).map_err(|e| SimError::Scoring(e.to_string()))?;
+        let events = if shared_view {
+            router.shared().enable_replication();
+            router.subscribe_peer().map(|(_, rx)| rx)
+        } else {
+            None
+        };
         let mut names = HashMap::new();
         let mut pending = Vec::new();
         let pod_names = pod_names(pods);
@@ -105,7 +132,7 @@ impl KvroutePolicy {
                 block_size: 16,
                 annotations: Default::default(),
             };
-            let stats = Some(to_stats(&EngineStats::default()));
+            let stats = Some(to_stats(&EngineStats::default(), 0));
             pending.push(PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats, blocks: Vec::new() });
         }
         let store = match view {
@@ -123,6 +150,8 @@ impl KvroutePolicy {
             seq: vec![0; pods],
             slots: (0..pods).map(|_| Vec::new()).collect(),
             store,
+            clock,
+            events,
             fallbacks: 0,
         };
         p.flush()?;
@@ -173,6 +202,7 @@ impl Policy for KvroutePolicy {
     }
 
     fn pick(&mut self, req: &SimRequest, now_us: u64) -> Result<usize, SimError> {
+        self.clock.set(sim_ms(now_us));
         self.flush()?;
         let (chain, matches) = match &self.store {
             Some(store) => (&req.text_blocks, Some(store.match_chain(&req.text_blocks))),
@@ -190,7 +220,7 @@ impl Policy for KvroutePolicy {
         if let Some(slot) = slot
             && let Some(list) = self.slots.get_mut(pod)
         {
-            list.push((now_us, req.id, slot));
+            list.push((req.id, slot));
         }
         if let Some(store) = &self.store {
             store.record(&self.pod_names[pod], &req.text_blocks);
@@ -199,13 +229,7 @@ impl Policy for KvroutePolicy {
     }
 
     fn on_report(&mut self, report: &PodReport) {
-        let stats = report.stats.as_ref().map(to_stats);
-        if stats.is_some()
-            && let Some(list) = self.slots.get_mut(report.pod)
-        {
-            // The engine's counters now include every request routed up to the read.
-            list.retain(|(at, _, _)| *at > report.engine_time_us);
-        }
+        let stats = report.stats.as_ref().map(|s| to_stats(s, report.engine_time_us));
         // Approximate mode has no KV events: only the stats reach its pool.
         let precise = self.store.is_none();
         let (cleared, stored, removed) = if precise {
@@ -218,9 +242,26 @@ impl Policy for KvroutePolicy {
         }
     }
 
-    fn on_finish(&mut self, req: &SimRequest, pod: usize) {
+    fn on_finish(&mut self, req: &SimRequest, pod: usize, now_us: u64) {
+        self.clock.set(sim_ms(now_us));
         if let Some(list) = self.slots.get_mut(pod) {
-            list.retain(|(_, id, _)| *id != req.id);
+            list.retain(|(id, _)| *id != req.id);
         }
+    }
+
+    fn take_peer_events(&mut self) -> Vec<ReplicaEvent> {
+        let mut out = Vec::new();
+        if let Some(rx) = &mut self.events {
+            while let Ok(ev) = rx.try_recv() {
+                out.push(ev);
+            }
+        }
+        out
+    }
+
+    fn on_peer_event(&mut self, from: usize, ev: &ReplicaEvent, now_us: u64) {
+        self.clock.set(sim_ms(now_us));
+        // Origins are 1-based: 0 is the router's own.
+        self.router.apply_peer(from as u64 + 1, ev);
     }
 }

@@ -18,6 +18,9 @@ pub use kvroute::{CacheView, KvroutePolicy};
 pub use sglang::SglangCacheAware;
 
 use kvroute_common::BlockHash;
+pub use kvroute_picker::pending::ReplicaEvent;
+
+use kvroute_picker::score::ScoringConfig;
 
 use crate::SimError;
 use crate::engine::EngineStats;
@@ -48,8 +51,15 @@ pub trait Policy {
     fn pick(&mut self, req: &SimRequest, now_us: u64) -> Result<usize, SimError>;
     /// A pod's report arrived (after the report delay).
     fn on_report(&mut self, report: &PodReport);
-    /// The response of `req` on `pod` ended (visible to the router at once).
-    fn on_finish(&mut self, req: &SimRequest, pod: usize);
+    /// The response of `req` on `pod` ended at `now_us` (visible to the router at once).
+    fn on_finish(&mut self, req: &SimRequest, pod: usize, now_us: u64);
+    /// What this replica tells its peer replicas since the last call (kvroute's one view across
+    /// replicas, docs/design.md §4); empty for policies without it.
+    fn take_peer_events(&mut self) -> Vec<ReplicaEvent> {
+        Vec::new()
+    }
+    /// A peer replica's event reached this replica (replica `from`, at `now_us`).
+    fn on_peer_event(&mut self, _from: usize, _ev: &ReplicaEvent, _now_us: u64) {}
 }
 
 /// Every policy name [`build`] accepts, in table order.
@@ -75,16 +85,51 @@ pub fn pod_names(pods: usize) -> Vec<String> {
 /// GIE's default estimated-cache capacity per pod, in 64-character chunks (≈ 500k tokens).
 pub const GIE_CAPACITY_BLOCKS: usize = kvroute_picker::approx::DEFAULT_CAPACITY_BLOCKS_PER_POD;
 
-/// Builds the named policy for `pods` pods. `approx_capacity_blocks` sizes the approximate
-/// policies' estimated caches (GIE's default 31 250 chunks per pod; the engines' real capacity is
-/// the simulator's, and the two differ). `seed` seeds random choices (give each router replica its
-/// own).
-pub fn build(name: &str, pods: usize, approx_capacity_blocks: usize, seed: u64) -> Result<Box<dyn Policy>, SimError> {
-    let kv_capacity_blocks = approx_capacity_blocks;
+/// How [`build`] sets a policy up besides its name.
+#[derive(Clone, Debug)]
+pub struct PolicyOptions {
+    /// Estimated-cache capacity per pod of the approximate policies, in chunks (GIE's default
+    /// [`GIE_CAPACITY_BLOCKS`] ≈ 500k tokens; the engines' real capacity is the simulator's, and the
+    /// two differ).
+    pub approx_capacity_blocks: usize,
+    /// Seeds random choices (give each router replica its own).
+    pub seed: u64,
+    /// kvroute replicas share pending chains and in-flight counts (the picker's replica stream,
+    /// docs/design.md §4); other policies ignore it.
+    pub shared_view: bool,
+    /// Scoring fields laid over each kvroute policy's preset, as in the picker's `scoring:`
+    /// section (e.g. `{"pile_guard_margin": 0}`); `None`: the preset as it is.
+    pub scoring_overlay: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Default for PolicyOptions {
+    fn default() -> Self {
+        PolicyOptions { approx_capacity_blocks: GIE_CAPACITY_BLOCKS, seed: 1, shared_view: true, scoring_overlay: None }
+    }
+}
+
+/// The kvroute preset `preset` with `overlay`'s fields over it.
+fn scoring(
+    preset: &str,
+    overlay: Option<&serde_json::Map<String, serde_json::Value>>,
+) -> Result<ScoringConfig, SimError> {
+    let base = ScoringConfig::preset(preset).ok_or_else(|| SimError::UnknownPolicy(preset.to_string()))?;
+    let Some(overlay) = overlay else { return Ok(base) };
+    let mut merged = serde_json::to_value(base).map_err(|e| SimError::Scoring(e.to_string()))?;
+    if let serde_json::Value::Object(fields) = &mut merged {
+        fields.extend(overlay.clone());
+    }
+    let config: ScoringConfig = serde_json::from_value(merged).map_err(|e| SimError::Scoring(e.to_string()))?;
+    config.validate().map_err(|e| SimError::Scoring(e.to_string()))?;
+    Ok(config)
+}
+
+/// Builds the named policy for `pods` pods.
+pub fn build(name: &str, pods: usize, opts: &PolicyOptions) -> Result<Box<dyn Policy>, SimError> {
+    let (kv_capacity_blocks, seed) = (opts.approx_capacity_blocks, opts.seed);
     let kv = |preset: &str, view: CacheView| -> Result<Box<dyn Policy>, SimError> {
-        let config = kvroute_picker::score::ScoringConfig::preset(preset)
-            .ok_or_else(|| SimError::UnknownPolicy(name.to_string()))?;
-        Ok(Box::new(KvroutePolicy::new(name, config, pods, view)?))
+        let config = scoring(preset, opts.scoring_overlay.as_ref())?;
+        Ok(Box::new(KvroutePolicy::new(name, config, pods, view, opts.shared_view)?))
     };
     match name {
         "random" => Ok(Box::new(Random::new(pods, seed))),

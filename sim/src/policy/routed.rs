@@ -88,5 +88,5 @@ impl Policy for GieApproximate {
         }
     }
 
-    fn on_finish(&mut self, _req: &SimRequest, _pod: usize) {}
+    fn on_finish(&mut self, _req: &SimRequest, _pod: usize, _now_us: u64) {}
 }

@@ -80,7 +80,7 @@ impl Policy for SglangCacheAware {
 
     fn on_report(&mut self, _report: &PodReport) {}
 
-    fn on_finish(&mut self, _req: &SimRequest, pod: usize) {
+    fn on_finish(&mut self, _req: &SimRequest, pod: usize, _now_us: u64) {
         if let Some(c) = self.open.get_mut(pod) {
             *c = c.saturating_sub(1);
         }

@@ -34,7 +34,7 @@ fn least_connections_fills_the_emptiest_pod() {
     let mut sorted = picks.clone();
     sorted.sort_unstable();
     assert_eq!(sorted, vec![0, 1, 2], "one each first: {picks:?}");
-    p.on_finish(&req(1, 1, 4), picks[1]);
+    p.on_finish(&req(1, 1, 4), picks[1], 0);
     assert_eq!(pick(&mut p, &req(3, 3, 4)), picks[1]);
 }
 

@@ -121,6 +121,7 @@ fn main() -> std::io::Result<()> {
             seq: 5,
             stats: Some(stats.clone()),
             blocks: vec![BlockRun { parent: 0, hashes: vec![11, 12, 13] }],
+            offloaded_blocks: Vec::new(),
         }),
         agent_message::Msg::Delta(PodDelta {
             pod: "engine-0".into(),
@@ -131,12 +132,14 @@ fn main() -> std::io::Result<()> {
                 stored: vec![BlockRun { parent: 13, hashes: vec![14] }],
                 removed: vec![12],
             }),
+            offloaded: None,
         }),
         agent_message::Msg::Delta(PodDelta {
             pod: "engine-0".into(),
             seq: 9,
             stats: None,
             blocks: Some(BlockChanges { cleared: true, ..Default::default() }),
+            offloaded: None,
         }),
     ];
     let mut stream = Vec::new();

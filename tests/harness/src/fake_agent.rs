@@ -97,7 +97,7 @@ impl FakePod {
         } else {
             vec![BlockRun { parent: 0, hashes: self.blocks.iter().map(|h| h.0).collect() }]
         };
-        PodSnapshot { info: Some(self.info()), seq: 1, stats: Some(stats), blocks }
+        PodSnapshot { info: Some(self.info()), seq: 1, stats: Some(stats), blocks, offloaded_blocks: Vec::new() }
     }
 }
 

@@ -61,12 +61,16 @@ fn fixture_batches_in_order() {
         assert!(!rec.contains(ca[2]) && rec.contains(ca[1]));
 
         rec.apply(&batch(folder, 3));
+        let cpu = rec.take_offloaded_changes().expect("the CPU copy is reported");
         let c = rec.take_changes();
-        // sql-lora: a separate chain; the CPU copy of A's first block is not reported.
+        // sql-lora: a separate chain; the CPU copy of A's first block goes to the CPU tier.
         let lora = chain(Some("sql-lora"), &a[..16]);
         assert_eq!(c.stored, vec![BlockRun { parent: 0, hashes: vec![lora[0].0] }]);
         assert_ne!(lora[0], ca[0]);
         assert_eq!(rec.gpu_len(), 5);
+        assert_eq!(cpu.stored, vec![BlockRun { parent: 0, hashes: vec![ca[0].0] }]);
+        assert_eq!(rec.cpu_len(), 1);
+        assert_eq!(rec.offloaded_snapshot_runs(), cpu.stored);
 
         let mut snap: Vec<u64> = rec.snapshot_runs().iter().flat_map(|r| r.hashes.clone()).collect();
         snap.sort_unstable();
@@ -78,6 +82,7 @@ fn fixture_batches_in_order() {
         let c = rec.take_changes();
         assert!(c.cleared && c.stored.is_empty() && c.removed.is_empty());
         assert_eq!(rec.gpu_len(), 0);
+        assert!(rec.take_offloaded_changes().is_some_and(|c| c.cleared), "both tiers are cleared");
         assert!(!rec.has_changes());
     }
 }
@@ -106,11 +111,13 @@ fn cpu_block_can_parent_a_gpu_block() {
             lora_id: None,
             medium: Medium::Cpu,
             lora_name: None,
-            opaque_extra_keys: vec![false],
+            extra_keys: vec![BlockExtra::Plain],
         })],
         dp_rank: None,
         damage: Default::default(),
     });
+    // Reported in the CPU tier only.
+    assert_eq!(rec.take_offloaded_changes().map(|c| stored_hashes(&c)), Some(vec![ca[0].0]));
     assert!(!rec.has_changes());
     rec.apply(&KvEventBatch {
         ts: 0.0,
@@ -122,12 +129,12 @@ fn cpu_block_can_parent_a_gpu_block() {
             lora_id: None,
             medium: Medium::Gpu,
             lora_name: None,
-            opaque_extra_keys: vec![true],
+            extra_keys: vec![BlockExtra::Opaque],
         })],
         dp_rank: None,
         damage: Default::default(),
     });
-    // Opaque extra keys: skipped.
+    // Uninterpretable extra keys: skipped.
     assert!(stored_hashes(&rec.take_changes()).is_empty());
     rec.apply(&KvEventBatch {
         ts: 0.0,
@@ -139,7 +146,7 @@ fn cpu_block_can_parent_a_gpu_block() {
             lora_id: None,
             medium: Medium::Gpu,
             lora_name: None,
-            opaque_extra_keys: vec![false],
+            extra_keys: vec![BlockExtra::Plain],
         })],
         dp_rank: None,
         damage: Default::default(),
@@ -184,7 +191,7 @@ fn one_block(hash: u64, parent: Option<u64>, tokens: &[u32], medium: Medium) -> 
             lora_id: None,
             medium,
             lora_name: None,
-            opaque_extra_keys: vec![false],
+            extra_keys: vec![BlockExtra::Plain],
         })],
         dp_rank: None,
         damage: Default::default(),
@@ -228,6 +235,43 @@ fn removal_from_a_medium_never_seen_changes_nothing() {
     });
     assert!(!rec.has_changes());
     assert_eq!(rec.gpu_len(), 1);
+}
+
+#[test]
+fn salted_and_multimodal_blocks_hash_like_the_picker() {
+    use kvroute_common::{BlockKeys, ExtraKey, MmItem};
+    let (a, _) = prompts();
+    let keys = BlockKeys {
+        cache_salt: Some("tenant-1".into()),
+        items: vec![MmItem { identifier: "img-1".into(), offset: 20, length: 8 }],
+    };
+    // What the picker computes for the request.
+    let mut want = Vec::new();
+    BlockHasher::new(MODEL, None, 16).hash_prompt_keyed(&a[..48], &keys, &mut want);
+    // What vLLM sends: block 0 carries the salt, block 1 the image (offset 20 − 16 = 4).
+    let mut rec = BlockRecord::new(MODEL);
+    rec.apply(&KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineBlockHash(1), EngineBlockHash(2), EngineBlockHash(3)],
+            parent: None,
+            token_ids: a[..48].to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            extra_keys: vec![
+                BlockExtra::Keys(vec![ExtraKey::Str("tenant-1".into())]),
+                BlockExtra::Keys(vec![ExtraKey::Item("img-1".into(), 4)]),
+                BlockExtra::Plain,
+            ],
+        })],
+        dp_rank: None,
+        damage: Default::default(),
+    });
+    assert_eq!(stored_hashes(&rec.take_changes()), want.iter().map(|h| h.0).collect::<Vec<_>>());
+    // The unsalted chain of the same tokens shares nothing with it.
+    assert!(chain(None, &a[..48]).iter().all(|h| !want.contains(h)));
 }
 
 /// One GPU block `hash` of `tokens` under adapter `lora`, no parent.

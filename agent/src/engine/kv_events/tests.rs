@@ -104,26 +104,36 @@ fn every_fixture_batch_decodes_as_expected() {
 }
 
 #[test]
-fn lora_block_extra_keys_are_not_opaque_but_multimodal_are() {
+fn extra_keys_keep_salt_and_items_and_drop_the_lora_name() {
+    use kvroute_common::ExtraKey;
     for folder in FOLDERS {
         let msg = decode_message(&frames(folder, 3)).expect("decodes");
         let KvEvent::Stored(lora) = &msg.batch.events[0] else { panic!("BlockStored expected") };
         assert_eq!(lora.lora_name.as_deref(), Some("sql-lora"));
-        assert_eq!(lora.opaque_extra_keys, vec![false]);
+        assert_eq!(lora.extra_keys, vec![BlockExtra::Plain], "the LoRA name is in the hash root already");
     }
-    let mm = Value::Array(vec![Value::Array(vec![Value::from("3f2a…mmhash"), Value::from(0)])]);
-    assert_eq!(opaque_of(mm, 1, None), vec![true]);
-    let salted = Value::Array(vec![Value::Nil, Value::Array(vec![Value::from("sql-lora"), Value::from("salt")])]);
-    assert_eq!(opaque_of(salted.clone(), 2, Some("sql-lora")), vec![false, true]);
-    // A list whose length is not the block count judges every block by any entry.
-    assert_eq!(opaque_of(salted, 3, Some("sql-lora")), vec![true; 3]);
-    assert_eq!(opaque_of(Value::Nil, 2, None), vec![false; 2]);
-    assert_eq!(opaque_of(Value::from("sql-lora"), 2, Some("sql-lora")), vec![true; 2]);
+    let mm = Value::Array(vec![Value::Array(vec![Value::Array(vec![Value::from("3f2a…mmhash"), Value::from(-3)])])]);
+    assert_eq!(extra_of(mm, 1, None), vec![BlockExtra::Keys(vec![ExtraKey::Item("3f2a…mmhash".into(), -3)])]);
+    let salted = Value::Array(vec![Value::Array(vec![Value::from("sql-lora"), Value::from("salt")]), Value::Nil]);
+    assert_eq!(
+        extra_of(salted.clone(), 2, Some("sql-lora")),
+        vec![BlockExtra::Keys(vec![ExtraKey::Str("salt".into())]), BlockExtra::Plain]
+    );
+    // A list whose length is not the block count cannot be placed.
+    assert_eq!(extra_of(salted, 3, Some("sql-lora")), vec![BlockExtra::Opaque; 3]);
+    assert_eq!(extra_of(Value::Nil, 2, None), vec![BlockExtra::Plain; 2]);
+    assert_eq!(extra_of(Value::from("sql-lora"), 2, Some("sql-lora")), vec![BlockExtra::Opaque; 2]);
+    // Keys of an unknown shape (an integer, a three-element item) make the block opaque.
+    let odd = Value::Array(vec![
+        Value::Array(vec![Value::from(7)]),
+        Value::Array(vec![Value::Array(vec![Value::from("x"), Value::from(1), Value::from(2)])]),
+    ]);
+    assert_eq!(extra_of(odd, 2, None), vec![BlockExtra::Opaque; 2]);
 }
 
-/// `opaque_extra_keys` of a BlockStored map of `blocks` blocks with `extra_keys` LAST (after
+/// `extra_keys` of a BlockStored map of `blocks` blocks with `extra_keys` LAST (after
 /// `lora_name`, which it is judged against: map fields may come in any order).
-fn opaque_of(extra_keys: Value, blocks: u64, lora: Option<&str>) -> Vec<bool> {
+fn extra_of(extra_keys: Value, blocks: u64, lora: Option<&str>) -> Vec<BlockExtra> {
     let ev = Value::Map(vec![
         (Value::from("type"), Value::from("BlockStored")),
         (Value::from("block_hashes"), Value::Array((1..=blocks).map(Value::from).collect())),
@@ -137,7 +147,7 @@ fn opaque_of(extra_keys: Value, blocks: u64, lora: Option<&str>) -> Vec<bool> {
     rmpv::encode::write_value(&mut buf, &batch).expect("encode");
     let b = decode_batch(&buf).expect("decodes");
     let [KvEvent::Stored(s)] = &b.events[..] else { panic!("one BlockStored expected: {b:?}") };
-    s.opaque_extra_keys.clone()
+    s.extra_keys.clone()
 }
 
 fn hex(s: &str) -> Vec<u8> {

@@ -20,10 +20,10 @@
 //! visitor, and the events read whole before the break are still there to keep.
 
 use super::{
-    BlockStored, Damage, KvEvent, KvEventBatch, KvEventError, MAX_DEPTH, MAX_LOGGED_NAME, MAX_MEDIUM_BYTES,
+    BlockExtra, BlockStored, Damage, KvEvent, KvEventBatch, KvEventError, MAX_DEPTH, MAX_LOGGED_NAME, MAX_MEDIUM_BYTES,
     MAX_NAME_BYTES, MAX_UNKNOWN_NAMES, Medium,
 };
-use kvroute_common::EngineBlockHash;
+use kvroute_common::{EngineBlockHash, ExtraKey};
 use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::borrow::Cow;
 use std::fmt;
@@ -385,23 +385,87 @@ impl<'de> Deserialize<'de> for Tokens {
     }
 }
 
-/// One entry of `extra_keys` (per block): nil, a list of keys (strings kept, others `None`),
-/// or a single value.
+/// One key of a block's `extra_keys` list: a string (LoRA name or cache salt), a multimodal
+/// item `[identifier, offset]`, or anything else (uninterpretable).
+#[derive(Debug)]
+enum ExtraElem<'de> {
+    Str(Cow<'de, str>),
+    Item(Cow<'de, str>, i64),
+    Other,
+}
+
+struct ExtraElemVisitor;
+
+impl<'de> Visitor<'de> for ExtraElemVisitor {
+    type Value = ExtraElem<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an extra key")
+    }
+
+    scalar_visits!(|_, s: Scalar<'de>| match s {
+        Scalar::Str(s) => ExtraElem::Str(s),
+        _ => ExtraElem::Other,
+    });
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        skip_map(map)?;
+        Ok(ExtraElem::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let id = seq.next_element::<Scalar<'de>>()?;
+        let offset = seq.next_element::<Scalar<'de>>()?;
+        let mut more = false;
+        while seq.next_element::<IgnoredAny>()?.is_some() {
+            more = true;
+        }
+        Ok(match (id, offset.as_ref().and_then(Scalar::as_i64)) {
+            (Some(Scalar::Str(id)), Some(off)) if !more => ExtraElem::Item(id, off),
+            _ => ExtraElem::Other,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for ExtraElem<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ExtraElemVisitor)
+    }
+}
+
+/// One entry of `extra_keys` (per block): nil, a list of keys, or a single value.
 #[derive(Debug)]
 enum ExtraEntry<'de> {
-    Keys(Vec<Option<Cow<'de, str>>>),
+    Keys(Vec<ExtraElem<'de>>),
     One(Scalar<'de>),
 }
 
 impl ExtraEntry<'_> {
-    /// Does the entry hold anything besides the LoRA name `lora`?
-    fn opaque(&self, lora: Option<&str>) -> bool {
-        match self {
-            ExtraEntry::One(Scalar::Nil) => false,
-            ExtraEntry::Keys(keys) => keys.iter().any(|k| !(k.is_some() && k.as_deref() == lora)),
-            ExtraEntry::One(Scalar::Str(s)) => Some(&**s) != lora,
-            ExtraEntry::One(_) => true,
+    /// The block's keys besides its LoRA name `lora` (vLLM lists the LoRA name first).
+    fn extra(&self, lora: Option<&str>) -> BlockExtra {
+        let keys: &[ExtraElem<'_>] = match self {
+            ExtraEntry::One(Scalar::Nil) => return BlockExtra::Plain,
+            ExtraEntry::One(Scalar::Str(s)) if Some(&**s) == lora => return BlockExtra::Plain,
+            ExtraEntry::One(Scalar::Str(s)) => return BlockExtra::Keys(vec![ExtraKey::Str(s.to_string())]),
+            ExtraEntry::One(_) => return BlockExtra::Opaque,
+            ExtraEntry::Keys(keys) => keys,
+        };
+        let rest = match (keys.first(), lora) {
+            (Some(ExtraElem::Str(first)), Some(l)) if first == l => &keys[1..],
+            _ => keys,
+        };
+        if rest.is_empty() {
+            return BlockExtra::Plain;
         }
+        let mut out = Vec::with_capacity(rest.len());
+        for k in rest {
+            out.push(match k {
+                ExtraElem::Str(s) => ExtraKey::Str(s.to_string()),
+                ExtraElem::Item(id, off) => ExtraKey::Item(id.to_string(), *off),
+                ExtraElem::Other => return BlockExtra::Opaque,
+            });
+        }
+        BlockExtra::Keys(out)
     }
 }
 
@@ -423,11 +487,8 @@ impl<'de> Visitor<'de> for ExtraEntryVisitor {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut keys = Vec::new();
-        while let Some(k) = seq.next_element::<Scalar<'de>>()? {
-            keys.push(match k {
-                Scalar::Str(s) => Some(s),
-                _ => None,
-            });
+        while let Some(k) = seq.next_element::<ExtraElem<'de>>()? {
+            keys.push(k);
         }
         Ok(ExtraEntry::Keys(keys))
     }
@@ -447,16 +508,20 @@ enum ExtraKeys<'de> {
 }
 
 impl ExtraKeys<'_> {
-    /// Per block: does its entry hold anything besides the LoRA name? When the list length does
-    /// not match the block count, the whole event is judged by any entry.
-    fn opaque(v: Option<&Self>, blocks: usize, lora: Option<&str>) -> Vec<bool> {
+    /// Each block's keys besides the LoRA name. When the list length does not match the block
+    /// count, no entry can be placed: plain blocks stay plain only if every entry is plain, else
+    /// every block is opaque.
+    fn per_block(v: Option<&Self>, blocks: usize, lora: Option<&str>) -> Vec<BlockExtra> {
         match v {
             Some(ExtraKeys::List(entries)) if entries.len() == blocks => {
-                entries.iter().map(|e| e.opaque(lora)).collect()
+                entries.iter().map(|e| e.extra(lora)).collect()
             }
-            Some(ExtraKeys::List(entries)) => vec![entries.iter().any(|e| e.opaque(lora)); blocks],
-            None | Some(ExtraKeys::One(Scalar::Nil)) => vec![false; blocks],
-            Some(ExtraKeys::One(_)) => vec![true; blocks],
+            Some(ExtraKeys::List(entries)) => {
+                let plain = entries.iter().all(|e| e.extra(lora) == BlockExtra::Plain);
+                vec![if plain { BlockExtra::Plain } else { BlockExtra::Opaque }; blocks]
+            }
+            None | Some(ExtraKeys::One(Scalar::Nil)) => vec![BlockExtra::Plain; blocks],
+            Some(ExtraKeys::One(_)) => vec![BlockExtra::Opaque; blocks],
         }
     }
 }
@@ -597,7 +662,7 @@ impl<'de> EventFields<'de> {
             Some(Scalar::Str(s)) => Some(s.into_owned()),
             _ => None,
         };
-        let opaque_extra_keys = ExtraKeys::opaque(self.extra_keys.as_ref(), block_hashes.len(), lora_name.as_deref());
+        let extra_keys = ExtraKeys::per_block(self.extra_keys.as_ref(), block_hashes.len(), lora_name.as_deref());
         Ok(BlockStored {
             block_hashes,
             parent,
@@ -606,7 +671,7 @@ impl<'de> EventFields<'de> {
             lora_id: self.lora_id.as_ref().and_then(Scalar::as_i64),
             medium: medium(self.medium)?,
             lora_name,
-            opaque_extra_keys,
+            extra_keys,
         })
     }
 

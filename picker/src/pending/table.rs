@@ -1,0 +1,463 @@
+//! [`PendingTable`]: block chains routed to a pod and not yet confirmed by its KV events
+//! (docs/design.md §3 "Pending entries").
+//!
+//! Layout: block hash → the pods holding it pending, each with an expiry and a count of the
+//! in-flight requests pinning it; and the chains themselves. A chain is stored from the first
+//! block the pod's index did not hold when it was routed (its *frontier*): the blocks before are
+//! already credited by the index. A lookup therefore extends each pod's index match: from the
+//! pod's frontier, block after block, while the pod holds the next block pending.
+//!
+//! Lifetime: a chain recorded for a request is *pinned* while the request is in flight (vLLM
+//! keeps a running request's blocks; a queued request's blocks will be computed before a later
+//! request for the same prefix is admitted), and lives `ttl` after its routing or until its end,
+//! whichever is later. A chain without a request (a peer's snapshot) lives `ttl`. At the end of
+//! its life a chain counts as confirmed (the pod's index holds its last block) or expired.
+//!
+//! Bounds: at most `max_blocks` (block, pod) entries; beyond, the oldest chains go first
+//! (counted as evicted), pinned or not. A clock that jumps back cannot keep an unpinned entry
+//! alive beyond its time-to-live: an expiry further than one time-to-live from now is dead.
+//!
+//! Not thread-safe by itself: [`super::SharedView`] holds it behind a mutex.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
+
+use kvroute_common::BlockHash;
+
+use crate::index::{IndexSnapshot, MixBuild, PodIdx};
+
+/// Who recorded a pending chain: [`LOCAL`] for this replica, otherwise a peer replica's id.
+pub type Origin = u64;
+/// The [`Origin`] of chains this replica routed.
+pub const LOCAL: Origin = 0;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    pod: PodIdx,
+    expires_ms: i64,
+    /// In-flight requests whose chains pin this (block, pod).
+    pins: u32,
+}
+
+/// The pods holding one block pending: nearly always one, so no allocation for it.
+#[derive(Debug)]
+enum Holders {
+    One(Holder),
+    Many(Vec<Holder>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            Holders::One(h) => std::slice::from_ref(h),
+            Holders::Many(v) => v,
+        }
+    }
+
+    fn find_mut(&mut self, pod: PodIdx) -> Option<&mut Holder> {
+        match self {
+            Holders::One(h) => (h.pod == pod).then_some(h),
+            Holders::Many(v) => v.iter_mut().find(|h| h.pod == pod),
+        }
+    }
+
+    /// Records `pod` until `expires_ms` (the later expiry wins), pinned once more if `pin`.
+    fn upsert(&mut self, pod: PodIdx, expires_ms: i64, pin: bool) {
+        let pins = u32::from(pin);
+        match self.find_mut(pod) {
+            Some(h) => {
+                h.expires_ms = h.expires_ms.max(expires_ms);
+                h.pins = h.pins.saturating_add(pins);
+            }
+            None => {
+                let new = Holder { pod, expires_ms, pins };
+                match self {
+                    Holders::One(h) => *self = Holders::Many(vec![*h, new]),
+                    Holders::Many(v) => v.push(new),
+                }
+            }
+        }
+    }
+
+    /// Forgets `pod` if nothing pins it and its entry expires no later than `expires_ms` (a later
+    /// chain through the same block keeps it). Returns true when no pod is left.
+    fn release(&mut self, pod: PodIdx, expires_ms: i64) -> bool {
+        let gone = |h: &Holder| h.pod == pod && h.pins == 0 && h.expires_ms <= expires_ms;
+        match self {
+            Holders::One(h) => gone(h),
+            Holders::Many(v) => {
+                v.retain(|h| !gone(h));
+                if let [only] = v.as_slice() {
+                    *self = Holders::One(*only);
+                    return false;
+                }
+                v.is_empty()
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Chain {
+    pod: PodIdx,
+    routed_ms: i64,
+    /// Meaningful once unpinned.
+    expires_ms: i64,
+    blocks: Arc<[BlockHash]>,
+    origin: Origin,
+    /// The request pinning it, while in flight.
+    request: Option<u64>,
+}
+
+/// Counts of what happened to pending chains since start.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PendingCounts {
+    /// Chains recorded by this replica's decisions.
+    pub recorded_local: u64,
+    /// Chains recorded from peer replicas.
+    pub recorded_peer: u64,
+    /// Chains whose life ended while the pod's index held their last block.
+    pub confirmed: u64,
+    /// Chains whose life ended without the pod's events confirming them: dropped.
+    pub expired: u64,
+    /// Chains dropped early because the table was full.
+    pub evicted: u64,
+}
+
+/// Routed-but-unconfirmed block chains per pod (see the module docs).
+#[derive(Debug)]
+pub struct PendingTable {
+    ttl_ms: i64,
+    max_blocks: usize,
+    holders: hashbrown::HashMap<u64, Holders, MixBuild>,
+    /// Chains by sequence number (recording order).
+    chains: hashbrown::HashMap<u64, Chain>,
+    next_seq: u64,
+    /// `(expiry, seq)` of unpinned chains, soonest first (stale pairs are skipped).
+    expiry: BinaryHeap<Reverse<(i64, u64)>>,
+    /// `(origin, request)` → seq of pinned chains.
+    pinned: hashbrown::HashMap<(Origin, u64), u64>,
+    /// Recording order, for the size cap (seqs of chains already gone are skipped).
+    order: VecDeque<u64>,
+    /// Σ chain lengths (entries, counting a block on two pods twice).
+    held: usize,
+    counts: PendingCounts,
+}
+
+impl PendingTable {
+    /// An empty table whose chains live `ttl_ms` and hold at most `max_blocks` entries in all.
+    pub fn new(ttl_ms: u64, max_blocks: usize) -> Self {
+        PendingTable {
+            ttl_ms: i64::try_from(ttl_ms).unwrap_or(i64::MAX / 4),
+            max_blocks,
+            holders: hashbrown::HashMap::default(),
+            chains: hashbrown::HashMap::new(),
+            next_seq: 0,
+            expiry: BinaryHeap::new(),
+            pinned: hashbrown::HashMap::new(),
+            order: VecDeque::new(),
+            held: 0,
+            counts: PendingCounts::default(),
+        }
+    }
+
+    /// Whether the table records anything (a time-to-live of 0 disables it).
+    pub fn enabled(&self) -> bool {
+        self.ttl_ms > 0 && self.max_blocks > 0
+    }
+
+    /// Entries held, chains held.
+    pub fn size(&self) -> (usize, usize) {
+        (self.held, self.chains.len())
+    }
+
+    /// What happened to chains since start.
+    pub fn counts(&self) -> PendingCounts {
+        self.counts
+    }
+
+    fn alive(&self, h: &Holder, now_ms: i64) -> bool {
+        h.pins > 0 || (now_ms < h.expires_ms && h.expires_ms <= now_ms.saturating_add(self.ttl_ms))
+    }
+
+    /// Ends the unpinned chains whose life ended by `now_ms`, counting each as confirmed when
+    /// `index` holds its last block on its pod, else as expired.
+    pub fn purge(&mut self, now_ms: i64, index: &IndexSnapshot) {
+        while let Some(&Reverse((at, seq))) = self.expiry.peek() {
+            // A clock that went back leaves an expiry far ahead: dead as well.
+            if at > now_ms && at <= now_ms.saturating_add(self.ttl_ms) {
+                break;
+            }
+            self.expiry.pop();
+            let current = self.chains.get(&seq).is_some_and(|c| c.request.is_none() && c.expires_ms == at);
+            if !current {
+                continue;
+            }
+            let Some(c) = self.chains.remove(&seq) else { continue };
+            let confirmed = c.blocks.last().is_some_and(|last| index.pods_of(*last).contains(&c.pod));
+            if confirmed {
+                self.counts.confirmed += 1;
+            } else {
+                self.counts.expired += 1;
+            }
+            self.unlink(&c);
+        }
+    }
+
+    fn unlink(&mut self, c: &Chain) {
+        self.held = self.held.saturating_sub(c.blocks.len());
+        for b in c.blocks.iter() {
+            if let Some(h) = self.holders.get_mut(&b.0)
+                && h.release(c.pod, c.expires_ms)
+            {
+                self.holders.remove(&b.0);
+            }
+        }
+    }
+
+    /// Records `blocks` (a chain from some pod's frontier on) as pending on `pod`, routed at
+    /// `now_ms`: pinned by `request` (unique per `origin`) until [`PendingTable::release`], or,
+    /// without a request, for `ttl`. Evicts the oldest chains beyond `max_blocks`.
+    pub fn record(&mut self, pod: PodIdx, blocks: Arc<[BlockHash]>, now_ms: i64, origin: Origin, request: Option<u64>) {
+        if !self.enabled() || blocks.is_empty() {
+            return;
+        }
+        if let Some(id) = request
+            && self.pinned.contains_key(&(origin, id))
+        {
+            return;
+        }
+        let expires_ms = now_ms.saturating_add(self.ttl_ms);
+        for b in blocks.iter() {
+            match self.holders.entry(b.0) {
+                hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().upsert(pod, expires_ms, request.is_some()),
+                hashbrown::hash_map::Entry::Vacant(e) => {
+                    e.insert(Holders::One(Holder { pod, expires_ms, pins: u32::from(request.is_some()) }));
+                }
+            }
+        }
+        self.held += blocks.len();
+        if origin == LOCAL {
+            self.counts.recorded_local += 1;
+        } else {
+            self.counts.recorded_peer += 1;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        match request {
+            Some(id) => {
+                self.pinned.insert((origin, id), seq);
+            }
+            None => self.expiry.push(Reverse((expires_ms, seq))),
+        }
+        self.chains.insert(seq, Chain { pod, routed_ms: now_ms, expires_ms, blocks, origin, request });
+        self.order.push_back(seq);
+        while self.held > self.max_blocks {
+            let Some(old) = self.order.pop_front() else { break };
+            let Some(c) = self.chains.remove(&old) else { continue };
+            if let Some(id) = c.request {
+                self.pinned.remove(&(c.origin, id));
+                self.unpin(&c);
+            }
+            self.counts.evicted += 1;
+            self.unlink(&c);
+        }
+        if self.order.len() > 2 * self.chains.len() + 64 {
+            let chains = &self.chains;
+            self.order.retain(|s| chains.contains_key(s));
+        }
+    }
+
+    fn unpin(&mut self, c: &Chain) {
+        for b in c.blocks.iter() {
+            if let Some(h) = self.holders.get_mut(&b.0).and_then(|h| h.find_mut(c.pod)) {
+                h.pins = h.pins.saturating_sub(1);
+                h.expires_ms = h.expires_ms.max(c.expires_ms);
+            }
+        }
+    }
+
+    /// `origin`'s request `request` ended at `now_ms`: its chain lives on until `ttl` after its
+    /// routing (it may already be over). Unknown requests are ignored.
+    pub fn release(&mut self, origin: Origin, request: u64, now_ms: i64) {
+        let Some(seq) = self.pinned.remove(&(origin, request)) else { return };
+        let Some(c) = self.chains.get_mut(&seq) else { return };
+        c.request = None;
+        c.expires_ms = c.routed_ms.saturating_add(self.ttl_ms).max(now_ms);
+        let at = c.expires_ms;
+        let (pod, blocks) = (c.pod, c.blocks.clone());
+        for b in blocks.iter() {
+            if let Some(h) = self.holders.get_mut(&b.0).and_then(|h| h.find_mut(pod)) {
+                h.pins = h.pins.saturating_sub(1);
+                h.expires_ms = h.expires_ms.max(at);
+            }
+        }
+        self.expiry.push(Reverse((at, seq)));
+    }
+
+    /// Releases every request of `origin` (its stream ended: no end will come) at `now_ms`.
+    pub fn release_origin(&mut self, origin: Origin, now_ms: i64) {
+        let ids: Vec<u64> = self.pinned.keys().filter(|(o, _)| *o == origin).map(|(_, id)| *id).collect();
+        for id in ids {
+            self.release(origin, id, now_ms);
+        }
+    }
+
+    /// For each `(pod, frontier)` of `pods`: how many blocks of `chain` from `frontier` on the
+    /// pod holds pending at `now_ms`, consecutively, into `out` (same order). One lookup per
+    /// distinct frontier plus one per pending block found.
+    pub fn extend_all(&self, chain: &[BlockHash], now_ms: i64, pods: &[(PodIdx, u32)], out: &mut Vec<u32>) {
+        out.clear();
+        if self.holders.is_empty() || chain.is_empty() {
+            out.resize(pods.len(), 0);
+            return;
+        }
+        // Frontier → the holders of the block there (most pods share a frontier).
+        let mut memo: Vec<(u32, &[Holder])> = Vec::new();
+        for &(pod, frontier) in pods {
+            let at = match memo.iter().find(|(f, _)| *f == frontier) {
+                Some((_, h)) => *h,
+                None => {
+                    let h = self.holders_at(chain, frontier);
+                    memo.push((frontier, h));
+                    h
+                }
+            };
+            let mut n = 0u32;
+            if at.iter().any(|h| h.pod == pod && self.alive(h, now_ms)) {
+                n = 1;
+                while self
+                    .holders_at(chain, frontier.saturating_add(n))
+                    .iter()
+                    .any(|h| h.pod == pod && self.alive(h, now_ms))
+                {
+                    n += 1;
+                }
+            }
+            out.push(n);
+        }
+    }
+
+    fn holders_at(&self, chain: &[BlockHash], i: u32) -> &[Holder] {
+        chain.get(i as usize).and_then(|b| self.holders.get(&b.0)).map_or(&[], Holders::as_slice)
+    }
+
+    /// Every chain held, in no particular order: `(pod, blocks, origin)` (a peer's snapshot).
+    pub fn chains(&self) -> impl Iterator<Item = (PodIdx, &Arc<[BlockHash]>, Origin)> {
+        self.chains.values().map(|c| (c.pod, &c.blocks, c.origin))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::tests::chain;
+
+    fn arc(v: &[BlockHash]) -> Arc<[BlockHash]> {
+        Arc::from(v)
+    }
+
+    fn ext(t: &PendingTable, chain: &[BlockHash], now: i64, pods: &[(PodIdx, u32)]) -> Vec<u32> {
+        let mut out = Vec::new();
+        t.extend_all(chain, now, pods, &mut out);
+        out
+    }
+
+    const A: PodIdx = PodIdx(0);
+    const B: PodIdx = PodIdx(1);
+
+    #[test]
+    fn a_recorded_chain_extends_the_pod_from_its_frontier_until_it_expires() {
+        let c = chain(1, 10);
+        let mut t = PendingTable::new(2000, 1000);
+        // A's index held 4 blocks when the request was routed: blocks 4.. are pending.
+        t.record(A, arc(&c[4..]), 1000, LOCAL, None);
+        assert_eq!(ext(&t, &c, 1500, &[(A, 4), (B, 0)]), vec![6, 0]);
+        // A pod whose index frontier is behind the pending run gets nothing from it.
+        assert_eq!(ext(&t, &c, 1500, &[(A, 2)]), vec![0]);
+        // A shorter request sharing the prefix: extension stops at its own end.
+        assert_eq!(ext(&t, &c[..7], 1500, &[(A, 4)]), vec![3]);
+        // Dead at the expiry instant, and purged.
+        assert_eq!(ext(&t, &c, 3000, &[(A, 4)]), vec![0]);
+        t.purge(3000, &IndexSnapshot::default());
+        assert_eq!(t.size(), (0, 0));
+        assert_eq!(t.counts().expired, 1);
+    }
+
+    #[test]
+    fn a_later_chain_through_the_same_blocks_keeps_them_alive() {
+        let c = chain(1, 6);
+        let mut t = PendingTable::new(1000, 1000);
+        t.record(A, arc(&c), 0, LOCAL, None);
+        t.record(B, arc(&c[..3]), 100, 7, None);
+        t.record(A, arc(&c[..3]), 500, LOCAL, None);
+        t.purge(1000, &IndexSnapshot::default());
+        // The first chain is gone; the refresh keeps A's first three blocks, B keeps its own.
+        assert_eq!(ext(&t, &c, 1000, &[(A, 0), (B, 0)]), vec![3, 3]);
+        assert_eq!(t.counts().recorded_peer, 1);
+        t.purge(1500, &IndexSnapshot::default());
+        assert!(t.holders.is_empty());
+        assert_eq!(t.size(), (0, 0));
+    }
+
+    #[test]
+    fn the_cap_evicts_oldest_chains_first() {
+        let (c1, c2) = (chain(1, 6), chain(100, 6));
+        let mut t = PendingTable::new(10_000, 8);
+        t.record(A, arc(&c1), 0, LOCAL, None);
+        t.record(B, arc(&c2), 1, LOCAL, None);
+        assert_eq!(t.counts().evicted, 1);
+        assert_eq!(t.size(), (6, 1));
+        assert_eq!(ext(&t, &c1, 2, &[(A, 0)]), vec![0]);
+        assert_eq!(ext(&t, &c2, 2, &[(B, 0)]), vec![6]);
+    }
+
+    #[test]
+    fn a_clock_that_jumps_back_cannot_keep_an_entry_alive() {
+        let c = chain(1, 4);
+        let mut t = PendingTable::new(2000, 100);
+        t.record(A, arc(&c), 1_000_000, LOCAL, None);
+        assert_eq!(ext(&t, &c, 1_000_100, &[(A, 0)]), vec![4]);
+        assert_eq!(ext(&t, &c, 10, &[(A, 0)]), vec![0]);
+        t.purge(10, &IndexSnapshot::default());
+        assert_eq!(t.size(), (0, 0));
+    }
+
+    #[test]
+    fn a_request_pins_its_chain_until_it_ends() {
+        let c = chain(1, 5);
+        let mut t = PendingTable::new(1000, 100);
+        t.record(A, arc(&c), 0, LOCAL, Some(9));
+        // Long past the time-to-live, still in flight: still pending.
+        t.purge(60_000, &IndexSnapshot::default());
+        assert_eq!(ext(&t, &c, 60_000, &[(A, 0)]), vec![5]);
+        // Ends: it goes at once (its time-to-live from routing is long over).
+        t.release(LOCAL, 9, 60_000);
+        assert_eq!(ext(&t, &c, 60_001, &[(A, 0)]), vec![0]);
+        t.purge(60_001, &IndexSnapshot::default());
+        assert_eq!(t.size(), (0, 0));
+        // A request that ends early keeps its chain for the rest of the time-to-live.
+        t.record(B, arc(&c), 100_000, 3, Some(1));
+        t.release(3, 1, 100_200);
+        t.purge(100_500, &IndexSnapshot::default());
+        assert_eq!(ext(&t, &c, 100_500, &[(B, 0)]), vec![5]);
+        t.purge(101_000, &IndexSnapshot::default());
+        assert_eq!(ext(&t, &c, 101_000, &[(B, 0)]), vec![0]);
+        assert_eq!(t.counts().expired, 2);
+        // A peer that goes away releases its requests.
+        t.record(B, arc(&c), 200_000, 4, Some(1));
+        t.release_origin(4, 200_000);
+        t.purge(201_000, &IndexSnapshot::default());
+        assert_eq!(t.size(), (0, 0));
+    }
+
+    #[test]
+    fn a_zero_ttl_disables_the_table() {
+        let c = chain(1, 4);
+        let mut t = PendingTable::new(0, 100);
+        t.record(A, arc(&c), 0, LOCAL, None);
+        assert!(!t.enabled());
+        assert_eq!(ext(&t, &c, 0, &[(A, 0)]), vec![0]);
+    }
+}

@@ -1,0 +1,109 @@
+//! Replica stream tests: wire conversion and its bounds; two real replicas over gRPC sharing
+//! pending chains and in-flight counts; a replica that reaches itself stops dialing.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use super::*;
+use crate::config::PickerConfig;
+use crate::pending::ReplicaEvent;
+use crate::pool::tests::{chain, put, stats};
+use crate::score::RouteRequest;
+
+#[test]
+fn events_cross_the_wire_unchanged_and_bounds_hold() {
+    let blocks: Arc<[BlockHash]> = chain(1, 5).into();
+    let routed = ReplicaEvent::Routed { id: 7, pod: Arc::from("p"), routed_unix_ms: 123, blocks };
+    let finished = ReplicaEvent::Finished { id: 7, pod: Arc::from("p") };
+    for ev in [routed, finished] {
+        assert_eq!(from_message(to_message(&ev)), Ok(Some(ev)));
+    }
+    let long = ReplicaEvent::Finished { id: 1, pod: Arc::from("x".repeat(MAX_POD_NAME_BYTES + 1)) };
+    assert_eq!(from_message(to_message(&long)), Err(ReplicaError::PodName(MAX_POD_NAME_BYTES + 1)));
+    let huge: Arc<[BlockHash]> = vec![BlockHash(1); MAX_EVENT_BLOCKS + 1].into();
+    let big = ReplicaEvent::Routed { id: 1, pod: Arc::from("p"), routed_unix_ms: 0, blocks: huge };
+    assert_eq!(from_message(to_message(&big)), Err(ReplicaError::Chain(MAX_EVENT_BLOCKS + 1)));
+    assert_eq!(from_message(ReplicaMessage { msg: None }), Err(ReplicaError::Empty));
+}
+
+/// A replica serving `ReplicaSync` on an ephemeral port, with pods `a` and `b` registered.
+async fn replica() -> (Arc<Gateway>, SocketAddr) {
+    let gw = match Gateway::new(&PickerConfig::default()) {
+        Ok(g) => Arc::new(g),
+        Err(e) => panic!("{e}"),
+    };
+    put(&gw.pool, "a", "m", stats(0.1, 0, 1.0), &[]).await;
+    put(&gw.pool, "b", "m", stats(0.1, 0, 1.0), &[]).await;
+    let l = match TcpListener::bind("127.0.0.1:0").await {
+        Ok(l) => l,
+        Err(e) => panic!("{e}"),
+    };
+    let addr = match l.local_addr() {
+        Ok(a) => a,
+        Err(e) => panic!("{e}"),
+    };
+    let svc = ReplicaService::new(gw.clone(), gw.replica.clone()).into_server();
+    tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming(TcpListenerStream::new(l)));
+    (gw, addr)
+}
+
+/// Polls `f` every 10 ms for up to 5 s.
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+#[tokio::test]
+async fn two_replicas_credit_each_others_pending_chains_and_count_their_requests() {
+    let (gw_a, addr_a) = replica().await;
+    let (gw_b, _addr_b) = replica().await;
+    let (_peers_tx, peers) = watch::channel(vec![addr_a]);
+    let (_stop_tx, stop) = watch::channel(false);
+    tokio::spawn(run_peers(gw_b.clone(), gw_b.replica.clone(), peers, plaintext_dialer(), stop));
+    eventually("B follows A", || gw_b.replica.counters.connected.load(Ordering::Relaxed) == 1).await;
+
+    // A routes a prefix nobody holds; B never saw the request.
+    let blocks = chain(100, 12);
+    let req = RouteRequest { model: "m", adapter: None, block_hashes: &blocks, subset: None };
+    let decision = match gw_a.router.route(&req) {
+        Ok(d) => d,
+        Err(e) => panic!("{e}"),
+    };
+    let pod = decision.pod.clone();
+    eventually("B credits A's pending chain", || {
+        let e = gw_b.router.explain(&req);
+        e.candidates.iter().any(|c| *c.pod == *pod && c.matched_blocks == 12 && c.pending_blocks == 12)
+    })
+    .await;
+    assert_eq!(gw_b.router.explain(&req).choice.as_deref(), Some(pod.as_str()), "B sends the prefix where A did");
+    eventually("B counts A's request in flight", || gw_b.router.shared().lock().peers.len() == 1).await;
+
+    // The request ends on A: B stops counting it.
+    drop(decision);
+    eventually("B forgets A's finished request", || gw_b.router.shared().lock().peers.is_empty()).await;
+    assert!(gw_b.replica.counters.applied.load(Ordering::Relaxed) >= 2);
+    assert_eq!(gw_b.replica.counters.refused.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn a_replica_that_reaches_itself_stops_dialing_it() {
+    let (gw, addr) = replica().await;
+    let (_peers_tx, peers) = watch::channel(vec![addr]);
+    let (stop_tx, stop) = watch::channel(false);
+    let task = tokio::spawn(run_peers(gw.clone(), gw.replica.clone(), peers, plaintext_dialer(), stop));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(gw.replica.counters.connected.load(Ordering::Relaxed), 0);
+    assert_eq!(gw.replica.counters.disconnects.load(Ordering::Relaxed), 0, "never subscribed to itself");
+    let _ = stop_tx.send(true);
+    assert!(tokio::time::timeout(Duration::from_secs(2), task).await.is_ok(), "run_peers stops when asked");
+}
