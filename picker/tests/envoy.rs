@@ -482,6 +482,47 @@ async fn fail_open_serves_without_the_picker() {
     assert!(hot.iter().skip(hot_before).chain(cold.iter().skip(cold_before)).all(|r| r.destination.is_empty()));
 }
 
+/// deploy/k8s/overlays/fail-open/envoy.yaml (GIE's FailOpen on Kubernetes): its clusters resolve
+/// Services by DNS; here the picker Service is 127.0.0.1 and the pool's headless Service is
+/// `localhost` (one pod, resolved by Envoy's STRICT_DNS like a cluster's A records). With the
+/// picker up its choice is obeyed; with the picker stopped Envoy still serves, by its own
+/// balancing over the resolved pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k8s_fail_open_overlay_serves_without_the_picker() {
+    let picker = start_picker(&simple_models()).await;
+    let (addr, seen) = fake_engine().await;
+    let _agent = report_pods(&picker, &[pod("p0", addr, vec![])]).await;
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s/overlays/fail-open/envoy.yaml"),
+    )
+    .unwrap();
+    let pool = "kvroute-pool.kvroute.svc.cluster.local, port_value: 8000";
+    assert!(text.contains(pool), "the overlay's pool Service address changed");
+    let config = text
+        .replace("kvroute-picker.kvroute.svc.cluster.local", "127.0.0.1")
+        .replace(pool, &format!("localhost, port_value: {}", addr.port()));
+    let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": "hello"}).to_string();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(seen.lock().last().map(|r| r.destination.clone()), Some(addr.to_string()), "picked by the picker");
+
+    wait_picker_down(&picker).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+        assert_eq!(status, 200, "fail-open did not serve: {head}\n{resp}");
+        if seen.lock().last().is_some_and(|r| r.destination.is_empty()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "Envoy kept asking the stopped picker");
+    }
+    for _ in 0..3 {
+        let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+        assert_eq!(status, 200, "fail-open did not serve: {head}\n{resp}");
+    }
+}
+
 /// deploy/envoy/envoy.yaml (fail closed): with the picker killed Envoy answers 5xx and no pod is
 /// reached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

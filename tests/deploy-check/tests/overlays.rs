@@ -80,10 +80,63 @@ fn standalone_renders_and_checks_clean() {
 }
 
 #[test]
-fn fail_open_differs_only_in_failure_mode() {
+fn fail_open_balances_over_the_pools_ready_pods() {
     let r = rendered("fail-open");
     assert_clean("fail-open", &r);
     assert_eq!(envoy_failure_mode_allow(&r, &ctx()), Some(true));
+    assert!(kinds(&r).iter().any(|i| i == "Service/kvroute-pool"), "the pool's headless Service");
+    // The pod list must be the pool's: same selector, same port, Ready pods only.
+    fn service(r: &mut Rendered) -> &mut k8s_openapi::api::core::v1::ServiceSpec {
+        r.objects
+            .iter_mut()
+            .find_map(|o| match o {
+                Object::Service(s) if s.metadata.name.as_deref() == Some("kvroute-pool") => s.spec.as_mut(),
+                _ => None,
+            })
+            .unwrap()
+    }
+    broken(
+        "fail-open",
+        |r| {
+            service(r).selector = Some([("app".to_string(), "other".to_string())].into());
+        },
+        "the InferencePool selects",
+    );
+    broken("fail-open", |r| service(r).publish_not_ready_addresses = Some(true), "publishes unready pods");
+    broken("fail-open", |r| service(r).cluster_ip = None, "must be headless");
+    let envoy = |r: &mut Rendered, from: &str, to: &str| {
+        let data = config_map_data(r, "kvroute-envoy-config");
+        let text = data.get_mut("envoy.yaml").unwrap();
+        assert!(text.contains(from), "{from:?} not in the fail-open envoy.yaml");
+        *text = text.replace(from, to);
+    };
+    broken(
+        "fail-open",
+        |r| {
+            envoy(
+                r,
+                "kvroute-pool.kvroute.svc.cluster.local, port_value: 8000",
+                "kvroute-pool.kvroute.svc.cluster.local, port_value: 8001",
+            )
+        },
+        "target port",
+    );
+    broken(
+        "fail-open",
+        |r| envoy(r, "kvroute-pool.kvroute.svc.cluster.local", "vllm.kvroute.svc.cluster.local"),
+        "no Service of this overlay",
+    );
+    // Fail-open without a pool list (what the overlay shipped before: header-routed ORIGINAL_DST,
+    // so a bypassed picker meant 503) is caught.
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-envoy-config");
+            let text = data.get_mut("envoy.yaml").unwrap();
+            *text = text.replace("failure_mode_allow: false", "failure_mode_allow: true");
+        },
+        "envoy-fail-open.yaml",
+    );
 }
 
 #[test]
