@@ -724,3 +724,103 @@ async fn model_rewrites_follow_the_api_while_traffic_flows() {
         (1.0 - a) * 100.0
     );
 }
+
+/// gRPC health (the ext_proc service and "") and `/readyz` of a picker: `Some(true)` when both say
+/// SERVING, `Some(false)` when both say NOT_SERVING, `None` when they disagree or do not answer.
+async fn serving(ext_proc: u16, admin: u16) -> Option<bool> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{ext_proc}")).ok()?.connect().await.ok()?;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let mut grpc = Vec::new();
+    for service in ["", "envoy.service.ext_proc.v3.ExternalProcessor"] {
+        let r = health.check(tonic_health::pb::HealthCheckRequest { service: service.into() }).await.ok()?;
+        grpc.push(r.into_inner().status == ServingStatus::Serving as i32);
+    }
+    let readyz = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", admin)).await?;
+        s.write_all(b"GET /readyz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        std::io::Result::Ok(out.split(' ').nth(1) == Some("200"))
+    };
+    let http = readyz.await.ok()?;
+    (grpc.iter().all(|g| *g == http)).then_some(http)
+}
+
+/// Polls [`serving`] until it reads `want` (or `bound` passes); the time that took.
+async fn until_serving(p: &K8sPicker, want: bool, bound: Duration) -> Option<Duration> {
+    let t0 = Instant::now();
+    while t0.elapsed() < bound {
+        if serving(p.ext_proc, p.admin).await == Some(want) {
+            return Some(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+/// Asserts [`serving`] reads `want` throughout `d`.
+async fn stays_serving(p: &K8sPicker, want: bool, d: Duration, what: &str) {
+    let t0 = Instant::now();
+    while t0.elapsed() < d {
+        assert_eq!(serving(p.ext_proc, p.admin).await, Some(want), "{what} after {:?}", t0.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A pool pod on the fake agent's node ([`FakeAgent`] reports as node `fake-node`).
+fn fake_node_pod(name: &str, ip: &str) -> Pod {
+    let mut p = pod(name, ip, true);
+    p.spec.as_mut().unwrap().node_name = Some("fake-node".into());
+    p
+}
+
+/// Readiness (docs/design.md §14), both ways it switches. With `ready_coverage: 1` and a long
+/// `ready_timeout_ms`: NOT_SERVING (gRPC health and `/readyz`) while no agent reported and while
+/// agents cover half of the Ready pods, SERVING once they cover all; NOT_SERVING again on SIGTERM
+/// (draining). With a short `ready_timeout_ms` and no agent: NOT_SERVING while the API server is
+/// unreachable (the pool view has not synced, even past the timeout), SERVING once it synced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_pool_view_and_agent_coverage() {
+    const READY_IPS: [&str; 2] = ["127.0.0.71", "127.0.0.72"];
+    let port = free_port(&READY_IPS);
+    let server = ApiServer::start().await.unwrap();
+    server.register::<InferencePool>();
+    server.create(&pool(port)).unwrap();
+    server.create(&fake_node_pod("p0", READY_IPS[0])).unwrap();
+    server.create(&fake_node_pod("p1", READY_IPS[1])).unwrap();
+    let endpoint = |i: usize| format!("{}:{port}", READY_IPS[i]);
+
+    // Coverage.
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_k8s_picker(dir.path(), &server, "ready_coverage: 1.0\nready_timeout_ms: 60000\n").await;
+    stays_serving(&p, false, Duration::from_millis(1000), "SERVING without any agent report").await;
+    let ingest: SocketAddr = format!("127.0.0.1:{}", p.ingest).parse().unwrap();
+    let half = FakeAgent::connect(ingest, &[FakePod::new("p0-rank-0", endpoint(0), MODEL)]).await.unwrap();
+    stays_serving(&p, false, Duration::from_millis(1000), "SERVING with agents covering half the pods").await;
+    let rest = FakeAgent::connect(ingest, &[FakePod::new("p1-rank-0", endpoint(1), MODEL)]).await.unwrap();
+    let covered = until_serving(&p, true, FOLLOW).await.expect("not SERVING once agents cover every Ready pod");
+    // Draining: SIGTERM turns it NOT_SERVING while it still answers (shutdown_drain_ms, 2 s).
+    let pid = p.child.0.id().unwrap().to_string();
+    let _ = std::process::Command::new("kill").args(["-TERM", &pid]).status();
+    let drained = until_serving(&p, false, Duration::from_millis(1500)).await.expect("still SERVING after SIGTERM");
+    drop((half, rest));
+
+    // Timeout, but only after the pool view synced.
+    let dir = tempfile::tempdir().unwrap();
+    server.store().pause();
+    let p = start_k8s_picker(dir.path(), &server, "ready_timeout_ms: 500\n").await;
+    stays_serving(&p, false, Duration::from_millis(1500), "SERVING before the pool view synced").await;
+    let t_resume = Instant::now();
+    server.store().resume();
+    until_serving(&p, true, Duration::from_secs(5)).await.expect("not SERVING once synced past ready_timeout_ms");
+    let synced_after = t_resume.elapsed();
+    println!(
+        "readiness: SERVING {} ms after agents covered every Ready pod; NOT_SERVING {} ms after SIGTERM; \
+         SERVING {} ms after the API answered (past ready_timeout_ms)",
+        covered.as_millis(),
+        drained.as_millis(),
+        synced_after.as_millis()
+    );
+}
