@@ -441,20 +441,22 @@ async fn spawn_picker(config: &std::path::Path, log: &std::path::Path) -> tokio:
 /// (`rolling-restart:`) for docs/operations.md.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_restart_of_two_picker_replicas_costs_no_request() {
-    let (total, failed, statuses) = rolling_restart(false, ["127.0.0.53", "127.0.0.54"]).await;
+    let (total, failed, statuses) = rolling_restart(true, ["127.0.0.55", "127.0.0.56"], 1).await;
+    println!("rolling-restart: one replica, restarted: {total} requests, non-200 {failed} {statuses:?}");
+    let (total, failed, statuses) = rolling_restart(false, ["127.0.0.53", "127.0.0.54"], 2).await;
     println!("rolling-restart: without health check and drain: {total} requests, non-200 {failed} {statuses:?}");
-    let (total, failed, statuses) = rolling_restart(true, ["127.0.0.51", "127.0.0.52"]).await;
+    let (total, failed, statuses) = rolling_restart(true, ["127.0.0.51", "127.0.0.52"], 2).await;
     println!("rolling-restart: with health check and drain: {total} requests, non-200 {failed} {statuses:?}");
     assert_eq!(failed, 0, "a rolling restart of 2 replicas cost requests: {statuses:?}");
     assert!(total > 50, "too little traffic to mean anything: {total}");
 }
 
-/// Two picker replicas behind one Envoy (the ext_proc cluster lists both), two engines from a
-/// pool file, 4 clients; each replica is stopped with SIGTERM and started again, and must route
-/// again once back. `graceful`: deploy/envoy/envoy.yaml as is and the pickers' default drain;
+/// `replicas` (1 or 2) picker replicas behind one Envoy (the ext_proc cluster lists each), two
+/// engines from a pool file, 4 clients; each replica is stopped with SIGTERM and started again,
+/// and must route again once back. `graceful`: deploy/envoy/envoy.yaml as is and the pickers' default drain;
 /// otherwise its health check removed and `shutdown_drain_ms: 0`. Returns (requests, non-200,
 /// statuses).
-async fn rolling_restart(graceful: bool, ips: [&str; 2]) -> (u64, u64, BTreeMap<u16, u64>) {
+async fn rolling_restart(graceful: bool, ips: [&str; 2], replicas_n: usize) -> (u64, u64, BTreeMap<u16, u64>) {
     let epoch = Instant::now();
     let port = free_port(&ips);
     let hits: Hits = Arc::default();
@@ -471,7 +473,7 @@ async fn rolling_restart(graceful: bool, ips: [&str; 2]) -> (u64, u64, BTreeMap<
     )
     .unwrap();
     let mut replicas = Vec::new();
-    for r in 0..2 {
+    for r in 0..replicas_n {
         let ports: Vec<u16> = (0..3).map(|_| free_port(&["127.0.0.1"])).collect();
         let config = dir.path().join(format!("picker-{r}.yaml"));
         std::fs::write(
@@ -494,7 +496,11 @@ async fn rolling_restart(graceful: bool, ips: [&str; 2]) -> (u64, u64, BTreeMap<
     let envoy_yaml =
         std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml")).unwrap();
     assert!(envoy_yaml.contains(one), "deploy/envoy/envoy.yaml's picker endpoint entry changed");
-    let both = format!("{}{}", one.replace("9002", "PICKER_A"), one.replace("9002", "PICKER_B"));
+    let both = if replicas_n == 1 {
+        one.replace("9002", "PICKER_A")
+    } else {
+        format!("{}{}", one.replace("9002", "PICKER_A"), one.replace("9002", "PICKER_B"))
+    };
     let mut patched = envoy_yaml.replace(one, &both);
     if !graceful {
         let start = patched.find("      # grpc.health.v1 on the ext_proc port").expect("the picker health check");
@@ -508,7 +514,7 @@ async fn rolling_restart(graceful: bool, ips: [&str; 2]) -> (u64, u64, BTreeMap<
     let (_envoy, gw) = {
         let text = patched
             .replace("PICKER_A", &replicas[0].1[0].to_string())
-            .replace("PICKER_B", &replicas[1].1[0].to_string());
+            .replace("PICKER_B", &replicas.get(1).map_or(0, |r| r.1[0]).to_string());
         start_envoy_text(&tmp, text).await
     };
 
