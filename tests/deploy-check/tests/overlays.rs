@@ -80,6 +80,35 @@ fn standalone_renders_and_checks_clean() {
 }
 
 #[test]
+fn envoy_stats_listener_exposes_only_prometheus_stats() {
+    let edit = |from: &'static str, to: &'static str| {
+        move |r: &mut Rendered| {
+            let data = config_map_data(r, "kvroute-envoy-config");
+            let text = data.get_mut("envoy.yaml").unwrap();
+            assert!(text.contains(from), "{from:?} not in envoy.yaml");
+            *text = text.replace(from, to);
+        }
+    };
+    for overlay in ["standalone", "fail-open"] {
+        broken(
+            overlay,
+            edit(r#"path: "/stats/prometheus""#, r#"prefix: "/""#),
+            "only /stats/prometheus to envoy_admin",
+        );
+        broken(overlay, edit("- name: stats\n", "- name: metrics\n"), "no `stats` listener");
+        broken(overlay, edit("port_value: 9902", "port_value: 9903"), "containerPort stats");
+        broken(
+            overlay,
+            edit(
+                "status: 404\n                            body: { inline_string: \"only",
+                "status: 200\n                            body: { inline_string: \"only",
+            ),
+            "must forward /stats/prometheus or answer an error",
+        );
+    }
+}
+
+#[test]
 fn fail_open_balances_over_the_pools_ready_pods() {
     let r = rendered("fail-open");
     assert_clean("fail-open", &r);
@@ -452,6 +481,15 @@ fn monitoring_component_targets_the_picker_service_and_agent_pods() {
     assert!(matches(&sm["spec"]["selector"], &svc["metadata"]["labels"]), "{sm} does not select {svc}");
     let port = sm["spec"]["endpoints"][0]["port"].as_str().unwrap();
     assert!(svc["spec"]["ports"].as_array().unwrap().iter().any(|p| p["name"] == port), "no port {port} on {svc}");
+    let pm = find("PodMonitor", "kvroute-envoy");
+    let envoy = &find("Deployment", "kvroute-envoy")["spec"]["template"];
+    assert!(matches(&pm["spec"]["selector"], &envoy["metadata"]["labels"]), "{pm} does not select the Envoy pods");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["path"], "/stats/prometheus");
+    let port = pm["spec"]["podMetricsEndpoints"][0]["port"].as_str().unwrap();
+    assert!(
+        envoy["spec"]["containers"][0]["ports"].as_array().unwrap().iter().any(|p| p["name"] == port),
+        "Envoy pods declare no port {port}"
+    );
     let pm = find("PodMonitor", "kvroute-agent");
     let ds = find("DaemonSet", "kvroute-agent");
     let pod = &ds["spec"]["template"];

@@ -7,7 +7,10 @@
 //! pods on its target port, Ready ones only: Envoy's own balancing when the pickers are down must
 //! cover the pool and nothing else). The gateway listener's port must be the Deployment's `http`
 //! container port, and its per-connection buffer must exceed the picker's `body_limit_bytes`
-//! (docs/design.md §5: the picker, not Envoy, answers 413).
+//! (docs/design.md §5: the picker, not Envoy, answers 413). Envoy's stats must be scrapeable
+//! without exposing its admin interface: a `stats` listener on the container port `stats` whose
+//! only forwarding route is the exact path `/stats/prometheus` to the `envoy_admin` cluster (the
+//! admin address), every other route a direct error; both are the Kubernetes files' own additions.
 
 use serde_json::Value;
 
@@ -66,6 +69,60 @@ fn picker_cluster(config: &mut Value) -> Option<&mut Value> {
 
 fn cluster<'v>(config: &'v mut Value, name: &str) -> Option<&'v mut Value> {
     config["static_resources"]["clusters"].as_array_mut()?.iter_mut().find(|c| c["name"] == name)
+}
+
+/// The `stats` listener and `envoy_admin` cluster: checked, then removed from `config` (they are
+/// not in the reference files).
+fn check_and_strip_stats(config: &mut Value, stats_port: Option<i32>, sink: &mut Sink<'_>) {
+    let admin = config["admin"]["address"]["socket_address"].clone();
+    let Some(listeners) = config["static_resources"]["listeners"].as_array_mut() else { return };
+    let Some(i) = listeners.iter().position(|l| l["name"] == "stats") else {
+        return sink.push("no `stats` listener: Envoy's /stats/prometheus is not scrapeable (components/monitoring)");
+    };
+    let listener = listeners.remove(i);
+    let port = listener["address"]["socket_address"]["port_value"].as_i64();
+    if port.is_none() || port != stats_port.map(i64::from) {
+        sink.push(format!("stats listener port {port:?} ≠ containerPort stats {stats_port:?}"));
+    }
+    let mut forwarded = 0;
+    let mut routes = Vec::new();
+    walk_mut(&mut listener.clone(), &mut |key, v| {
+        if key == "routes"
+            && let Some(a) = v.as_array()
+        {
+            routes.extend(a.iter().cloned());
+        }
+    });
+    for r in &routes {
+        if let Some(cluster) = r["route"]["cluster"].as_str() {
+            forwarded += 1;
+            let m = r["match"].as_object().cloned().unwrap_or_default();
+            let exact = m.get("path").and_then(Value::as_str) == Some("/stats/prometheus")
+                && !m.contains_key("prefix")
+                && !m.contains_key("safe_regex")
+                && !m.contains_key("path_separated_prefix");
+            if !exact || cluster != "envoy_admin" {
+                sink.push(format!("stats listener forwards {m:?} to {cluster}: only /stats/prometheus to envoy_admin"));
+            }
+        } else if r["direct_response"]["status"].as_u64().is_none_or(|s| s < 400) {
+            sink.push(format!("stats listener route {} must forward /stats/prometheus or answer an error", r["match"]));
+        }
+    }
+    if forwarded == 0 {
+        sink.push("stats listener forwards nothing to envoy_admin");
+    }
+    match cluster(config, "envoy_admin") {
+        None => sink.push("no envoy_admin cluster for the stats listener"),
+        Some(c) => {
+            let sa = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+            if sa["address"] != admin["address"] || sa["port_value"] != admin["port_value"] {
+                sink.push(format!("envoy_admin dials {sa}, not the admin address {admin}"));
+            }
+        }
+    }
+    if let Some(clusters) = config["static_resources"]["clusters"].as_array_mut() {
+        clusters.retain(|c| c["name"] != "envoy_admin");
+    }
 }
 
 /// Failing open, `kvroute_endpoints` must list the pool's Ready pods: a STRICT_DNS cluster on a
@@ -183,6 +240,9 @@ pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
             ));
         }
     }
+
+    let stats_port = containers(w.template).first().and_then(|c| named_port(c, "stats"));
+    check_and_strip_stats(&mut config, stats_port, &mut sink);
 
     if fail_open {
         check_fail_open_endpoints(r, &mut config, &mut sink);
