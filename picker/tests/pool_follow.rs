@@ -708,6 +708,21 @@ async fn model_rewrites_follow_the_api_while_traffic_flows() {
         assert_eq!(post_model(gw, "chat").await.0, 200);
     }
     assert_eq!(targets_seen(&seen, from), vec!["target-c".to_owned(); 10], "the old targets are still used");
+    // The same through Envoy's FULL_DUPLEX_STREAMED body mode (the body re-streamed rewritten).
+    let duplex_dir = dir.path().join("duplex");
+    std::fs::create_dir_all(&duplex_dir).unwrap();
+    let duplex_config = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy-full-duplex.yaml"),
+    )
+    .unwrap()
+    .replace("port_value: 9002", &format!("port_value: {}", picker.ext_proc));
+    let (_duplex_envoy, duplex_gw) = start_envoy_text(&duplex_dir, duplex_config).await;
+    let from = seen.lock().len();
+    for _ in 0..5 {
+        let (status, body) = post_model(duplex_gw, "chat").await;
+        assert_eq!(status, 200, "full duplex: {body}");
+    }
+    assert_eq!(targets_seen(&seen, from), vec!["target-c".to_owned(); 5], "full duplex: not rewritten");
 
     // The unknown model's answer is unchanged; the base model passes through unrewritten.
     let (status, unknown_after) = post_model(gw, "nope").await;
