@@ -91,8 +91,11 @@ pub struct ModelRegistry {
     /// Approximate stores by base model, shared by configured models and rewrite targets.
     stores: parking_lot::Mutex<HashMap<String, Arc<ApproxStore>>>,
     /// Rewrite targets resolved so far, by (base model, adapter).
-    targets: parking_lot::RwLock<HashMap<(String, Option<String>), Arc<ResolvedModel>>>,
+    targets: parking_lot::RwLock<HashMap<TargetKey, Arc<ResolvedModel>>>,
 }
+
+/// A rewrite target's (base model, adapter).
+type TargetKey = (String, Option<String>);
 
 /// What a body asks for, before tokenization.
 #[derive(Debug)]
