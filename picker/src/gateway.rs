@@ -13,8 +13,9 @@ use kvroute_cluster::ModelTable;
 
 use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
-use crate::model::ModelRegistry;
-use crate::pool::Pool;
+use crate::config::PoolSource;
+use crate::model::{ModelError, ModelRegistry, ResolvedModel};
+use crate::pool::{Pool, Served};
 use crate::replicas::ReplicaIdentity;
 use crate::score::Router;
 use crate::server::StartError;
@@ -47,6 +48,19 @@ pub struct Gateway {
     pub ready: AtomicBool,
     /// Set on SIGTERM: readiness stays NOT_SERVING from then on.
     pub draining: AtomicBool,
+    /// Client models resolve through the watched InferenceModelRewrite table before `models`
+    /// (the Kubernetes pool source, docs/design.md §14); file mode resolves through `models` only.
+    pub rewrites: bool,
+}
+
+/// What a request's `model` resolved to.
+#[derive(Debug, Clone)]
+pub struct Resolution {
+    /// The model scoring and hashing use (the rewrite target's base model and adapter).
+    pub model: Arc<ResolvedModel>,
+    /// The model id the engine must see when it differs from the client's (the body's `model` is
+    /// rewritten to it, as the GIE endpoint picker does).
+    pub rewrite: Option<String>,
 }
 
 impl Gateway {
@@ -71,12 +85,52 @@ impl Gateway {
             model_table: ArcSwapOption::empty(),
             ready: AtomicBool::new(config.pool_source().is_none()),
             draining: AtomicBool::new(false),
+            rewrites: matches!(config.pool_source(), Some(PoolSource::Kubernetes(_))),
         })
     }
 
     /// Whether the picker reports SERVING (see [`Gateway::ready`]).
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
+    }
+
+    /// Resolves the client model `name` (docs/design.md §14). With the Kubernetes pool source, a
+    /// rule of the InferenceModelRewrite table matching `name` picks a target (weighted draw);
+    /// the target's base model and adapter come from a `models[]` entry of that name, else from
+    /// what the engines report (a base model they serve, or a running LoRA adapter), else the
+    /// target is taken as a base model. Without a rule: the `models[]` entry `name`, else (with
+    /// the Kubernetes source) a model id the engines serve, passed through unchanged.
+    /// Errors: [`ModelError::UnknownModel`] when nothing resolves `name` (404).
+    pub fn resolve(&self, name: &str) -> Result<Resolution, ModelError> {
+        if self.rewrites
+            && let Some(table) = self.model_table.load().as_ref()
+            && let Some(target) = table.rule_for(name).and_then(|r| r.pick(rand::random()))
+        {
+            let model = self.target_model(&target.model, target.adapter.as_deref());
+            let rewrite = (target.model != name).then(|| target.model.clone());
+            return Ok(Resolution { model, rewrite });
+        }
+        if let Some(m) = self.models.resolve(name) {
+            return Ok(Resolution { model: m.clone(), rewrite: None });
+        }
+        if self.rewrites && self.pool.served_as(name) != Served::Unknown {
+            return Ok(Resolution { model: self.target_model(name, None), rewrite: None });
+        }
+        Err(ModelError::UnknownModel(name.to_owned()))
+    }
+
+    /// The model of rewrite target `target` (see [`Gateway::resolve`]).
+    fn target_model(&self, target: &str, adapter: Option<&str>) -> Arc<ResolvedModel> {
+        if let Some(a) = adapter {
+            return self.models.target(target, Some(a));
+        }
+        if let Some(m) = self.models.resolve(target) {
+            return m.clone();
+        }
+        match self.pool.served_as(target) {
+            Served::Adapter { base } => self.models.target(&base, Some(target)),
+            Served::Base | Served::Unknown => self.models.target(target, None),
+        }
     }
 
     /// The priority of the request's InferenceObjective (header `x-llm-d-inference-objective`):

@@ -77,11 +77,28 @@ pub struct ApproxModel {
     pub store: Arc<ApproxStore>,
 }
 
-/// Every configured model by client-facing name.
+/// Most (base model, adapter) targets resolved from rewrite rules that the registry keeps
+/// ([`ModelRegistry::target`]); further ones are built per request and not kept. Targets come from
+/// the InferenceModelRewrite objects and the engines' reports, never from a client's input.
+pub const MAX_TARGET_MODELS: usize = 1024;
+
+/// Every configured model by client-facing name, and the targets of rewrite rules
+/// (docs/design.md §14) built on first use.
 #[derive(Debug, Default)]
 pub struct ModelRegistry {
     models: HashMap<String, Arc<ResolvedModel>>,
+    /// A rewrite target's settings, by base model: the first `models[]` entry of that base model
+    /// and its tokenizer (none: approximate mode with the default settings).
+    templates: HashMap<String, (ModelConfig, Option<Arc<ModelTokenizer>>)>,
+    block_size: usize,
+    /// Approximate stores by base model, shared by configured models and rewrite targets.
+    stores: parking_lot::Mutex<HashMap<String, Arc<ApproxStore>>>,
+    /// Rewrite targets resolved so far, by (base model, adapter).
+    targets: parking_lot::RwLock<HashMap<TargetKey, Arc<ResolvedModel>>>,
 }
+
+/// A rewrite target's (base model, adapter).
+type TargetKey = (String, Option<String>);
 
 /// What a body asks for, before tokenization.
 #[derive(Debug)]
@@ -114,6 +131,7 @@ impl ModelRegistry {
         let mut tokenizers: HashMap<PathBuf, Option<Arc<ModelTokenizer>>> = HashMap::new();
         let mut out = HashMap::new();
         let mut stores: HashMap<String, Arc<ApproxStore>> = HashMap::new();
+        let mut templates = HashMap::new();
         for m in models {
             let tokenizer = m.tokenizer.as_ref().and_then(|dir| {
                 tokenizers
@@ -128,29 +146,50 @@ impl ModelRegistry {
                     })
                     .clone()
             });
-            let target = m.target().to_owned();
-            let hasher = BlockHasher::new(&target, m.adapter.as_deref(), block_size);
-            let approx = (m.effective_mode(tokenizer.is_some()) == RoutingMode::Approximate).then(|| {
-                let cfg = &m.approximate;
-                let store = stores.entry(target.clone()).or_insert_with(|| Arc::new(ApproxStore::new(cfg))).clone();
-                tracing::info!(model = %m.name, block_chars = cfg.block_chars,
-                    capacity_blocks_per_pod = cfg.capacity_blocks_per_pod, "approximate prefix matching");
-                ApproxModel {
-                    hasher: TextHasher::new(&target, m.adapter.as_deref(), cfg.block_chars, cfg.max_blocks),
-                    store,
-                }
-            });
-            let resolved = ResolvedModel {
-                name: m.name.clone(),
-                target_model: target,
-                adapter: m.adapter.clone(),
-                tokenizer,
-                hasher,
-                approx,
-            };
+            templates.entry(m.target().to_owned()).or_insert_with(|| (m.clone(), tokenizer.clone()));
+            let resolved =
+                build_model(&m.name, m.target(), m.adapter.as_deref(), m, tokenizer, block_size, &mut stores);
             out.insert(m.name.clone(), Arc::new(resolved));
         }
-        Self { models: out }
+        Self {
+            models: out,
+            templates,
+            block_size,
+            stores: parking_lot::Mutex::new(stores),
+            targets: parking_lot::RwLock::default(),
+        }
+    }
+
+    /// The model for a rewrite target (docs/design.md §14): base model `base`, LoRA adapter
+    /// `adapter`. Its tokenizer and mode are those of the first `models[]` entry of `base`
+    /// (approximate mode with the default settings when there is none); its approximate store is
+    /// the one of `base`. Built once and kept (up to [`MAX_TARGET_MODELS`]).
+    pub fn target(&self, base: &str, adapter: Option<&str>) -> Arc<ResolvedModel> {
+        let key = (base.to_owned(), adapter.map(str::to_owned));
+        if let Some(m) = self.targets.read().get(&key) {
+            return m.clone();
+        }
+        let default;
+        let (cfg, tokenizer) = match self.templates.get(base) {
+            Some((cfg, tok)) => (cfg, tok.clone()),
+            None => {
+                default = ModelConfig::named(base);
+                (&default, None)
+            }
+        };
+        let name = adapter.unwrap_or(base);
+        let built = {
+            let mut stores = self.stores.lock();
+            Arc::new(build_model(name, base, adapter, cfg, tokenizer, self.block_size, &mut stores))
+        };
+        let mut targets = self.targets.write();
+        if let Some(m) = targets.get(&key) {
+            return m.clone();
+        }
+        if targets.len() < MAX_TARGET_MODELS {
+            targets.insert(key, built.clone());
+        }
+        built
     }
 
     /// The model a request names, if configured.
@@ -166,6 +205,35 @@ impl ModelRegistry {
     /// True when no model is configured.
     pub fn is_empty(&self) -> bool {
         self.models.is_empty()
+    }
+}
+
+/// One model ready to hash requests: `name` for clients, rooted at (`target`, `adapter`), with
+/// `cfg`'s mode and approximate settings; the approximate store of `target` from `stores`.
+fn build_model(
+    name: &str,
+    target: &str,
+    adapter: Option<&str>,
+    cfg: &ModelConfig,
+    tokenizer: Option<Arc<ModelTokenizer>>,
+    block_size: usize,
+    stores: &mut HashMap<String, Arc<ApproxStore>>,
+) -> ResolvedModel {
+    let hasher = BlockHasher::new(target, adapter, block_size);
+    let approx = (cfg.effective_mode(tokenizer.is_some()) == RoutingMode::Approximate).then(|| {
+        let a = &cfg.approximate;
+        let store = stores.entry(target.to_owned()).or_insert_with(|| Arc::new(ApproxStore::new(a))).clone();
+        tracing::info!(model = %name, block_chars = a.block_chars,
+            capacity_blocks_per_pod = a.capacity_blocks_per_pod, "approximate prefix matching");
+        ApproxModel { hasher: TextHasher::new(target, adapter, a.block_chars, a.max_blocks), store }
+    });
+    ResolvedModel {
+        name: name.to_owned(),
+        target_model: target.to_owned(),
+        adapter: adapter.map(str::to_owned),
+        tokenizer,
+        hasher,
+        approx,
     }
 }
 
@@ -301,6 +369,22 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
         completion_prompt(obj.remove("prompt"))
     };
     Ok(ParsedBody { model, prompt, cache_salt })
+}
+
+/// `body` (a JSON object, already parsed once by [`parse_body`]) with its `model` set to `model`,
+/// re-serialized as the GIE endpoint picker does after a rewrite (docs/design.md §14); `None`
+/// (logged) if it no longer parses as an object.
+pub fn rewrite_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
+    let mut v: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(error = %e, "request body not rewritten: not JSON");
+            return None;
+        }
+    };
+    let obj = v.as_object_mut()?;
+    obj.insert("model".to_owned(), Value::String(model.to_owned()));
+    serde_json::to_vec(&v).ok()
 }
 
 /// `prompt` of `/v1/completions`: a string, a token array, or a one-element batch of either.

@@ -482,6 +482,47 @@ async fn fail_open_serves_without_the_picker() {
     assert!(hot.iter().skip(hot_before).chain(cold.iter().skip(cold_before)).all(|r| r.destination.is_empty()));
 }
 
+/// deploy/k8s/overlays/fail-open/envoy.yaml (GIE's FailOpen on Kubernetes): its clusters resolve
+/// Services by DNS; here the picker Service is 127.0.0.1 and the pool's headless Service is
+/// `localhost` (one pod, resolved by Envoy's STRICT_DNS like a cluster's A records). With the
+/// picker up its choice is obeyed; with the picker stopped Envoy still serves, by its own
+/// balancing over the resolved pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k8s_fail_open_overlay_serves_without_the_picker() {
+    let picker = start_picker(&simple_models()).await;
+    let (addr, seen) = fake_engine().await;
+    let _agent = report_pods(&picker, &[pod("p0", addr, vec![])]).await;
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s/overlays/fail-open/envoy.yaml"),
+    )
+    .unwrap();
+    let pool = "kvroute-pool.kvroute.svc.cluster.local, port_value: 8000";
+    assert!(text.contains(pool), "the overlay's pool Service address changed");
+    let config = text
+        .replace("kvroute-picker.kvroute.svc.cluster.local", "127.0.0.1")
+        .replace(pool, &format!("localhost, port_value: {}", addr.port()));
+    let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+    let body = serde_json::json!({"model": MODEL, "prompt": "hello"}).to_string();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(seen.lock().last().map(|r| r.destination.clone()), Some(addr.to_string()), "picked by the picker");
+
+    wait_picker_down(&picker).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+        assert_eq!(status, 200, "fail-open did not serve: {head}\n{resp}");
+        if seen.lock().last().is_some_and(|r| r.destination.is_empty()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "Envoy kept asking the stopped picker");
+    }
+    for _ in 0..3 {
+        let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+        assert_eq!(status, 200, "fail-open did not serve: {head}\n{resp}");
+    }
+}
+
 /// deploy/envoy/envoy.yaml (fail closed): with the picker killed Envoy answers 5xx and no pod is
 /// reached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -746,4 +787,93 @@ async fn half_sent_requests_are_closed_and_do_not_starve_envoy() {
          {body_took:?} (2 s timeout), a normal request beside 1,100 half-open connections {normal:?}"
     );
     picker.shutdown();
+}
+
+/// One request with `method` (no body) to `addr`; the status and the body.
+async fn request(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: stats\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await.unwrap().unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return (status, body.to_owned());
+    }
+    // Chunked: `<hex size>\r\n<data>\r\n`… until size 0.
+    let (mut rest, mut plain) = (body, String::new());
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        plain.push_str(&after[..n]);
+        rest = &after[n + 2..];
+    }
+    (status, plain)
+}
+
+/// deploy/k8s/components/envoy/envoy.yaml's `stats` listener, on the real Envoy: GET
+/// /stats/prometheus reaches the admin interface and parses as the Prometheus text format (the
+/// picker cluster's series among them); every other admin path, and any other method, is refused
+/// there, and the Envoy keeps serving (`/quitquitquit` did not reach the admin).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k8s_envoy_stats_listener_exposes_only_prometheus_stats() {
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s/components/envoy/envoy.yaml"),
+    )
+    .unwrap();
+    let stats_port = free_port().unwrap();
+    assert!(text.contains("port_value: 9902"), "the stats listener's port changed");
+    let config = text.replace("kvroute-picker.kvroute.svc.cluster.local", "127.0.0.1").replace(
+        "{ address: 0.0.0.0, port_value: 9902 }",
+        &format!("{{ address: 127.0.0.1, port_value: {stats_port} }}"),
+    );
+    let (_e, gw) = start_envoy(&config, free_port().unwrap()).await;
+    let stats: SocketAddr = format!("127.0.0.1:{stats_port}").parse().unwrap();
+
+    let (status, body) = request(stats, "GET", "/stats/prometheus").await;
+    assert_eq!(status, 200, "{body}");
+    let mut samples = 0;
+    for line in body.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let kind = rest.split(' ').nth(1);
+            assert!(matches!(kind, Some("counter" | "gauge" | "histogram" | "summary" | "untyped")), "{line}");
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("not a sample: {line}"));
+        let name = series.split('{').next().unwrap();
+        assert!(
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line}"
+        );
+        assert!(value.parse::<f64>().is_ok() || matches!(value, "NaN" | "+Inf" | "-Inf"), "bad value in {line}");
+        samples += 1;
+    }
+    assert!(samples > 50, "too few samples: {samples}");
+    assert!(
+        body.lines().any(|l| l.starts_with("envoy_cluster_") && l.contains("envoy_cluster_name=\"kvroute_picker\"")),
+        "no kvroute_picker cluster series"
+    );
+
+    for (method, path) in [
+        ("GET", "/stats"),
+        ("GET", "/server_info"),
+        ("GET", "/config_dump"),
+        ("POST", "/quitquitquit"),
+        ("POST", "/stats/prometheus"),
+        ("GET", "/stats/prometheus/../../quitquitquit"),
+    ] {
+        let (status, body) = request(stats, method, path).await;
+        assert_eq!(status, 404, "{method} {path} was not refused: {body}");
+    }
+    // Envoy is still up: /quitquitquit did not reach its admin.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(request(stats, "GET", "/stats/prometheus").await.0, 200);
+    assert_eq!(request(gw, "GET", "/not-inference").await.0, 404, "the gateway listener is unchanged");
 }

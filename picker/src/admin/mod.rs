@@ -138,7 +138,7 @@ fn explain_json(
 ) -> Result<serde_json::Value, Rejection> {
     let input = DecisionInput { request_id: "explain", path, body: Some(body), subset: None, objective };
     let ex = explain(gw, &input)?;
-    let (req, model) = (&ex.request, ex.request.model);
+    let (req, model) = (&ex.request, &ex.request.model);
     let candidates: Vec<_> = ex
         .explanation
         .candidates
@@ -154,6 +154,7 @@ fn explain_json(
         "model": req.model_name,
         "target_model": model.target_model,
         "adapter": model.adapter,
+        "model_rewrite": req.model_rewrite,
         "mode": req.mode.as_str(),
         "priority": req.priority,
         "input_tokens": req.tokens.len(),

@@ -15,13 +15,14 @@
 pub mod observe;
 
 use std::cell::RefCell;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use kvroute_common::{BlockHash, BlockKeys};
 
 use crate::approx::{ApproxMatches, RoutingMode};
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, Resolution};
 use crate::model::{ModelError, PromptInput, ResolvedModel, parse_body};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
 use observe::DecisionObserver;
@@ -130,11 +131,15 @@ pub struct DecisionInput<'a> {
 /// A request ready for the router: its model, tokens and block chain, and (approximate mode) where
 /// earlier routing sent that chain.
 #[derive(Debug)]
-pub struct PreparedRequest<'g> {
+pub struct PreparedRequest {
     /// The client-facing model name the request named (or the default model's).
     pub model_name: String,
-    /// What that name resolved to.
-    pub model: &'g ResolvedModel,
+    /// What that name resolved to (through the InferenceModelRewrite table with the Kubernetes
+    /// pool source, docs/design.md §14).
+    pub model: Arc<ResolvedModel>,
+    /// The model id the engine must see, when a rewrite rule changed it: the request body's
+    /// `model` is rewritten to it.
+    pub model_rewrite: Option<String>,
     /// How the chain is matched.
     pub mode: RoutingMode,
     /// Token ids (precise mode); empty in approximate mode or when the prompt has none.
@@ -148,7 +153,7 @@ pub struct PreparedRequest<'g> {
     approx_matches: Option<ApproxMatches>,
 }
 
-impl PreparedRequest<'_> {
+impl PreparedRequest {
     /// The chain of the prompt's full blocks.
     pub fn block_hashes(&self) -> &[BlockHash] {
         &self.hashes.0
@@ -200,18 +205,14 @@ impl Drop for HashBuf {
 /// Parse → model → tokens → chain → matches: everything a decision computes before scoring.
 /// Errors: an invalid or empty body (400; an inference path without a body is empty), an
 /// unknown model (404), no model for a body-less request (503).
-pub fn prepare<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest<'g>, Rejection> {
+pub fn prepare(gw: &Gateway, input: &DecisionInput<'_>) -> Result<PreparedRequest, Rejection> {
     static NEVER: AtomicBool = AtomicBool::new(false);
     prepare_cancellable(gw, input, &NEVER)
 }
 
 /// [`prepare`] whose tokenization stops once `cancel` is set: a 499 rejection (client closed
 /// request, nginx's code), counted in `epp_tokenizations_cancelled_total`.
-fn prepare_cancellable<'g>(
-    gw: &'g Gateway,
-    input: &DecisionInput<'_>,
-    cancel: &AtomicBool,
-) -> Result<PreparedRequest<'g>, Rejection> {
+fn prepare_cancellable(gw: &Gateway, input: &DecisionInput<'_>, cancel: &AtomicBool) -> Result<PreparedRequest, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
     let (model_name, prompt, cache_salt) = match input.body {
@@ -227,7 +228,8 @@ fn prepare_cancellable<'g>(
             None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
         },
     };
-    let model = gw.models.resolve(&model_name).ok_or_else(|| ModelError::UnknownModel(echo_name(&model_name)))?;
+    let Resolution { model, rewrite: model_rewrite } =
+        gw.resolve(&model_name).map_err(|_| ModelError::UnknownModel(echo_name(&model_name)))?;
     drop(parse_span);
     tracing::Span::current().record("model", model_name.as_str());
     let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };
@@ -272,19 +274,39 @@ fn prepare_cancellable<'g>(
     });
     let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes.0));
     let priority = gw.priority(input.objective);
-    Ok(PreparedRequest { model_name, model, mode, tokens, unmatched_reason, priority, hashes, approx_matches })
+    Ok(PreparedRequest {
+        model_name,
+        model,
+        model_rewrite,
+        mode,
+        tokens,
+        unmatched_reason,
+        priority,
+        hashes,
+        approx_matches,
+    })
 }
 
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
 pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
+    decide_rewriting(gw, input).map(|(d, _)| d)
+}
+
+/// Routes one request like [`decide`], and returns the model id the body's `model` must be
+/// rewritten to, when a rewrite rule changed it (docs/design.md §14).
+pub fn decide_rewriting(gw: &Gateway, input: &DecisionInput<'_>) -> Result<(Decision, Option<String>), Rejection> {
     static NEVER: AtomicBool = AtomicBool::new(false);
     decide_cancellable(gw, input, &NEVER)
 }
 
-/// [`decide`] that gives up once `cancel` is set (checked between tokenization chunks): the
-/// request's ext_proc stream ended, so nobody waits for the answer (issue 17: an 8 MB prompt's
-/// tokenization ran on after Envoy gave up).
-pub fn decide_cancellable(gw: &Gateway, input: &DecisionInput<'_>, cancel: &AtomicBool) -> Result<Decision, Rejection> {
+/// [`decide_rewriting`] that gives up once `cancel` is set (checked between tokenization
+/// chunks): the request's ext_proc stream ended, so nobody waits for the answer (issue 17: an
+/// 8 MB prompt's tokenization ran on after Envoy gave up).
+pub fn decide_cancellable(
+    gw: &Gateway,
+    input: &DecisionInput<'_>,
+    cancel: &AtomicBool,
+) -> Result<(Decision, Option<String>), Rejection> {
     let observer = DecisionObserver::start(&gw.metrics, input.request_id);
     let prepared = prepare_cancellable(gw, input, cancel)?;
     observer.received(&prepared);
@@ -300,7 +322,7 @@ pub fn decide_cancellable(gw: &Gateway, input: &DecisionInput<'_>, cancel: &Atom
                 a.store.record(&decision.pod, prepared.block_hashes());
             }
             observer.routed(&prepared, &decision, route_elapsed);
-            Ok(decision)
+            Ok((decision, prepared.model_rewrite))
         }
         Err(e) => {
             observer.no_pod(&prepared, &e);
@@ -313,16 +335,16 @@ pub fn decide_cancellable(gw: &Gateway, input: &DecisionInput<'_>, cancel: &Atom
 
 /// What `/explain` reports: the prepared request and every candidate's scores.
 #[derive(Debug)]
-pub struct Explained<'g> {
+pub struct Explained {
     /// The request as [`decide`] would see it.
-    pub request: PreparedRequest<'g>,
+    pub request: PreparedRequest,
     /// Candidates, exclusions and the pod [`decide`] would choose now.
     pub explanation: Explanation,
 }
 
 /// Scores one request like [`decide`] (same chain, same matches) without routing it: no
 /// reservation, no record, no metric.
-pub fn explain<'g>(gw: &'g Gateway, input: &DecisionInput<'_>) -> Result<Explained<'g>, Rejection> {
+pub fn explain(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Explained, Rejection> {
     let request = prepare(gw, input)?;
     let explanation = gw.router.explain_with(&request.route_request(input.subset), request.matches());
     Ok(Explained { request, explanation })

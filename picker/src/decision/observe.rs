@@ -25,7 +25,7 @@ impl<'a> DecisionObserver<'a> {
     }
 
     /// The request is prepared: "request received".
-    pub fn received(&self, p: &PreparedRequest<'_>) {
+    pub fn received(&self, p: &PreparedRequest) {
         tracing::info!(
             request_id = self.request_id,
             model = %p.model_name,
@@ -45,7 +45,7 @@ impl<'a> DecisionObserver<'a> {
     }
 
     /// No pod could take the request.
-    pub fn no_pod(&self, p: &PreparedRequest<'_>, e: &RouteError) {
+    pub fn no_pod(&self, p: &PreparedRequest, e: &RouteError) {
         let status = match e {
             RouteError::Shed { .. } => 429,
             _ => 503,
@@ -54,7 +54,7 @@ impl<'a> DecisionObserver<'a> {
     }
 
     /// The request was routed: log lines and routing metrics.
-    pub fn routed(&self, p: &PreparedRequest<'_>, decision: &Decision, route_elapsed: Duration) {
+    pub fn routed(&self, p: &PreparedRequest, decision: &Decision, route_elapsed: Duration) {
         let request_id = self.request_id;
         let hashes = p.block_hashes();
         if tracing::enabled!(tracing::Level::TRACE) {

@@ -5,6 +5,7 @@
 use super::*;
 use crate::config::PickerConfig;
 use crate::pool::tests::{put, stats};
+use kvroute_proto::agent::v1::PodStats;
 
 const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
 
@@ -253,4 +254,64 @@ async fn a_salted_prompt_matches_only_its_salts_chain() {
     drop(routed);
     let (_, approx, why) = chain(&body("approximate", Some("tenant-a")));
     assert!(approx.is_empty() && why.contains("cache_salt"), "{why}");
+}
+
+/// The Kubernetes source's model resolution (docs/design.md §14): a rewrite target that a pod runs
+/// as a LoRA adapter scores as that adapter on the pod's base model; a target named by a
+/// `models[]` entry takes that entry; names without a rule pass through when the engines serve
+/// them (as base model or adapter) and are 404 otherwise; file mode ignores the table.
+#[tokio::test]
+async fn rewrite_targets_resolve_through_models_and_the_engines_reports() {
+    use kvroute_cluster::{ModelRule, ModelTable, ModelTarget, Source};
+    let mut gw = gateway("{name: chat-file, target_model: base-x}");
+    gw.rewrites = true;
+    let adapters = PodStats { running_adapters: vec!["sql-lora".into()], ..stats(0.1, 0, 1.0) };
+    put(&gw.pool, "p", "base-x", adapters, &[]).await;
+    let rule = |matches: &str, target: &str| ModelRule {
+        source: "r".into(),
+        matches: vec![matches.into()],
+        targets: vec![ModelTarget { model: target.into(), adapter: None, weight: None }],
+    };
+    let table = ModelTable::build(
+        Source::File("t".into()),
+        vec![rule("chat", "sql-lora"), rule("alias", "chat-file"), rule("other", "base-y")],
+        Default::default(),
+        0,
+        true,
+    );
+    gw.model_table.store(Some(Arc::new(table)));
+
+    let r = gw.resolve("chat").unwrap();
+    assert_eq!((r.model.target_model.as_str(), r.model.adapter.as_deref()), ("base-x", Some("sql-lora")));
+    assert_eq!(r.rewrite.as_deref(), Some("sql-lora"));
+    let r = gw.resolve("alias").unwrap();
+    assert_eq!((r.model.name.as_str(), r.model.target_model.as_str()), ("chat-file", "base-x"));
+    assert_eq!(r.rewrite.as_deref(), Some("chat-file"));
+    let r = gw.resolve("other").unwrap();
+    assert_eq!((r.model.target_model.as_str(), r.model.adapter.as_deref()), ("base-y", None), "unknown target: a base");
+    let r = gw.resolve("base-x").unwrap();
+    assert_eq!((r.model.target_model.as_str(), r.rewrite.as_deref()), ("base-x", None), "served: passed through");
+    let r = gw.resolve("sql-lora").unwrap();
+    assert_eq!((r.model.adapter.as_deref(), r.rewrite.as_deref()), (Some("sql-lora"), None));
+    assert!(Arc::ptr_eq(&gw.resolve("chat").unwrap().model, &r.model), "targets are built once");
+    assert!(gw.resolve("nope").is_err());
+
+    // The decision carries the rewrite and scores the adapter on its pod.
+    let body = br#"{"model":"chat","prompt":"hello","max_tokens":3}"#;
+    let input =
+        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(body), subset: None, objective: None };
+    let (decision, rewrite) = decide_rewriting(&gw, &input).unwrap();
+    assert_eq!((decision.pod.as_str(), rewrite.as_deref()), ("p", Some("sql-lora")));
+    let ex = explain(&gw, &input).unwrap();
+    assert_eq!(ex.explanation.candidates[0].adapter, 1.0, "the pod runs the adapter");
+    let rewritten: serde_json::Value =
+        serde_json::from_slice(&crate::model::rewrite_model(body, "sql-lora").unwrap()).unwrap();
+    assert_eq!(rewritten, serde_json::json!({"model": "sql-lora", "prompt": "hello", "max_tokens": 3}));
+    let unknown = decide(&gw, &DecisionInput { body: Some(br#"{"model":"nope","prompt":"x"}"#), ..input }).unwrap_err();
+    assert_eq!((unknown.status, unknown.message.as_str()), (404, "model `nope` does not exist"));
+
+    // File mode: the table is not consulted.
+    gw.rewrites = false;
+    assert!(gw.resolve("chat").is_err());
+    assert_eq!(gw.resolve("chat-file").unwrap().rewrite, None);
 }

@@ -302,12 +302,21 @@ async fn finish_request_body(
 ) {
     let body = std::mem::take(&mut st.body);
     match route_request(gw, st, Some(body)).await {
-        Routing::Routed { endpoint, trace, body } if st.full_duplex => {
-            out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
-            reply::streamed_body_chunks(body.unwrap_or_default(), end_of_stream, out);
+        Routing::Routed { endpoint, trace, body, rewritten } if st.full_duplex => {
+            let body = body.unwrap_or_default();
+            let mut resp = reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace);
+            if rewritten {
+                resp = reply::with_replaced_body(resp, body.len(), None);
+            }
+            out.push(resp);
+            reply::streamed_body_chunks(body, end_of_stream, out);
         }
-        Routing::Routed { endpoint, trace, .. } => {
-            out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, false), &trace));
+        Routing::Routed { endpoint, trace, body, rewritten } => {
+            let mut resp = reply::with_request_headers(reply::routed(&endpoint, &st.request_id, false), &trace);
+            if rewritten && let Some(body) = body {
+                resp = reply::with_replaced_body(resp, body.len(), Some(body));
+            }
+            out.push(resp);
         }
         Routing::Rejected(r) => out.push(*r),
     }
@@ -318,7 +327,9 @@ enum Routing {
     /// Send the request to `endpoint` with `trace` set upstream (the W3C headers naming the
     /// `epp.decision` span; empty when no trace is recorded). `body` is the request body given
     /// back (full duplex re-emits it). The in-flight slot is in the stream state.
-    Routed { endpoint: String, trace: HashMap<String, String>, body: Option<Vec<u8>> },
+    /// `rewritten`: `body` is the request body with its `model` rewritten (docs/design.md §14),
+    /// to be sent instead of the original.
+    Routed { endpoint: String, trace: HashMap<String, String>, body: Option<Vec<u8>>, rewritten: bool },
     /// Answer Envoy with this immediate response (already counted and logged).
     Rejected(Box<ProcessingResponse>),
 }
@@ -364,7 +375,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         let _entered = span.enter();
         let result = decide_cancellable(gw, input, cancel);
         match &result {
-            Ok(d) => span.record("pod", d.pod.as_str()),
+            Ok((d, _)) => span.record("pod", d.pod.as_str()),
             Err(_) => span.record("otel.status_code", "ERROR"),
         };
         result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
@@ -411,12 +422,19 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         })
     };
     match result {
-        Ok((decision, trace)) => {
+        Ok(((decision, rewrite), trace)) => {
             if let Some(tp) = trace.get("traceparent") {
                 tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context passed upstream");
             }
             st.slot = Some(decision.slot);
-            Routing::Routed { endpoint: decision.endpoint, trace, body }
+            let (body, rewritten) = match (body, rewrite) {
+                (Some(b), Some(model)) => match crate::model::rewrite_model(&b, &model) {
+                    Some(new) => (Some(new), true),
+                    None => (Some(b), false),
+                },
+                (body, _) => (body, false),
+            };
+            Routing::Routed { endpoint: decision.endpoint, trace, body, rewritten }
         }
         Err(rej) => Routing::Rejected(Box::new(reject(gw, st, rej))),
     }

@@ -88,6 +88,29 @@ pub fn with_request_headers(mut resp: ProcessingResponse, headers: &HashMap<Stri
     resp
 }
 
+/// The request body replaced by `body` (the model rewritten, docs/design.md §14), as the GIE
+/// endpoint picker does: `content-length` set to its length in the request-phase header mutation
+/// of `resp` (a reply built by [`routed`]) and, when `resp` answers the body phase (BUFFERED),
+/// the body itself as its body mutation. Full duplex sends the body as streamed chunks after the
+/// headers reply instead ([`streamed_body_chunks`]), so pass `None` there. Other replies are
+/// returned unchanged.
+pub fn with_replaced_body(mut resp: ProcessingResponse, len: usize, body: Option<Vec<u8>>) -> ProcessingResponse {
+    let common = match resp.response.as_mut() {
+        Some(Response::RequestHeaders(HeadersResponse { response: Some(c) }))
+        | Some(Response::RequestBody(BodyResponse { response: Some(c) })) => c,
+        _ => return resp,
+    };
+    common
+        .header_mutation
+        .get_or_insert_with(HeaderMutation::default)
+        .set_headers
+        .push(set_header("content-length", &len.to_string()));
+    if let Some(body) = body {
+        common.body_mutation = Some(BodyMutation { mutation: Some(Mutation::Body(body)) });
+    }
+    resp
+}
+
 /// Empty CONTINUE to a request-headers message.
 pub fn continue_request_headers() -> ProcessingResponse {
     ProcessingResponse { response: Some(Response::RequestHeaders(HeadersResponse::default())), ..Default::default() }

@@ -246,6 +246,20 @@ pub struct Pool {
     membership: arc_swap::ArcSwapOption<PoolView>,
 }
 
+/// How the pool's pods serve a model id ([`Pool::served_as`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Served {
+    /// Some pod serves it as its base model.
+    Base,
+    /// Some pod runs it as a LoRA adapter on base model `base`.
+    Adapter {
+        /// The pod's base model.
+        base: String,
+    },
+    /// No reporting pod serves it.
+    Unknown,
+}
+
 /// A pod as seen by metrics and `/explain`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PodView {
@@ -382,6 +396,26 @@ impl Pool {
         let ready = table.status.iter().filter(|s| s.member == Membership::PoolReady).count();
         let reported = table.status.iter().filter(|s| s.member == Membership::PoolReady && s.stats.is_some()).count();
         Some(if ready == 0 { (1.0, 0) } else { (reported as f64 / ready as f64, ready) })
+    }
+
+    /// How the pool's pods serve model id `name`, as their agents report it: as a base model,
+    /// as a running LoRA adapter (on the base model of the first pod that runs it), or not at all
+    /// (also when no agent has reported yet). Reads one table snapshot; the adapter lookup scans
+    /// the pods (rewrite targets only, docs/design.md §14).
+    pub fn served_as(&self, name: &str) -> Served {
+        if name.is_empty() {
+            return Served::Unknown;
+        }
+        let table = self.table.load();
+        if table.by_model.contains_key(name) {
+            return Served::Base;
+        }
+        table
+            .status
+            .iter()
+            .filter(|s| !s.model.is_empty())
+            .find(|s| s.stats.as_ref().is_some_and(|st| st.running_adapters.iter().any(|a| a == name)))
+            .map_or(Served::Unknown, |s| Served::Adapter { base: s.model.clone() })
     }
 
     /// The configuration the pool runs with.

@@ -80,10 +80,92 @@ fn standalone_renders_and_checks_clean() {
 }
 
 #[test]
-fn fail_open_differs_only_in_failure_mode() {
+fn envoy_stats_listener_exposes_only_prometheus_stats() {
+    let edit = |from: &'static str, to: &'static str| {
+        move |r: &mut Rendered| {
+            let data = config_map_data(r, "kvroute-envoy-config");
+            let text = data.get_mut("envoy.yaml").unwrap();
+            assert!(text.contains(from), "{from:?} not in envoy.yaml");
+            *text = text.replace(from, to);
+        }
+    };
+    for overlay in ["standalone", "fail-open"] {
+        broken(
+            overlay,
+            edit(r#"path: "/stats/prometheus""#, r#"prefix: "/""#),
+            "only /stats/prometheus to envoy_admin",
+        );
+        broken(overlay, edit("- name: stats\n", "- name: metrics\n"), "no `stats` listener");
+        broken(overlay, edit("port_value: 9902", "port_value: 9903"), "containerPort stats");
+        broken(
+            overlay,
+            edit(
+                "status: 404\n                            body: { inline_string: \"only",
+                "status: 200\n                            body: { inline_string: \"only",
+            ),
+            "must forward /stats/prometheus or answer an error",
+        );
+    }
+}
+
+#[test]
+fn fail_open_balances_over_the_pools_ready_pods() {
     let r = rendered("fail-open");
     assert_clean("fail-open", &r);
     assert_eq!(envoy_failure_mode_allow(&r, &ctx()), Some(true));
+    assert!(kinds(&r).iter().any(|i| i == "Service/kvroute-pool"), "the pool's headless Service");
+    // The pod list must be the pool's: same selector, same port, Ready pods only.
+    fn service(r: &mut Rendered) -> &mut k8s_openapi::api::core::v1::ServiceSpec {
+        r.objects
+            .iter_mut()
+            .find_map(|o| match o {
+                Object::Service(s) if s.metadata.name.as_deref() == Some("kvroute-pool") => s.spec.as_mut(),
+                _ => None,
+            })
+            .unwrap()
+    }
+    broken(
+        "fail-open",
+        |r| {
+            service(r).selector = Some([("app".to_string(), "other".to_string())].into());
+        },
+        "the InferencePool selects",
+    );
+    broken("fail-open", |r| service(r).publish_not_ready_addresses = Some(true), "publishes unready pods");
+    broken("fail-open", |r| service(r).cluster_ip = None, "must be headless");
+    let envoy = |r: &mut Rendered, from: &str, to: &str| {
+        let data = config_map_data(r, "kvroute-envoy-config");
+        let text = data.get_mut("envoy.yaml").unwrap();
+        assert!(text.contains(from), "{from:?} not in the fail-open envoy.yaml");
+        *text = text.replace(from, to);
+    };
+    broken(
+        "fail-open",
+        |r| {
+            envoy(
+                r,
+                "kvroute-pool.kvroute.svc.cluster.local, port_value: 8000",
+                "kvroute-pool.kvroute.svc.cluster.local, port_value: 8001",
+            )
+        },
+        "target port",
+    );
+    broken(
+        "fail-open",
+        |r| envoy(r, "kvroute-pool.kvroute.svc.cluster.local", "vllm.kvroute.svc.cluster.local"),
+        "no Service of this overlay",
+    );
+    // Fail-open without a pool list (what the overlay shipped before: header-routed ORIGINAL_DST,
+    // so a bypassed picker meant 503) is caught.
+    broken(
+        "standalone",
+        |r| {
+            let data = config_map_data(r, "kvroute-envoy-config");
+            let text = data.get_mut("envoy.yaml").unwrap();
+            *text = text.replace("failure_mode_allow: false", "failure_mode_allow: true");
+        },
+        "envoy-fail-open.yaml",
+    );
 }
 
 #[test]
@@ -399,6 +481,15 @@ fn monitoring_component_targets_the_picker_service_and_agent_pods() {
     assert!(matches(&sm["spec"]["selector"], &svc["metadata"]["labels"]), "{sm} does not select {svc}");
     let port = sm["spec"]["endpoints"][0]["port"].as_str().unwrap();
     assert!(svc["spec"]["ports"].as_array().unwrap().iter().any(|p| p["name"] == port), "no port {port} on {svc}");
+    let pm = find("PodMonitor", "kvroute-envoy");
+    let envoy = &find("Deployment", "kvroute-envoy")["spec"]["template"];
+    assert!(matches(&pm["spec"]["selector"], &envoy["metadata"]["labels"]), "{pm} does not select the Envoy pods");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["path"], "/stats/prometheus");
+    let port = pm["spec"]["podMetricsEndpoints"][0]["port"].as_str().unwrap();
+    assert!(
+        envoy["spec"]["containers"][0]["ports"].as_array().unwrap().iter().any(|p| p["name"] == port),
+        "Envoy pods declare no port {port}"
+    );
     let pm = find("PodMonitor", "kvroute-agent");
     let ds = find("DaemonSet", "kvroute-agent");
     let pod = &ds["spec"]["template"];

@@ -1,9 +1,16 @@
-//! The standalone Envoy's config against `deploy/envoy/envoy.yaml` (the file the end-to-end tests
-//! run). Allowed differences, and nothing else: the `kvroute_picker` cluster (in a cluster it
-//! resolves the picker Service by DNS; its address and port must be that Service's ext-proc port)
-//! and `failure_mode_allow` (the fail-open overlay). The gateway listener's port must be the
-//! Deployment's `http` container port, and its per-connection buffer must exceed the picker's
-//! `body_limit_bytes` (docs/design.md §5: the picker, not Envoy, answers 413).
+//! The standalone Envoy's config against the file the end-to-end tests run: `deploy/envoy/envoy.yaml`
+//! when it fails closed, `deploy/envoy/envoy-fail-open.yaml` when it fails open
+//! (`failure_mode_allow: true`, GIE's FailOpen). Allowed differences, and nothing else: the
+//! `kvroute_picker` cluster (in a cluster it resolves the picker Service by DNS; its address and
+//! port must be that Service's ext-proc port) and, failing open, the address list of
+//! `kvroute_endpoints` (a headless Service resolved by DNS, which must select the InferencePool's
+//! pods on its target port, Ready ones only: Envoy's own balancing when the pickers are down must
+//! cover the pool and nothing else). The gateway listener's port must be the Deployment's `http`
+//! container port, and its per-connection buffer must exceed the picker's `body_limit_bytes`
+//! (docs/design.md §5: the picker, not Envoy, answers 413). Envoy's stats must be scrapeable
+//! without exposing its admin interface: a `stats` listener on the container port `stats` whose
+//! only forwarding route is the exact path `/stats/prometheus` to the `envoy_admin` cluster (the
+//! admin address), every other route a direct error; both are the Kubernetes files' own additions.
 
 use serde_json::Value;
 
@@ -13,6 +20,11 @@ use super::{CheckContext, Problem, Sink, config_arg, config_file, containers, na
 use crate::objects::{Rendered, Workload, diff};
 
 const REFERENCE: &str = "deploy/envoy/envoy.yaml";
+const REFERENCE_FAIL_OPEN: &str = "deploy/envoy/envoy-fail-open.yaml";
+/// Fields of `kvroute_endpoints` that may differ from the fail-open reference (how its addresses
+/// are found).
+const ENDPOINT_ADDRESSING: [&str; 5] =
+    ["type", "dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl", "load_assignment"];
 
 fn envoy_config(r: &Rendered, w: &Workload<'_>) -> Result<Value, String> {
     let c = containers(w.template).first().ok_or("no container")?;
@@ -52,7 +64,108 @@ fn walk_mut(v: &mut Value, f: &mut impl FnMut(&str, &mut Value)) {
 }
 
 fn picker_cluster(config: &mut Value) -> Option<&mut Value> {
-    config["static_resources"]["clusters"].as_array_mut()?.iter_mut().find(|c| c["name"] == "kvroute_picker")
+    cluster(config, "kvroute_picker")
+}
+
+fn cluster<'v>(config: &'v mut Value, name: &str) -> Option<&'v mut Value> {
+    config["static_resources"]["clusters"].as_array_mut()?.iter_mut().find(|c| c["name"] == name)
+}
+
+/// The `stats` listener and `envoy_admin` cluster: checked, then removed from `config` (they are
+/// not in the reference files).
+fn check_and_strip_stats(config: &mut Value, stats_port: Option<i32>, sink: &mut Sink<'_>) {
+    let admin = config["admin"]["address"]["socket_address"].clone();
+    let Some(listeners) = config["static_resources"]["listeners"].as_array_mut() else { return };
+    let Some(i) = listeners.iter().position(|l| l["name"] == "stats") else {
+        return sink.push("no `stats` listener: Envoy's /stats/prometheus is not scrapeable (components/monitoring)");
+    };
+    let listener = listeners.remove(i);
+    let port = listener["address"]["socket_address"]["port_value"].as_i64();
+    if port.is_none() || port != stats_port.map(i64::from) {
+        sink.push(format!("stats listener port {port:?} ≠ containerPort stats {stats_port:?}"));
+    }
+    let mut forwarded = 0;
+    let mut routes = Vec::new();
+    walk_mut(&mut listener.clone(), &mut |key, v| {
+        if key == "routes"
+            && let Some(a) = v.as_array()
+        {
+            routes.extend(a.iter().cloned());
+        }
+    });
+    for r in &routes {
+        if let Some(cluster) = r["route"]["cluster"].as_str() {
+            forwarded += 1;
+            let m = r["match"].as_object().cloned().unwrap_or_default();
+            let exact = m.get("path").and_then(Value::as_str) == Some("/stats/prometheus")
+                && !m.contains_key("prefix")
+                && !m.contains_key("safe_regex")
+                && !m.contains_key("path_separated_prefix");
+            if !exact || cluster != "envoy_admin" {
+                sink.push(format!("stats listener forwards {m:?} to {cluster}: only /stats/prometheus to envoy_admin"));
+            }
+        } else if r["direct_response"]["status"].as_u64().is_none_or(|s| s < 400) {
+            sink.push(format!("stats listener route {} must forward /stats/prometheus or answer an error", r["match"]));
+        }
+    }
+    if forwarded == 0 {
+        sink.push("stats listener forwards nothing to envoy_admin");
+    }
+    match cluster(config, "envoy_admin") {
+        None => sink.push("no envoy_admin cluster for the stats listener"),
+        Some(c) => {
+            let sa = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+            if sa["address"] != admin["address"] || sa["port_value"] != admin["port_value"] {
+                sink.push(format!("envoy_admin dials {sa}, not the admin address {admin}"));
+            }
+        }
+    }
+    if let Some(clusters) = config["static_resources"]["clusters"].as_array_mut() {
+        clusters.retain(|c| c["name"] != "envoy_admin");
+    }
+}
+
+/// Failing open, `kvroute_endpoints` must list the pool's Ready pods: a STRICT_DNS cluster on a
+/// headless Service of the rendered set that selects what the InferencePool selects, on its
+/// (first) target port, without publishing unready pods.
+fn check_fail_open_endpoints(r: &Rendered, config: &mut Value, sink: &mut Sink<'_>) {
+    let Some(c) = cluster(config, "kvroute_endpoints") else {
+        return sink.push("envoy.yaml has no kvroute_endpoints cluster");
+    };
+    if c["type"].as_str() != Some("STRICT_DNS") {
+        sink.push("failing open, cluster kvroute_endpoints must list the pool's pods by DNS (type STRICT_DNS)");
+    }
+    let sa = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+    let (host, port) = (sa["address"].as_str().unwrap_or_default(), sa["port_value"].as_i64());
+    let pool = r.objects.iter().find_map(|o| match o {
+        crate::objects::Object::InferencePool(p) => Some(p),
+        _ => None,
+    });
+    let Some(pool) = pool else { return sink.push("failing open needs the InferencePool to check the pod list") };
+    let svc = r.services().find(|s| {
+        let ns = s.metadata.namespace.as_deref().unwrap_or("default");
+        host == format!("{}.{ns}.svc.cluster.local", s.metadata.name.as_deref().unwrap_or_default())
+    });
+    let Some(svc) = svc else {
+        return sink.push(format!("cluster kvroute_endpoints dials {host:?}, which is no Service of this overlay"));
+    };
+    let spec = svc.spec.clone().unwrap_or_default();
+    if spec.cluster_ip.as_deref() != Some("None") {
+        sink.push(format!("Service {host} must be headless (clusterIP: None): Envoy needs every pod's address"));
+    }
+    if spec.publish_not_ready_addresses == Some(true) {
+        sink.push(format!("Service {host} publishes unready pods: Envoy would balance onto them"));
+    }
+    if spec.selector.as_ref() != Some(&pool.spec.selector.match_labels) {
+        sink.push(format!(
+            "Service {host} selects {:?}, the InferencePool selects {:?}",
+            spec.selector, pool.spec.selector.match_labels
+        ));
+    }
+    let target = pool.spec.target_ports.first().map(|p| i64::from(p.number));
+    if port != target {
+        sink.push(format!("cluster kvroute_endpoints port {port:?} ≠ the InferencePool's target port {target:?}"));
+    }
 }
 
 /// The picker's `body_limit_bytes`, when its config can be read (configs.rs reports it otherwise).
@@ -70,7 +183,9 @@ pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         Ok(config) => config,
         Err(e) => return sink.push(e),
     };
-    let ref_path = ctx.repo_root.join(REFERENCE);
+    let fail_open = envoy_failure_mode_allow(r, ctx) == Some(true);
+    let reference_name = if fail_open { REFERENCE_FAIL_OPEN } else { REFERENCE };
+    let ref_path = ctx.repo_root.join(reference_name);
     let mut reference: Value = match std::fs::read_to_string(&ref_path)
         .map_err(|e| e.to_string())
         .and_then(|t| serde_norway::from_str(&t).map_err(|e| e.to_string()))
@@ -126,16 +241,27 @@ pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         }
     }
 
+    let stats_port = containers(w.template).first().and_then(|c| named_port(c, "stats"));
+    check_and_strip_stats(&mut config, stats_port, &mut sink);
+
+    if fail_open {
+        check_fail_open_endpoints(r, &mut config, &mut sink);
+        if let (Some(mine), Some(theirs)) =
+            (cluster(&mut config, "kvroute_endpoints"), cluster(&mut reference, "kvroute_endpoints").cloned())
+            && let (Some(mine), Some(theirs)) = (mine.as_object_mut(), theirs.as_object())
+        {
+            for key in ENDPOINT_ADDRESSING {
+                match theirs.get(key) {
+                    Some(v) => mine.insert(key.to_owned(), v.clone()),
+                    None => mine.remove(key),
+                };
+            }
+        }
+    }
+
     // Everything else equals the reference.
     if let (Some(mine), Some(theirs)) = (picker_cluster(&mut config), picker_cluster(&mut reference).cloned()) {
         *mine = theirs;
-    }
-    for v in [&mut config, &mut reference] {
-        walk_mut(v, &mut |key, v| {
-            if key == "failure_mode_allow" {
-                *v = Value::Bool(false);
-            }
-        });
     }
     let mut paths = Vec::new();
     diff("", &reference, &config, &mut paths);
@@ -144,7 +270,8 @@ pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         paths.sort();
         paths.dedup();
         sink.push(format!(
-            "envoy.yaml differs from {REFERENCE} beyond the picker cluster and failure_mode_allow at {paths:?}"
+            "envoy.yaml differs from {reference_name} beyond the picker cluster{} at {paths:?}",
+            if fail_open { " and the pool's addresses" } else { "" }
         ));
     }
 }

@@ -1,5 +1,7 @@
 //! Ports: every Service port lands on a declared container port of the pods it selects, every
 //! probe probes a declared port, every PodDisruptionBudget selects pods and leaves room to drain.
+//! A Service that selects exactly the InferencePool's pods (the model servers, which the operator
+//! deploys, not these manifests) is left to the check of its user (`envoy.rs`, failing open).
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
@@ -18,6 +20,13 @@ pub(super) fn services(r: &Rendered, out: &mut Vec<Problem>) {
             sink.push("has no selector (this deployment has no hand-made Endpoints)");
             continue;
         };
+        let pool_pods = r
+            .objects
+            .iter()
+            .any(|o| matches!(o, Object::InferencePool(p) if &p.spec.selector.match_labels == selector));
+        if pool_pods {
+            continue;
+        }
         let targets: Vec<_> = r
             .workloads()
             .into_iter()
