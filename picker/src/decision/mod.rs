@@ -212,7 +212,11 @@ pub fn prepare(gw: &Gateway, input: &DecisionInput<'_>) -> Result<PreparedReques
 
 /// [`prepare`] whose tokenization stops once `cancel` is set: a 499 rejection (client closed
 /// request, nginx's code), counted in `epp_tokenizations_cancelled_total`.
-fn prepare_cancellable(gw: &Gateway, input: &DecisionInput<'_>, cancel: &AtomicBool) -> Result<PreparedRequest, Rejection> {
+fn prepare_cancellable(
+    gw: &Gateway,
+    input: &DecisionInput<'_>,
+    cancel: &AtomicBool,
+) -> Result<PreparedRequest, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
     let (model_name, prompt, cache_salt) = match input.body {
