@@ -175,7 +175,10 @@ fn main() -> anyhow::Result<()> {
         Some(text) => Some(serde_json::from_str(text).context("--kvroute-scoring must be a JSON object")?),
     };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let per_seed: Vec<Vec<Workload>> = a.seeds.iter().map(|s| workloads(&a, *s)).collect::<Result<_, _>>()?;
+    let mut per_seed: Vec<Vec<Workload>> = a.seeds.iter().map(|s| workloads(&a, *s)).collect::<Result<_, _>>()?;
+    if let Some(r) = a.routers {
+        per_seed.iter_mut().flatten().for_each(|w| w.set_routers(r.max(1)));
+    }
     let total: u64 = per_seed.iter().flatten().map(|w| w.requests.len() as u64).sum::<u64>() * policies.len() as u64;
     let pb = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     pb.set_style(

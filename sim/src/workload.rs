@@ -115,6 +115,20 @@ pub struct Workload {
     pub fleet: Fleet,
 }
 
+impl Workload {
+    /// Runs the workload behind `routers` router replicas instead of its own fleet's, and says so
+    /// in its description (which names the replica count of the fleet it was defined on).
+    pub fn set_routers(&mut self, routers: usize) {
+        let phrase = |n: usize| if n == 1 { "one router".to_owned() } else { format!("{n} router replicas") };
+        if let Some(own) = self.fleet.routers
+            && own != routers
+        {
+            self.description = self.description.replace(&phrase(own), &phrase(routers));
+        }
+        self.fleet.routers = Some(routers);
+    }
+}
+
 /// Characters per token in the text view (GIE's estimate).
 pub const CHARS_PER_TOKEN: usize = 4;
 
@@ -684,6 +698,18 @@ mod tests {
         assert_ne!(a[10], b[10]);
         let c = cb.chain(Some("x"), &[Segment { id: 1, tokens: 160 }]);
         assert_ne!(c[0], a[0], "an adapter gives a disjoint chain");
+    }
+
+    #[test]
+    fn a_router_override_is_what_the_description_says() {
+        let mut w = w1(1, 16);
+        assert!(w.description.contains("3 router replicas"), "{}", w.description);
+        w.set_routers(1);
+        assert!(w.description.contains("one router") && !w.description.contains("3 router"), "{}", w.description);
+        assert_eq!(w.fleet.routers, Some(1));
+        let mut p = pressure(1, 16);
+        p.set_routers(4);
+        assert!(p.description.contains("4 router replicas") && !p.description.contains("one router"));
     }
 
     #[test]
