@@ -28,14 +28,15 @@
 //! certificate and verifies the peer's as [`REPLICA_SAN`] under the same CA. Without TLS
 //! (`insecure_ingest`) subscribers are taken on trust, as agents are.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use kvroute_cluster::{ReplicaView, Watched};
 use kvroute_common::BlockHash;
 use kvroute_proto::replica::v1::replica_sync_client::ReplicaSyncClient;
 use kvroute_proto::replica::v1::replica_sync_server::{ReplicaSync, ReplicaSyncServer};
@@ -312,6 +313,54 @@ pub async fn run_peers(
     for (_, (task, origin)) in tasks {
         task.abort();
         router.shared().peer_gone(origin);
+    }
+}
+
+/// The peers in a view of the replicas' Service: every endpoint not terminating (ready or not: a
+/// starting replica is not Ready until agents reported to it, and its view is worth having from
+/// the start), minus this replica: an address in `own` (its ingest listener) or on `own_ip` (its
+/// pod IP). Sorted, de-duplicated. Empty until the view's first list completed.
+pub fn peers_in_view(view: &ReplicaView, own: &[SocketAddr], own_ip: Option<IpAddr>) -> Vec<SocketAddr> {
+    if !view.synced {
+        return Vec::new();
+    }
+    view.dialable()
+        .map(|r| r.addr)
+        .filter(|a| !own.contains(a) && Some(a.ip()) != own_ip)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Keeps `peers` (what [`run_peers`] follows) equal to [`peers_in_view`] of every new view of the
+/// replicas' Service (`kvroute_cluster::watch_picker_replicas`), until `stop` or the watcher
+/// ends. Nothing is sent before the first complete list, nor when the set did not change, so a
+/// peer's subscription survives unrelated slice updates.
+pub async fn follow_service(
+    view: Watched<ReplicaView>,
+    own: Vec<SocketAddr>,
+    own_ip: Option<IpAddr>,
+    peers: watch::Sender<Vec<SocketAddr>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut views = view.subscribe();
+    loop {
+        let current = views.borrow_and_update().clone();
+        if current.synced {
+            let want = peers_in_view(&current, &own, own_ip);
+            peers.send_if_modified(|have| {
+                if *have == want {
+                    return false;
+                }
+                info!(service = %current.service, peers = ?want, "replica peers changed");
+                *have = want;
+                true
+            });
+        }
+        tokio::select! {
+            changed = views.changed() => if changed.is_err() { return },
+            _ = stop.wait_for(|v| *v) => return,
+        }
     }
 }
 
