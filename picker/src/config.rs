@@ -725,6 +725,22 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
     }
 
     #[test]
+    fn replica_service_parses_and_excludes_static_peers_and_pool_files() {
+        let c = PickerConfig::from_yaml("pool: {name: p}\nreplicas: {service: {name: peers}}").unwrap();
+        let s = c.replicas.service.clone().unwrap();
+        assert_eq!((s.name.as_str(), s.port.as_str()), ("peers", DEFAULT_REPLICA_PORT_NAME));
+        c.validate().unwrap();
+        for (yaml, needle) in [
+            ("pool: {name: p}\nreplicas: {service: {name: s}, peers: [10.0.0.1:9003]}", "choose one"),
+            ("pool: {name: p}\nreplicas: {service: {name: \"\"}}", "replicas.service"),
+            ("pool_file: pool.yaml\nreplicas: {service: {name: s}}", "needs a Kubernetes pool"),
+        ] {
+            let err = PickerConfig::from_yaml(yaml).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(needle), "{yaml}: {err}");
+        }
+    }
+
+    #[test]
     fn pool_sources_and_flags() {
         let mut c = PickerConfig::from_yaml("pool_file: pool.yaml\nready_coverage: 0.5").unwrap();
         c.resolve_paths(Path::new("/etc/kvroute"));

@@ -399,7 +399,8 @@ async fn subscribe_once(
     let mut client = ReplicaSyncClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let req = SubscribeRequest { replica_id: me.id.clone(), protocol_version: PROTOCOL_VERSION };
     let mut stream = client.subscribe(req).await?.into_inner();
-    me.counters.connected.fetch_add(1, Ordering::Relaxed);
+    // Counted down on every exit, an abort included (a peer that left the Service's slices).
+    let _connected = Connected::count(&me.counters);
     info!(%addr, "following replica");
     let result = loop {
         match stream.message().await {
@@ -421,9 +422,25 @@ async fn subscribe_once(
             Err(status) => break Err(status),
         }
     };
-    me.counters.connected.fetch_sub(1, Ordering::Relaxed);
-    me.counters.disconnects.fetch_add(1, Ordering::Relaxed);
     result
+}
+
+/// One subscription in `connected`: counted up when made, down (and a disconnect counted) when
+/// dropped, so a follow task aborted mid-stream leaves the gauge right.
+struct Connected<'a>(&'a ReplicaCounters);
+
+impl<'a> Connected<'a> {
+    fn count(counters: &'a ReplicaCounters) -> Self {
+        counters.connected.fetch_add(1, Ordering::Relaxed);
+        Connected(counters)
+    }
+}
+
+impl Drop for Connected<'_> {
+    fn drop(&mut self) {
+        self.0.connected.fetch_sub(1, Ordering::Relaxed);
+        self.0.disconnects.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]
