@@ -402,7 +402,7 @@ async fn subscribe_once(
     // Counted down on every exit, an abort included (a peer that left the Service's slices).
     let _connected = Connected::count(&me.counters);
     info!(%addr, "following replica");
-    let result = loop {
+    loop {
         match stream.message().await {
             Ok(Some(m)) => match from_message(m) {
                 Ok(Some(ev)) => {
@@ -418,11 +418,10 @@ async fn subscribe_once(
                     warn!(%addr, error = %e, "replica event refused");
                 }
             },
-            Ok(None) => break Ok(()),
-            Err(status) => break Err(status),
+            Ok(None) => return Ok(()),
+            Err(status) => return Err(status),
         }
-    };
-    result
+    }
 }
 
 /// One subscription in `connected`: counted up when made, down (and a disconnect counted) when
