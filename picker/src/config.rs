@@ -34,6 +34,7 @@
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
 //! # or a preset (README "Tuning guide") with overrides and custom scorers:
 //! # replicas: { peers: [10.0.0.11:9003, 10.0.0.12:9003] }   # share pending chains and in-flight counts
+//! # replicas: { service: { name: kvroute-picker-peers } }     # ... with the Service's endpoints (Kubernetes)
 //! # scoring:
 //! #   preset: latency-api
 //! #   weights: {cache: 0.40, load: 0.15, queue: 0.25, health: 0.05, adapter: 0.05}
@@ -253,7 +254,31 @@ pub struct ServerTlsFiles {
 pub struct ReplicasConfig {
     /// Every replica's ingest address (`ip:port`), this one's included or not (a replica that
     /// reaches itself recognises its own id and stops dialing that address). Default empty.
+    /// Hosts without Kubernetes; exclusive with `service`.
     pub peers: Vec<SocketAddr>,
+    /// Kubernetes: the peers are the endpoints of this headless Service (in the pool's
+    /// namespace), followed through its EndpointSlices, this replica excluded; peers join and
+    /// leave without a restart. Needs a Kubernetes pool (`pool` / `--pool-name`); exclusive with
+    /// `peers`. Default none.
+    pub service: Option<ReplicaServiceConfig>,
+}
+
+/// `replicas.service`: the picker replicas' headless Service (the one agents report through).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaServiceConfig {
+    /// Service name (its EndpointSlices carry `kubernetes.io/service-name=<name>`).
+    pub name: String,
+    /// Name of the Service's ingest port. Default [`DEFAULT_REPLICA_PORT_NAME`] (`ingest`).
+    #[serde(default = "default_replica_port")]
+    pub port: String,
+}
+
+/// Default `replicas.service.port`: the name of the picker Service's ingest port.
+pub const DEFAULT_REPLICA_PORT_NAME: &str = "ingest";
+
+fn default_replica_port() -> String {
+    DEFAULT_REPLICA_PORT_NAME.to_string()
 }
 
 impl Default for PickerConfig {
@@ -502,6 +527,29 @@ impl PickerConfig {
                 "must be >= 1 (pods); omit them for the defaults",
             ));
         }
+        if let Some(service) = &self.replicas.service {
+            if !self.replicas.peers.is_empty() {
+                return Err(ConfigError::invalid(
+                    "replicas",
+                    "peers + service",
+                    "choose one: service (Kubernetes) or a static peers list",
+                ));
+            }
+            if service.name.is_empty() || service.port.is_empty() {
+                return Err(ConfigError::invalid(
+                    "replicas.service",
+                    format!("{{name: {:?}, port: {:?}}}", service.name, service.port),
+                    "name the replicas' headless Service and its ingest port",
+                ));
+            }
+            if self.pool_file.is_some() {
+                return Err(ConfigError::invalid(
+                    "replicas.service",
+                    &service.name,
+                    "needs a Kubernetes pool (pool / --pool-name); with pool_file list replicas.peers",
+                ));
+            }
+        }
         if self.ingest_tls.is_some() && self.insecure_ingest {
             return Err(ConfigError::invalid(
                 "insecure_ingest",
@@ -674,6 +722,22 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert!(err.to_string().contains("needs a tokenizer"), "{err}");
         assert!(PickerConfig::from_yaml("models: [{name: a, mode: fuzzy}]").is_err());
         assert!(PickerConfig::from_yaml("models: [{name: a, approximate: {bogus: 1}}]").is_err());
+    }
+
+    #[test]
+    fn replica_service_parses_and_excludes_static_peers_and_pool_files() {
+        let c = PickerConfig::from_yaml("pool: {name: p}\nreplicas: {service: {name: peers}}").unwrap();
+        let s = c.replicas.service.clone().unwrap();
+        assert_eq!((s.name.as_str(), s.port.as_str()), ("peers", DEFAULT_REPLICA_PORT_NAME));
+        c.validate().unwrap();
+        for (yaml, needle) in [
+            ("pool: {name: p}\nreplicas: {service: {name: s}, peers: [10.0.0.1:9003]}", "choose one"),
+            ("pool: {name: p}\nreplicas: {service: {name: \"\"}}", "replicas.service"),
+            ("pool_file: pool.yaml\nreplicas: {service: {name: s}}", "needs a Kubernetes pool"),
+        ] {
+            let err = PickerConfig::from_yaml(yaml).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(needle), "{yaml}: {err}");
+        }
     }
 
     #[test]

@@ -252,6 +252,10 @@ pub async fn start_with_scope(
         }
         None => None,
     };
+    let (sources, kube) = match sources {
+        Some((pool_view, models, kube)) => (Some((pool_view, models)), kube),
+        None => (None, None),
+    };
     let ext_l = bind("ext_proc", config.ext_proc_addr).await?;
     let ingest_l = bind("ingest", config.ingest_addr).await?;
     let admin_l = bind("admin", config.admin_addr).await?;
@@ -341,6 +345,17 @@ pub async fn start_with_scope(
     let (replica_peers, peers_rx) = watch::channel(config.replicas.peers.clone());
     let (gw, me, peers_stop) = (gateway.clone(), replica.clone(), rx.clone());
     tokio::spawn(crate::replicas::run_peers(gw, me, peers_rx, replica_dialer, peers_stop));
+    // Kubernetes: the peers are the replicas' Service endpoints, this one excluded (its ingest
+    // address, or its pod IP from the downward API's `POD_IP`).
+    if let (Some(service), Some(client), Some(PoolSource::Kubernetes(pool))) =
+        (&config.replicas.service, kube, config.pool_source())
+    {
+        let view = kvroute_cluster::watch_picker_replicas(client, &pool.namespace, &service.name, Some(&service.port));
+        let own_ip = std::env::var(POD_IP_ENV).ok().and_then(|v| v.parse().ok());
+        tracing::info!(service = %service.name, namespace = %pool.namespace, ?own_ip, "replica peers: Service endpoints");
+        let (tx, stop) = (replica_peers.clone(), rx.clone());
+        tokio::spawn(crate::replicas::follow_service(view, vec![ingest_addr], own_ip, tx, stop));
+    }
 
     let app = admin::router_with_token(gateway.clone(), explain_token.map(Arc::from));
     let admin_stop = stop(rx);
@@ -405,19 +420,28 @@ pub async fn start_with_scope(
 /// How often readiness is re-evaluated until it turns SERVING.
 pub const READY_POLL: Duration = Duration::from_millis(50);
 
-/// Starts the pool source's watchers: the pool view and the model table.
-async fn watch_sources(source: &PoolSource) -> Result<(Watched<PoolView>, Watched<ModelTable>), StartError> {
+/// The environment variable holding this replica's pod IP (the downward API's `status.podIP`),
+/// excluded from the `replicas.service` peers.
+pub const POD_IP_ENV: &str = "POD_IP";
+
+/// Starts the pool source's watchers: the pool view and the model table, and the Kubernetes
+/// client they use (reused by `replicas.service`).
+async fn watch_sources(
+    source: &PoolSource,
+) -> Result<(Watched<PoolView>, Watched<ModelTable>, Option<kube::Client>), StartError> {
     match source {
         PoolSource::File(path) => {
             tracing::info!(path = %path.display(), "pool source: pool file");
-            Ok(kvroute_cluster::watch_pool_file(path, kvroute_cluster::file::DEFAULT_POLL).await?)
+            let (pool, models) = kvroute_cluster::watch_pool_file(path, kvroute_cluster::file::DEFAULT_POLL).await?;
+            Ok((pool, models, None))
         }
         PoolSource::Kubernetes(pool) => {
             tracing::info!(pool = %pool.name, namespace = %pool.namespace, "pool source: InferencePool");
             let client = kvroute_cluster::client_from_env().await?;
             Ok((
                 kvroute_cluster::watch_pool(client.clone(), pool.clone()),
-                kvroute_cluster::watch_models(client, pool.clone()),
+                kvroute_cluster::watch_models(client.clone(), pool.clone()),
+                Some(client),
             ))
         }
     }

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodSpec, PodStatus};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvroute_cluster::crd::{
     InferenceModelRewrite, InferenceModelRewriteRule, InferenceModelRewriteSpec, InferenceObjective, InferencePool,
@@ -844,4 +845,59 @@ async fn readiness_waits_for_the_pool_view_and_agent_coverage() {
         drained.as_millis(),
         synced_after.as_millis()
     );
+}
+
+/// An EndpointSlice of the replicas' Service `service` holding the replica on 127.0.0.1:`port`
+/// (port name `ingest`; one slice per replica, since test replicas share an IP).
+fn replica_slice(service: &str, name: &str, port: u16) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            labels: Some(BTreeMap::from([("kubernetes.io/service-name".to_string(), service.to_string())])),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: vec![Endpoint { addresses: vec!["127.0.0.1".into()], ..Default::default() }],
+        ports: Some(vec![EndpointPort {
+            name: Some("ingest".into()),
+            port: Some(i32::from(port)),
+            ..Default::default()
+        }]),
+    }
+}
+
+/// `replicas.service` wired in the binary (docs/design.md §4 "One view across replicas"): two
+/// `kvroute-picker` processes in Kubernetes mode, told only the Service's name, follow each other
+/// from its EndpointSlices (`epp_replica_peers` 1 on each, itself left out), and one whose
+/// endpoint leaves the slices is dropped by the other (0) without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_replicas_follow_the_services_endpoint_slices() {
+    const SERVICE: &str = "kvroute-picker-peers";
+    let server = ApiServer::start().await.unwrap();
+    server.register::<InferencePool>();
+    server.create(&pool(free_port(&["127.0.0.1"]))).unwrap();
+    let extra = format!("replicas: {{service: {{name: {SERVICE}}}}}\n");
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start_k8s_picker(dir_a.path(), &server, &extra).await;
+    let b = start_k8s_picker(dir_b.path(), &server, &extra).await;
+    server.create(&replica_slice(SERVICE, "peers-a", a.ingest)).unwrap();
+    server.create(&replica_slice(SERVICE, "peers-b", b.ingest)).unwrap();
+    let peers = |p: &K8sPicker| metric(SocketAddr::from(([127, 0, 0, 1], p.admin)), "epp_replica_peers ");
+    // Each replica's peer count once it is `want`, polled up to `bound`; else the last seen.
+    let settle = async |p: &K8sPicker, want: f64, bound: Duration| {
+        let deadline = Instant::now() + bound;
+        loop {
+            let seen = peers(p).await;
+            if seen == Some(want) || Instant::now() > deadline {
+                return seen;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    assert_eq!(settle(&a, 1.0, FOLLOW * 5).await, Some(1.0), "a never followed b");
+    assert_eq!(settle(&b, 1.0, FOLLOW).await, Some(1.0), "b never followed a");
+    server.delete::<EndpointSlice>(NS, "peers-a").unwrap();
+    assert_eq!(settle(&b, 0.0, FOLLOW).await, Some(0.0), "b still follows a after it left the slices");
+    assert_eq!(peers(&a).await, Some(1.0), "a stopped following b");
 }

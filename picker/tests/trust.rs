@@ -8,14 +8,18 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use k8s_openapi::api::discovery::v1::{Endpoint as K8sEndpoint, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvroute_cluster::{PoolPod, PoolSpecView, PoolView, Source};
 use kvroute_common::BlockHash;
 use kvroute_harness::fake_agent::poll_until;
 use kvroute_harness::tls::{self, Pem, TestCa};
+use kvroute_kube_stand_in::ApiServer;
 use kvroute_picker::RunningPicker;
 use kvroute_picker::config::PickerConfig;
 use kvroute_picker::ingest::Refusal;
@@ -594,6 +598,88 @@ async fn replica_peers_authenticate_with_picker_certificates() {
     counted(&a, Refusal::UntrustedCertificate, n, 1).await;
     // Another picker certificate of the CA is served.
     assert!(subscribe_replica(&a, &pki.ca.cert_pem(), &pki.ca.picker().unwrap()).await.is_ok());
+    a.shutdown();
+    b.shutdown();
+}
+
+/// An EndpointSlice of the replicas' headless Service `service` holding one replica, `addr`, on
+/// the port named `ingest` (one slice per replica: in-process replicas share 127.0.0.1).
+fn replica_slice(service: &str, name: &str, addr: SocketAddr) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("ns".into()),
+            labels: Some([("kubernetes.io/service-name".to_string(), service.to_string())].into()),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: vec![K8sEndpoint { addresses: vec![addr.ip().to_string()], ..Default::default() }],
+        ports: Some(vec![EndpointPort {
+            name: Some("ingest".into()),
+            port: Some(i32::from(addr.port())),
+            ..Default::default()
+        }]),
+    }
+}
+
+/// docs/design.md §4 "One view across replicas", on Kubernetes: two replicas that learn of each
+/// other only from their headless Service's EndpointSlices (the API stand-in, real kube-rs watch)
+/// follow each other over mTLS, a decision on one shows on the other as a peer request in flight
+/// and a pending chain, and a replica removed from the slices is dropped: the subscription ends
+/// and its requests in flight are forgotten, without restarting anything.
+#[tokio::test]
+async fn replicas_find_each_other_through_the_service_endpoint_slices() {
+    use kvroute_picker::replicas::follow_service;
+    use std::sync::atomic::Ordering::Relaxed;
+    const SERVICE: &str = "kvroute-picker-peers";
+    let pki = Pki::new();
+    let a = start_as(&pki, true, "picker-a").await;
+    let b = start_as(&pki, true, "picker-b").await;
+    let _fleet_a = real_fleet(&a, &pki).await;
+    let _fleet_b = real_fleet(&b, &pki).await;
+    let server = ApiServer::start().await.unwrap();
+    server.create(&replica_slice(SERVICE, "peers-a", a.ingest_addr)).unwrap();
+    server.create(&replica_slice(SERVICE, "peers-b", b.ingest_addr)).unwrap();
+    let (_stop, stop) = tokio::sync::watch::channel(false);
+    for p in [&a, &b] {
+        let view = kvroute_cluster::watch_picker_replicas(server.client("ns").unwrap(), "ns", SERVICE, Some("ingest"));
+        tokio::spawn(follow_service(view, vec![p.ingest_addr], None, p.replica_peers.clone(), stop.clone()));
+    }
+    // Each follows the other, not itself.
+    let following = || [&a, &b].iter().all(|p| p.replica.counters.connected.load(Relaxed) == 1);
+    assert!(poll_until(TIMEOUT, following).await, "the replicas never followed each other from the slices");
+    assert_eq!(*a.replica_peers.borrow(), [b.ingest_addr]);
+    assert_eq!(*b.replica_peers.borrow(), [a.ingest_addr]);
+
+    // A decision on a for the prompt and 4 blocks more: b counts a peer request in flight on E0
+    // and holds a's pending chain (the 4 blocks E0 does not hold yet).
+    let hashes: Vec<BlockHash> = (1..=12).map(BlockHash).collect();
+    let req = RouteRequest { model: MODEL, adapter: None, block_hashes: &hashes, subset: None };
+    let d = a.gateway.router.route(&req).unwrap();
+    assert_eq!(d.pod, E0);
+    let in_flight = |p: &RunningPicker| p.gateway.router.shared().lock().peers.len();
+    assert!(poll_until(TIMEOUT, || in_flight(&b) == 1).await, "a's decision never reached b");
+    let peer_chains: Vec<usize> = b
+        .gateway
+        .router
+        .shared()
+        .lock()
+        .pending
+        .chains()
+        .filter(|(_, _, origin)| *origin != kvroute_picker::pending::LOCAL)
+        .map(|(_, chain, _)| chain.len())
+        .collect();
+    assert_eq!(peer_chains, [4], "b does not hold a's pending chain");
+    assert_eq!(in_flight(&a), 0, "a counts its own decision as a peer's");
+
+    // a leaves the Service: b drops it (the subscription ends, a's request in flight is forgotten)
+    // while a, still listing b, keeps following it.
+    server.delete::<EndpointSlice>("ns", "peers-a").unwrap();
+    assert!(poll_until(TIMEOUT, || b.replica_peers.borrow().is_empty()).await, "b kept a as a peer");
+    assert!(poll_until(TIMEOUT, || b.replica.counters.connected.load(Relaxed) == 0).await, "b still follows a");
+    assert!(poll_until(TIMEOUT, || in_flight(&b) == 0).await, "b kept a's request in flight");
+    assert_eq!(a.replica.counters.connected.load(Relaxed), 1, "a stopped following b");
+    drop(d);
     a.shutdown();
     b.shutdown();
 }

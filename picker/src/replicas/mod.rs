@@ -28,14 +28,15 @@
 //! certificate and verifies the peer's as [`REPLICA_SAN`] under the same CA. Without TLS
 //! (`insecure_ingest`) subscribers are taken on trust, as agents are.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use kvroute_cluster::{ReplicaView, Watched};
 use kvroute_common::BlockHash;
 use kvroute_proto::replica::v1::replica_sync_client::ReplicaSyncClient;
 use kvroute_proto::replica::v1::replica_sync_server::{ReplicaSync, ReplicaSyncServer};
@@ -315,6 +316,54 @@ pub async fn run_peers(
     }
 }
 
+/// The peers in a view of the replicas' Service: every endpoint not terminating (ready or not: a
+/// starting replica is not Ready until agents reported to it, and its view is worth having from
+/// the start), minus this replica: an address in `own` (its ingest listener) or on `own_ip` (its
+/// pod IP). Sorted, de-duplicated. Empty until the view's first list completed.
+pub fn peers_in_view(view: &ReplicaView, own: &[SocketAddr], own_ip: Option<IpAddr>) -> Vec<SocketAddr> {
+    if !view.synced {
+        return Vec::new();
+    }
+    view.dialable()
+        .map(|r| r.addr)
+        .filter(|a| !own.contains(a) && Some(a.ip()) != own_ip)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Keeps `peers` (what [`run_peers`] follows) equal to [`peers_in_view`] of every new view of the
+/// replicas' Service (`kvroute_cluster::watch_picker_replicas`), until `stop` or the watcher
+/// ends. Nothing is sent before the first complete list, nor when the set did not change, so a
+/// peer's subscription survives unrelated slice updates.
+pub async fn follow_service(
+    view: Watched<ReplicaView>,
+    own: Vec<SocketAddr>,
+    own_ip: Option<IpAddr>,
+    peers: watch::Sender<Vec<SocketAddr>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut views = view.subscribe();
+    loop {
+        let current = views.borrow_and_update().clone();
+        if current.synced {
+            let want = peers_in_view(&current, &own, own_ip);
+            peers.send_if_modified(|have| {
+                if *have == want {
+                    return false;
+                }
+                info!(service = %current.service, peers = ?want, "replica peers changed");
+                *have = want;
+                true
+            });
+        }
+        tokio::select! {
+            changed = views.changed() => if changed.is_err() { return },
+            _ = stop.wait_for(|v| *v) => return,
+        }
+    }
+}
+
 /// Follows one peer until it turns out to be this replica: subscribe, apply, reconnect.
 async fn follow(gateway: Arc<Gateway>, me: Arc<ReplicaIdentity>, addr: SocketAddr, origin: Origin, dialer: Dialer) {
     let mut backoff = MIN_BACKOFF;
@@ -350,9 +399,10 @@ async fn subscribe_once(
     let mut client = ReplicaSyncClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let req = SubscribeRequest { replica_id: me.id.clone(), protocol_version: PROTOCOL_VERSION };
     let mut stream = client.subscribe(req).await?.into_inner();
-    me.counters.connected.fetch_add(1, Ordering::Relaxed);
+    // Counted down on every exit, an abort included (a peer that left the Service's slices).
+    let _connected = Connected::count(&me.counters);
     info!(%addr, "following replica");
-    let result = loop {
+    loop {
         match stream.message().await {
             Ok(Some(m)) => match from_message(m) {
                 Ok(Some(ev)) => {
@@ -368,13 +418,28 @@ async fn subscribe_once(
                     warn!(%addr, error = %e, "replica event refused");
                 }
             },
-            Ok(None) => break Ok(()),
-            Err(status) => break Err(status),
+            Ok(None) => return Ok(()),
+            Err(status) => return Err(status),
         }
-    };
-    me.counters.connected.fetch_sub(1, Ordering::Relaxed);
-    me.counters.disconnects.fetch_add(1, Ordering::Relaxed);
-    result
+    }
+}
+
+/// One subscription in `connected`: counted up when made, down (and a disconnect counted) when
+/// dropped, so a follow task aborted mid-stream leaves the gauge right.
+struct Connected<'a>(&'a ReplicaCounters);
+
+impl<'a> Connected<'a> {
+    fn count(counters: &'a ReplicaCounters) -> Self {
+        counters.connected.fetch_add(1, Ordering::Relaxed);
+        Connected(counters)
+    }
+}
+
+impl Drop for Connected<'_> {
+    fn drop(&mut self) {
+        self.0.connected.fetch_sub(1, Ordering::Relaxed);
+        self.0.disconnects.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]

@@ -107,3 +107,38 @@ async fn a_replica_that_reaches_itself_stops_dialing_it() {
     let _ = stop_tx.send(true);
     assert!(tokio::time::timeout(Duration::from_secs(2), task).await.is_ok(), "run_peers stops when asked");
 }
+
+#[test]
+fn peers_in_view_leave_out_this_replica_terminating_ones_and_wait_for_the_list() {
+    use kvroute_cluster::{PickerReplica, ReplicaView};
+    let replica = |addr: &str, ready, terminating| PickerReplica {
+        addr: addr.parse().unwrap(),
+        pod: None,
+        node: None,
+        ready,
+        serving: true,
+        terminating,
+    };
+    let mut view = ReplicaView {
+        service: "peers".into(),
+        replicas: vec![
+            replica("10.0.0.1:9003", true, false),
+            replica("10.0.0.2:9003", false, false),
+            replica("10.0.0.3:9003", true, true),
+            replica("10.0.0.4:9003", true, false),
+        ],
+        synced: false,
+        generation: 1,
+    };
+    assert!(peers_in_view(&view, &[], None).is_empty(), "peers before the first complete list");
+    view.synced = true;
+    let addrs = |v: &[&str]| v.iter().map(|a| a.parse().unwrap()).collect::<Vec<SocketAddr>>();
+    // Ready or starting, not terminating.
+    assert_eq!(peers_in_view(&view, &[], None), addrs(&["10.0.0.1:9003", "10.0.0.2:9003", "10.0.0.4:9003"]));
+    // This replica by its pod IP, or by its ingest address.
+    assert_eq!(
+        peers_in_view(&view, &[], Some("10.0.0.1".parse().unwrap())),
+        addrs(&["10.0.0.2:9003", "10.0.0.4:9003"])
+    );
+    assert_eq!(peers_in_view(&view, &addrs(&["10.0.0.4:9003"]), None), addrs(&["10.0.0.1:9003", "10.0.0.2:9003"]));
+}

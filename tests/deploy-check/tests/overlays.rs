@@ -502,3 +502,52 @@ fn monitoring_component_targets_the_picker_service_and_agent_pods() {
         .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default());
     assert!(declared.clone().any(|p| p["name"] == port), "agent pods declare no port {port}");
 }
+
+/// Replicas share one view on Kubernetes (docs/design.md §4): `replicas.service` names the
+/// headless Service, the pod gets `POD_IP`, and its Role may watch EndpointSlices; each missing
+/// piece is a problem.
+#[test]
+fn replica_peers_need_the_service_pod_ip_and_endpointslice_rbac() {
+    let edit_config = |from: &'static str, to: &'static str| {
+        move |r: &mut Rendered| {
+            let data = config_map_data(r, "kvroute-picker-config");
+            let text = data.get("picker.yaml").unwrap();
+            assert!(text.contains(from), "picker.yaml lacks {from:?}");
+            let text = text.replace(from, to);
+            data.insert("picker.yaml".into(), text);
+        }
+    };
+    broken(
+        "standalone",
+        edit_config("service: { name: kvroute-picker-peers, port: ingest }", "peers: []"),
+        "replicas.service must name the picker's headless Service",
+    );
+    broken(
+        "standalone",
+        edit_config("name: kvroute-picker-peers, port: ingest", "name: kvroute-picker, port: ingest"),
+        "replicas.service kvroute-picker:ingest must be the picker's headless Service kvroute-picker-peers",
+    );
+    broken(
+        "standalone",
+        |r| {
+            let c = &mut picker_sts(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+            c.env.as_mut().unwrap().retain(|e| e.name != "POD_IP");
+        },
+        "replicas.service needs env POD_IP",
+    );
+    broken(
+        "standalone",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::Role(role) = o {
+                    for rule in role.rules.as_mut().unwrap() {
+                        if let Some(res) = rule.resources.as_mut() {
+                            res.retain(|x| x != "endpointslices");
+                        }
+                    }
+                }
+            }
+        },
+        "may list and watch discovery.k8s.io endpointslices",
+    );
+}

@@ -69,6 +69,8 @@ pub(super) fn picker(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
         }
         m.tokenizer = Some(ctx.tokenizer_fixture.clone());
     }
+    let sa = w.template.spec.as_ref().and_then(|s| s.service_account_name.as_deref()).unwrap_or("default");
+    check_replica_peers(&mut sink, r, ctx, c, sa, &config);
     let pool = flag_value(c, "--pool-name");
     check_pool_name(&mut sink, r, pool.as_deref());
     config.apply_pool_flags(pool.as_deref(), None);
@@ -189,6 +191,71 @@ pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
             config.pod_resources_socket
         ));
     }
+}
+
+/// Replicas share one view (docs/design.md §4): `replicas.service` names the headless Service
+/// agents find the pickers through, the container gets its pod IP (`POD_IP`, downward API) to
+/// leave itself out, and the picker's ServiceAccount may list and watch EndpointSlices.
+fn check_replica_peers(
+    sink: &mut Sink<'_>,
+    r: &Rendered,
+    ctx: &CheckContext,
+    c: &Container,
+    sa: &str,
+    config: &PickerConfig,
+) {
+    match (&config.replicas.service, expected_pickers(r, ctx)) {
+        (Some(s), Ok((svc, port))) if s.name == svc && s.port == port => {}
+        (Some(s), Ok((svc, port))) => sink.push(format!(
+            "replicas.service {}:{} must be the picker's headless Service {svc} and its port {port}",
+            s.name, s.port
+        )),
+        (Some(_), Err(e)) => sink.push(format!("cannot check replicas.service: {e}")),
+        (None, _) => {
+            return sink.push(
+                "replicas.service must name the picker's headless Service: without it replicas route on separate views",
+            );
+        }
+    }
+    let pod_ip = c.env.as_deref().unwrap_or(&[]).iter().any(|e| {
+        e.name == "POD_IP"
+            && e.value_from.as_ref().and_then(|v| v.field_ref.as_ref()).is_some_and(|f| f.field_path == "status.podIP")
+    });
+    if !pod_ip {
+        sink.push("replicas.service needs env POD_IP from fieldRef status.podIP (the replica leaves itself out)");
+    }
+    if !may_watch_endpoint_slices(r, sa) {
+        sink.push(format!(
+            "replicas.service needs ServiceAccount {sa} bound to a Role that may list and watch discovery.k8s.io endpointslices"
+        ));
+    }
+}
+
+/// Whether a RoleBinding binds ServiceAccount `sa` to a Role granting `list` and `watch` on
+/// `discovery.k8s.io` `endpointslices`.
+fn may_watch_endpoint_slices(r: &Rendered, sa: &str) -> bool {
+    let grants = |role: &str| {
+        r.objects.iter().any(|o| match o {
+            Object::Role(ro) if ro.metadata.name.as_deref() == Some(role) => {
+                ro.rules.as_deref().unwrap_or(&[]).iter().any(|rule| {
+                    let has =
+                        |v: &Option<Vec<String>>, want: &str| v.as_deref().unwrap_or(&[]).iter().any(|x| x == want);
+                    has(&rule.api_groups, "discovery.k8s.io")
+                        && has(&rule.resources, "endpointslices")
+                        && ["list", "watch"].iter().all(|v| rule.verbs.iter().any(|x| x == v))
+                })
+            }
+            _ => false,
+        })
+    };
+    r.objects.iter().any(|o| match o {
+        Object::RoleBinding(b) => {
+            b.role_ref.kind == "Role"
+                && b.subjects.as_deref().unwrap_or(&[]).iter().any(|s| s.kind == "ServiceAccount" && s.name == sa)
+                && grants(&b.role_ref.name)
+        }
+        _ => false,
+    })
 }
 
 /// The value of `flag` in `c`'s args, with `$(VAR)` replaced by the container's literal env value.
