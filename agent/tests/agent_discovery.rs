@@ -224,15 +224,7 @@ async fn binary_idles_on_an_empty_node_and_picks_up_pods() {
 
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster: {{server: \"{}\"}}\nusers:\n- name: s\n  user: {{}}\n\
-             contexts:\n- name: s\n  context: {{cluster: s, user: s, namespace: {NS}}}\ncurrent-context: s\n",
-            server.url()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&kubeconfig, server.kubeconfig(NS)).unwrap();
     let config = dir.path().join("agent.yaml");
     std::fs::write(
         &config,

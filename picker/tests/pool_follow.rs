@@ -259,15 +259,7 @@ struct K8sPicker {
 
 async fn start_k8s_picker(dir: &std::path::Path, server: &ApiServer, extra: &str) -> K8sPicker {
     let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster: {{server: \"{}\"}}\nusers:\n- name: s\n  user: {{}}\n\
-             contexts:\n- name: s\n  context: {{cluster: s, user: s, namespace: {NS}}}\ncurrent-context: s\n",
-            server.url()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&kubeconfig, server.kubeconfig(NS)).unwrap();
     let (ext_proc, ingest, admin) = (free_port(&["127.0.0.1"]), free_port(&["127.0.0.1"]), free_port(&["127.0.0.1"]));
     let config = dir.join("picker.yaml");
     std::fs::write(

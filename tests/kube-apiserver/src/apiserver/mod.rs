@@ -157,6 +157,17 @@ impl ApiServer {
         &self.store
     }
 
+    /// A kubeconfig file's text (YAML, no credentials) pointing at this server with `namespace` as
+    /// default: what a binary under test reads through `KUBECONFIG`.
+    pub fn kubeconfig(&self, namespace: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: stand-in\n  cluster: {{server: \"{}\"}}\n\
+             users:\n- name: stand-in\n  user: {{}}\ncontexts:\n- name: stand-in\n  \
+             context: {{cluster: stand-in, user: stand-in, namespace: \"{namespace}\"}}\ncurrent-context: stand-in\n",
+            self.url()
+        )
+    }
+
     /// A kube-rs configuration pointing at this server with `namespace` as default.
     pub fn kube_config(&self, namespace: &str) -> kube::Config {
         // The URL is built from a socket address: always a valid URI.

@@ -109,11 +109,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     if let Some(out) = &args.kubeconfig_out {
-        let kubeconfig = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: stand-in\n  cluster: {{server: \"{}\"}}\nusers:\n- name: stand-in\n  user: {{}}\ncontexts:\n- name: stand-in\n  context: {{cluster: stand-in, user: stand-in, namespace: \"{}\"}}\ncurrent-context: stand-in\n",
-            server.url(),
-            args.namespace
-        );
+        let kubeconfig = server.kubeconfig(&args.namespace);
         std::fs::write(out, kubeconfig).with_context(|| format!("write {}", out.display()))?;
     }
     let _kubelet = match &args.pod_resources_socket {
