@@ -293,19 +293,14 @@ fn prepare_cancellable(
 
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
 pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
-    decide_rewriting(gw, input).map(|(d, _)| d)
-}
-
-/// Routes one request like [`decide`], and returns the model id the body's `model` must be
-/// rewritten to, when a rewrite rule changed it (docs/design.md §14).
-pub fn decide_rewriting(gw: &Gateway, input: &DecisionInput<'_>) -> Result<(Decision, Option<String>), Rejection> {
     static NEVER: AtomicBool = AtomicBool::new(false);
-    decide_cancellable(gw, input, &NEVER)
+    decide_cancellable(gw, input, &NEVER).map(|(d, _)| d)
 }
 
-/// [`decide_rewriting`] that gives up once `cancel` is set (checked between tokenization
-/// chunks): the request's ext_proc stream ended, so nobody waits for the answer (issue 17: an
-/// 8 MB prompt's tokenization ran on after Envoy gave up).
+/// Routes one request like [`decide`], giving up once `cancel` is set (checked between
+/// tokenization chunks: the request's ext_proc stream ended, so nobody waits for the answer), and
+/// returns with the decision the model id the body's `model` must be rewritten to, when a rewrite
+/// rule changed it (docs/design.md §14).
 pub fn decide_cancellable(
     gw: &Gateway,
     input: &DecisionInput<'_>,
