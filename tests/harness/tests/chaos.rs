@@ -10,9 +10,10 @@
 //! 3. kill -9 an engine whose agent runs, restart it: same bound.
 //! 4. kill -9 an agent and restart it: no 5xx (its pods ride the grace period).
 //! 5. Rolling restart of the 2 picker replicas (SIGTERM, drain, restart, one at a time): no 5xx.
-//! 6. kill -9 one picker replica and restart it: the 5xx it costs and the time to recovery.
+//! 6. kill -9 one picker replica, restart it 2 s later: the 5xx it costs stop within Envoy's
+//!    health-check interval + timeout (1.5 s); the restart costs none.
 //!
-//! Bounded: about 40 s of wall time on 2 cores. Figures are printed (`--nocapture`) and recorded
+//! Bounded: about 60 s of wall time on 2 cores. Figures are printed (`--nocapture`) and recorded
 //! in docs/operations.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -240,23 +241,31 @@ async fn faults_under_load_through_envoy() {
     report.push(format!("5 picker rolling restart (2 replicas): {p:?}; each ready after {ready_after:?}"));
     assert_eq!(p.server_errors, 0, "a rolling restart of 2 replicas costs no request: {p:?}");
 
-    // 6. One picker replica killed.
+    // 6. One picker replica killed, left dead for 2 s, restarted. Envoy's health check of the
+    // ext_proc cluster (every 0.5 s, timeout 1 s, one failure ejects) bounds how long new streams
+    // still reach the dead replica: 5xx must stop within interval + timeout; the restart itself
+    // must cost nothing (the replica is SERVING only once it can route).
     let t = Instant::now();
     fleet.stop_picker(0, false).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let restart = Instant::now();
     fleet.start_picker(0).await.unwrap();
     let ready = wait_picker_ready(&fleet, 0).await;
     let end = Instant::now();
     let recs = load.window(t, end);
     let p = phase(&recs, None);
-    let last_error = recs.iter().filter(|r| r.status >= 500).map(|r| r.sent - t).max();
+    let errors = || recs.iter().filter(|r| r.status >= 500);
+    let last_error = errors().filter(|r| r.sent < restart).map(|r| r.sent - t).max();
+    let after_restart = errors().filter(|r| r.sent >= restart).count();
     report.push(format!(
-        "6 picker kill -9 (1 of 2) + restart: {p:?}; last 5xx sent {last_error:?} after the kill; ready {ready:?}"
+        "6 picker kill -9 (1 of 2) + restart: {p:?}; last 5xx sent {last_error:?} after the kill; \
+         {after_restart} after the restart; ready {ready:?}"
     ));
     assert!(
-        last_error.is_none_or(|d| d < Duration::from_secs(1)),
-        "5xx from a killed replica stop within 1 s (Envoy's health check): {last_error:?}"
+        last_error.is_none_or(|d| d < Duration::from_millis(1500)),
+        "5xx from a killed replica stop within Envoy's health-check interval + timeout: {last_error:?}"
     );
+    assert_eq!(after_restart, 0, "restarting the killed replica costs no request: {p:?}");
 
     // Everything is back: the whole fleet serves.
     let t = Instant::now();
