@@ -220,6 +220,14 @@ async fn a_request_still_prefilling_counts_in_queue_depth_until_its_blocks_are_c
     };
     put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
     put(&pool, "b", "m", stats(0.01, 0, 1.0), &[]).await;
+    // a's KV events have confirmed a routed prompt before (a pod that publishes none is not
+    // read as queued for its requests).
+    let w = chain(300, 8);
+    let Ok(dw) = r.route(&req(&w)) else { panic!("no decision") };
+    assert_eq!(dw.pod, "a");
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &w).await;
+    assert_eq!(r.explain(&req(&w)).choice.as_deref(), Some("a"));
+    drop(dw);
     let x = chain(100, 8);
     let Ok(dx) = r.route(&req(&x)) else { panic!("no decision") };
     assert_eq!(dx.pod, "a", "the idler pod takes the first cold prompt");
