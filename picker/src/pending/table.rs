@@ -143,6 +143,10 @@ pub struct PendingTable {
     /// Σ chain lengths (entries, counting a block on two pods twice).
     held: usize,
     counts: PendingCounts,
+    /// Seqs of pinned chains not yet seen confirmed (see [`PendingTable::prefilling`]).
+    unconfirmed: Vec<u64>,
+    /// By pod index: whether the pod's KV events have confirmed a routed chain yet.
+    confirms: Vec<bool>,
 }
 
 impl PendingTable {
@@ -159,6 +163,8 @@ impl PendingTable {
             order: VecDeque::new(),
             held: 0,
             counts: PendingCounts::default(),
+            unconfirmed: Vec::new(),
+            confirms: Vec::new(),
         }
     }
 
@@ -198,11 +204,16 @@ impl PendingTable {
             let confirmed = c.blocks.last().is_some_and(|last| index.pods_of(*last).contains(&c.pod));
             if confirmed {
                 self.counts.confirmed += 1;
+                self.mark_confirming(c.pod);
             } else {
                 self.counts.expired += 1;
             }
             self.unlink(&c);
         }
+    }
+
+    fn mark_confirming(&mut self, pod: PodIdx) {
+        mark(&mut self.confirms, pod);
     }
 
     fn unlink(&mut self, c: &Chain) {
@@ -248,6 +259,7 @@ impl PendingTable {
         match request {
             Some(id) => {
                 self.pinned.insert((origin, id), seq);
+                self.unconfirmed.push(seq);
             }
             None => self.expiry.push(Reverse((expires_ms, seq))),
         }
@@ -343,10 +355,45 @@ impl PendingTable {
         chain.get(i as usize).and_then(|b| self.holders.get(&b.0)).map_or(&[], Holders::as_slice)
     }
 
+    /// docs/design.md §4 queueDepth: the requests in flight whose chain's last block the pod's
+    /// `index` does not hold yet, i.e. still queued or being prefilled, as `(pod, routed_ms)`
+    /// into `out` (cleared first), sorted. Only pods whose KV events have confirmed a routed
+    /// chain before count: a pod whose events never come (prefix caching off) would otherwise
+    /// read as queued for each request's whole life. A chain leaves for good once confirmed,
+    /// released or evicted, so the work per call is the number of requests still prefilling
+    /// (at most the table's chains).
+    pub fn prefilling(&mut self, index: &IndexSnapshot, out: &mut Vec<(PodIdx, i64)>) {
+        out.clear();
+        let (chains, confirms) = (&self.chains, &mut self.confirms);
+        self.unconfirmed.retain(|seq| {
+            let Some(c) = chains.get(seq).filter(|c| c.request.is_some()) else { return false };
+            let done = c.blocks.last().is_none_or(|last| index.pods_of(*last).contains(&c.pod));
+            if done && !c.blocks.is_empty() {
+                mark(confirms, c.pod);
+            }
+            !done
+        });
+        let confirms = &self.confirms;
+        out.extend(self.unconfirmed.iter().filter_map(|seq| {
+            let c = chains.get(seq)?;
+            confirms.get(usize::from(c.pod.0)).is_some_and(|&yes| yes).then_some((c.pod, c.routed_ms))
+        }));
+        out.sort_unstable();
+    }
+
     /// Every chain held, in no particular order: `(pod, blocks, origin)` (a peer's snapshot).
     pub fn chains(&self) -> impl Iterator<Item = (PodIdx, &Arc<[BlockHash]>, Origin)> {
         self.chains.values().map(|c| (c.pod, &c.blocks, c.origin))
     }
+}
+
+/// Records in `confirms` (by pod index) that `pod`'s KV events confirmed a routed chain.
+fn mark(confirms: &mut Vec<bool>, pod: PodIdx) {
+    let i = usize::from(pod.0);
+    if confirms.len() <= i {
+        confirms.resize(i + 1, false);
+    }
+    confirms[i] = true;
 }
 
 #[cfg(test)]
@@ -422,6 +469,53 @@ mod tests {
         assert_eq!(ext(&t, &c, 10, &[(A, 0)]), vec![0]);
         t.purge(10, &IndexSnapshot::default());
         assert_eq!(t.size(), (0, 0));
+    }
+
+    #[test]
+    fn requests_count_as_prefilling_until_the_index_holds_their_last_block() {
+        use crate::index::IndexWriter;
+        let (c1, c2, c3) = (chain(1, 5), chain(100, 5), chain(200, 5));
+        let mut t = PendingTable::new(1000, 100);
+        t.record(B, arc(&c1), 30, LOCAL, Some(1));
+        t.record(A, arc(&c2), 20, LOCAL, Some(2));
+        t.record(A, arc(&c3), 10, 4, Some(1));
+        // A chain without a request (a peer's snapshot) is no request in flight.
+        t.record(B, arc(&chain(300, 5)), 40, LOCAL, None);
+        let published = Arc::new(arc_swap::ArcSwap::from_pointee(IndexSnapshot::default()));
+        let mut w = IndexWriter::new(published.clone(), 100);
+        let mut out = Vec::new();
+        // Until a pod's KV events have confirmed one routed chain, its requests do not count
+        // (a pod that publishes no events would read as queued for their whole life).
+        t.prefilling(&published.load(), &mut out);
+        assert_eq!(out, vec![]);
+        let (a0, b0) = (chain(400, 2), chain(500, 2));
+        t.record(A, arc(&a0), 5, LOCAL, Some(7));
+        t.record(B, arc(&b0), 6, LOCAL, Some(8));
+        w.store(A, &a0);
+        w.store(B, &b0);
+        w.publish();
+        t.prefilling(&published.load(), &mut out);
+        assert_eq!(out, vec![(A, 10), (A, 20), (B, 30)]);
+        // A's events hold all of c2 but the last block: still prefilling; then all of it.
+        w.store(A, &c2[..4]);
+        w.publish();
+        t.prefilling(&published.load(), &mut out);
+        assert_eq!(out, vec![(A, 10), (A, 20), (B, 30)]);
+        w.store(A, &c2);
+        // c3's blocks on another pod confirm nothing on A.
+        w.store(B, &c3);
+        w.publish();
+        t.prefilling(&published.load(), &mut out);
+        assert_eq!(out, vec![(A, 10), (B, 30)]);
+        // Confirmed once is confirmed for good (evicting the blocks later does not bring it back).
+        w.remove(A, &c2);
+        w.publish();
+        t.prefilling(&published.load(), &mut out);
+        assert_eq!(out, vec![(A, 10), (B, 30)]);
+        // A request that ends is no longer prefilling, confirmed or not.
+        t.release(LOCAL, 1, 50);
+        t.prefilling(&published.load(), &mut out);
+        assert_eq!(out, vec![(A, 10)]);
     }
 
     #[test]

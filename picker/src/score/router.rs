@@ -95,6 +95,8 @@ struct Scratch {
     /// `(pod, frontier)` per row, and the pending extension per row.
     frontiers: Vec<(PodIdx, u32)>,
     extension: Vec<u32>,
+    /// `(pod, routed_ms)` of the requests in flight still prefilling, sorted (precise mode).
+    prefilling: Vec<(PodIdx, i64)>,
 }
 
 impl Scratch {
@@ -105,6 +107,7 @@ impl Scratch {
         self.custom.clear();
         self.excluded.clear();
         self.order.clear();
+        self.prefilling.clear();
     }
 }
 
@@ -287,6 +290,7 @@ impl Router {
         // Pending chains are token chains: approximate mode (text chains) keeps its own record.
         let precise = matches.is_none();
         if precise {
+            shared.pending.prefilling(&index, &mut sc.prefilling);
             overlay_pending(sc, table, &shared, req.block_hashes, now);
             self.overlay_offloaded(sc, table, req.block_hashes);
         }
@@ -370,8 +374,9 @@ impl Router {
         let static_excluded = sc.excluded.len();
         let tick = self.decisions.load(Ordering::Relaxed);
         let now = self.shared.clock().now_unix_ms();
-        let shared = self.shared.lock();
+        let mut shared = self.shared.lock();
         if matches.is_none() {
+            shared.pending.prefilling(&index, &mut sc.prefilling);
             overlay_pending(sc, table, &shared, req.block_hashes, now);
             self.overlay_offloaded(sc, table, req.block_hashes);
         }
@@ -450,9 +455,18 @@ impl Router {
                 Some(s) => shared.peers.since(rec.idx, s.observed_at_unix_ms),
                 None => shared.peers.since(rec.idx, i64::MIN),
             };
-            row.depth = rec.queue_depth(status, status.report_stale(now, max_age)).saturating_add(peers);
+            let stale = status.report_stale(now, max_age);
+            row.depth = rec.queue_depth(status, stale).saturating_add(peers);
             let running = status.stats.as_ref().map_or(0, |s| s.num_requests_running);
             row.load = running.saturating_add(row.depth);
+            // docs/design.md §4: a request the report listed as running but whose prompt the
+            // pod's KV events have not confirmed yet is still being prefilled: for the next
+            // request it is as much ahead in the queue as a waiting one. The report's waiting
+            // requests were routed before it too, so the larger of the two counts.
+            if let Some(s) = status.stats.as_ref().filter(|_| !stale) {
+                let before = prefilling_before(&sc.prefilling, rec.idx, s.observed_at_unix_ms);
+                row.depth = row.depth.saturating_add(before.saturating_sub(s.num_requests_waiting));
+            }
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -693,6 +707,14 @@ fn overlay_pending(
     for (row, ext) in sc.rows.iter_mut().zip(&sc.extension) {
         row.pending = *ext;
     }
+}
+
+/// How many of `prefilling` (sorted `(pod, routed_ms)`) are on `pod` and were routed before
+/// `before_ms`.
+fn prefilling_before(prefilling: &[(PodIdx, i64)], pod: PodIdx, before_ms: i64) -> u32 {
+    let from = prefilling.partition_point(|(p, _)| *p < pod);
+    let to = prefilling.partition_point(|(p, t)| (*p, *t) < (pod, before_ms));
+    u32::try_from(to.saturating_sub(from)).unwrap_or(u32::MAX)
 }
 
 /// A factor clamped to [0,1], NaN → 0.

@@ -207,6 +207,46 @@ async fn concurrent_routes_reserve_exactly_once_each() {
     assert!(pods.iter().all(|p| (90..=110).contains(&p.in_flight)), "{pods:?}");
 }
 
+/// docs/design.md §4 queueDepth: a request the pod reports running whose prompt its KV events have
+/// not confirmed yet is still being prefilled, and the next cold request queues behind it.
+#[tokio::test]
+async fn a_request_still_prefilling_counts_in_queue_depth_until_its_blocks_are_confirmed() {
+    let (pool, r) = router(ScoringConfig::default());
+    // Reports read after the routing below (one second ahead of the wall clock).
+    let after = |gpu: f64| {
+        let mut s = stats(gpu, 0, 1.0);
+        s.observed_at_unix_ms = crate::pool::now_unix_ms() + 1000;
+        s
+    };
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
+    put(&pool, "b", "m", stats(0.01, 0, 1.0), &[]).await;
+    // a's KV events have confirmed a routed prompt before (a pod that publishes none is not
+    // read as queued for its requests).
+    let w = chain(300, 8);
+    let Ok(dw) = r.route(&req(&w)) else { panic!("no decision") };
+    assert_eq!(dw.pod, "a");
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &w).await;
+    assert_eq!(r.explain(&req(&w)).choice.as_deref(), Some("a"));
+    drop(dw);
+    let x = chain(100, 8);
+    let Ok(dx) = r.route(&req(&x)) else { panic!("no decision") };
+    assert_eq!(dx.pod, "a", "the idler pod takes the first cold prompt");
+    // a runs x, nothing of it stored yet; b runs three requests that are decoding.
+    put(&pool, "a", "m", after(1.0 / 256.0), &[]).await;
+    put(&pool, "b", "m", after(3.0 / 256.0), &[]).await;
+    let y = chain(200, 8);
+    let depth = |e: &super::Explanation, pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.queue);
+    let e = r.explain(&req(&y));
+    assert_eq!(e.choice.as_deref(), Some("b"), "{e:?}");
+    assert_eq!((depth(&e, "a"), depth(&e, "b")), (Some(1.0 - 1.0 / 20.0), Some(1.0)));
+    // a's events store x's blocks: its prefill is over, a is the idler pod again.
+    put(&pool, "a", "m", after(1.0 / 256.0), &x).await;
+    let e = r.explain(&req(&y));
+    assert_eq!(e.choice.as_deref(), Some("a"), "{e:?}");
+    assert_eq!(depth(&e, "a"), Some(1.0));
+    drop(dx);
+}
+
 #[tokio::test]
 async fn ties_break_on_load_then_queue_then_seeded_random() {
     let cache_only = ScoringConfig {
