@@ -86,6 +86,7 @@ struct Args {
 /// One request's result.
 struct Sample {
     group: usize,
+    turn: usize,
     ttft_ms: Option<f64>,
     /// 0 when the request never got an HTTP answer.
     status: u16,
@@ -107,15 +108,16 @@ async fn drive(gateway: &str, model: &str, w: &Workload, a: &Args) -> Result<Vec
     let mut tasks = Vec::new();
     for (c, turns) in per_conversation {
         let conversation = w.conversations[c].clone();
-        let bodies: Vec<_> = turns.iter().map(|&(at, t)| (at, w.messages(&conversation, t, &replies[c]))).collect();
+        let bodies: Vec<_> = turns.iter().map(|&(at, t)| (at, t, w.messages(&conversation, t, &replies[c]))).collect();
         let (client, model, max_tokens) = (client.clone(), model.to_string(), a.max_tokens);
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
-            for (at, messages) in bodies {
+            for (at, turn, messages) in bodies {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
                 let o = client.chat(&model, &messages, max_tokens).await.unwrap_or_default();
                 out.push(Sample {
                     group: conversation.system_prompt,
+                    turn,
                     ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1000.0),
                     status: o.status,
                     prompt_tokens: o.prompt_tokens,
@@ -183,6 +185,14 @@ fn placement(name: &str, s: &[Sample]) {
             *h.entry(e).or_default() += 1;
             h
         });
+    let by_turn: Vec<String> = (0..=s.iter().map(|x| x.turn).max().unwrap_or(0))
+        .map(|t| {
+            let of: Vec<Sample> = s.iter().filter(|x| x.turn == t).map(|x| Sample { served_by: None, ..*x }).collect();
+            let m = summarize(&of);
+            format!("turn {t}: hit {:.1} %, p50 {:.0}, p90 {:.0}, p99 {:.0} ms", m.hit, m.p50, m.p90, m.p99)
+        })
+        .collect();
+    println!("{name}: {}", by_turn.join("; "));
     println!(
         "{name}: requests per engine {per_engine:?}; engines per group {engines_per_group:.2}, \
          a group's requests on its most-used engine {:.0} %, groups whose most-used engine is each engine {homes:?}",
