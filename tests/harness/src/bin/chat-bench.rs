@@ -185,7 +185,8 @@ fn placement(name: &str, s: &[Sample]) {
             *h.entry(e).or_default() += 1;
             h
         });
-    let by_turn: Vec<String> = (0..=s.iter().map(|x| x.turn).max().unwrap_or(0))
+    let turns = s.iter().map(|x| x.turn + 1).max().unwrap_or(0);
+    let by_turn: Vec<String> = (0..turns)
         .map(|t| {
             let of: Vec<Sample> = s.iter().filter(|x| x.turn == t).map(|x| Sample { served_by: None, ..*x }).collect();
             let m = summarize(&of);
@@ -193,9 +194,18 @@ fn placement(name: &str, s: &[Sample]) {
         })
         .collect();
     println!("{name}: {}", by_turn.join("; "));
+    let home: BTreeMap<usize, &str> =
+        per_group.iter().filter_map(|(g, m)| m.iter().max_by_key(|(_, n)| **n).map(|(e, _)| (*g, *e))).collect();
+    let mut away = vec![0usize; turns];
+    for x in s.iter().filter(|x| x.status == 200) {
+        if home.get(&x.group).copied() != Some(x.served_by.as_deref().unwrap_or("?")) {
+            away[x.turn] += 1;
+        }
+    }
     println!(
         "{name}: requests per engine {per_engine:?}; engines per group {engines_per_group:.2}, \
-         a group's requests on its most-used engine {:.0} %, groups whose most-used engine is each engine {homes:?}",
+         a group's requests on its most-used engine {:.0} % (elsewhere, by turn: {away:?}), \
+         groups whose most-used engine is each engine {homes:?}",
         top_share * 100.0
     );
 }
@@ -264,6 +274,23 @@ async fn main() -> Result<()> {
     let mut runs: Vec<(&str, Vec<Sample>)> = Vec::new();
     eprintln!("kvroute ...");
     runs.push(("Envoy + kvroute", drive(&fleet.gateway, &model, &w, &a).await?));
+    // The picker's own account of its decisions in that run (docs/design.md §4: pile guard,
+    // pending credit withheld, stale cache routing), to explain where groups spread.
+    let metrics = fleet.picker_metrics().await.unwrap_or_default();
+    let counters: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            [
+                "epp_routing_decisions",
+                "epp_pile_guard_redirects",
+                "epp_pending_credit_withheld",
+                "epp_stale_cache_routing",
+            ]
+            .iter()
+            .any(|n| l.starts_with(n))
+        })
+        .collect();
+    eprintln!("kvroute picker counters: {}", counters.join("; "));
     if !a.no_smg {
         fleet.reset_prefix_caches().await?;
         let (mut proc, base) = start_smg(&smg, &fleet.engines, &a.smg_arg, &fleet.work).await?;
