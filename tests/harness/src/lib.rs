@@ -25,4 +25,4 @@ pub use client::{ChatOutcome, GatewayClient};
 pub use fake_agent::{FakeAgent, FakePod, poll_until};
 pub use fleet::{DEFAULT_MODEL, Fleet, FleetSpec};
 pub use run::{Pacing, RunSummary, TurnRecord, run_chat_workload};
-pub use workload::{Conversation, Workload};
+pub use workload::{Conversation, ScheduledTurn, Workload};

@@ -1,0 +1,360 @@
+//! End-to-end multi-turn chat benchmark against a real peer router (issue 16 item 7): the same
+//! seeded open-loop stream of streaming `/v1/chat/completions` requests goes through Envoy +
+//! kvroute (picker in precise mode, agents, KV events), then — every engine's prefix cache emptied
+//! — through SMG (`smg launch --backend vllm --policy cache_aware`, the SGLang router's Rust
+//! successor, installed by `scripts/install-smg`; clients send to it directly and it is given
+//! the engines' URLs), then through an Envoy doing plain round robin, all over the same emulated
+//! engines; with `--approximate` also through a second fleet whose picker runs in approximate
+//! mode. TTFT (first streamed chunk with text) is measured by the client.
+//!
+//! The stream: `--groups` system prompts × `--users` conversations each × `--turns` turns; each
+//! turn re-sends the whole conversation (earlier answers are seeded stand-in text, so every
+//! router gets byte-identical prompts). Arrivals are Poisson at `--rate`; a conversation's next
+//! turn is due at its own arrival time but never sent before its previous reply is in.
+//! `scripts/bench-smg` installs SMG and runs this at a busy rate and near saturation.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use kvroute_harness::fleet::Engine;
+use kvroute_harness::process::ManagedProcess;
+use kvroute_harness::{Fleet, FleetSpec, GatewayClient, Workload, paths};
+
+#[derive(Parser, Debug)]
+#[command(version = kvroute_cli::LONG_VERSION, about = "Multi-turn chat through Envoy + kvroute vs SMG vs Envoy round robin; client-side TTFT p50/p90/p99")]
+struct Args {
+    /// System prompts (groups).
+    #[arg(long, default_value_t = 24)]
+    groups: usize,
+    /// Conversations per system prompt.
+    #[arg(long, default_value_t = 5)]
+    users: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 3)]
+    turns: usize,
+    /// Words per system prompt (≈ 1.1 Qwen2.5 tokens per word: ≈ 1.5k tokens).
+    #[arg(long, default_value_t = 1400)]
+    system_words: usize,
+    /// Words per user message.
+    #[arg(long, default_value_t = 100)]
+    user_words: usize,
+    /// Words per stand-in assistant answer carried in later turns.
+    #[arg(long, default_value_t = 100)]
+    reply_words: usize,
+    /// Output tokens per request.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    /// Offered rate, requests per second.
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+    /// Emulated engines.
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    /// KV cache per engine, 16-token blocks (default: the working set is ≈ 1.6× the fleet's).
+    #[arg(long, default_value_t = 1000)]
+    num_gpu_blocks: u32,
+    /// Requests each engine runs at once (vLLM `--max-num-seqs`); the rest queue.
+    #[arg(long, default_value_t = 16)]
+    max_num_seqs: u32,
+    /// Prefills each engine runs at once (vLLM `--max-num-partial-prefills`).
+    #[arg(long, default_value_t = 1)]
+    max_num_partial_prefills: u32,
+    /// Emulator time scale (1.0 = the seed's 8B prefill speed).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Workload seed (texts and arrivals).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// SMG executable (default: `.tools/smg/bin/smg` of the repo, from `scripts/install-smg`).
+    #[arg(long)]
+    smg: Option<PathBuf>,
+    /// Extra argument for `smg launch` (repeatable, e.g. `--smg-arg=--cache-threshold=0.5`).
+    #[arg(long, allow_hyphen_values = true)]
+    smg_arg: Vec<String>,
+    /// Skip SMG (kvroute and round robin only).
+    #[arg(long)]
+    no_smg: bool,
+    /// Also run a second fleet whose picker runs in approximate mode.
+    #[arg(long)]
+    approximate: bool,
+}
+
+/// One request's result.
+struct Sample {
+    group: usize,
+    turn: usize,
+    ttft_ms: Option<f64>,
+    /// 0 when the request never got an HTTP answer.
+    status: u16,
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    served_by: Option<String>,
+}
+
+/// Sends the whole stream to `gateway`: one task per conversation, each turn at its scheduled
+/// time or once the previous reply is in, whichever is later.
+async fn drive(gateway: &str, model: &str, w: &Workload, a: &Args) -> Result<Vec<Sample>> {
+    let client = Arc::new(GatewayClient::new(gateway)?);
+    let replies = w.synthetic_replies(a.seed, a.reply_words);
+    let mut per_conversation: BTreeMap<usize, Vec<(f64, usize)>> = BTreeMap::new();
+    for s in w.open_loop_schedule(a.seed, a.rate) {
+        per_conversation.entry(s.conversation).or_default().push((s.at_s, s.turn));
+    }
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (c, turns) in per_conversation {
+        let conversation = w.conversations[c].clone();
+        let bodies: Vec<_> = turns.iter().map(|&(at, t)| (at, t, w.messages(&conversation, t, &replies[c]))).collect();
+        let (client, model, max_tokens) = (client.clone(), model.to_string(), a.max_tokens);
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for (at, turn, messages) in bodies {
+                tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+                let o = client.chat(&model, &messages, max_tokens).await.unwrap_or_default();
+                out.push(Sample {
+                    group: conversation.system_prompt,
+                    turn,
+                    ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1000.0),
+                    status: o.status,
+                    prompt_tokens: o.prompt_tokens,
+                    cached_tokens: o.cached_tokens,
+                    served_by: o.served_by,
+                });
+            }
+            out
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.extend(t.await?);
+    }
+    Ok(out)
+}
+
+/// TTFT percentiles (ms) and cache hit rate (%) of one layout's samples.
+struct Summary {
+    requests: usize,
+    errors: usize,
+    hit: f64,
+    p50: f64,
+    p90: f64,
+    p99: f64,
+}
+
+fn summarize(s: &[Sample]) -> Summary {
+    let mut t: Vec<f64> = s.iter().filter(|x| x.status == 200).filter_map(|x| x.ttft_ms).collect();
+    t.sort_by(f64::total_cmp);
+    let pct = |q: f64| kvroute_harness::stats::percentile(&t, q).unwrap_or(f64::NAN);
+    let prompt: u64 = s.iter().map(|x| u64::from(x.prompt_tokens)).sum();
+    let cached: u64 = s.iter().map(|x| u64::from(x.cached_tokens)).sum();
+    Summary {
+        requests: s.len(),
+        errors: s.iter().filter(|x| x.status != 200).count(),
+        hit: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 * 100.0 },
+        p50: pct(0.5),
+        p90: pct(0.9),
+        p99: pct(0.99),
+    }
+}
+
+/// Where a layout put each group: requests per engine, engines per group, and the share of a
+/// group's requests on its most-used engine (what "keeping each group on one engine" means).
+fn placement(name: &str, s: &[Sample]) {
+    let mut per_engine: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut per_group: BTreeMap<usize, BTreeMap<&str, usize>> = BTreeMap::new();
+    for x in s.iter().filter(|x| x.status == 200) {
+        let e = x.served_by.as_deref().unwrap_or("?");
+        *per_engine.entry(e).or_default() += 1;
+        *per_group.entry(x.group).or_default().entry(e).or_default() += 1;
+    }
+    let groups = per_group.len().max(1) as f64;
+    let engines_per_group = per_group.values().map(|m| m.len() as f64).sum::<f64>() / groups;
+    let top_share = per_group
+        .values()
+        .map(|m| *m.values().max().unwrap_or(&0) as f64 / m.values().sum::<usize>().max(1) as f64)
+        .sum::<f64>()
+        / groups;
+    let homes: BTreeMap<&str, usize> = per_group
+        .values()
+        .filter_map(|m| m.iter().max_by_key(|(_, n)| **n).map(|(e, _)| *e))
+        .fold(BTreeMap::new(), |mut h, e| {
+            *h.entry(e).or_default() += 1;
+            h
+        });
+    let turns = s.iter().map(|x| x.turn + 1).max().unwrap_or(0);
+    let by_turn: Vec<String> = (0..turns)
+        .map(|t| {
+            let of: Vec<Sample> = s.iter().filter(|x| x.turn == t).map(|x| Sample { served_by: None, ..*x }).collect();
+            let m = summarize(&of);
+            format!("turn {t}: hit {:.1} %, p50 {:.0}, p90 {:.0}, p99 {:.0} ms", m.hit, m.p50, m.p90, m.p99)
+        })
+        .collect();
+    println!("{name}: {}", by_turn.join("; "));
+    let home: BTreeMap<usize, &str> =
+        per_group.iter().filter_map(|(g, m)| m.iter().max_by_key(|(_, n)| **n).map(|(e, _)| (*g, *e))).collect();
+    let mut away = vec![0usize; turns];
+    for x in s.iter().filter(|x| x.status == 200) {
+        if home.get(&x.group).copied() != Some(x.served_by.as_deref().unwrap_or("?")) {
+            away[x.turn] += 1;
+        }
+    }
+    println!(
+        "{name}: requests per engine {per_engine:?}; engines per group {engines_per_group:.2}, \
+         a group's requests on its most-used engine {:.0} % (elsewhere, by turn: {away:?}), \
+         groups whose most-used engine is each engine {homes:?}",
+        top_share * 100.0
+    );
+}
+
+/// Starts SMG in front of `engines` (the issue's command line, SMG's defaults otherwise) and
+/// waits until it answers `/readiness`. Returns the process and its base URL.
+async fn start_smg(exe: &Path, engines: &[Engine], extra: &[String], work: &Path) -> Result<(ManagedProcess, String)> {
+    let (port, metrics_port) = (paths::free_port()?, paths::free_port()?);
+    let mut args: Vec<String> = ["launch", "--host", "127.0.0.1", "--backend", "vllm", "--policy", "cache_aware"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    args.extend(["--port".into(), port.to_string(), "--prometheus-port".into(), metrics_port.to_string()]);
+    args.extend(["--prometheus-host".into(), "127.0.0.1".into(), "--log-level".into(), "warn".into()]);
+    args.push("--worker-urls".into());
+    args.extend(engines.iter().map(Engine::url));
+    args.extend(extra.iter().cloned());
+    eprintln!("{} {}", exe.display(), args.join(" "));
+    let mut proc = ManagedProcess::start("smg", exe, &args, work)?;
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Ok(r) = http.get(format!("{base}/readiness")).send().await
+            && r.status().is_success()
+        {
+            return Ok((proc, base));
+        }
+        if proc.pid().is_none() || Instant::now() > deadline {
+            let tail = proc.log_tail(30);
+            proc.kill().await;
+            bail!("smg did not become ready; last log lines:\n{tail}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn fleet_spec(a: &Args, label: &str) -> FleetSpec {
+    FleetSpec {
+        label: label.into(),
+        engines: a.engines,
+        num_gpu_blocks: a.num_gpu_blocks,
+        time_scale: a.time_scale,
+        max_num_seqs: a.max_num_seqs,
+        max_num_partial_prefills: a.max_num_partial_prefills,
+        picker_log_level: "warn".into(),
+        ..FleetSpec::default()
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    if !(a.rate.is_finite() && a.rate > 0.0) {
+        bail!("--rate must be positive, got {}", a.rate);
+    }
+    let smg = a.smg.clone().unwrap_or_else(|| paths::repo_root().join(".tools/smg/bin/smg"));
+    if !a.no_smg && !smg.exists() {
+        bail!("{} not found: run scripts/install-smg (or pass --smg, or --no-smg)", smg.display());
+    }
+    let w = Workload::multi_turn_chat(a.seed, a.groups, a.users, a.turns, a.system_words, a.user_words);
+    let spec = FleetSpec { round_robin_baseline: true, ..fleet_spec(&a, "chat-bench") };
+    let model = spec.model.clone();
+    eprintln!("starting {} engines, agents, picker and Envoys ...", a.engines);
+    let fleet = Fleet::start(spec).await?;
+    let mut runs: Vec<(&str, Vec<Sample>)> = Vec::new();
+    eprintln!("kvroute ...");
+    runs.push(("Envoy + kvroute", drive(&fleet.gateway, &model, &w, &a).await?));
+    // The picker's own account of its decisions in that run (docs/design.md §4: pile guard,
+    // pending credit withheld, stale cache routing), to explain where groups spread.
+    let metrics = fleet.picker_metrics().await.unwrap_or_default();
+    let counters: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            [
+                "epp_routing_decisions",
+                "epp_pile_guard_redirects",
+                "epp_pending_credit_withheld",
+                "epp_stale_cache_routing",
+            ]
+            .iter()
+            .any(|n| l.starts_with(n))
+        })
+        .collect();
+    eprintln!("kvroute picker counters: {}", counters.join("; "));
+    if !a.no_smg {
+        fleet.reset_prefix_caches().await?;
+        let (mut proc, base) = start_smg(&smg, &fleet.engines, &a.smg_arg, &fleet.work).await?;
+        eprintln!("SMG ...");
+        let samples = drive(&base, &model, &w, &a).await;
+        proc.kill().await;
+        runs.push(("SMG cache_aware", samples.context("SMG run")?));
+    }
+    fleet.reset_prefix_caches().await?;
+    eprintln!("round robin ...");
+    let rr = fleet.round_robin_gateway.clone().context("round-robin gateway")?;
+    runs.push(("Envoy round robin", drive(&rr, &model, &w, &a).await?));
+    fleet.shutdown().await;
+    if a.approximate {
+        eprintln!("starting a second fleet whose picker runs in approximate mode ...");
+        let fleet = Fleet::start(FleetSpec { picker_approximate: true, ..fleet_spec(&a, "chat-bench-approx") }).await?;
+        runs.push(("Envoy + kvroute, approximate mode", drive(&fleet.gateway, &model, &w, &a).await?));
+        fleet.shutdown().await;
+    }
+
+    let words = a.groups * a.system_words + a.groups * a.users * a.turns * (a.user_words + a.reply_words);
+    println!(
+        "multi-turn chat, seed {}: {} system prompts × {} words, {} conversations each × {} turns ({} + {} words per turn), \
+         {} output tokens, {} req/s Poisson; {} engines × {} KV blocks (working set ≈ {:.1}× the fleet's at 1.1 tokens per word), \
+         max {} running and {} prefilling each, time scale {}\n",
+        a.seed,
+        a.groups,
+        a.system_words,
+        a.users,
+        a.turns,
+        a.user_words,
+        a.reply_words,
+        a.max_tokens,
+        a.rate,
+        a.engines,
+        a.num_gpu_blocks,
+        words as f64 * 1.1 / (f64::from(a.num_gpu_blocks) * 16.0 * a.engines as f64),
+        a.max_num_seqs,
+        a.max_num_partial_prefills,
+        a.time_scale
+    );
+    println!("| router | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let sums: Vec<Summary> = runs.iter().map(|(_, s)| summarize(s)).collect();
+    for ((name, _), s) in runs.iter().zip(&sums) {
+        println!(
+            "| {name} | {} | {} | {:.1} % | {:.1} | {:.1} | {:.1} |",
+            s.requests, s.errors, s.hit, s.p50, s.p90, s.p99
+        );
+    }
+    println!();
+    if let Some((k, others)) = sums.split_first() {
+        for ((name, _), o) in runs.iter().skip(1).zip(others) {
+            println!(
+                "{name} ÷ kvroute: TTFT p50 {:.2}×, p90 {:.2}×, p99 {:.2}×",
+                o.p50 / k.p50,
+                o.p90 / k.p90,
+                o.p99 / k.p99
+            );
+        }
+    }
+    println!();
+    for (name, s) in &runs {
+        placement(name, s);
+    }
+    Ok(())
+}
