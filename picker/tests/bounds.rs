@@ -31,21 +31,6 @@ async fn start_picker(body_limit_bytes: usize) -> RunningPicker {
     kvroute_picker::start(&config).await.unwrap()
 }
 
-fn request_headers() -> ProcessingRequest {
-    let headers = [(":path", "/v1/completions"), (":method", "POST")]
-        .iter()
-        .map(|(k, v)| HeaderValue { key: (*k).into(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
-        .collect();
-    ProcessingRequest {
-        request: Some(Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap { headers }),
-            end_of_stream: false,
-            ..Default::default()
-        })),
-        ..Default::default()
-    }
-}
-
 fn body(chunk: &[u8], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Request::RequestBody(HttpBody { body: chunk.to_vec(), end_of_stream, ..Default::default() })),
@@ -88,8 +73,8 @@ fn status_of(r: &ProcessingResponse) -> Option<(i32, serde_json::Value)> {
 async fn stalled_bodies_get_408_and_the_stream_ends() {
     let picker = start_picker(1 << 20).await;
     let cases = [
-        ("headers, then nothing", vec![request_headers()]),
-        ("part of a body, then nothing", vec![request_headers(), body(&[b'{'; 64 * 1024], false)]),
+        ("headers, then nothing", vec![headers("/v1/completions", false)]),
+        ("part of a body, then nothing", vec![headers("/v1/completions", false), body(&[b'{'; 64 * 1024], false)]),
         ("a body without headers", vec![body(br#"{"model":"m","#, false)]),
     ];
     for (what, msgs) in cases {
@@ -103,7 +88,8 @@ async fn stalled_bodies_get_408_and_the_stream_ends() {
     }
     // A body that completes in time is not touched by the deadline (404: no such model).
     let (answers, _) =
-        exchange(&picker, vec![request_headers(), body(br#"{"model":"x","prompt":"p"}"#, true)], 2).await;
+        exchange(&picker, vec![headers("/v1/completions", false), body(br#"{"model":"x","prompt":"p"}"#, true)], 2)
+            .await;
     assert_eq!(answers.iter().filter_map(status_of).map(|(c, _)| c).collect::<Vec<_>>(), vec![404]);
     let metrics = http(&picker, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
     assert!(metrics.contains(r#"code="408"} 3"#), "{metrics}");
@@ -249,7 +235,7 @@ async fn tokenization_stops_when_the_stream_ends() {
             let mut client = ExternalProcessorClient::connect(format!("http://{addr}")).await.unwrap();
             let (tx, rx) = mpsc::channel(4);
             let answers = client.process(ReceiverStream::new(rx)).await.unwrap().into_inner();
-            tx.send(request_headers()).await.unwrap();
+            tx.send(headers("/v1/completions", false)).await.unwrap();
             tx.send(body(&body_bytes, true)).await.unwrap();
             (client, tx, answers)
         }
