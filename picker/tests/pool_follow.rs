@@ -23,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodSpec, PodStatus};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvroute_cluster::crd::{
     InferenceModelRewrite, InferenceModelRewriteRule, InferenceModelRewriteSpec, InferenceObjective, InferencePool,
@@ -842,21 +842,7 @@ async fn readiness_waits_for_the_pool_view_and_agent_coverage() {
 /// An EndpointSlice of the replicas' Service `service` holding the replica on 127.0.0.1:`port`
 /// (port name `ingest`; one slice per replica, since test replicas share an IP).
 fn replica_slice(service: &str, name: &str, port: u16) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NS.into()),
-            labels: Some(BTreeMap::from([("kubernetes.io/service-name".to_string(), service.to_string())])),
-            ..Default::default()
-        },
-        address_type: "IPv4".into(),
-        endpoints: vec![Endpoint { addresses: vec!["127.0.0.1".into()], ..Default::default() }],
-        ports: Some(vec![EndpointPort {
-            name: Some("ingest".into()),
-            port: Some(i32::from(port)),
-            ..Default::default()
-        }]),
-    }
+    kvroute_kube_stand_in::endpoint_slice(NS, name, service, &["127.0.0.1"], "ingest", port)
 }
 
 /// `replicas.service` wired in the binary (docs/design.md §4 "One view across replicas"): two

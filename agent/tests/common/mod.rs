@@ -6,12 +6,12 @@
 
 use clap::Parser;
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodCondition, PodSpec, PodStatus};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvroute_cluster::crd::{InferencePool, InferencePoolSpec, PoolPort, PoolSelector};
 use kvroute_proto::agent::v1::agent_ingest_server::{AgentIngest, AgentIngestServer};
 use kvroute_proto::agent::v1::{AgentMessage, PickerMessage, PodStats, agent_message};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -265,29 +265,7 @@ pub fn vllm_pod(name: &str, node: &str, ip: &str, http: u16, kv: u16, replay: u1
 
 /// An EndpointSlice of Service `service` with one endpoint per address, port `ingest`.
 pub fn slice(name: &str, service: &str, ips: &[&str], port: u16) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NS.into()),
-            labels: Some(BTreeMap::from([("kubernetes.io/service-name".to_string(), service.to_string())])),
-            ..Default::default()
-        },
-        address_type: "IPv4".into(),
-        endpoints: ips
-            .iter()
-            .map(|ip| Endpoint {
-                addresses: vec![(*ip).into()],
-                conditions: Some(EndpointConditions { ready: Some(true), serving: Some(true), terminating: None }),
-                ..Default::default()
-            })
-            .collect(),
-        ports: Some(vec![EndpointPort {
-            name: Some("ingest".into()),
-            port: Some(i32::from(port)),
-            protocol: Some("TCP".into()),
-            ..Default::default()
-        }]),
-    }
+    kvroute_kube_stand_in::endpoint_slice(NS, name, service, ips, "ingest", port)
 }
 
 /// Polls `cond` every 20 ms until it holds or [`BOUND`] passes.

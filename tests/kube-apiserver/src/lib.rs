@@ -10,5 +10,7 @@
 
 pub mod apiserver;
 pub mod kubelet;
+pub mod objects;
 
 pub use apiserver::{ApiError, ApiServer, Options, ResourceType, Store};
+pub use objects::endpoint_slice;
