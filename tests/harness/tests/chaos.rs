@@ -169,9 +169,10 @@ async fn faults_under_load_through_envoy() {
         // Approximate mode: no tokenizer to load, so a picker (re)starts in milliseconds, not the
         // ~15 s a debug build takes to load Qwen2.5's; routing, faults and recovery are the same.
         picker_approximate: true,
+        // The shipped `shutdown_drain_ms` (2 s): a shorter drain leaves too little time for
+        // Envoy's health check (every 0.5 s) to move new streams off a stopping replica.
         picker_overrides: Some(json!({
             "limits": {"max_report_age_ms": 1500, "unreachable_probe_ms": 200},
-            "shutdown_drain_ms": 1000,
         })),
         ..Default::default()
     };
