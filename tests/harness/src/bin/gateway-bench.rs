@@ -11,7 +11,8 @@
 //! Requests alternate between the gateways on one fixed-rate clock (request i goes to each, one
 //! after the other, evenly spaced within the period; the order rotates with i), non-streaming
 //! completions of `--prompt-words` words (≈ 1.3 tokens per word) with `max_tokens: 1`. Latency is
-//! measured by the client from send to the last body byte. `--also FILE` adds an Envoy + picker
+//! measured by the client from send to the last body byte (`--stream`: to the first chunk with
+//! text, the TTFT a streaming client sees). `--also FILE` adds an Envoy + picker
 //! gateway on another kvroute Envoy config (same picker), to compare ext_proc layouts in one run.
 //! Binaries: see the harness's `$KVROUTE_BIN_DIR` (use release builds for numbers worth
 //! reporting).
@@ -44,6 +45,13 @@ struct Args {
     /// Emulated engines.
     #[arg(long, default_value_t = 4)]
     engines: usize,
+    /// Streamed completions (`"stream": true`): latency is then the time to the first chunk with
+    /// text (TTFT), which the response phases of the ext_proc layout can delay.
+    #[arg(long)]
+    stream: bool,
+    /// Output tokens per request (`max_tokens`).
+    #[arg(long, default_value_t = 1)]
+    max_tokens: u32,
     /// Another kvroute Envoy config to measure in the same run (path relative to the workspace
     /// root, e.g. deploy/envoy/envoy-full-duplex.yaml); repeatable.
     #[arg(long)]
@@ -111,7 +119,8 @@ async fn main() -> Result<()> {
     let started = Instant::now();
     for i in 0..total {
         let body = serde_json::to_vec(&serde_json::json!({
-            "model": model, "prompt": prompt(i % args.groups, i, args.prompt_words), "max_tokens": 1,
+            "model": model, "prompt": prompt(i % args.groups, i, args.prompt_words),
+            "max_tokens": args.max_tokens, "stream": args.stream,
         }))?;
         // Rotate which gateway goes first so none always gets the same slot of the period.
         for k in 0..n {
@@ -128,7 +137,8 @@ async fn main() -> Result<()> {
         match t.await? {
             Ok(o) if o.status == 200 => {
                 if i >= args.warmup {
-                    lat[g].saturating_record(o.latency.as_micros().try_into().unwrap_or(u64::MAX));
+                    let t = if args.stream { o.ttft.unwrap_or(o.latency) } else { o.latency };
+                    lat[g].saturating_record(t.as_micros().try_into().unwrap_or(u64::MAX));
                 }
             }
             Ok(o) => {
@@ -143,13 +153,18 @@ async fn main() -> Result<()> {
     }
     let wall = started.elapsed();
     println!(
-        "{} requests per gateway at {} req/s each ({} warm-up not counted), prompts ≈ {} tokens, {} engines, {:.1} s",
+        "{} requests per gateway at {} req/s each ({} warm-up not counted), prompts ≈ {} tokens, {} engines, {:.1} s; {}",
         total,
         args.rate,
         args.warmup,
         args.prompt_words * 13 / 10,
         args.engines,
-        wall.as_secs_f64()
+        wall.as_secs_f64(),
+        if args.stream {
+            format!("streamed, {} output tokens, latency = time to first text chunk", args.max_tokens)
+        } else {
+            format!("not streamed, {} output tokens, latency = whole response", args.max_tokens)
+        }
     );
     let mut p = vec![[0.0; 3]; n];
     for g in 0..n {
