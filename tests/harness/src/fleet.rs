@@ -514,6 +514,11 @@ impl Fleet {
         self.agents.get(a).and_then(ManagedProcess::pid)
     }
 
+    /// OS process id of picker replica `r`, if running.
+    pub fn picker_pid(&self, r: usize) -> Option<u32> {
+        self.pickers.get(r).and_then(Option::as_ref).and_then(ManagedProcess::pid)
+    }
+
     /// The tail of agent `a`'s log, for failure messages.
     pub fn agent_log_tail(&self, a: usize, n: usize) -> String {
         self.agents.get(a).map(|p| p.log_tail(n)).unwrap_or_default()

@@ -72,6 +72,24 @@ fn histogram() -> Result<Histogram<u64>> {
     Ok(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)
 }
 
+/// CPU seconds (user + system) process `pid` has used, from `/proc/<pid>/stat`; `None` where
+/// that is unreadable (not Linux, process gone).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start after its closing parenthesis;
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after it.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut f = rest.split_ascii_whitespace().skip(11);
+    let ticks = f.next()?.parse::<f64>().ok()? + f.next()?.parse::<f64>().ok()?;
+    let hz: f64 = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())?;
+    (hz > 0.0).then(|| ticks / hz)
+}
+
 /// The `q`-quantile of `h` in ms; NaN when empty.
 fn quantile_ms(h: &Histogram<u64>, q: f64) -> f64 {
     if h.is_empty() { f64::NAN } else { h.value_at_quantile(q) as f64 / 1e3 }
@@ -110,6 +128,20 @@ async fn main() -> Result<()> {
         gateways.push((format!("{name}+picker"), GatewayClient::new(url.clone())?));
     }
     let n = gateways.len();
+    // The picker's CPU over the run (its decisions, and everything else it does meanwhile: agent
+    // streams, index, metrics), for its sustained decisions per CPU-second.
+    // Its CPU with no request first (agent streams, index, probes): subtracted, so what remains
+    // is what the decisions cost.
+    let picker_pid = fleet.picker_pid(0);
+    const IDLE: Duration = Duration::from_secs(5);
+    let idle_before = picker_pid.and_then(cpu_seconds);
+    tokio::time::sleep(IDLE).await;
+    let idle_cpu_per_s = match (idle_before, picker_pid.and_then(cpu_seconds)) {
+        (Some(a), Some(b)) => Some((b - a) / IDLE.as_secs_f64()),
+        _ => None,
+    };
+    let cpu_before = picker_pid.and_then(cpu_seconds);
+    let decisions_before = decisions(&fleet.picker_metrics().await?);
 
     let total = args.warmup + (args.rate * args.duration_s as f64).round() as usize;
     let period = Duration::from_secs_f64(1.0 / args.rate);
@@ -203,6 +235,19 @@ async fn main() -> Result<()> {
     }
     // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.
     let metrics = fleet.picker_metrics().await?;
+    if let (Some(before), Some(after), Some(d0), Some(d1), Some(idle)) =
+        (cpu_before, picker_pid.and_then(cpu_seconds), decisions_before, decisions(&metrics), idle_cpu_per_s)
+        && d1 > d0
+    {
+        let (cpu, made, secs) = (after - before, d1 - d0, wall.as_secs_f64());
+        let marginal = (cpu - idle * secs).max(0.0);
+        println!(
+            "picker CPU: {cpu:.2} s over {secs:.1} s for {made:.0} decisions ({:.1} % of a core idle before the load): {:.0} µs of CPU per decision above idle, so one core sustains ≈ {:.0} decisions/s",
+            idle * 100.0,
+            marginal / made * 1e6,
+            if marginal > 0.0 { made / marginal } else { f64::INFINITY },
+        );
+    }
     let value = |name: &str| -> Option<f64> {
         metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
     };
@@ -213,4 +258,9 @@ async fn main() -> Result<()> {
     }
     println!("logs: {}", fleet.work.display());
     Ok(())
+}
+
+/// `epp_decision_latency_us_count` from the picker's metrics text.
+fn decisions(metrics: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| l.strip_prefix("epp_decision_latency_us_count ").and_then(|v| v.trim().parse().ok()))
 }
