@@ -78,6 +78,17 @@ struct Args {
     /// Skip SMG (kvroute and round robin only).
     #[arg(long)]
     no_smg: bool,
+    /// Picker replicas behind the kvroute Envoy (it spreads ext_proc streams over them, as
+    /// deploy/ ships 3).
+    #[arg(long, default_value_t = 1)]
+    pickers: usize,
+    /// Independent SMG processes, each told every engine; requests go to them in turn (as a
+    /// Service spreads clients over router replicas). Each knows only its own routing.
+    #[arg(long, default_value_t = 1)]
+    smg_replicas: usize,
+    /// Skip the round-robin run.
+    #[arg(long)]
+    no_rr: bool,
     /// Also run a second fleet whose picker runs in approximate mode.
     #[arg(long)]
     approximate: bool,
@@ -95,10 +106,12 @@ struct Sample {
     served_by: Option<String>,
 }
 
-/// Sends the whole stream to `gateway`: one task per conversation, each turn at its scheduled
-/// time or once the previous reply is in, whichever is later.
-async fn drive(gateway: &str, model: &str, w: &Workload, a: &Args) -> Result<Vec<Sample>> {
-    let client = Arc::new(GatewayClient::new(gateway)?);
+/// Sends the whole stream to `gateways` (requests to each in turn): one task per conversation,
+/// each turn at its scheduled time or once the previous reply is in, whichever is later.
+async fn drive(gateways: &[String], model: &str, w: &Workload, a: &Args) -> Result<Vec<Sample>> {
+    let clients: Arc<Vec<GatewayClient>> =
+        Arc::new(gateways.iter().map(|g| GatewayClient::new(g.as_str())).collect::<Result<_>>()?);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let replies = w.synthetic_replies(a.seed, a.reply_words);
     let mut per_conversation: BTreeMap<usize, Vec<(f64, usize)>> = BTreeMap::new();
     for s in w.open_loop_schedule(a.seed, a.rate) {
@@ -109,11 +122,12 @@ async fn drive(gateway: &str, model: &str, w: &Workload, a: &Args) -> Result<Vec
     for (c, turns) in per_conversation {
         let conversation = w.conversations[c].clone();
         let bodies: Vec<_> = turns.iter().map(|&(at, t)| (at, t, w.messages(&conversation, t, &replies[c]))).collect();
-        let (client, model, max_tokens) = (client.clone(), model.to_string(), a.max_tokens);
+        let (clients, next, model, max_tokens) = (clients.clone(), next.clone(), model.to_string(), a.max_tokens);
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             for (at, turn, messages) in bodies {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+                let client = &clients[next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % clients.len()];
                 let o = client.chat(&model, &messages, max_tokens).await.unwrap_or_default();
                 out.push(Sample {
                     group: conversation.system_prompt,
@@ -252,6 +266,7 @@ fn fleet_spec(a: &Args, label: &str) -> FleetSpec {
         max_num_seqs: a.max_num_seqs,
         max_num_partial_prefills: a.max_num_partial_prefills,
         picker_log_level: "warn".into(),
+        picker_replicas: a.pickers,
         ..FleetSpec::default()
     }
 }
@@ -262,18 +277,21 @@ async fn main() -> Result<()> {
     if !(a.rate.is_finite() && a.rate > 0.0) {
         bail!("--rate must be positive, got {}", a.rate);
     }
+    if a.pickers == 0 || a.smg_replicas == 0 {
+        bail!("--pickers and --smg-replicas must be at least 1");
+    }
     let smg = a.smg.clone().unwrap_or_else(|| paths::repo_root().join(".tools/smg/bin/smg"));
     if !a.no_smg && !smg.exists() {
         bail!("{} not found: run scripts/install-smg (or pass --smg, or --no-smg)", smg.display());
     }
     let w = Workload::multi_turn_chat(a.seed, a.groups, a.users, a.turns, a.system_words, a.user_words);
-    let spec = FleetSpec { round_robin_baseline: true, ..fleet_spec(&a, "chat-bench") };
+    let spec = FleetSpec { round_robin_baseline: !a.no_rr, ..fleet_spec(&a, "chat-bench") };
     let model = spec.model.clone();
     eprintln!("starting {} engines, agents, picker and Envoys ...", a.engines);
     let fleet = Fleet::start(spec).await?;
     let mut runs: Vec<(&str, Vec<Sample>)> = Vec::new();
     eprintln!("kvroute ...");
-    runs.push(("Envoy + kvroute", drive(&fleet.gateway, &model, &w, &a).await?));
+    runs.push(("Envoy + kvroute", drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?));
     // The picker's own account of its decisions in that run (docs/design.md §4: pile guard,
     // pending credit withheld, stale cache routing), to explain where groups spread.
     let metrics = fleet.picker_metrics().await.unwrap_or_default();
@@ -293,21 +311,33 @@ async fn main() -> Result<()> {
     eprintln!("kvroute picker counters: {}", counters.join("; "));
     if !a.no_smg {
         fleet.reset_prefix_caches().await?;
-        let (mut proc, base) = start_smg(&smg, &fleet.engines, &a.smg_arg, &fleet.work).await?;
-        eprintln!("SMG ...");
-        let samples = drive(&base, &model, &w, &a).await;
-        proc.kill().await;
+        let (mut procs, mut bases) = (Vec::new(), Vec::new());
+        for _ in 0..a.smg_replicas {
+            let (proc, base) = start_smg(&smg, &fleet.engines, &a.smg_arg, &fleet.work).await?;
+            procs.push(proc);
+            bases.push(base);
+        }
+        eprintln!("SMG ({} replicas) ...", a.smg_replicas);
+        let samples = drive(&bases, &model, &w, &a).await;
+        for mut p in procs {
+            p.kill().await;
+        }
         runs.push(("SMG cache_aware", samples.context("SMG run")?));
     }
-    fleet.reset_prefix_caches().await?;
-    eprintln!("round robin ...");
-    let rr = fleet.round_robin_gateway.clone().context("round-robin gateway")?;
-    runs.push(("Envoy round robin", drive(&rr, &model, &w, &a).await?));
+    if !a.no_rr {
+        fleet.reset_prefix_caches().await?;
+        eprintln!("round robin ...");
+        let rr = fleet.round_robin_gateway.clone().context("round-robin gateway")?;
+        runs.push(("Envoy round robin", drive(&[rr], &model, &w, &a).await?));
+    }
     fleet.shutdown().await;
     if a.approximate {
         eprintln!("starting a second fleet whose picker runs in approximate mode ...");
         let fleet = Fleet::start(FleetSpec { picker_approximate: true, ..fleet_spec(&a, "chat-bench-approx") }).await?;
-        runs.push(("Envoy + kvroute, approximate mode", drive(&fleet.gateway, &model, &w, &a).await?));
+        runs.push((
+            "Envoy + kvroute, approximate mode",
+            drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?,
+        ));
         fleet.shutdown().await;
     }
 
@@ -315,7 +345,7 @@ async fn main() -> Result<()> {
     println!(
         "multi-turn chat, seed {}: {} system prompts × {} words, {} conversations each × {} turns ({} + {} words per turn), \
          {} output tokens, {} req/s Poisson; {} engines × {} KV blocks (working set ≈ {:.1}× the fleet's at 1.1 tokens per word), \
-         max {} running and {} prefilling each, time scale {}\n",
+         max {} running and {} prefilling each, time scale {}; {} picker replica(s), {} SMG replica(s)\n",
         a.seed,
         a.groups,
         a.system_words,
@@ -330,7 +360,9 @@ async fn main() -> Result<()> {
         words as f64 * 1.1 / (f64::from(a.num_gpu_blocks) * 16.0 * a.engines as f64),
         a.max_num_seqs,
         a.max_num_partial_prefills,
-        a.time_scale
+        a.time_scale,
+        a.pickers,
+        a.smg_replicas
     );
     println!("| router | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
