@@ -86,6 +86,10 @@ struct Args {
     /// Service spreads clients over router replicas). Each knows only its own routing.
     #[arg(long, default_value_t = 1)]
     smg_replicas: usize,
+    /// Join the SMG replicas in SMG's mesh (`--enable-mesh`, each told the others as
+    /// `--mesh-peer-urls`), its HA coordination between routers.
+    #[arg(long)]
+    smg_mesh: bool,
     /// Skip the round-robin run.
     #[arg(long)]
     no_rr: bool,
@@ -312,12 +316,24 @@ async fn main() -> Result<()> {
     if !a.no_smg {
         fleet.reset_prefix_caches().await?;
         let (mut procs, mut bases) = (Vec::new(), Vec::new());
-        for _ in 0..a.smg_replicas {
-            let (proc, base) = start_smg(&smg, &fleet.engines, &a.smg_arg, &fleet.work).await?;
+        let mesh_ports: Vec<u16> = if a.smg_mesh {
+            (0..a.smg_replicas).map(|_| paths::free_port()).collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
+        for i in 0..a.smg_replicas {
+            let mut extra = a.smg_arg.clone();
+            if let Some(port) = mesh_ports.get(i) {
+                extra.extend(["--enable-mesh".into(), "--mesh-host".into(), "127.0.0.1".into()]);
+                extra.extend(["--mesh-port".into(), port.to_string(), "--mesh-server-name".into(), format!("smg-{i}")]);
+                extra.push("--mesh-peer-urls".into());
+                extra.extend(mesh_ports.iter().filter(|p| *p != port).map(|p| format!("127.0.0.1:{p}")));
+            }
+            let (proc, base) = start_smg(&smg, &fleet.engines, &extra, &fleet.work).await?;
             procs.push(proc);
             bases.push(base);
         }
-        eprintln!("SMG ({} replicas) ...", a.smg_replicas);
+        eprintln!("SMG ({} replicas{}) ...", a.smg_replicas, if a.smg_mesh { ", mesh" } else { "" });
         let samples = drive(&bases, &model, &w, &a).await;
         for mut p in procs {
             p.kill().await;
@@ -345,7 +361,7 @@ async fn main() -> Result<()> {
     println!(
         "multi-turn chat, seed {}: {} system prompts × {} words, {} conversations each × {} turns ({} + {} words per turn), \
          {} output tokens, {} req/s Poisson; {} engines × {} KV blocks (working set ≈ {:.1}× the fleet's at 1.1 tokens per word), \
-         max {} running and {} prefilling each, time scale {}; {} picker replica(s), {} SMG replica(s)\n",
+         max {} running and {} prefilling each, time scale {}; {} picker replica(s), {} SMG replica(s){}\n",
         a.seed,
         a.groups,
         a.system_words,
@@ -362,7 +378,8 @@ async fn main() -> Result<()> {
         a.max_num_partial_prefills,
         a.time_scale,
         a.pickers,
-        a.smg_replicas
+        a.smg_replicas,
+        if a.smg_mesh { " in SMG's mesh" } else { "" }
     );
     println!("| router | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
