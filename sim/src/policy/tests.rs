@@ -13,6 +13,7 @@ fn req(id: usize, base: u64, n: u64) -> SimRequest {
         output_tokens: 1,
         adapter: None,
         session: None,
+        group: None,
         stage: 0,
         direct: false,
         blocks: (0..n).map(|i| BlockHash(base * 10_000 + i)).collect(),
