@@ -97,6 +97,10 @@ struct Args {
     /// router, pod, session, stage, prompt and cached tokens, TTFT, finish).
     #[arg(long)]
     dump_requests: bool,
+    /// Also write every kvroute decision, with its best candidates' factors, to
+    /// `<out>/<workload>-<policy>-seed<N>-decisions.csv` (see `policy::DECISIONS_CSV_HEADER`).
+    #[arg(long)]
+    dump_decisions: bool,
     /// Where tables (`tables.md`, `summary.md`) and charts go.
     #[arg(long, default_value = "target/sim")]
     out: PathBuf,
@@ -223,11 +227,19 @@ fn main() -> anyhow::Result<()> {
                             seed: seed.wrapping_mul(1000) + r as u64,
                             shared_view: !a.independent_replicas,
                             scoring_overlay: overlay.clone(),
+                            record_decisions: a.dump_decisions,
                         };
                         policy::build(p, cfg.pods, &opts)
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 let run = sim::run(w, &mut replicas, &cfg, Some(&pb))?;
+                let decisions: Vec<String> = replicas.iter_mut().flat_map(|r| r.take_decisions()).collect();
+                if a.dump_decisions && !decisions.is_empty() {
+                    let path = a.out.join(format!("{}-{p}-seed{seed}-decisions.csv", w.name));
+                    let text =
+                        std::iter::once(policy::DECISIONS_CSV_HEADER.to_string()).chain(decisions).collect::<String>();
+                    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+                }
                 if a.dump_requests {
                     let path = a.out.join(format!("{}-{p}-seed{seed}.csv", w.name));
                     std::fs::write(&path, report::outcomes_csv(&run))
