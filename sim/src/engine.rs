@@ -571,6 +571,7 @@ mod tests {
             output_tokens,
             adapter: None,
             session: None,
+            group: None,
             stage: 0,
             direct: false,
             blocks: chain(base, u64::from(prompt_tokens) / 16),

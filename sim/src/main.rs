@@ -17,6 +17,8 @@ use kvroute_sim::{policy, report, sim};
 /// Workloads before December 2026 (`classic`) and the December ones (`december`).
 const CLASSIC: [&str; 5] = ["shared-prefix", "chat", "herd", "lora", "zipf"];
 const DECEMBER: [&str; 5] = ["w1", "w2", "pressure", "cold-start", "llm-d"];
+/// Workloads added for issue 16's end-to-end findings (`all` includes them).
+const ISSUE16: [&str; 1] = ["chat-groups"];
 /// llm-d's shape: rates rising past the cache-aware policies' saturation (random's is ≈ 6 req/s).
 const LLMD_RATES: [f64; 7] = [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0];
 
@@ -24,8 +26,8 @@ const LLMD_RATES: [f64; 7] = [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0];
 #[command(version = kvroute_cli::LONG_VERSION, name = "kvroute-sim", about = "Discrete-event routing-quality simulation on kvroute's real router")]
 struct Args {
     /// Workloads, comma-separated: shared-prefix, chat, herd, lora, zipf (`classic`), w1, w2,
-    /// pressure, cold-start, llm-d (`december`, docs/design.md §10), `all`, or `none` (only the
-    /// `--trace` files).
+    /// pressure, cold-start, llm-d (`december`, docs/design.md §10), chat-groups (the end-to-end
+    /// chat benchmark's stream and fleet), `all`, or `none` (only the `--trace` files).
     #[arg(long, default_value = "all", value_delimiter = ',')]
     workload: Vec<String>,
     /// JSONL trace files to run as extra workloads (see workload::trace for the format).
@@ -34,9 +36,9 @@ struct Args {
     /// Policies, comma-separated, or `all`.
     #[arg(long, default_value = "all", value_delimiter = ',')]
     policies: Vec<String>,
-    /// Pods in the fleet.
-    #[arg(long, default_value_t = 8)]
-    pods: usize,
+    /// Pods in the fleet. Default: the workload's (chat-groups: 4), else 8.
+    #[arg(long)]
+    pods: Option<usize>,
     /// Engine cost model: 8b or 70b (docs/design.md §4: 0.9 s / 8.2 s prefill per 4096 tokens on A100).
     #[arg(long, default_value = "8b")]
     model: String,
@@ -70,9 +72,10 @@ struct Args {
     /// (GIE's default 31 250 ≈ 500k tokens; never told of evictions).
     #[arg(long, default_value_t = policy::GIE_CAPACITY_BLOCKS)]
     approx_capacity_blocks: usize,
-    /// Requests running at once per pod (vLLM `max_num_seqs`).
-    #[arg(long, default_value_t = 256)]
-    max_num_seqs: usize,
+    /// Requests running at once per pod (vLLM `max_num_seqs`). Default: the workload's
+    /// (chat-groups: 16), else 256.
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
     /// Tokens per engine step (vLLM `max_num_batched_tokens`, chunked prefill).
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
@@ -80,7 +83,8 @@ struct Args {
     #[arg(long, default_value_t = 20)]
     report_delay_ms: u64,
     /// Stage rates of shared-prefix and llm-d, req/s (rising). Default 2,4,6,8,10 (shared-prefix)
-    /// and 4,8,…,28 (llm-d: to the cache-aware policies' saturation).
+    /// and 4,8,…,28 (llm-d: to the cache-aware policies' saturation). chat-groups takes the
+    /// first (default 12, the end-to-end benchmark's near-saturation rate).
     #[arg(long, value_delimiter = ',')]
     rates: Vec<f64>,
     /// Stage length of shared-prefix and llm-d, simulated seconds.
@@ -93,6 +97,10 @@ struct Args {
     /// router, pod, session, stage, prompt and cached tokens, TTFT, finish).
     #[arg(long)]
     dump_requests: bool,
+    /// Also write every kvroute decision, with its best candidates' factors, to
+    /// `<out>/<workload>-<policy>-seed<N>-decisions.csv` (see `policy::DECISIONS_CSV_HEADER`).
+    #[arg(long)]
+    dump_decisions: bool,
     /// Where tables (`tables.md`, `summary.md`) and charts go.
     #[arg(long, default_value = "target/sim")]
     out: PathBuf,
@@ -102,15 +110,18 @@ fn workloads(a: &Args, seed: u64) -> anyhow::Result<Vec<Workload>> {
     let mut names: Vec<&str> = Vec::new();
     for w in &a.workload {
         match w.as_str() {
-            "all" => names.extend(CLASSIC.iter().chain(DECEMBER.iter())),
+            "all" => names.extend(CLASSIC.iter().chain(DECEMBER.iter()).chain(ISSUE16.iter())),
             "classic" => names.extend(CLASSIC),
             "december" => names.extend(DECEMBER),
             "none" => {}
-            other if CLASSIC.contains(&other) || DECEMBER.contains(&other) => names.push(other),
+            other if CLASSIC.contains(&other) || DECEMBER.contains(&other) || ISSUE16.contains(&other) => {
+                names.push(other)
+            }
             other => anyhow::bail!(
-                "unknown workload '{other}': use {}, {}, classic, december, all or none (traces via --trace)",
+                "unknown workload '{other}': use {}, {}, {}, classic, december, all or none (traces via --trace)",
                 CLASSIC.join(", "),
-                DECEMBER.join(", ")
+                DECEMBER.join(", "),
+                ISSUE16.join(", ")
             ),
         }
     }
@@ -136,6 +147,7 @@ fn workloads(a: &Args, seed: u64) -> anyhow::Result<Vec<Workload>> {
             "w2" => workload::w2(seed, 16),
             "pressure" => workload::pressure(seed, 16),
             "cold-start" => workload::cold_start(seed, 16),
+            "chat-groups" => workload::chat_groups(a.rates.first().copied().unwrap_or(12.0), seed, 16),
             _ => workload::llmd(&workload::staged(&rates(&LLMD_RATES), a.stage_s), seed, 16),
         });
     }
@@ -152,7 +164,6 @@ fn main() -> anyhow::Result<()> {
         "70b" => CostModel::llama_70b(),
         m => anyhow::bail!("unknown --model '{m}': use 8b or 70b"),
     };
-    cost.max_batch = a.max_num_seqs;
     cost.max_num_batched_tokens = a.max_num_batched_tokens;
     if !(0.0..=1.0).contains(&a.direct_share) {
         anyhow::bail!("--direct-share must be in [0, 1], got {}", a.direct_share);
@@ -195,8 +206,9 @@ fn main() -> anyhow::Result<()> {
             let routers = a.routers.or(w.fleet.routers).unwrap_or(1).max(1);
             let mut c = cost.clone();
             c.kv_capacity_blocks = kv_tokens / 16;
+            c.max_batch = a.max_num_seqs.or(w.fleet.max_num_seqs).unwrap_or(256).max(1);
             let cfg = SimConfig {
-                pods: a.pods,
+                pods: a.pods.or(w.fleet.pods).unwrap_or(8).max(1),
                 cost: c,
                 report_delay_us: a.report_delay_ms * 1000,
                 peer_delay_us: (a.peer_delay_ms * 1000.0) as u64,
@@ -215,11 +227,19 @@ fn main() -> anyhow::Result<()> {
                             seed: seed.wrapping_mul(1000) + r as u64,
                             shared_view: !a.independent_replicas,
                             scoring_overlay: overlay.clone(),
+                            record_decisions: a.dump_decisions,
                         };
                         policy::build(p, cfg.pods, &opts)
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 let run = sim::run(w, &mut replicas, &cfg, Some(&pb))?;
+                let decisions: Vec<String> = replicas.iter_mut().flat_map(|r| r.take_decisions()).collect();
+                if a.dump_decisions && !decisions.is_empty() {
+                    let path = a.out.join(format!("{}-{p}-seed{seed}-decisions.csv", w.name));
+                    let text =
+                        std::iter::once(policy::DECISIONS_CSV_HEADER.to_string()).chain(decisions).collect::<String>();
+                    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+                }
                 if a.dump_requests {
                     let path = a.out.join(format!("{}-{p}-seed{seed}.csv", w.name));
                     std::fs::write(&path, report::outcomes_csv(&run))
@@ -228,8 +248,9 @@ fn main() -> anyhow::Result<()> {
                 rows.push(report::summarize(&run, w.stages.len()));
             }
             let fleet = format!(
-                "Seed {seed}; {} pods × {kv_tokens} KV tokens, {routers} router replica{}{}{}.\n\n",
+                "Seed {seed}; {} pods × {kv_tokens} KV tokens, {} running per pod, {routers} router replica{}{}{}.\n\n",
                 cfg.pods,
+                cfg.cost.max_batch,
                 if routers == 1 { "" } else { "s" },
                 if a.direct_share > 0.0 {
                     format!(", {:.0} % of requests straight to pods", a.direct_share * 100.0)

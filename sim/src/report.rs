@@ -11,7 +11,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::SimError;
-use crate::sim::RunResult;
+use crate::sim::{Outcome, RunResult};
 use crate::workload::Workload;
 
 /// One policy's figures on one workload.
@@ -41,6 +41,44 @@ pub struct Summary {
     pub stage_p90_s: Vec<f64>,
     /// Preemptions over the whole run (all requests).
     pub preemptions: u64,
+    /// Where the workload has prefix groups (`chat-groups`): the groups' measured requests as
+    /// [`GroupPlacement`]; `None` otherwise.
+    pub groups: Option<GroupPlacement>,
+}
+
+/// How a policy placed a workload's prefix groups (measured requests only).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupPlacement {
+    /// Mean over groups of the distinct pods that served the group (1.0: every group on one pod).
+    pub engines_per_group: f64,
+    /// Requests served on a pod other than their group's home (the pod that served most of the
+    /// group's requests; ties: the lower pod index).
+    pub away_from_home: usize,
+}
+
+/// [`GroupPlacement`] of the outcomes that carry a group; `None` when none does.
+pub fn group_placement<'a>(outcomes: impl Iterator<Item = &'a Outcome>) -> Option<GroupPlacement> {
+    let mut per_group: std::collections::BTreeMap<u64, std::collections::BTreeMap<usize, usize>> =
+        std::collections::BTreeMap::new();
+    for o in outcomes {
+        if let Some(g) = o.group {
+            *per_group.entry(g).or_default().entry(o.pod).or_default() += 1;
+        }
+    }
+    if per_group.is_empty() {
+        return None;
+    }
+    let engines: usize = per_group.values().map(|m| m.len()).sum();
+    let away: usize = per_group
+        .values()
+        .map(|m| {
+            let total: usize = m.values().sum();
+            // max_by_key keeps the last maximum: iterate in reverse so the lowest pod index wins.
+            let home = m.iter().rev().max_by_key(|(_, n)| **n).map_or(0, |(_, n)| *n);
+            total - home
+        })
+        .sum();
+    Some(GroupPlacement { engines_per_group: engines as f64 / per_group.len() as f64, away_from_home: away })
 }
 
 /// Nearest-rank percentile of sorted `v` (`q` in [0,1]); 0 when empty.
@@ -88,6 +126,7 @@ pub fn summarize(run: &RunResult, stages: usize) -> Summary {
         stage_p50_s: (0..stages.max(1)).map(|s| stage(s, 0.5)).collect(),
         stage_p90_s: (0..stages.max(1)).map(|s| stage(s, 0.9)).collect(),
         preemptions: run.preemptions,
+        groups: group_placement(o.iter().copied()),
     }
 }
 
@@ -123,6 +162,15 @@ pub fn table(workload: &Workload, rows: &[Summary]) -> String {
             r.load_spread,
             r.preemptions
         );
+    }
+    if rows.iter().any(|r| r.groups.is_some()) {
+        let _ = writeln!(s, "\nPrefix groups (a group's home: the pod that served most of its requests):\n");
+        let _ = writeln!(s, "| policy | engines per group | requests away from home |\n| --- | ---: | ---: |");
+        for r in rows {
+            if let Some(g) = r.groups {
+                let _ = writeln!(s, "| {} | {:.2} | {} |", r.policy, g.engines_per_group, g.away_from_home);
+            }
+        }
     }
     if workload.stages.len() > 1 {
         let _ = writeln!(s, "\nTTFT p90 (s) per stage:\n");
@@ -180,6 +228,25 @@ pub fn seeds_table(workload: &Workload, seeds: &[u64], runs: &[Vec<Summary>]) ->
             col(&|x| format!("{:.3}", x.ttft_p99_s)),
             col(&|x| x.preemptions.to_string()),
         );
+    }
+    if first.iter().any(|r| r.groups.is_some()) {
+        let _ = writeln!(
+            s,
+            "\nPrefix groups, seeds {seed_list} (a group's home: the pod that served most of its requests):\n"
+        );
+        let _ = writeln!(s, "| policy | engines per group | requests away from home |\n| --- | ---: | ---: |");
+        for (i, r) in first.iter().enumerate() {
+            let group = |f: &dyn Fn(&GroupPlacement) -> String| {
+                slash(runs.iter().filter_map(|run| run.get(i)).map(|x| x.groups.as_ref().map_or_else(String::new, f)))
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} |",
+                r.policy,
+                group(&|g| format!("{:.2}", g.engines_per_group)),
+                group(&|g| g.away_from_home.to_string())
+            );
+        }
     }
     if workload.stages.iter().filter(|st| !st.warmup).count() > 1 {
         let _ = writeln!(s, "\nTTFT p90 (s) per stage, seeds {seed_list}:\n");
@@ -488,5 +555,27 @@ mod tests {
         assert_eq!(percentile(&v, 0.99), 99);
         assert_eq!(percentile(&[7], 0.99), 7);
         assert_eq!(percentile(&[], 0.5), 0);
+    }
+
+    #[test]
+    fn group_placement_counts_engines_and_requests_away_from_home() {
+        let o = |group: Option<u64>, pod: usize| Outcome { group, pod, ..Outcome::default() };
+        // Group 1: 3 requests on pod 2, 1 on pod 0; group 2: 2 on pod 1 and 2 on pod 3 (a tie).
+        let outcomes = [
+            o(Some(1), 2),
+            o(Some(1), 0),
+            o(Some(1), 2),
+            o(Some(1), 2),
+            o(Some(2), 1),
+            o(Some(2), 3),
+            o(Some(2), 3),
+            o(Some(2), 1),
+            o(None, 0),
+        ];
+        let g = group_placement(outcomes.iter());
+        assert_eq!(g, Some(GroupPlacement { engines_per_group: 2.0, away_from_home: 3 }));
+        let one_pod = [o(Some(5), 1), o(Some(5), 1)];
+        assert_eq!(group_placement(one_pod.iter()), Some(GroupPlacement { engines_per_group: 1.0, away_from_home: 0 }));
+        assert_eq!(group_placement([o(None, 0)].iter()), None);
     }
 }

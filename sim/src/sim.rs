@@ -97,6 +97,8 @@ pub struct Outcome {
     pub warmup: bool,
     /// Conversation id, if any.
     pub session: Option<u64>,
+    /// Prefix group (system prompt), if the workload has groups.
+    pub group: Option<u64>,
 }
 
 impl Outcome {
@@ -235,6 +237,7 @@ pub fn run(
             stage: r.stage,
             warmup: workload.stages.get(r.stage).is_some_and(|s| s.warmup),
             session: r.session,
+            group: r.group,
             ..Outcome::default()
         };
         l.at(r.arrival_us, Ev::Arrival(r.id));

@@ -58,6 +58,9 @@ pub struct SimRequest {
     pub adapter: Option<String>,
     /// Conversation id (multi-turn chat), if any.
     pub session: Option<u64>,
+    /// Group whose shared prefix (system prompt) it starts with, where a workload has groups
+    /// (`chat-groups`): the report counts the engines each group is served by.
+    pub group: Option<u64>,
     /// Load stage the request belongs to (index into [`Workload::stages`]).
     pub stage: usize,
     /// Sent straight to a pod, past the routers (set by the simulation's `direct_share`).
@@ -98,6 +101,10 @@ pub struct Fleet {
     pub kv_tokens: Option<usize>,
     /// Router (picker) replicas.
     pub routers: Option<usize>,
+    /// Pods (engines).
+    pub pods: Option<usize>,
+    /// Requests each pod runs at once (vLLM `max_num_seqs`).
+    pub max_num_seqs: Option<usize>,
 }
 
 /// A named list of requests sorted by arrival.
@@ -237,6 +244,7 @@ struct Draft {
     output_tokens: u32,
     adapter: Option<String>,
     session: Option<u64>,
+    group: Option<u64>,
     stage: usize,
 }
 
@@ -255,6 +263,7 @@ fn finish(name: &str, description: String, stages: Vec<Stage>, mut drafts: Vec<D
             text_blocks: cb.text_chain(d.adapter.as_deref(), &d.segments),
             adapter: d.adapter,
             session: d.session,
+            group: d.group,
             stage: d.stage,
             direct: false,
         })
@@ -329,6 +338,7 @@ fn shared_prefix_named(name: &str, cfg: &SharedPrefixConfig, seed: u64, block_si
                 output_tokens: cfg.output_tokens,
                 adapter: None,
                 session: None,
+                group: None,
                 stage,
             });
             t += exp_gap_us(&mut rng, st.rate_rps);
@@ -409,6 +419,7 @@ pub fn chat_with(name: &str, cfg: &ChatConfig, seed: u64, block_size: usize) -> 
                 output_tokens: answer,
                 adapter: None,
                 session: Some(s),
+                group: None,
                 stage: usize::from(warm && at >= warmup_us),
             });
             segments.push(Segment { id: 5 << 48 | s << 8 | k, tokens: answer });
@@ -439,7 +450,7 @@ pub fn w1(seed: u64, block_size: usize) -> Workload {
         ..SharedPrefixConfig::default()
     };
     let mut w = shared_prefix_named("w1", &cfg, seed, block_size);
-    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(3) };
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(3), ..Fleet::default() };
     w.description.push_str("; 307 328 KV tokens per pod, 3 router replicas");
     w
 }
@@ -453,7 +464,7 @@ pub const W1_KV_TOKENS: usize = 307_328;
 pub fn w2(seed: u64, block_size: usize) -> Workload {
     let cfg = ChatConfig { system_tokens: 6000, warmup_s: 30.0, ..ChatConfig::default() };
     let mut w = chat_with("w2", &cfg, seed, block_size);
-    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(1) };
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(1), ..Fleet::default() };
     w.description.push_str("; 307 328 KV tokens per pod, one router");
     w
 }
@@ -463,7 +474,7 @@ pub fn w2(seed: u64, block_size: usize) -> Workload {
 pub fn pressure(seed: u64, block_size: usize) -> Workload {
     let mut w = w1(seed, block_size);
     w.name = "pressure".into();
-    w.fleet = Fleet { kv_tokens: Some(100_000), routers: Some(1) };
+    w.fleet = Fleet { kv_tokens: Some(100_000), routers: Some(1), ..Fleet::default() };
     w.description =
         w.description.replace("307 328 KV tokens per pod, 3 router replicas", "100 000 KV tokens per pod, one router");
     w
@@ -474,7 +485,7 @@ pub fn pressure(seed: u64, block_size: usize) -> Workload {
 pub fn cold_start(seed: u64, block_size: usize) -> Workload {
     let cfg = SharedPrefixConfig { stages: vec![Stage::measured(15.0, 120.0)], ..SharedPrefixConfig::default() };
     let mut w = shared_prefix_named("cold-start", &cfg, seed, block_size);
-    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(3) };
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(3), ..Fleet::default() };
     w.description.push_str("; empty caches, no warm-up; 307 328 KV tokens per pod, 3 router replicas");
     w
 }
@@ -484,8 +495,91 @@ pub fn cold_start(seed: u64, block_size: usize) -> Workload {
 pub fn llmd(stages: &[Stage], seed: u64, block_size: usize) -> Workload {
     let cfg = SharedPrefixConfig { output_tokens: 1000, stages: stages.to_vec(), ..SharedPrefixConfig::default() };
     let mut w = shared_prefix_named("llm-d", &cfg, seed, block_size);
-    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(1) };
+    w.fleet = Fleet { kv_tokens: Some(W1_KV_TOKENS), routers: Some(1), ..Fleet::default() };
     w.description.push_str("; 307 328 KV tokens per pod (working set 73 % of the fleet's), one router");
+    w
+}
+
+/// `chat-groups`: docs/benchmarks.md's end-to-end chat benchmark against SMG
+/// (`tests/harness/src/bin/chat-bench.rs`) in the simulator: `groups` system prompts of
+/// `system_tokens` (1 400 words ≈ 1 540 tokens), `users` conversations each, `turns` turns of
+/// `turn_tokens` user message (100 words ≈ 110 tokens) whose answer (as long) is part of the
+/// next turn's prompt; 16 output tokens. Arrivals are Poisson at `rate_rps`, each the next turn of
+/// a conversation drawn among those with turns left (the benchmark's open-loop schedule); a turn
+/// comes at least 1 s after the conversation's previous one (the benchmark never sends it before
+/// the previous reply is in). Its fleet: 4 pods × 16 000 KV tokens (1 000 blocks; the working
+/// set is ≈ 1.6× the fleet's), 16 running per pod, one router.
+pub fn chat_groups(rate_rps: f64, seed: u64, block_size: usize) -> Workload {
+    chat_groups_with(&ChatGroupsConfig::default(), rate_rps, seed, block_size)
+}
+
+/// The shape of [`chat_groups`].
+#[derive(Clone, Debug)]
+pub struct ChatGroupsConfig {
+    /// System prompts. Default 24.
+    pub groups: u32,
+    /// Conversations per system prompt. Default 5.
+    pub users: u32,
+    /// Turns per conversation. Default 3.
+    pub turns: u32,
+    /// System prompt, tokens. Default 1 540.
+    pub system_tokens: u32,
+    /// User message and (stand-in) answer per turn, tokens each. Default 110.
+    pub turn_tokens: u32,
+    /// Output tokens. Default 16.
+    pub output_tokens: u32,
+}
+
+impl Default for ChatGroupsConfig {
+    fn default() -> Self {
+        ChatGroupsConfig { groups: 24, users: 5, turns: 3, system_tokens: 1540, turn_tokens: 110, output_tokens: 16 }
+    }
+}
+
+/// [`chat_groups`] with every knob (the fleet stays 4 × 16 000 KV tokens, 16 running per pod).
+pub fn chat_groups_with(cfg: &ChatGroupsConfig, rate_rps: f64, seed: u64, block_size: usize) -> Workload {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let conversations = u64::from(cfg.groups.max(1)) * u64::from(cfg.users);
+    // (conversation, next turn, earliest arrival of that turn)
+    let mut left: Vec<(u64, u32, u64)> = (0..conversations).map(|c| (c, 0, 0)).collect();
+    let mut drafts = Vec::new();
+    let mut t = 0u64;
+    let rate = if rate_rps.is_finite() && rate_rps > 0.0 { rate_rps } else { 1.0 };
+    while !left.is_empty() && cfg.turns > 0 {
+        t += exp_gap_us(&mut rng, rate);
+        let i = rng.random_range(0..left.len());
+        let (c, turn, earliest) = left[i];
+        let g = c % u64::from(cfg.groups.max(1));
+        let mut segments = vec![Segment { id: 12 << 48 | g, tokens: cfg.system_tokens }];
+        for k in 0..u64::from(turn) {
+            segments.push(Segment { id: 13 << 48 | c << 8 | k, tokens: cfg.turn_tokens });
+            segments.push(Segment { id: 14 << 48 | c << 8 | k, tokens: cfg.turn_tokens });
+        }
+        segments.push(Segment { id: 13 << 48 | c << 8 | u64::from(turn), tokens: cfg.turn_tokens });
+        let at = t.max(earliest);
+        drafts.push(Draft {
+            arrival_us: at,
+            segments,
+            output_tokens: cfg.output_tokens,
+            adapter: None,
+            session: Some(c),
+            group: Some(g),
+            stage: 0,
+        });
+        if turn + 1 < cfg.turns {
+            left[i] = (c, turn + 1, at + 1_000_000);
+        } else {
+            left.swap_remove(i);
+        }
+    }
+    let description = format!(
+        "the end-to-end chat benchmark's stream: {} system prompts × {} tokens, {} conversations each × {} turns \
+         ({} + {} tokens per turn), {} output tokens, {rate} req/s Poisson; 4 pods × 16 000 KV tokens \
+         (working set ≈ 1.6× the fleet's), 16 running per pod, one router",
+        cfg.groups, cfg.system_tokens, cfg.users, cfg.turns, cfg.turn_tokens, cfg.turn_tokens, cfg.output_tokens
+    );
+    let mut w = finish("chat-groups", description, vec![Stage::measured(rate, 0.0)], drafts, block_size);
+    w.fleet = Fleet { kv_tokens: Some(16_000), routers: Some(1), pods: Some(4), max_num_seqs: Some(16) };
     w
 }
 
@@ -505,6 +599,7 @@ pub fn herd(waves: u32, herd: u32, prefix_tokens: u32, seed: u64, block_size: us
                 output_tokens: 50,
                 adapter: None,
                 session: None,
+                group: None,
                 stage: 0,
             });
         }
@@ -558,6 +653,7 @@ pub fn lora(adapters: u32, rate_rps: f64, duration_s: f64, seed: u64, block_size
             output_tokens: 100,
             adapter: Some(format!("tenant-{a}")),
             session: None,
+            group: None,
             stage: 0,
         });
         n += 1;
@@ -586,6 +682,7 @@ pub fn zipf_prefixes(prefixes: u32, rate_rps: f64, duration_s: f64, seed: u64, b
             output_tokens: 100,
             adapter: None,
             session: None,
+            group: None,
             stage: 0,
         });
         n += 1;
@@ -610,6 +707,7 @@ pub fn repeated_pairs(prefixes: u32, tokens: u32, spacing_s: f64, gap_s: f64, bl
                 output_tokens: 10,
                 adapter: None,
                 session: Some(p),
+                group: None,
                 stage: 0,
             });
         }
@@ -676,6 +774,7 @@ pub fn trace(path: &Path, block_size: usize) -> Result<Workload, SimError> {
             output_tokens: t.output_tokens,
             adapter: t.adapter,
             session: t.session,
+            group: None,
             stage: 0,
         });
     }
@@ -758,9 +857,38 @@ mod tests {
     }
 
     #[test]
+    fn chat_groups_is_the_end_to_end_benchmark_stream() {
+        let w = chat_groups(12.0, 1, 16);
+        assert_eq!(w.requests.len(), 24 * 5 * 3);
+        assert_eq!(w.fleet, Fleet { kv_tokens: Some(16_000), routers: Some(1), pods: Some(4), max_num_seqs: Some(16) });
+        let mut last: std::collections::HashMap<u64, (u32, u64)> = std::collections::HashMap::new();
+        for r in &w.requests {
+            let (c, g) = (r.session.unwrap_or(u64::MAX), r.group.unwrap_or(u64::MAX));
+            assert_eq!(g, c % 24, "conversation {c} belongs to system prompt {}", c % 24);
+            let turn = (r.prompt_tokens - 1540 - 110) / 220;
+            assert_eq!(r.prompt_tokens, 1540 + 110 + 220 * turn);
+            match last.insert(c, (turn, r.arrival_us)) {
+                None => assert_eq!(turn, 0),
+                Some((t, at)) => {
+                    assert_eq!(turn, t + 1, "conversation {c}'s turns in order");
+                    assert!(r.arrival_us >= at + 1_000_000, "a turn at least 1 s after the previous one");
+                }
+            }
+        }
+        // Same group, same system prompt blocks; another group shares none of them.
+        let same: Vec<_> = w.requests.iter().filter(|r| r.group == Some(3)).collect();
+        assert!(same.windows(2).all(|p| p[0].blocks[..96] == p[1].blocks[..96]));
+        let other = w.requests.iter().find(|r| r.group == Some(4)).map(|r| r.blocks[0]);
+        assert_ne!(other, Some(same[0].blocks[0]));
+        // 360 Poisson arrivals at 12/s: the last near 30 s.
+        let end = w.requests.last().map_or(0, |r| r.arrival_us) as f64 / 1e6;
+        assert!((22.0..40.0).contains(&end), "{end}");
+    }
+
+    #[test]
     fn december_workloads_have_their_fleet_and_warm_up() {
         let w = w1(1, 16);
-        assert_eq!(w.fleet, Fleet { kv_tokens: Some(307_328), routers: Some(3) });
+        assert_eq!(w.fleet, Fleet { kv_tokens: Some(307_328), routers: Some(3), ..Fleet::default() });
         assert_eq!(w.stages.iter().filter(|s| s.warmup).count(), 2);
         let measured = w.requests.iter().filter(|r| r.stage == 2).count() as f64;
         assert!((measured - 1200.0).abs() < 120.0, "10 req/s × 120 s: {measured}");

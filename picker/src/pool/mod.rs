@@ -156,6 +156,10 @@ pub(crate) struct PodStatus {
     pub(crate) cost_per_hour: Option<f64>,
     /// Where the pod's membership comes from.
     pub(crate) member: Membership,
+    /// GPU utilization per running request in the last report that had requests running and a
+    /// utilization above 0 (in (0, 1]; `None` before such a report): what scoring adds to a
+    /// report's utilization for each request routed since (docs/design.md §4 loadRatio).
+    pub(crate) utilization_per_request: Option<f64>,
 }
 
 /// How a pod became a pod of the pool.

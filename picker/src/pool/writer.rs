@@ -231,6 +231,7 @@ impl Writer {
             disconnected_at: None,
             seq: 0,
             member: Membership::Agent,
+            utilization_per_request: None,
         };
         self.insert(idx, &info.pod, status, stream);
         info!(pod = %info.pod, endpoint = %info.endpoint, model = %info.model, "pod registered");
@@ -327,6 +328,7 @@ impl Writer {
                 disconnected_at: None,
                 seq: 0,
                 member: state,
+                utilization_per_request: None,
             };
             self.insert(idx, name, status, 0);
             info!(pod = %name, endpoint = %m.addr, ready = m.ready, "joined the pool");
@@ -349,6 +351,9 @@ impl Writer {
 
     fn set_stats(&mut self, idx: PodIdx, stats: Option<PodStats>, seq: u64) {
         if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut) {
+            if let Some(share) = stats.as_ref().and_then(utilization_per_request) {
+                p.status.utilization_per_request = Some(share);
+            }
             if stats.is_some() {
                 p.status.stats = stats;
                 p.status.stats_at = Some(Instant::now());
@@ -471,4 +476,32 @@ fn priced(pod: &str, annotations: Vec<(String, String)>) -> (Vec<(String, String
         PodInfo { pod: pod.to_string(), annotations: annotations.iter().cloned().collect(), ..PodInfo::default() };
     let (_, cost) = super::annotations_of(&info);
     (annotations, cost)
+}
+
+/// docs/design.md §4 loadRatio: a report's GPU utilization per running request, when it has
+/// requests running and a utilization in (0, 1] (validated reports have it in [0, 1]); capped at 1.
+fn utilization_per_request(s: &PodStats) -> Option<f64> {
+    let u = s.gpu_utilization;
+    (s.num_requests_running > 0 && u.is_finite() && u > 0.0)
+        .then(|| (u.min(1.0) / f64::from(s.num_requests_running)).min(1.0))
+}
+
+#[cfg(test)]
+mod utilization_tests {
+    use super::*;
+
+    #[test]
+    fn utilization_per_request_needs_running_requests_and_a_utilization() {
+        let s = |u: f64, running: u32| PodStats {
+            gpu_utilization: u,
+            num_requests_running: running,
+            ..PodStats::default()
+        };
+        assert_eq!(utilization_per_request(&s(0.5, 4)), Some(0.125));
+        assert_eq!(utilization_per_request(&s(0.5, 0)), None);
+        assert_eq!(utilization_per_request(&s(0.0, 4)), None);
+        assert_eq!(utilization_per_request(&s(f64::NAN, 4)), None);
+        assert_eq!(utilization_per_request(&s(f64::INFINITY, 4)), None);
+        assert_eq!(utilization_per_request(&s(7.0, 2)), Some(0.5), "capped at a full GPU");
+    }
 }

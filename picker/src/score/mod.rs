@@ -164,6 +164,13 @@ pub struct ScoringConfig {
     pub pile_guard_margin: u32,
     /// See `pile_guard_margin`; at least 1. Default [`DEFAULT_PILE_GUARD_FACTOR`] (2.0).
     pub pile_guard_factor: f64,
+    /// loadRatio brought forward to the decision (docs/design.md §4): the GPU utilization of a
+    /// pod's last report plus, for each request routed to it since that report, the utilization
+    /// per running request the pod last reported (capped at 1), as queueDepth counts those
+    /// requests. Without it a request routed a moment ago weighs a fifth of one the next report
+    /// lists as running (16 running at most: 0.005 vs 0.0125 + 0.005 of S), and cold prompts
+    /// stacked on the pods that had just been given one. Default true.
+    pub load_forecast: bool,
 }
 
 /// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
@@ -225,6 +232,7 @@ impl Default for ScoringConfig {
             pending_queue_share: DEFAULT_PENDING_QUEUE_SHARE,
             pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
             pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
+            load_forecast: true,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,

@@ -52,6 +52,9 @@ struct Row {
     depth: u32,
     /// Requests on the pod: reported running + `depth` (the pile guard's measure).
     load: u32,
+    /// GPU utilization as loadRatio counts it: the report's, brought forward by the requests
+    /// routed since (docs/design.md §4), in [0, 1].
+    utilization: f64,
 }
 
 impl Row {
@@ -430,7 +433,16 @@ impl Router {
                 None => {
                     let indexed = sc.walk.matched(rec.idx);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
-                    sc.rows.push(Row { pod: i, matched, pending: 0, offloaded: 0, cpu: 0, depth: 0, load: 0 });
+                    sc.rows.push(Row {
+                        pod: i,
+                        matched,
+                        pending: 0,
+                        offloaded: 0,
+                        cpu: 0,
+                        depth: 0,
+                        load: 0,
+                        utilization: 0.0,
+                    });
                 }
             }
         }
@@ -459,6 +471,17 @@ impl Router {
             row.depth = rec.queue_depth(status, stale).saturating_add(peers);
             let running = status.stats.as_ref().map_or(0, |s| s.num_requests_running);
             row.load = running.saturating_add(row.depth);
+            row.utilization = status.stats.as_ref().map_or(0.0, |s| s.gpu_utilization);
+            // docs/design.md §4 loadRatio: the requests routed since a fresh report will run
+            // there as the ones it counted do, so each adds the utilization per running request
+            // the pod last reported (queueDepth counts them the same way).
+            if self.config.load_forecast
+                && let (Some(s), Some(per_request)) = (status.stats.as_ref(), status.utilization_per_request)
+                && !stale
+            {
+                let since = rec.inflight.since(s.observed_at_unix_ms).saturating_add(peers);
+                row.utilization = forecast_utilization(s.gpu_utilization, per_request, since);
+            }
             // docs/design.md §4: a request the report listed as running but whose prompt the
             // pod's KV events have not confirmed yet is still being prefilled: for the next
             // request it is as much ahead in the queue as a waiting one. The report's waiting
@@ -503,7 +526,7 @@ impl Router {
                 matched_blocks: r.credited(),
                 pending_blocks: r.pending,
                 offloaded_blocks: r.offloaded,
-                gpu_utilization: stats.map_or(idle, |s| s.gpu_utilization),
+                gpu_utilization: if stats.is_some() { r.utilization } else { idle },
                 queue_depth: r.depth,
                 health_score,
                 health_reason,
@@ -717,6 +740,13 @@ fn prefilling_before(prefilling: &[(PodIdx, i64)], pod: PodIdx, before_ms: i64) 
     u32::try_from(to.saturating_sub(from)).unwrap_or(u32::MAX)
 }
 
+/// docs/design.md §4 loadRatio brought forward: `reported` plus `per_request` for each of the
+/// `since` requests routed after the report, capped at 1 (a non-finite input leaves `reported`).
+fn forecast_utilization(reported: f64, per_request: f64, since: u32) -> f64 {
+    let u = reported + per_request * f64::from(since);
+    if u.is_finite() { u.min(1.0) } else { reported }
+}
+
 /// A factor clamped to [0,1], NaN → 0.
 fn clamp_factor(v: f64) -> f64 {
     if v.is_nan() { 0.0 } else { v.clamp(0.0, 1.0) }
@@ -739,4 +769,18 @@ fn no_candidate(model: &str, model_pods: usize, table: &PodTable, excluded: &[(u
     let more = excluded.len().saturating_sub(8);
     let tail = if more > 0 { format!("; and {more} more") } else { String::new() };
     RouteError::NoCandidate { reason: format!("all {model_pods} pods of model '{model}' are excluded ({list}{tail})") }
+}
+
+#[cfg(test)]
+mod forecast_tests {
+    use super::forecast_utilization;
+
+    #[test]
+    fn forecast_adds_a_share_per_request_routed_since_and_caps_at_one() {
+        assert_eq!(forecast_utilization(0.25, 1.0 / 16.0, 2), 0.375);
+        assert_eq!(forecast_utilization(0.25, 1.0 / 16.0, 0), 0.25);
+        assert_eq!(forecast_utilization(0.9, 0.9, 1), 1.0);
+        assert_eq!(forecast_utilization(0.3, f64::NAN, 1), 0.3);
+        assert_eq!(forecast_utilization(0.3, f64::INFINITY, 1), 0.3);
+    }
 }

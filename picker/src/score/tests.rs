@@ -481,3 +481,83 @@ async fn an_unreachable_pod_is_not_a_candidate_and_a_stale_one_loses_its_perfect
     assert_eq!(silent.health, crate::pool::STALE_REPORT_HEALTH);
     assert_eq!(e.choice.as_deref(), Some("talking"), "the pod whose agent reports wins on health");
 }
+
+/// A report of `running` requests on a pod of 16 seats (utilization = running / 16, the mock-NVML
+/// rule), nothing waiting.
+fn seats(running: u32) -> kvroute_proto::agent::v1::PodStats {
+    let mut s = stats(f64::from(running) / 16.0, 0, 1.0);
+    s.num_requests_running = running;
+    s
+}
+
+/// docs/design.md §4 loadRatio: a request routed since a pod's report counts in its utilization
+/// as each request the report listed as running does, so a pod that was just given a cold prompt
+/// no longer looks idler than one whose requests are decoding (without it the second prompt
+/// below queues behind the first).
+#[tokio::test]
+async fn requests_routed_since_the_report_count_in_load_ratio() {
+    for forecast in [true, false] {
+        let (pool, r) = router(ScoringConfig { load_forecast: forecast, ..ScoringConfig::default() });
+        put(&pool, "a", "m", seats(4), &[]).await;
+        put(&pool, "b", "m", seats(5), &[]).await;
+        let Ok(first) = r.route(&req(&chain(100, 8))) else { panic!("no decision") };
+        assert_eq!(first.pod, "a", "4 running of 16 against 5: S 0.250 vs 0.2375");
+        let load = |e: &super::Explanation, pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.load);
+        let e = r.explain(&req(&chain(200, 8)));
+        if forecast {
+            // a: 0.2·(1 − 5/16) + 0.1·(1 − 1/20) = 0.2325 < b: 0.2·(1 − 5/16) + 0.1 = 0.2375.
+            assert_eq!(load(&e, "a"), Some(1.0 - 5.0 / 16.0), "{e:?}");
+            assert_eq!(e.choice.as_deref(), Some("b"), "{e:?}");
+        } else {
+            assert_eq!(load(&e, "a"), Some(1.0 - 4.0 / 16.0), "{e:?}");
+            assert_eq!(e.choice.as_deref(), Some("a"), "{e:?}");
+        }
+        // The next report lists the request as running: it counts once, not twice.
+        put(
+            &pool,
+            "a",
+            "m",
+            {
+                let mut s = seats(5);
+                s.observed_at_unix_ms += 1000;
+                s
+            },
+            &[],
+        )
+        .await;
+        let e = r.explain(&req(&chain(200, 8)));
+        assert_eq!(load(&e, "a"), Some(1.0 - 5.0 / 16.0), "{e:?}");
+        drop(first);
+    }
+}
+
+/// The per-request figure is the last report's that had requests running: an idle report keeps
+/// it (a pod that reported 0 running is given requests too), and a pod that never reported a
+/// running request gets nothing added (its utilization per request is unknown).
+#[tokio::test]
+async fn the_load_forecast_uses_the_last_busy_report_and_caps_at_one() {
+    let (pool, r) = router(ScoringConfig::default());
+    put(&pool, "a", "m", seats(2), &[]).await;
+    put(&pool, "a", "m", seats(0), &[]).await;
+    put(&pool, "b", "m", stats(0.5, 0, 1.0), &[]).await; // utilization without running requests
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let Ok(d) = r.route(&req(&[])) else { panic!("no decision") };
+        held.push(d);
+    }
+    let e = r.explain(&req(&[]));
+    let load = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.load);
+    let on = |pod: &str| held.iter().filter(|d| d.pod == pod).count() as f64;
+    assert_eq!(load("a"), Some(1.0 - on("a") / 16.0), "{e:?}");
+    assert_eq!(load("b"), Some(0.5), "no per-request figure: the reported utilization only");
+    drop(held);
+    // Capped at a full GPU: one more request on a pod that reported 1 running at 90 %.
+    let (pool, r) = router(ScoringConfig::default());
+    let mut s = stats(0.9, 0, 1.0);
+    s.num_requests_running = 1;
+    put(&pool, "c", "m", s, &[]).await;
+    let Ok(d) = r.route(&req(&[])) else { panic!("no decision") };
+    let e = r.explain(&req(&[]));
+    assert_eq!(e.candidates.first().map(|c| c.load), Some(0.0), "{e:?}");
+    drop(d);
+}

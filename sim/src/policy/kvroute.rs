@@ -69,6 +69,8 @@ pub struct KvroutePolicy {
     events: Option<tokio::sync::broadcast::Receiver<ReplicaEvent>>,
     /// Route errors answered by falling back to pod 0.
     pub fallbacks: u64,
+    /// Decision lines since the last [`Policy::take_decisions`] (`None`: not recording).
+    decisions: Option<Vec<String>>,
 }
 
 impl std::fmt::Debug for KvroutePolicy {
@@ -153,9 +155,15 @@ impl KvroutePolicy {
             clock,
             events,
             fallbacks: 0,
+            decisions: None,
         };
         p.flush()?;
         Ok(p)
+    }
+
+    /// Records every decision from now on (see [`Policy::take_decisions`]).
+    pub fn record_decisions(&mut self) {
+        self.decisions.get_or_insert_with(Vec::new);
     }
 
     /// Applies every queued update and waits until readers see it.
@@ -210,6 +218,29 @@ impl Policy for KvroutePolicy {
         };
         let rr = RouteRequest { model: MODEL, adapter: req.adapter.as_deref(), block_hashes: chain, subset: None };
         let routed = self.router.route_with(&rr, matches.as_ref().map(|m| m as &dyn PrefixMatches));
+        if let (Some(log), Ok(d)) = (self.decisions.as_mut(), &routed) {
+            let candidates: Vec<String> = d
+                .candidates
+                .iter()
+                .map(|c| {
+                    format!(
+                        "{} S={:.3} cache={:.3} matched={} pending={} load={:.3} queue={:.3}",
+                        c.pod, c.score, c.cache, c.matched_blocks, c.pending_blocks, c.load, c.queue
+                    )
+                })
+                .collect();
+            let opt = |v: Option<u64>| v.map_or_else(String::new, |v| v.to_string());
+            log.push(format!(
+                "{:.6},{},{},{},{},{},{}\n",
+                now_us as f64 / 1e6,
+                req.id,
+                opt(req.group),
+                opt(req.session),
+                d.total_blocks,
+                d.pod,
+                candidates.join(";")
+            ));
+        }
         let (pod, slot) = match routed {
             Ok(d) => (self.names.get(&d.pod).copied().unwrap_or(0), Some(d.slot)),
             Err(_) => {
@@ -247,6 +278,10 @@ impl Policy for KvroutePolicy {
         if let Some(list) = self.slots.get_mut(pod) {
             list.retain(|(id, _)| *id != req.id);
         }
+    }
+
+    fn take_decisions(&mut self) -> Vec<String> {
+        self.decisions.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     fn take_peer_events(&mut self) -> Vec<ReplicaEvent> {

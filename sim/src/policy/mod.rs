@@ -60,7 +60,20 @@ pub trait Policy {
     }
     /// A peer replica's event reached this replica (replica `from`, at `now_us`).
     fn on_peer_event(&mut self, _from: usize, _ev: &ReplicaEvent, _now_us: u64) {}
+    /// The decisions recorded since the last call, one CSV line each ([`DECISIONS_CSV_HEADER`]),
+    /// when the policy was built with [`PolicyOptions::record_decisions`] and records them
+    /// (kvroute's policies); empty otherwise.
+    fn take_decisions(&mut self) -> Vec<String> {
+        Vec::new()
+    }
 }
+
+/// Header of the decision lines [`Policy::take_decisions`] returns: simulated time (s), request
+/// id, its prefix group and conversation (empty when none), its full blocks, the chosen pod, then
+/// the best candidates, chosen first, each as `pod S=… cache=… matched=… pending=… load=… queue=…`
+/// (unweighted factors: cache = the match ratio, load = 1 − loadRatio, queue = 1 −
+/// queueDepth / maxQueue), separated by `;`.
+pub const DECISIONS_CSV_HEADER: &str = "time_s,request,group,session,blocks,pod,candidates\n";
 
 /// Every policy name [`build`] accepts, in table order.
 pub const ALL: [&str; 11] = [
@@ -100,11 +113,20 @@ pub struct PolicyOptions {
     /// Scoring fields laid over each kvroute policy's preset, as in the picker's `scoring:`
     /// section (e.g. `{"pile_guard_margin": 0}`); `None`: the preset as it is.
     pub scoring_overlay: Option<serde_json::Map<String, serde_json::Value>>,
+    /// kvroute's policies record every decision with its candidates' factors (see
+    /// [`Policy::take_decisions`]); other policies ignore it.
+    pub record_decisions: bool,
 }
 
 impl Default for PolicyOptions {
     fn default() -> Self {
-        PolicyOptions { approx_capacity_blocks: GIE_CAPACITY_BLOCKS, seed: 1, shared_view: true, scoring_overlay: None }
+        PolicyOptions {
+            approx_capacity_blocks: GIE_CAPACITY_BLOCKS,
+            seed: 1,
+            shared_view: true,
+            scoring_overlay: None,
+            record_decisions: false,
+        }
     }
 }
 
@@ -129,7 +151,11 @@ pub fn build(name: &str, pods: usize, opts: &PolicyOptions) -> Result<Box<dyn Po
     let (kv_capacity_blocks, seed) = (opts.approx_capacity_blocks, opts.seed);
     let kv = |preset: &str, view: CacheView| -> Result<Box<dyn Policy>, SimError> {
         let config = scoring(preset, opts.scoring_overlay.as_ref())?;
-        Ok(Box::new(KvroutePolicy::new(name, config, pods, view, opts.shared_view)?))
+        let mut policy = KvroutePolicy::new(name, config, pods, view, opts.shared_view)?;
+        if opts.record_decisions {
+            policy.record_decisions();
+        }
+        Ok(Box::new(policy))
     };
     match name {
         "random" => Ok(Box::new(Random::new(pods, seed))),

@@ -13,6 +13,7 @@ fn req(id: usize, base: u64, n: u64) -> SimRequest {
         output_tokens: 1,
         adapter: None,
         session: None,
+        group: None,
         stage: 0,
         direct: false,
         blocks: (0..n).map(|i| BlockHash(base * 10_000 + i)).collect(),
@@ -70,4 +71,23 @@ fn dynamo_trades_overlap_against_active_blocks() {
     assert_eq!(pick(&mut p, &req(2, 1, 10)), 0);
     // A different 10-block prompt: pod 0 costs 10 + 20, pod 1 costs 10 + 10.
     assert_eq!(pick(&mut p, &req(3, 2, 10)), 1);
+}
+
+#[test]
+fn kvroute_records_its_decisions_only_when_asked() {
+    let opts = PolicyOptions { record_decisions: true, ..PolicyOptions::default() };
+    let Ok(mut p) = build("kvroute", 2, &opts) else { panic!("kvroute builds") };
+    let mut r = req(7, 1, 4);
+    r.group = Some(3);
+    let pod = pick(p.as_mut(), &r);
+    let lines = p.take_decisions();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let fields: Vec<&str> = lines[0].trim_end().splitn(7, ',').collect();
+    assert_eq!(fields[1..6], ["7", "3", "", "4", &format!("pod-{pod}")], "{lines:?}");
+    assert_eq!(fields[6].split(';').count(), 2, "both candidates, chosen first: {lines:?}");
+    assert!(fields[6].starts_with(&format!("pod-{pod} S=")), "{lines:?}");
+    assert!(p.take_decisions().is_empty(), "taken once");
+    let Ok(mut quiet) = build("kvroute", 2, &PolicyOptions::default()) else { panic!("kvroute builds") };
+    pick(quiet.as_mut(), &r);
+    assert!(quiet.take_decisions().is_empty());
 }
