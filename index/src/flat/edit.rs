@@ -28,7 +28,8 @@ const TOUCH: usize = 32;
 
 /// The last set change of a store or remove call: within one call it repeats block after block
 /// (a chain's blocks share their pods), and checking it costs less than the [`Transition`]
-/// cache. Valid while `from`'s generation is unchanged.
+/// cache. Valid while `from`'s generation is unchanged. `to` = 0 (in a remove call): the
+/// block leaves the index (`from` is the call's pod alone).
 #[derive(Clone, Copy, Debug, Default)]
 struct Memo {
     from: u32,
@@ -373,8 +374,11 @@ impl Editor {
             && memo.from == old
             && self.meta.get(old as usize).is_some_and(|e| e.generation == memo.generation)
         {
-            // `to` is held by the slot the memo's change was made to: still live.
-            self.meta[memo.to as usize].refs += 1;
+            // `to` is held by the slot the memo's change was made to: still live. Set 0 (no
+            // pods: the block leaves) is not counted.
+            if memo.to != 0 {
+                self.meta[memo.to as usize].refs += 1;
+            }
             return Some(memo.to);
         }
         None
@@ -575,19 +579,25 @@ impl Editor {
                     return (false, false);
                 };
                 if pods.len() == 1 {
-                    self.cut_leaving(t, i, rest);
-                    self.release(t, old);
-                    self.delete(t, i);
-                    return (true, true);
+                    // The block leaves; the call's next blocks (a chain's) likely leave too.
+                    self.note(memo, old, 0);
+                    0
+                } else {
+                    self.scratch_pods.clear();
+                    self.scratch_pods.extend_from_slice(pods);
+                    self.scratch_pods.remove(pos);
+                    let id = self.intern(t);
+                    self.remember(old, pod, false, id);
+                    id
                 }
-                self.scratch_pods.clear();
-                self.scratch_pods.extend_from_slice(pods);
-                self.scratch_pods.remove(pos);
-                let id = self.intern(t);
-                self.remember(old, pod, false, id);
-                id
             }
         };
+        if id == 0 {
+            self.cut_leaving(t, i, rest);
+            self.release(t, old);
+            self.delete(t, i);
+            return (true, true);
+        }
         self.note(memo, old, id);
         self.cut(t, i);
         self.release(t, old);
