@@ -10,7 +10,9 @@
 //! refcount 1, and nobody can load it again since it is no longer published) and copies the
 //! logged indices from the published copy into it ([`catch_up`]): the copies are identical by
 //! construction (one editor decides every position and id), so this is a copy of the changed
-//! 16-byte slots, not a replay. Only when readers hold every spare does it copy the whole
+//! 16-byte slots, not a replay. The slots' values are recorded next to the log at each publish
+//! (read from cache, the copy was just written), so the catch-up reads them in order instead of
+//! from the published copy's table at random. Only when readers hold every spare does it copy the whole
 //! published map, which adds a copy to the pool, up to [`MAX_COPIES`] in all; past that it waits
 //! (at most [`RECLAIM_WAIT`]) and then replaces the laggiest held spare with a copy.
 //!
@@ -198,8 +200,10 @@ impl<const MAX: usize> PooledBackend<MAX> {
                 Ok(mut copy) => {
                     // No write since the publish: the published copy is at the log's head.
                     let from = usize::try_from(at.saturating_sub(self.log_base)).unwrap_or(usize::MAX);
-                    let entries = self.editor.log.entries.get(from..).unwrap_or(&[]);
-                    let caught_up = catch_up(&mut copy, &self.published.load(), entries);
+                    let log = &self.editor.log;
+                    let entries = log.entries.get(from..).unwrap_or(&[]);
+                    let values = log.values.get(from..).unwrap_or(&[]);
+                    let caught_up = catch_up(&mut copy, &self.published.load(), entries, values);
                     self.trim_log();
                     return if caught_up { Some(copy) } else { None };
                 }
@@ -219,19 +223,21 @@ impl<const MAX: usize> PooledBackend<MAX> {
                 let cut = usize::try_from(oldest.saturating_sub(self.log_base)).unwrap_or(usize::MAX);
                 let cut = cut.min(log.entries.len());
                 if cut > 0 {
-                    log.entries.drain(..cut);
+                    log.drop_front(cut);
                     self.log_base += cut as u64;
                 }
             }
             None => {
                 self.log_base += log.entries.len() as u64;
                 log.entries.clear();
+                log.values.clear();
                 log.on = false;
             }
         }
         if log.entries.is_empty() {
             // A large batch can grow the log to MAX_LAG: give it back.
             log.entries.shrink_to(LOG_KEEP);
+            log.values.shrink_to(LOG_KEEP);
         }
     }
 
@@ -346,6 +352,9 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
             return;
         };
         snap.stats = stats;
+        if self.editor.log.on {
+            self.editor.log.record_values(&snap);
+        }
         let old = self.published.swap(Arc::new(snap));
         if let Some(at) = self.published_at {
             self.spares.push(Spare { snap: old, at });
