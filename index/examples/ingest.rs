@@ -76,6 +76,7 @@ fn main() {
     // (the writing) thread over all five.
     let mut rates = Vec::new();
     let cpu0 = cpu_ns();
+    let caught0 = writer.backend().caught_up();
     for s in 0..5 {
         let t = Instant::now();
         for i in 0..rounds {
@@ -96,10 +97,15 @@ fn main() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let reads: u64 = readers.into_iter().map(|h| h.join().unwrap_or(0)).sum();
     let b = writer.backend();
-    println!("readers: {reads} lookups; pool: {} full copies, {} waits", b.copies(), b.waits());
+    let events = 5 * rounds * 2 * 8 * CHAIN_BLOCKS as u64;
+    println!(
+        "readers: {reads} lookups; pool: {} full copies, {} waits, {:.2} log entries caught up per event",
+        b.copies(),
+        b.waits(),
+        (b.caught_up() - caught0) as f64 / events.max(1) as f64
+    );
     rates.sort_by(f64::total_cmp);
     println!("steady: best {:.2}, median {:.2} M block events/s (5 × {rounds} rounds)", rates[4], rates[2]);
-    let events = 5 * rounds * 2 * 8 * CHAIN_BLOCKS as u64;
     println!("steady per writer CPU-second: {:.2} M block events", events as f64 / cpu.max(1e-9) / 1e6);
 }
 

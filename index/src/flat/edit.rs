@@ -62,6 +62,8 @@ pub(crate) struct DirtyLog {
     /// sequentially, instead of reading the published copy's slots at random: half the pages
     /// touched (and TLB misses) per caught-up slot.
     pub(crate) values: Vec<Slot>,
+    /// Scratch of [`catch_up`]'s long path: one bit per slot, all zero between calls.
+    pub(crate) seen: Vec<u64>,
     pub(crate) on: bool,
     /// The slot table was reallocated (it grew), or an index did not fit an entry: no copy
     /// made before can catch up through the log.
@@ -102,36 +104,89 @@ impl DirtyLog {
 /// a slot from `values` (the entries' recorded values, see [`DirtyLog::values`]; from `src`
 /// past their end), a set or run from `src`.
 /// Returns false, having changed nothing, when the tables differ in size (then clone instead).
-pub(crate) fn catch_up(spare: &mut FlatSnapshot, src: &FlatSnapshot, entries: &[u32], values: &[Slot]) -> bool {
+/// From [`DEDUP_FROM`] entries on (a spare that readers held over many publishes), slots are
+/// copied once each, newest entry first (`seen`, one bit per slot, all zero on entry and on
+/// return, marks those done): the writer rewrites the same slots batch after batch (a chain
+/// stored, then removed), and a copy 20 batches behind would otherwise write each 20 times.
+pub(crate) fn catch_up(
+    spare: &mut FlatSnapshot,
+    src: &FlatSnapshot,
+    entries: &[u32],
+    values: &[Slot],
+    seen: &mut Vec<u64>,
+) -> bool {
     if spare.slots.len() != src.slots.len() {
         return false;
     }
     spare.sets.resize(src.sets.len(), None);
     spare.runs.resize_with(src.runs.len(), Run::default);
-    for (k, &e) in entries.iter().enumerate() {
-        let i = (e & INDEX) as usize;
-        match e & !INDEX {
-            SLOT => {
-                if let (Some(d), Some(s)) = (spare.slots.get_mut(i), values.get(k).or_else(|| src.slots.get(i))) {
-                    *d = *s;
-                }
-            }
-            SET => {
-                if let (Some(d), Some(s)) = (spare.sets.get_mut(i), src.sets.get(i)) {
-                    d.clone_from(s);
-                }
-            }
-            _ => {
-                if let (Some(d), Some(s)) = (spare.runs.get_mut(i), src.runs.get(i)) {
-                    d.clone_from(s);
-                }
-            }
-        }
+    if entries.len() >= DEDUP_FROM {
+        catch_up_once(spare, src, entries, values, seen);
+    } else {
+        catch_up_each(spare, src, entries, values);
     }
     spare.shift = src.shift;
     spare.len = src.len;
     spare.stats = src.stats;
     true
+}
+
+/// Log length from which [`catch_up`] copies each slot once: about four batches of 2,048 blocks.
+pub(crate) const DEDUP_FROM: usize = 8192;
+
+/// [`catch_up`], newest entry first, each slot once.
+fn catch_up_once(spare: &mut FlatSnapshot, src: &FlatSnapshot, entries: &[u32], values: &[Slot], seen: &mut Vec<u64>) {
+    seen.resize(spare.slots.len().div_ceil(64), 0);
+    for (k, &e) in entries.iter().enumerate().rev() {
+        let i = (e & INDEX) as usize;
+        if e & !INDEX == SLOT {
+            let (word, bit) = (i / 64, 1u64 << (i % 64));
+            match seen.get_mut(word) {
+                Some(w) if *w & bit == 0 => *w |= bit,
+                _ => continue,
+            }
+        }
+        copy_entry(spare, src, e, values.get(k));
+    }
+    // Every bit set came from a slot entry: zeroing their words zeroes them all.
+    for &e in entries {
+        if e & !INDEX == SLOT
+            && let Some(w) = seen.get_mut((e & INDEX) as usize / 64)
+        {
+            *w = 0;
+        }
+    }
+}
+
+/// [`catch_up`], every entry in order.
+fn catch_up_each(spare: &mut FlatSnapshot, src: &FlatSnapshot, entries: &[u32], values: &[Slot]) {
+    for (k, &e) in entries.iter().enumerate() {
+        copy_entry(spare, src, e, values.get(k));
+    }
+}
+
+/// Copies what entry `e` names into `spare`: a slot from its recorded `value` (from `src`
+/// without one), a set or run from `src`.
+#[inline(always)]
+fn copy_entry(spare: &mut FlatSnapshot, src: &FlatSnapshot, e: u32, value: Option<&Slot>) {
+    let i = (e & INDEX) as usize;
+    match e & !INDEX {
+        SLOT => {
+            if let (Some(d), Some(s)) = (spare.slots.get_mut(i), value.or_else(|| src.slots.get(i))) {
+                *d = *s;
+            }
+        }
+        SET => {
+            if let (Some(d), Some(s)) = (spare.sets.get_mut(i), src.sets.get(i)) {
+                d.clone_from(s);
+            }
+        }
+        _ => {
+            if let (Some(d), Some(s)) = (spare.runs.get_mut(i), src.runs.get(i)) {
+                d.clone_from(s);
+            }
+        }
+    }
 }
 
 /// Writer-only bookkeeping of an interned pod set.
@@ -209,7 +264,8 @@ impl Editor {
             + self.set_ids.capacity() * (size_of::<Arc<[PodIdx]>>() + 4 + 1)
             + self.meta.capacity() * size_of::<SetMeta>()
             + self.log.entries.capacity() * 4
-            + self.log.values.capacity() * size_of::<Slot>()) as u64
+            + self.log.values.capacity() * size_of::<Slot>()
+            + self.log.seen.capacity() * 8) as u64
     }
 
     #[inline(always)]
