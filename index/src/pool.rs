@@ -12,9 +12,10 @@
 //! construction (one editor decides every position and id), so this is a copy of the changed
 //! 16-byte slots, not a replay. The slots' values are recorded next to the log at each publish
 //! (read from cache, the copy was just written), so the catch-up reads them in order instead of
-//! from the published copy's table at random. Only when readers hold every spare does it copy the whole
-//! published map, which adds a copy to the pool, up to [`MAX_COPIES`] in all; past that it waits
-//! (at most [`RECLAIM_WAIT`]) and then replaces the laggiest held spare with a copy.
+//! from the published copy's table at random; a spare many publishes behind copies each slot
+//! once. Only when readers hold every spare does it copy the whole published map, which adds a
+//! copy to the pool, up to [`MAX_COPIES`] in all; past that it waits (at most [`RECLAIM_WAIT`])
+//! and then replaces the laggiest held spare with a copy.
 //!
 //! With R readers each holding at most one snapshot at a time, R + 2 copies mean the writer never
 //! waits; [`MAX_COPIES`] = 3 covers the common case (one reader preempted on an old copy) at
@@ -28,7 +29,7 @@
 //!
 //! History (docs/index.md): round 3 kept a logical op log and replayed links, unlinks and seals
 //! onto the spare, so every event was applied twice; round 5 replaced it with this copy of dirty
-//! slots.
+//! slots; round 7 added the recorded values and the once-per-slot copy.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
