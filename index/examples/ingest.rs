@@ -24,7 +24,7 @@ fn main() {
     let w = Workload::new(1_040_000, 1);
     // Bulk loads into a fresh index; the best of `tries` (the box is shared: the best is the
     // least disturbed), and the median.
-    let tries = if mode == "steady" { 1 } else { 5 };
+    let tries = if mode == "steady" || mode == "readers" { 1 } else { 5 };
     let mut rates = Vec::new();
     let mut kept = None;
     for _ in 0..tries {
@@ -56,21 +56,27 @@ fn main() {
     let readers: Vec<_> = (0..if mode == "readers" { 2 } else { 0 })
         .map(|_| {
             let (published, stop, q) = (published.clone(), stop.clone(), w.hit());
-            std::thread::spawn(move || {
-                let mut scratch = kvroute_index::MatchScratch::default();
-                let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    std::hint::black_box(published.load().match_prefix(&q, &mut scratch));
-                    n += 1;
-                }
-                n
-            })
+            let reader = std::thread::Builder::new().name("reader".into());
+            reader
+                .spawn(move || {
+                    let mut scratch = kvroute_index::MatchScratch::default();
+                    let mut n = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::black_box(published.load().match_prefix(&q, &mut scratch));
+                        n += 1;
+                    }
+                    n
+                })
+                .unwrap()
         })
         .collect();
     let mut rng = SplitMix(7);
     let fresh: Vec<Vec<BlockHash>> = (0..8).map(|_| rng.chain(CHAIN_BLOCKS)).collect();
-    // Five stretches of `rounds` rounds: best and median.
+    // Five stretches of `rounds` rounds: best and median, and events per CPU-second of this
+    // (the writing) thread over all five.
     let mut rates = Vec::new();
+    let cpu0 = cpu_ns();
+    let caught0 = writer.backend().caught_up();
     for s in 0..5 {
         let t = Instant::now();
         for i in 0..rounds {
@@ -87,10 +93,27 @@ fn main() {
         let events = rounds * 2 * 8 * CHAIN_BLOCKS as u64;
         rates.push(events as f64 / t.elapsed().as_secs_f64() / 1e6);
     }
+    let cpu = cpu_ns().saturating_sub(cpu0) as f64 / 1e9;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let reads: u64 = readers.into_iter().map(|h| h.join().unwrap_or(0)).sum();
     let b = writer.backend();
-    println!("readers: {reads} lookups; pool: {} full copies, {} waits", b.copies(), b.waits());
+    let events = 5 * rounds * 2 * 8 * CHAIN_BLOCKS as u64;
+    println!(
+        "readers: {reads} lookups; pool: {} full copies, {} waits, {:.2} log entries caught up per event",
+        b.copies(),
+        b.waits(),
+        (b.caught_up() - caught0) as f64 / events.max(1) as f64
+    );
     rates.sort_by(f64::total_cmp);
     println!("steady: best {:.2}, median {:.2} M block events/s (5 × {rounds} rounds)", rates[4], rates[2]);
+    println!("steady per writer CPU-second: {:.2} M block events", events as f64 / cpu.max(1e-9) / 1e6);
+}
+
+/// Nanoseconds the calling thread has spent on a CPU (`/proc/thread-self/schedstat`), 0 where
+/// unavailable.
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_ascii_whitespace().next().and_then(|x| x.parse().ok()))
+        .unwrap_or(0)
 }

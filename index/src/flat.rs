@@ -23,8 +23,9 @@
 //!
 //! Copies: the writer keeps two or three copies of this snapshot ([`crate::PooledBackend`]) and
 //! they are *identical*: one writer decides every slot position, set id and run id, and a spare
-//! copy is brought up to date by copying the slots, sets and runs that changed from the
-//! published copy (their indices are logged, [`edit::DirtyLog`]), not by redoing the work. A run's
+//! copy is brought up to date by copying the slots, sets and runs that changed (their indices
+//! are logged, [`edit::DirtyLog`], with the slots' values as published; sets and runs come from
+//! the published copy), not by redoing the work. A run's
 //! hashes and a set's pods are immutable once made and shared between copies (`Arc`).
 //!
 //! Table: linear probing, Fibonacci (multiply-shift) home slot, load kept ≤ [`MAX_LOAD_PCT`]%,

@@ -10,9 +10,12 @@
 //! refcount 1, and nobody can load it again since it is no longer published) and copies the
 //! logged indices from the published copy into it ([`catch_up`]): the copies are identical by
 //! construction (one editor decides every position and id), so this is a copy of the changed
-//! 16-byte slots, not a replay. Only when readers hold every spare does it copy the whole
-//! published map, which adds a copy to the pool, up to [`MAX_COPIES`] in all; past that it waits
-//! (at most [`RECLAIM_WAIT`]) and then replaces the laggiest held spare with a copy.
+//! 16-byte slots, not a replay. The slots' values are recorded next to the log at each publish
+//! (read from cache, the copy was just written), so the catch-up reads them in order instead of
+//! from the published copy's table at random; a spare many publishes behind copies each slot
+//! once. Only when readers hold every spare does it copy the whole published map, which adds a
+//! copy to the pool, up to [`MAX_COPIES`] in all; past that it waits (at most [`RECLAIM_WAIT`])
+//! and then replaces the laggiest held spare with a copy.
 //!
 //! With R readers each holding at most one snapshot at a time, R + 2 copies mean the writer never
 //! waits; [`MAX_COPIES`] = 3 covers the common case (one reader preempted on an old copy) at
@@ -26,7 +29,7 @@
 //!
 //! History (docs/index.md): round 3 kept a logical op log and replayed links, unlinks and seals
 //! onto the spare, so every event was applied twice; round 5 replaced it with this copy of dirty
-//! slots.
+//! slots; round 7 added the recorded values and the once-per-slot copy.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -123,6 +126,7 @@ pub struct PooledBackend<const MAX: usize = MAX_COPIES> {
     published: Arc<ArcSwap<FlatSnapshot>>,
     copies: u64,
     waits: u64,
+    caught_up: u64,
 }
 
 impl<const MAX: usize> PooledBackend<MAX> {
@@ -135,6 +139,12 @@ impl<const MAX: usize> PooledBackend<MAX> {
     /// Times the pool was full and every spare held, so the writer had to wait.
     pub fn waits(&self) -> u64 {
         self.waits
+    }
+
+    /// Dirty-log entries a spare's catch-up had to cover so far (slots, sets and runs; a slot
+    /// logged more than once counts each time).
+    pub fn caught_up(&self) -> u64 {
+        self.caught_up
     }
 
     /// Map copies currently kept by the writer and the published one.
@@ -198,8 +208,11 @@ impl<const MAX: usize> PooledBackend<MAX> {
                 Ok(mut copy) => {
                     // No write since the publish: the published copy is at the log's head.
                     let from = usize::try_from(at.saturating_sub(self.log_base)).unwrap_or(usize::MAX);
-                    let entries = self.editor.log.entries.get(from..).unwrap_or(&[]);
-                    let caught_up = catch_up(&mut copy, &self.published.load(), entries);
+                    let log = &mut self.editor.log;
+                    let entries = log.entries.get(from..).unwrap_or(&[]);
+                    let values = log.values.get(from..).unwrap_or(&[]);
+                    self.caught_up += entries.len() as u64;
+                    let caught_up = catch_up(&mut copy, &self.published.load(), entries, values, &mut log.seen);
                     self.trim_log();
                     return if caught_up { Some(copy) } else { None };
                 }
@@ -219,19 +232,21 @@ impl<const MAX: usize> PooledBackend<MAX> {
                 let cut = usize::try_from(oldest.saturating_sub(self.log_base)).unwrap_or(usize::MAX);
                 let cut = cut.min(log.entries.len());
                 if cut > 0 {
-                    log.entries.drain(..cut);
+                    log.drop_front(cut);
                     self.log_base += cut as u64;
                 }
             }
             None => {
                 self.log_base += log.entries.len() as u64;
                 log.entries.clear();
+                log.values.clear();
                 log.on = false;
             }
         }
         if log.entries.is_empty() {
             // A large batch can grow the log to MAX_LAG: give it back.
             log.entries.shrink_to(LOG_KEEP);
+            log.values.shrink_to(LOG_KEEP);
         }
     }
 
@@ -273,6 +288,7 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
             published,
             copies: 0,
             waits: 0,
+            caught_up: 0,
         }
     }
 
@@ -346,6 +362,9 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
             return;
         };
         snap.stats = stats;
+        if self.editor.log.on {
+            self.editor.log.record_values(&snap);
+        }
         let old = self.published.swap(Arc::new(snap));
         if let Some(at) = self.published_at {
             self.spares.push(Spare { snap: old, at });
@@ -369,6 +388,7 @@ pub type PooledWriter = Writer<PooledBackend>;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flat::edit::DEDUP_FROM;
 
     /// Copies equal as readers and the editor see them: same slots (bit for bit), set contents
     /// and run blocks by id.
@@ -429,5 +449,46 @@ mod tests {
         }
         drop(held);
         assert!(caught_up > 300, "most writes started from a caught-up spare ({caught_up})");
+    }
+
+    /// A spare readers held over many publishes catches up through the long path (each slot
+    /// copied once, newest entry first) and equals the published copy exactly; the same slots
+    /// were rewritten batch after batch meanwhile (links, unlinks, cuts, re-made runs).
+    #[test]
+    fn a_copy_held_over_many_publishes_catches_up_exactly() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut b = PooledBackend::<3>::new(published.clone());
+        let keys: Vec<BlockHash> = (1..=600u64).map(|k| BlockHash(k * 0x9E37_79B9_7F4A_7C15)).collect();
+        for h in &keys {
+            b.link(PodIdx(0), h.0);
+        }
+        b.seal(&keys);
+        b.publish(IndexStats::default());
+        // Two publishes, so the writer's pool holds two spares besides the published copy.
+        b.link(PodIdx(1), keys[0].0);
+        b.publish(IndexStats { nodes: 1, ..IndexStats::default() });
+        let old = published.load_full();
+        for round in 0..40u64 {
+            let pod = PodIdx(1 + (round % 3) as u16);
+            for h in &keys {
+                b.link(pod, h.0);
+            }
+            b.seal(&keys);
+            for h in keys.iter().skip(round as usize % 7).step_by(2) {
+                b.unlink(pod, h.0);
+            }
+            b.publish(IndexStats { nodes: 2 + round, ..IndexStats::default() });
+        }
+        // The freshest spare is held, the old copy let go: the next write must take the old one.
+        let fresh = published.load_full();
+        b.link(PodIdx(5), keys[1].0);
+        b.publish(IndexStats { nodes: 100, ..IndexStats::default() });
+        drop(old);
+        let before = b.caught_up();
+        let (_, copy) = b.parts();
+        let copy = copy.clone();
+        assert!(b.caught_up() - before >= DEDUP_FROM as u64, "long path taken: {}", b.caught_up() - before);
+        assert_same(&copy, &published.load());
+        drop(fresh);
     }
 }

@@ -4,9 +4,11 @@
 //! the blocks it stored ([`PodBlocks`]), so clearing or replacing a pod costs O(its blocks), not a
 //! scan of the map. The list is appended to when a store makes a new (block, pod) pair, which
 //! costs nothing random (the map already said whether the pair is new); a removal leaves its
-//! entry behind, stale, and the list is compacted (stale entries and repeats dropped, the map
-//! asked which blocks the pod still holds) once it is more than twice the count plus
-//! [`SLACK`], so it never exceeds that. Every change to the shared map goes through the
+//! entry behind, stale, except that stale entries at the list's end are popped at once (the
+//! map asked about the last entry until it names a block the pod holds: blocks stored last and
+//! removed first, whose slots are in cache), and the list is compacted (stale entries and
+//! repeats dropped, the map asked which blocks the pod still holds) once it is more than twice
+//! the count plus [`SLACK`], so it never exceeds that. Every change to the shared map goes through the
 //! [`Backend`]; [`Writer::publish`] makes everything applied so far visible to readers at once
 //! (a reader never sees half a batch, nor half a resync).
 //!
@@ -154,13 +156,22 @@ impl<B: Backend> Writer<B> {
 
     /// Records that `pod` no longer holds `blocks` (unknown blocks are ignored).
     pub fn remove(&mut self, pod: PodIdx, blocks: &[BlockHash]) {
-        let Some(p) = self.pods.get_mut(pod.as_usize()) else {
+        let Writer { backend, pods, .. } = self;
+        let Some(p) = pods.get_mut(pod.as_usize()) else {
             return;
         };
-        let (removed, gone) = self.backend.remove(pod, blocks);
+        let (removed, gone) = backend.remove(pod, blocks);
         p.held -= removed as usize;
         self.entries -= removed;
         self.nodes -= gone;
+        if removed > 0 {
+            // Stale entries at the list's end go at once: the blocks a pod stored last are
+            // often the first it removes (a request's blocks freed soon after), and their slots,
+            // just changed, are in cache; compacting would probe each twice, cold.
+            while p.list.last().is_some_and(|&b| !backend.holds(pod, b)) {
+                p.list.pop();
+            }
+        }
         if p.list.len() > 2 * p.held + SLACK {
             self.compact(pod);
         }
@@ -327,5 +338,34 @@ mod tests {
             w.clear_pod(PodIdx(p));
         }
         assert_eq!((w.stats().entries, w.stats().nodes), (0, 0));
+    }
+
+    /// Stale entries at a list's end are popped at once: chains removed in the order stored
+    /// (or in reverse) leave the list as it was before they were stored; a removal in the
+    /// middle leaves its entries (stale) until the chains after them go too.
+    #[test]
+    fn removing_the_last_stored_blocks_shortens_the_list() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut w = Writer::<PooledBackend>::new(published, usize::MAX);
+        let chain = |c: u64| (0..16).map(|k| BlockHash(1 + c * 100 + k)).collect::<Vec<_>>();
+        let pod = PodIdx(0);
+        let len = |w: &Writer<PooledBackend>| w.pods[0].list.len();
+        w.store(pod, &chain(0));
+        for c in 1..4 {
+            w.store(pod, &chain(c));
+        }
+        assert_eq!(len(&w), 64);
+        w.remove(pod, &chain(2));
+        assert_eq!(len(&w), 64, "chain 3, stored after chain 2, is still held");
+        w.remove(pod, &chain(3));
+        assert_eq!(len(&w), 32, "chains 3 and 2 both went");
+        w.store(pod, &chain(1));
+        assert_eq!(len(&w), 32, "chain 1 was held already: nothing appended");
+        w.remove(pod, &chain(1));
+        assert_eq!((len(&w), w.pod_blocks(pod)), (16, 16));
+        w.remove(pod, &chain(0)[..8]);
+        assert_eq!(len(&w), 16, "the list's end (chain 0's last blocks) is still held");
+        w.remove(pod, &chain(0)[8..]);
+        assert_eq!((len(&w), w.pod_blocks(pod)), (0, 0));
     }
 }
