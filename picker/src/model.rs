@@ -160,6 +160,9 @@ pub struct ParsedBody {
     pub prompt: PromptInput,
     /// The `cache_salt` field (a non-empty string; anything else makes the prompt unmatched).
     pub cache_salt: Option<String>,
+    /// Whether an image's `uuid` is its identifier on the engine: false when the request sets
+    /// `mm_processor_kwargs` (vLLM then hashes the uuid with them, docs/design.md §2).
+    pub image_uuids: bool,
 }
 
 impl ModelRegistry {
@@ -438,17 +441,25 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
         // vLLM refuses these (400); the picker routes them by load.
         Some(_) => {
             let prompt = PromptInput::None("cache_salt is not a non-empty string");
-            return Ok(ParsedBody { model, prompt, cache_salt: None });
+            return Ok(ParsedBody { model, prompt, cache_salt: None, image_uuids: false });
         }
     };
+    let image_uuids = match obj.get("mm_processor_kwargs") {
+        None | Some(Value::Null) => true,
+        Some(Value::Object(o)) => o.is_empty(),
+        Some(_) => false,
+    };
     if is_responses_path(path) {
-        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj), cache_salt });
+        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj), cache_salt, image_uuids });
     }
     let chat = is_chat_path(path) || (!obj.contains_key("prompt") && obj.contains_key("messages"));
     let prompt = if chat {
         let messages = match obj.remove("messages") {
             Some(Value::Array(m)) => m,
-            _ => return Ok(ParsedBody { model, prompt: PromptInput::None("no messages array"), cache_salt }),
+            _ => {
+                let prompt = PromptInput::None("no messages array");
+                return Ok(ParsedBody { model, prompt, cache_salt, image_uuids });
+            }
         };
         let tools = match obj.remove("tools") {
             Some(Value::Array(t)) => Some(t),
@@ -458,7 +469,7 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
     } else {
         completion_prompt(obj.remove("prompt"))
     };
-    Ok(ParsedBody { model, prompt, cache_salt })
+    Ok(ParsedBody { model, prompt, cache_salt, image_uuids })
 }
 
 /// `body` (a JSON object, already parsed once by [`parse_body`]) with its `model` set to `model`,
@@ -674,6 +685,28 @@ mod tests {
             }
             other => panic!("expected chat, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn chat_images_in_render_order_with_bounded_uuids() {
+        let long = "u".repeat(MAX_IMAGE_UUID_BYTES + 1);
+        let messages = vec![
+            serde_json::json!({"role": "system", "content": "plain"}),
+            serde_json::json!({"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "u1"}, "uuid": "one"},
+                {"type": "image", "image": "u2"},
+                {"type": "input_image", "image_url": "u3", "uuid": long},
+                {"type": "image_url", "image_url": {"url": "u4"}, "uuid": ""}]}),
+        ];
+        assert_eq!(chat_images(&messages), Ok(vec![Some("one".to_owned()), None, None, None]));
+        let video =
+            vec![serde_json::json!({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]})];
+        assert!(chat_images(&video).is_err());
+        let p = parse_body("/v1/chat/completions", br#"{"model":"m","messages":[],"mm_processor_kwargs":{"fps":1}}"#);
+        assert!(!p.unwrap().image_uuids);
+        let p = parse_body("/v1/chat/completions", br#"{"model":"m","messages":[],"mm_processor_kwargs":{}}"#);
+        assert!(p.unwrap().image_uuids);
     }
 
     #[test]

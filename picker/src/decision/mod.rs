@@ -220,16 +220,16 @@ fn prepare_cancellable(
 ) -> Result<PreparedRequest, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
-    let (model_name, prompt, cache_salt) = match input.body {
+    let (model_name, prompt, cache_salt, image_uuids) = match input.body {
         Some(body) => {
             let parsed = parse_body(input.path, body)?;
-            (parsed.model, parsed.prompt, parsed.cache_salt)
+            (parsed.model, parsed.prompt, parsed.cache_salt, parsed.image_uuids)
         }
         None if crate::model::needs_body(input.path) => {
             return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
         }
         None => match &gw.default_model {
-            Some(m) => (m.clone(), PromptInput::None("request without body"), None),
+            Some(m) => (m.clone(), PromptInput::None("request without body"), None, false),
             None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
         },
     };
@@ -254,7 +254,12 @@ fn prepare_cancellable(
     // otherwise no block is claimed from the first image on.
     let placement = match (&prompt, mode) {
         (PromptInput::Chat(chat), RoutingMode::Precise) if !tokens.is_empty() => {
-            chat_images(&chat.messages).and_then(|images| model.place_images(&images, &mut tokens))
+            chat_images(&chat.messages).and_then(|mut images| {
+                if !image_uuids {
+                    images.iter_mut().for_each(|uuid| *uuid = None);
+                }
+                model.place_images(&images, &mut tokens)
+            })
         }
         _ => Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() }),
     };

@@ -446,6 +446,13 @@ async fn images_with_uuid_and_fixed_token_count_are_keyed_as_the_engine_keys_the
     let (_, via_responses, _) = prepared_chain(&gw, "/v1/responses", responses.to_string().as_bytes());
     assert_eq!(via_responses, cat);
 
+    // With mm_processor_kwargs vLLM hashes the uuid with them: claims stop at the image.
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&image_chat("vl-fixed", &[("https://x/cat.png", Some("cat"))])).unwrap();
+    v["mm_processor_kwargs"] = serde_json::json!({"max_pixels": 200704});
+    let (_, kwargs, _) = prepared_chain(&gw, chat, v.to_string().as_bytes());
+    assert_eq!(kwargs[..], cat[..at / 16]);
+
     // A part the picker cannot place (audio): nothing claimed.
     let mut v: serde_json::Value = serde_json::from_slice(&image_chat("vl-fixed", &[])).unwrap();
     v["messages"][1]["content"][0] =
