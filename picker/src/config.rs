@@ -30,6 +30,10 @@
 //!     # mode: precise                 # default: precise with a tokenizer, approximate without
 //!   - name: other-model               # no tokenizer: approximate mode (docs/design.md §6)
 //!     approximate: { block_chars: 64, capacity_blocks_per_pod: 31250, max_blocks: 256 }
+//!   - name: Qwen/Qwen2.5-VL-7B-Instruct
+//!     tokenizer: /models/qwen2.5-vl
+//!     image_tokens: 256              # placeholder tokens per image, when fixed (docs/design.md §2)
+//!     # image_placeholder: "<|image_pad|>"
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
 //! # or a preset (README "Tuning guide") with overrides and custom scorers:
@@ -358,7 +362,24 @@ pub struct ModelConfig {
     /// `capacity_blocks_per_pod` 31 250 blocks, `max_blocks` 256 blocks per request.
     #[serde(default)]
     pub approximate: ApproxConfig,
+    /// Placeholder tokens each image of a chat request expands to on the engine (a fixed count:
+    /// the model's processor gives every image the same number, e.g. images resized to one
+    /// size), 1..=[`MAX_IMAGE_TOKENS`]. With it, images that carry a `uuid` are part of the
+    /// request's block identity as the engine hashes them (docs/design.md §2); without it, and
+    /// for images without a `uuid`, blocks are claimed only up to the first image. Default none.
+    #[serde(default)]
+    pub image_tokens: Option<usize>,
+    /// The token the chat template renders once per image and the engine expands to
+    /// `image_tokens` tokens. Default `<|image_pad|>` (Qwen2-VL and its successors).
+    #[serde(default)]
+    pub image_placeholder: Option<String>,
 }
+
+/// Most placeholder tokens per image `image_tokens` accepts.
+pub const MAX_IMAGE_TOKENS: usize = 65_536;
+
+/// The image placeholder token when `image_placeholder` is not set.
+pub const DEFAULT_IMAGE_PLACEHOLDER: &str = "<|image_pad|>";
 
 impl ModelConfig {
     /// A model named `name` with every other field at its default (no tokenizer: approximate).
@@ -370,6 +391,8 @@ impl ModelConfig {
             tokenizer: None,
             mode: None,
             approximate: ApproxConfig::default(),
+            image_tokens: None,
+            image_placeholder: None,
         }
     }
 
@@ -597,6 +620,26 @@ impl PickerConfig {
                     "must be >= 1 (omit it for the default)",
                 ));
             }
+            if let Some(n) = m.image_tokens
+                && !(1..=MAX_IMAGE_TOKENS).contains(&n)
+            {
+                return Err(ConfigError::invalid(
+                    field("image_tokens"),
+                    n,
+                    format!(
+                        "must be 1..={MAX_IMAGE_TOKENS}, the placeholder tokens one image expands to; omit it when the count varies"
+                    ),
+                ));
+            }
+            if let Some(p) = &m.image_placeholder
+                && p.is_empty()
+            {
+                return Err(ConfigError::invalid(
+                    field("image_placeholder"),
+                    "\"\"",
+                    "must name the token the chat template renders per image; omit it for <|image_pad|>",
+                ));
+            }
             if m.mode == Some(RoutingMode::Precise) && m.tokenizer.is_none() {
                 return Err(ConfigError::invalid(
                     field("mode"),
@@ -696,6 +739,24 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert_eq!(c.block_size, 16);
         assert_eq!(c.pod_grace_ttl_ms, 10_000);
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn image_settings_are_validated() {
+        let c =
+            PickerConfig::from_yaml("models: [{name: a, image_tokens: 256, image_placeholder: '<image>'}]").unwrap();
+        c.validate().unwrap();
+        assert_eq!((c.models[0].image_tokens, c.models[0].image_placeholder.as_deref()), (Some(256), Some("<image>")));
+        for (yaml, field) in [
+            ("{name: a, image_tokens: 0}", "image_tokens"),
+            ("{name: a, image_tokens: 65537}", "image_tokens"),
+            ("{name: a, image_placeholder: ''}", "image_placeholder"),
+        ] {
+            let err =
+                PickerConfig::from_yaml(&format!("models: [{yaml}]")).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{yaml}: {err}");
+        }
+        assert!(PickerConfig::from_yaml("models: [{name: a, image_tokens: -1}]").is_err());
     }
 
     #[test]

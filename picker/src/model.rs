@@ -12,6 +12,12 @@
 //! a salted prompt matches only blocks its own salt built; approximate mode does not match salted
 //! prompts (its text chains carry no salt).
 //!
+//! Images in chat messages (docs/design.md §2): the engine expands each image's placeholder token
+//! to the image's token count and keys the blocks those tokens cover with the image's identifier.
+//! [`ResolvedModel::place_images`] does the same where it can (the image carries a `uuid`, which
+//! vLLM uses as the image's hash, and the model has a fixed `image_tokens`); from the first image
+//! it cannot place on, no block is claimed.
+//!
 //! Mode (docs/design.md §6): precise models hash token blocks and match the KV-event index; approximate
 //! models (default without a tokenizer, or when it fails to load) hash text blocks
 //! ([`crate::approx`]) and match the [`ApproxStore`] of their base model, shared by every model
@@ -25,13 +31,13 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvroute_common::{BlockHash, BlockHasher};
+use kvroute_common::{BlockHash, BlockHasher, MmItem};
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
 use serde_json::Value;
 use std::sync::atomic::AtomicBool;
 
 use crate::approx::{ApproxStore, RoutingMode, TextHasher, prompt_text};
-use crate::config::ModelConfig;
+use crate::config::{DEFAULT_IMAGE_PLACEHOLDER, ModelConfig};
 
 /// Errors turning a request body into a routing input. Each maps to one HTTP status.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +72,38 @@ pub struct ResolvedModel {
     pub hasher: BlockHasher,
     /// Approximate mode's text hasher and store; `None` in precise mode.
     pub approx: Option<ApproxModel>,
+    /// How images become placeholder tokens (docs/design.md §2).
+    pub images: ImageSettings,
+}
+
+/// How a model's chat template and engine turn an image into tokens (docs/design.md §2).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImageSettings {
+    /// Id of the token the chat template renders once per image (`image_placeholder`); `None`
+    /// when the tokenizer has no such token (then no block from the first image on is claimed,
+    /// and with it nothing: the picker cannot tell where the image is).
+    pub placeholder: Option<u32>,
+    /// Placeholder tokens per image on the engine (`image_tokens`); `None` when not fixed.
+    pub tokens_per_image: Option<usize>,
+}
+
+/// Longest image `uuid` the picker uses as an identifier, in bytes; an image with a longer one is
+/// treated as one without (its blocks are not claimed).
+pub const MAX_IMAGE_UUID_BYTES: usize = 256;
+
+/// Most tokens a prompt may have once its images are expanded; images that would go past it are
+/// not placed (their blocks are not claimed).
+pub const MAX_EXPANDED_TOKENS: usize = 1 << 21;
+
+/// An image's placement in a prompt: the images the picker reproduced as the engine keys them,
+/// and how many leading tokens it may claim.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ImagePlacement {
+    /// The reproduced images (identifier = `uuid`), in prompt order, in expanded token positions.
+    pub items: Vec<MmItem>,
+    /// Tokens from the start that the engine sees exactly as the picker does: up to the first
+    /// placeholder of the first image not reproduced (the whole prompt when every image is).
+    pub claimable: usize,
 }
 
 /// A model in approximate mode: its text-chain hasher and the store of where chains went.
@@ -122,6 +160,9 @@ pub struct ParsedBody {
     pub prompt: PromptInput,
     /// The `cache_salt` field (a non-empty string; anything else makes the prompt unmatched).
     pub cache_salt: Option<String>,
+    /// Whether an image's `uuid` is its identifier on the engine: false when the request sets
+    /// `mm_processor_kwargs` (vLLM then hashes the uuid with them, docs/design.md §2).
+    pub image_uuids: bool,
 }
 
 impl ModelRegistry {
@@ -220,6 +261,18 @@ fn build_model(
     stores: &mut HashMap<String, Arc<ApproxStore>>,
 ) -> ResolvedModel {
     let hasher = BlockHasher::new(target, adapter, block_size);
+    let placeholder_name = cfg.image_placeholder.as_deref().unwrap_or(DEFAULT_IMAGE_PLACEHOLDER);
+    let images = ImageSettings {
+        placeholder: tokenizer.as_ref().and_then(|t| t.token_id(placeholder_name)),
+        tokens_per_image: cfg.image_tokens,
+    };
+    if tokenizer.is_some()
+        && images.placeholder.is_none()
+        && (cfg.image_placeholder.is_some() || cfg.image_tokens.is_some())
+    {
+        tracing::warn!(model = %name, placeholder = placeholder_name,
+            "the tokenizer has no image placeholder token: requests with images claim no blocks");
+    }
     let approx = (cfg.effective_mode(tokenizer.is_some()) == RoutingMode::Approximate).then(|| {
         let a = &cfg.approximate;
         let store = stores.entry(target.to_owned()).or_insert_with(|| Arc::new(ApproxStore::new(a))).clone();
@@ -234,6 +287,7 @@ fn build_model(
         tokenizer,
         hasher,
         approx,
+        images,
     }
 }
 
@@ -315,6 +369,17 @@ fn responses_message(item: Value) -> Option<Value> {
             let mut out = Vec::with_capacity(parts.len());
             for p in parts {
                 let kind = p["type"].as_str()?;
+                if kind == "input_image" {
+                    // As the engine turns it into a chat image part (a URL string; a `file_id`
+                    // names nothing the picker can see).
+                    let mut part =
+                        serde_json::json!({"type": "image_url", "image_url": {"url": p["image_url"].as_str()?}});
+                    if let Some(uuid) = p.get("uuid") {
+                        part["uuid"] = uuid.clone();
+                    }
+                    out.push(part);
+                    continue;
+                }
                 if !matches!(kind, "input_text" | "output_text" | "text") {
                     return None;
                 }
@@ -325,6 +390,34 @@ fn responses_message(item: Value) -> Option<Value> {
         _ => return None,
     };
     Some(serde_json::json!({"role": role, "content": content}))
+}
+
+/// One image of a chat request: its `uuid` when it carries a usable one.
+pub type ChatImage = Option<String>;
+
+/// The images of `messages` in the order the chat template renders them (messages in order,
+/// parts in order): parts of type `image_url`, `image` or `input_image`, each with its `uuid`
+/// (a non-empty string of at most [`MAX_IMAGE_UUID_BYTES`] bytes; otherwise `None`).
+/// `Err` names a part that is neither text nor an image (audio, video, embeddings, files): the
+/// picker cannot tell where the engine puts its tokens.
+pub fn chat_images(messages: &[Value]) -> Result<Vec<ChatImage>, &'static str> {
+    let mut out = Vec::new();
+    for message in messages {
+        let Some(Value::Array(parts)) = message.get("content") else { continue };
+        for part in parts {
+            match part.get("type").and_then(Value::as_str).unwrap_or("text") {
+                "text" | "input_text" | "output_text" | "refusal" => {}
+                "image_url" | "image" | "input_image" => out.push(
+                    part.get("uuid")
+                        .and_then(Value::as_str)
+                        .filter(|u| !u.is_empty() && u.len() <= MAX_IMAGE_UUID_BYTES)
+                        .map(str::to_owned),
+                ),
+                _ => return Err("a content part other than text or an image"),
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Parses a body: the `model` and the prompt, by `:path` (`/v1/responses` as the Responses API,
@@ -348,17 +441,25 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
         // vLLM refuses these (400); the picker routes them by load.
         Some(_) => {
             let prompt = PromptInput::None("cache_salt is not a non-empty string");
-            return Ok(ParsedBody { model, prompt, cache_salt: None });
+            return Ok(ParsedBody { model, prompt, cache_salt: None, image_uuids: false });
         }
     };
+    let image_uuids = match obj.get("mm_processor_kwargs") {
+        None | Some(Value::Null) => true,
+        Some(Value::Object(o)) => o.is_empty(),
+        Some(_) => false,
+    };
     if is_responses_path(path) {
-        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj), cache_salt });
+        return Ok(ParsedBody { model, prompt: responses_prompt(&mut obj), cache_salt, image_uuids });
     }
     let chat = is_chat_path(path) || (!obj.contains_key("prompt") && obj.contains_key("messages"));
     let prompt = if chat {
         let messages = match obj.remove("messages") {
             Some(Value::Array(m)) => m,
-            _ => return Ok(ParsedBody { model, prompt: PromptInput::None("no messages array"), cache_salt }),
+            _ => {
+                let prompt = PromptInput::None("no messages array");
+                return Ok(ParsedBody { model, prompt, cache_salt, image_uuids });
+            }
         };
         let tools = match obj.remove("tools") {
             Some(Value::Array(t)) => Some(t),
@@ -368,7 +469,7 @@ pub fn parse_body(path: &str, body: &[u8]) -> Result<ParsedBody, ModelError> {
     } else {
         completion_prompt(obj.remove("prompt"))
     };
-    Ok(ParsedBody { model, prompt, cache_salt })
+    Ok(ParsedBody { model, prompt, cache_salt, image_uuids })
 }
 
 /// `body` (a JSON object, already parsed once by [`parse_body`]) with its `model` set to `model`,
@@ -485,6 +586,60 @@ impl ResolvedModel {
     }
 }
 
+impl ResolvedModel {
+    /// Places a chat request's `images` (from [`chat_images`]) in its rendered `tokens` as the
+    /// engine does (docs/design.md §2): each image's placeholder token, when the image carries a
+    /// `uuid` and the model a fixed `image_tokens`, is expanded in `tokens` to that many tokens
+    /// and becomes an [`MmItem`] identified by the `uuid`; the first image that cannot be placed
+    /// (and every one after it) stays one token and ends the claimable prefix at its position.
+    /// `Err` (nothing claimable) when the tokenizer has no placeholder token or the rendered
+    /// prompt does not hold one per image (the template does not render them, or a text holds
+    /// the token). Without images: nothing to place, everything claimable.
+    pub fn place_images(&self, images: &[ChatImage], tokens: &mut Vec<u32>) -> Result<ImagePlacement, &'static str> {
+        if images.is_empty() {
+            return Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() });
+        }
+        let Some(pad) = self.images.placeholder else {
+            return Err("images, and the tokenizer has no image placeholder token");
+        };
+        if tokens.iter().filter(|t| **t == pad).count() != images.len() {
+            return Err("the rendered prompt does not hold one image placeholder per image");
+        }
+        let reproducible = |i: usize, len: usize| -> Option<(usize, &str)> {
+            let n = self.images.tokens_per_image?;
+            let id = images[i].as_deref()?;
+            (len + n + tokens.len() <= MAX_EXPANDED_TOKENS).then_some((n, id))
+        };
+        let first_rendered = tokens.iter().position(|t| *t == pad).unwrap_or(tokens.len());
+        if reproducible(0, 0).is_none() {
+            return Ok(ImagePlacement { items: Vec::new(), claimable: first_rendered });
+        }
+        let mut out = Vec::with_capacity(tokens.len() + images.len() * self.images.tokens_per_image.unwrap_or(1));
+        let mut items = Vec::new();
+        let mut claimable = None;
+        let mut image = 0;
+        for &t in tokens.iter() {
+            if t != pad || claimable.is_some() {
+                out.push(t);
+                continue;
+            }
+            match reproducible(image, out.len()) {
+                Some((n, id)) => {
+                    items.push(MmItem { identifier: id.to_owned(), offset: out.len(), length: n });
+                    out.extend(std::iter::repeat_n(pad, n));
+                }
+                None => {
+                    claimable = Some(out.len());
+                    out.push(t);
+                }
+            }
+            image += 1;
+        }
+        *tokens = out;
+        Ok(ImagePlacement { items, claimable: claimable.unwrap_or(tokens.len()) })
+    }
+}
+
 /// Tokenization stopped because its request was abandoned ([`ResolvedModel::tokens_cancellable`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cancelled;
@@ -530,6 +685,28 @@ mod tests {
             }
             other => panic!("expected chat, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn chat_images_in_render_order_with_bounded_uuids() {
+        let long = "u".repeat(MAX_IMAGE_UUID_BYTES + 1);
+        let messages = vec![
+            serde_json::json!({"role": "system", "content": "plain"}),
+            serde_json::json!({"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "u1"}, "uuid": "one"},
+                {"type": "image", "image": "u2"},
+                {"type": "input_image", "image_url": "u3", "uuid": long},
+                {"type": "image_url", "image_url": {"url": "u4"}, "uuid": ""}]}),
+        ];
+        assert_eq!(chat_images(&messages), Ok(vec![Some("one".to_owned()), None, None, None]));
+        let video =
+            vec![serde_json::json!({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]})];
+        assert!(chat_images(&video).is_err());
+        let p = parse_body("/v1/chat/completions", br#"{"model":"m","messages":[],"mm_processor_kwargs":{"fps":1}}"#);
+        assert!(!p.unwrap().image_uuids);
+        let p = parse_body("/v1/chat/completions", br#"{"model":"m","messages":[],"mm_processor_kwargs":{}}"#);
+        assert!(p.unwrap().image_uuids);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use kvroute_common::{BlockHash, BlockKeys};
 
 use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::{Gateway, Resolution};
-use crate::model::{ModelError, PromptInput, ResolvedModel, parse_body};
+use crate::model::{ImagePlacement, ModelError, PromptInput, ResolvedModel, chat_images, parse_body};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
 use observe::DecisionObserver;
 
@@ -142,7 +142,8 @@ pub struct PreparedRequest {
     pub model_rewrite: Option<String>,
     /// How the chain is matched.
     pub mode: RoutingMode,
-    /// Token ids (precise mode); empty in approximate mode or when the prompt has none.
+    /// Token ids (precise mode), images expanded where the picker places them (docs/design.md
+    /// §2); empty in approximate mode or when the prompt has none.
     pub tokens: Vec<u32>,
     /// Why the prompt cannot be prefix-matched (e.g. `cache_salt`, docs/design.md §2); "" when it can.
     pub unmatched_reason: &'static str,
@@ -219,16 +220,16 @@ fn prepare_cancellable(
 ) -> Result<PreparedRequest, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
-    let (model_name, prompt, cache_salt) = match input.body {
+    let (model_name, prompt, cache_salt, image_uuids) = match input.body {
         Some(body) => {
             let parsed = parse_body(input.path, body)?;
-            (parsed.model, parsed.prompt, parsed.cache_salt)
+            (parsed.model, parsed.prompt, parsed.cache_salt, parsed.image_uuids)
         }
         None if crate::model::needs_body(input.path) => {
             return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
         }
         None => match &gw.default_model {
-            Some(m) => (m.clone(), PromptInput::None("request without body"), None),
+            Some(m) => (m.clone(), PromptInput::None("request without body"), None, false),
             None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
         },
     };
@@ -237,7 +238,7 @@ fn prepare_cancellable(
     drop(parse_span);
     tracing::Span::current().record("model", model_name.as_str());
     let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };
-    let tokens = match mode {
+    let mut tokens = match mode {
         RoutingMode::Approximate => Vec::new(),
         RoutingMode::Precise => {
             let tokens = tracing::info_span!("epp.tokenize")
@@ -249,22 +250,42 @@ fn prepare_cancellable(
             })?
         }
     };
+    // Images (docs/design.md §2): expanded and keyed as the engine does where the picker can,
+    // otherwise no block is claimed from the first image on.
+    let placement = match (&prompt, mode) {
+        (PromptInput::Chat(chat), RoutingMode::Precise) if !tokens.is_empty() => {
+            chat_images(&chat.messages).and_then(|mut images| {
+                if !image_uuids {
+                    images.iter_mut().for_each(|uuid| *uuid = None);
+                }
+                model.place_images(&images, &mut tokens)
+            })
+        }
+        _ => Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() }),
+    };
+    let (items, claimable, image_reason) = match placement {
+        Ok(p) => (p.items, p.claimable, ""),
+        Err(why) => (Vec::new(), 0, why),
+    };
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
         // Text chains carry no salt: a salted prompt must not match another tenant's text.
         _ if cache_salt.is_some() && mode == RoutingMode::Approximate => "cache_salt in approximate mode",
         _ if model.tokenizer.is_none() && mode == RoutingMode::Precise => "no tokenizer",
+        _ if !image_reason.is_empty() => image_reason,
         _ => "",
     };
     let mut hashes = HashBuf::take();
     tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
         if cache_salt.is_some() && mode == RoutingMode::Approximate {
             hashes.0.clear();
-        } else if cache_salt.is_some() {
+        } else if mode == RoutingMode::Precise {
             // vLLM folds the salt into the first block's hash, so the whole chain is the tenant's
-            // own (docs/design.md §2); the agent re-hashes the engine's blocks the same way.
-            let keys = BlockKeys { cache_salt, items: Vec::new() };
-            model.hasher.hash_prompt_keyed(&tokens, &keys, &mut hashes.0);
+            // own, and each image's identifier into the blocks its placeholders cover
+            // (docs/design.md §2); the agent re-hashes the engine's blocks the same way. Without
+            // keys this is the plain chain.
+            let keys = BlockKeys { cache_salt, items };
+            model.hasher.hash_prompt_keyed(&tokens[..claimable], &keys, &mut hashes.0);
         } else {
             let done = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
                 Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes.0),

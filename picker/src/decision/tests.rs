@@ -315,3 +315,148 @@ async fn rewrite_targets_resolve_through_models_and_the_engines_reports() {
     assert!(gw.resolve("chat").is_err());
     assert_eq!(gw.resolve("chat-file").unwrap().rewrite, None);
 }
+
+/// A chat body for the image tests: a long system prompt, then a user message with a text, one
+/// image part per `(url, uuid)` and a question.
+fn image_chat(model: &str, images: &[(&str, Option<&str>)]) -> Vec<u8> {
+    let system = "You describe pictures for a museum catalogue, precisely and briefly. ".repeat(10);
+    let mut parts = vec![serde_json::json!({"type": "text", "text": "Here is the picture:"})];
+    for (url, uuid) in images {
+        let mut part = serde_json::json!({"type": "image_url", "image_url": {"url": url}});
+        if let Some(u) = uuid {
+            part["uuid"] = serde_json::json!(u);
+        }
+        parts.push(part);
+    }
+    parts.push(
+        serde_json::json!({"type": "text", "text": "What does it show, and in which colours, mostly? ".repeat(4)}),
+    );
+    serde_json::json!({"model": model, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": parts},
+    ]})
+    .to_string()
+    .into_bytes()
+}
+
+/// (tokens, chain, unmatched reason) of a chat body.
+fn prepared_chain(gw: &Gateway, path: &str, body: &[u8]) -> (Vec<u32>, Vec<BlockHash>, &'static str) {
+    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
+    let p = prepare(gw, &input).unwrap();
+    (p.tokens.clone(), p.block_hashes().to_vec(), p.unmatched_reason)
+}
+
+const IMAGE_MODELS: &str =
+    "{name: vl, tokenizer: DIR}, {name: vl-fixed, target_model: vl, tokenizer: DIR, image_tokens: 40}";
+
+/// docs/design.md §2, images the picker cannot reproduce (no `uuid`, or no fixed `image_tokens`):
+/// the chain is the plain chain of the full blocks that end before the first image's placeholder,
+/// whatever the image, so requests sharing a system prompt but carrying different images go to
+/// the pod holding the system prompt, and no block from the image on is claimed.
+#[tokio::test]
+async fn images_without_uuid_claim_the_text_before_the_first_image_only() {
+    let gw = gateway(&IMAGE_MODELS.replace("DIR", &tokenizer_dir()));
+    let pad = gw.models.resolve("vl").unwrap().images.placeholder.expect("the fixture has <|image_pad|>");
+    let chat = "/v1/chat/completions";
+    let (tokens, cat, why) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/cat.png", None)]));
+    assert_eq!(why, "");
+    let at = tokens.iter().position(|t| *t == pad).unwrap();
+    assert_eq!(tokens.iter().filter(|t| **t == pad).count(), 1, "not expanded without image_tokens");
+    assert!(at >= 64 && tokens.len() / 16 > at / 16 + 2, "text before and after the image: {at} of {}", tokens.len());
+    let mut plain = Vec::new();
+    gw.models.resolve("vl").unwrap().hasher.hash_prompt(&tokens, &mut plain);
+    assert_eq!(cat, plain[..at / 16], "the text blocks before the image, nothing from it on");
+    // Another image, or the same one with a uuid but no image_tokens: the same claim.
+    let (_, dog, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/dog.png", None)]));
+    let (_, uuid, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/dog.png", Some("dog"))]));
+    let (_, fixed, _) = prepared_chain(&gw, chat, &image_chat("vl-fixed", &[("https://x/dog.png", None)]));
+    assert!(dog == cat && uuid == cat && fixed == cat);
+
+    // The pod holding the system prompt's blocks wins over an idle pod for a new image.
+    put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &plain[..at / 16]).await;
+    put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
+    let body = image_chat("vl", &[("https://x/bird.png", None)]);
+    let input = DecisionInput { request_id: "t", path: chat, body: Some(&body), subset: None, objective: None };
+    let routed = decide(&gw, &input).unwrap();
+    assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", at / 16));
+    drop(routed);
+    // Routing recorded nothing past the image as pending on the holder: the next image is credited
+    // with the text blocks only.
+    let body = image_chat("vl", &[("https://x/fish.png", None)]);
+    let ex = explain(&gw, &DecisionInput { body: Some(&body), ..input }).unwrap().explanation;
+    let holder = ex.candidates.iter().find(|c| &*c.pod == "holder").unwrap();
+    assert_eq!(holder.matched_blocks as usize, at / 16, "{ex:?}");
+}
+
+/// docs/design.md §2, images the picker reproduces (a `uuid` and a fixed `image_tokens`): the
+/// placeholder is expanded and each block it covers keyed with `[uuid, offset]` as vLLM and the
+/// agent key them, so the same uuid gives the same chain through the image (whatever its URL),
+/// another uuid the same chain up to the image and another from the image's first block on.
+#[tokio::test]
+async fn images_with_uuid_and_fixed_token_count_are_keyed_as_the_engine_keys_them() {
+    let gw = gateway(&IMAGE_MODELS.replace("DIR", &tokenizer_dir()));
+    let model = gw.models.resolve("vl-fixed").unwrap();
+    let pad = model.images.placeholder.unwrap();
+    let chat = "/v1/chat/completions";
+    let (rendered, _, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/cat.png", None)]));
+    let at = rendered.iter().position(|t| *t == pad).unwrap();
+    let (tokens, cat, why) = prepared_chain(&gw, chat, &image_chat("vl-fixed", &[("https://x/cat.png", Some("cat"))]));
+    assert_eq!(why, "");
+    // The engine's prompt: the placeholder expanded to 40 tokens.
+    let mut engine = rendered[..at].to_vec();
+    engine.extend(std::iter::repeat_n(pad, 40));
+    engine.extend_from_slice(&rendered[at + 1..]);
+    assert_eq!(tokens, engine);
+    let keys = BlockKeys {
+        cache_salt: None,
+        items: vec![kvroute_common::MmItem { identifier: "cat".into(), offset: at, length: 40 }],
+    };
+    let mut want = Vec::new();
+    model.hasher.hash_prompt_keyed(&engine, &keys, &mut want);
+    assert_eq!(cat, want, "every full block, the image's keyed");
+    let mut plain = Vec::new();
+    model.hasher.hash_prompt(&engine, &mut plain);
+    assert_eq!(cat[..at / 16], plain[..at / 16]);
+    assert_ne!(cat[at / 16], plain[at / 16]);
+
+    let (_, same, _) = prepared_chain(&gw, chat, &image_chat("vl-fixed", &[("https://y/other.png", Some("cat"))]));
+    assert_eq!(same, cat, "the uuid is the image's identity");
+    let (_, dog, _) = prepared_chain(&gw, chat, &image_chat("vl-fixed", &[("https://x/cat.png", Some("dog"))]));
+    assert_eq!(dog.len(), cat.len());
+    assert_eq!(dog[..at / 16], cat[..at / 16]);
+    assert!(dog[at / 16..].iter().all(|h| !cat.contains(h)), "another image: another chain from its first block");
+
+    // A second image without a uuid: keyed through the first, nothing claimed from the second on.
+    let two = image_chat("vl-fixed", &[("https://x/cat.png", Some("cat")), ("https://x/dog.png", None)]);
+    let (tokens2, chain2, _) = prepared_chain(&gw, chat, &two);
+    let second = tokens2.iter().rposition(|t| *t == pad).unwrap();
+    assert_eq!(tokens2.iter().filter(|t| **t == pad).count(), 41, "the first expanded, the second not");
+    assert_eq!(tokens2[..second].iter().filter(|t| **t == pad).count(), 40);
+    assert!(second / 16 > at / 16 + 2, "blocks keyed by the first image: {at}..{second}");
+    assert_eq!(chain2.len(), second / 16);
+    assert_eq!(chain2[..], cat[..second / 16], "{} blocks", chain2.len());
+
+    // The Responses API's input_image carries its uuid the same way.
+    let v: serde_json::Value = serde_json::from_slice(&image_chat("vl-fixed", &[])).unwrap();
+    let responses = serde_json::json!({"model": "vl-fixed", "instructions": v["messages"][0]["content"],
+        "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "Here is the picture:"},
+            {"type": "input_image", "image_url": "https://x/cat.png", "uuid": "cat"},
+            {"type": "input_text", "text": v["messages"][1]["content"][1]["text"]}]}]});
+    let (_, via_responses, _) = prepared_chain(&gw, "/v1/responses", responses.to_string().as_bytes());
+    assert_eq!(via_responses, cat);
+
+    // With mm_processor_kwargs vLLM hashes the uuid with them: claims stop at the image.
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&image_chat("vl-fixed", &[("https://x/cat.png", Some("cat"))])).unwrap();
+    v["mm_processor_kwargs"] = serde_json::json!({"max_pixels": 200704});
+    let (_, kwargs, _) = prepared_chain(&gw, chat, v.to_string().as_bytes());
+    assert_eq!(kwargs[..], cat[..at / 16]);
+
+    // A part the picker cannot place (audio): nothing claimed.
+    let mut v: serde_json::Value = serde_json::from_slice(&image_chat("vl-fixed", &[])).unwrap();
+    v["messages"][1]["content"][0] =
+        serde_json::json!({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}});
+    let (_, none, why) = prepared_chain(&gw, chat, v.to_string().as_bytes());
+    assert!(none.is_empty() && why.contains("content part"), "{why}");
+}

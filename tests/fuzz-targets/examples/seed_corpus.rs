@@ -50,6 +50,11 @@ fn main() -> std::io::Result<()> {
             "chat-approx-lora",
             r#"{"model":"lora","messages":[{"role":"user","content":"SELECT * FROM t"}],"stream":true}"#,
         ),
+        (
+            1,
+            "chat-image-uuids",
+            r#"{"model":"qwen","messages":[{"role":"system","content":"Describe pictures."},{"role":"user","content":[{"type":"text","text":"Two:"},{"type":"image_url","image_url":{"url":"https://x/a.png"},"uuid":"img-a"},{"type":"image_url","image_url":{"url":"https://x/b.png"}}]}]}"#,
+        ),
         (1, "chat-salted", r#"{"model":"qwen","messages":[{"role":"user","content":"x"}],"cache_salt":"s1"}"#),
         (2, "embeddings", r#"{"model":"approx","input":"embed me"}"#),
         (0, "no-model", r#"{"prompt":"x"}"#),

@@ -60,6 +60,7 @@ fn registry() -> &'static ModelRegistry {
     REGISTRY.get_or_init(|| {
         let mut qwen = ModelConfig::named("qwen");
         qwen.tokenizer = Some(tokenizer_dir());
+        qwen.image_tokens = Some(40);
         let mut lora = ModelConfig::named("lora");
         lora.target_model = Some("approx".into());
         lora.adapter = Some("sql-lora".into());
@@ -96,6 +97,21 @@ pub fn ext_proc_body(data: &[u8]) {
     let mut hashes = Vec::new();
     model.hasher.hash_prompt(&tokens, &mut hashes);
     assert_eq!(hashes.len(), tokens.len() / 16);
+    // Images (docs/design.md §2): placed items lie inside the expanded prompt, before what may
+    // be claimed, in order; the keyed chain covers the claimable prefix's full blocks.
+    if let PromptInput::Chat(chat) = &parsed.prompt
+        && let Ok(images) = kvroute_picker::model::chat_images(&chat.messages)
+    {
+        let mut expanded = tokens.clone();
+        if let Ok(p) = model.place_images(&images, &mut expanded) {
+            assert!(p.claimable <= expanded.len() && p.items.len() <= images.len());
+            assert!(p.items.iter().all(|i| i.offset + i.length <= p.claimable));
+            assert!(p.items.windows(2).all(|w| w[0].offset + w[0].length <= w[1].offset));
+            let keys = kvroute_common::BlockKeys { cache_salt: None, items: p.items };
+            model.hasher.hash_prompt_keyed(&expanded[..p.claimable], &keys, &mut hashes);
+            assert_eq!(hashes.len(), p.claimable / 16);
+        }
+    }
 }
 
 /// Chat-template inputs: a JSON object with `messages` (and `tools`), or a bare messages array,

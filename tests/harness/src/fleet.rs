@@ -63,6 +63,10 @@ pub struct FleetSpec {
     /// Top-level keys set in every picker replica's config file, e.g.
     /// `{"limits": {"max_report_age_ms": 1500}, "shutdown_drain_ms": 1000}`.
     pub picker_overrides: Option<Value>,
+    /// Placeholder tokens per image: the engines' `--mm-tokens-per-image` and the picker's
+    /// `image_tokens` for the model (docs/design.md §2). `None`: the emulator's default (256) and
+    /// no `image_tokens` (the picker claims no block from an image on).
+    pub image_tokens: Option<usize>,
 }
 
 impl Default for FleetSpec {
@@ -88,6 +92,7 @@ impl Default for FleetSpec {
             noop_ext_proc_gateway: false,
             picker_replicas: 1,
             picker_overrides: None,
+            image_tokens: None,
         }
     }
 }
@@ -593,6 +598,9 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
     kv_pair("--kv-replay-endpoint", format!("tcp://127.0.0.1:{replay}"));
     kv_pair("--kv-topic", format!("kv@127.0.0.1@{}", spec.model));
     kv_pair("--pod-name", pod.into());
+    if let Some(n) = spec.image_tokens {
+        kv_pair("--mm-tokens-per-image", n.to_string());
+    }
     a
 }
 
@@ -613,7 +621,7 @@ fn pool_file<'a>(engines_per_agent: usize, engines: impl Iterator<Item = (usize,
 }
 
 fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Value {
-    let model = if spec.picker_approximate {
+    let mut model = if spec.picker_approximate {
         json!({"name": spec.model, "target_model": spec.model, "adapter": null, "mode": "approximate"})
     } else {
         json!({
@@ -623,6 +631,9 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
             "tokenizer": path_arg(&paths::tokenizer_dir()),
         })
     };
+    if let Some(n) = spec.image_tokens {
+        model["image_tokens"] = json!(n);
+    }
     json!({
         "ext_proc_addr": format!("127.0.0.1:{ext_proc}"),
         "ingest_addr": format!("127.0.0.1:{ingest}"),

@@ -235,3 +235,86 @@ async fn a_salted_prompt_matches_only_its_own_tenants_cache() {
     assert!(b.cached_tokens * 2 > b.prompt_tokens, "tenant-b's repeat: {} cached", b.cached_tokens);
     fleet.shutdown().await;
 }
+
+/// docs/design.md §2 images, end to end: the emulated engines expand each image to 64 placeholder
+/// tokens and key the blocks they cover with the image's identifier (its `uuid` when given), the
+/// agents fold those keys in, and the picker (`image_tokens: 64`) claims exactly what the engine
+/// will serve from cache. Different images without a uuid: routed to the pod holding the shared
+/// system prompt, credited and served the text before the image only. The same uuid (another
+/// URL): credited and served through the image. Another uuid: stops at the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_find_the_system_prompts_pod_and_match_through_the_image_by_uuid() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let fleet = Fleet::start(FleetSpec { image_tokens: Some(64), ..spec("e2e-images") }).await.expect("fleet starts");
+    let client = GatewayClient::new(&fleet.gateway).expect("client");
+    let system = "You describe pictures for a museum catalogue, precisely and briefly. ".repeat(40);
+    let body = |url: &str, uuid: Option<&str>| {
+        let mut image = json!({"type": "image_url", "image_url": {"url": url}});
+        if let Some(u) = uuid {
+            image["uuid"] = json!(u);
+        }
+        json!({"model": MODEL, "max_tokens": 4, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "text", "text": "Here is the picture:"}, image,
+                {"type": "text", "text": "What does it show, and in which colours, mostly?"}]}]})
+    };
+    let send = |b: &Value| {
+        let body = serde_json::to_vec(b).expect("json");
+        let client = &client;
+        async move {
+            let out = client.post_raw("/v1/chat/completions", body, &[]).await.expect("request");
+            assert_eq!(out.status, 200, "{:?}", out.error);
+            out
+        }
+    };
+    // (blocks the picker credits `pod` with, blocks in the request's chain, its prompt tokens).
+    let claim = |b: Value, pod: String| {
+        let fleet = &fleet;
+        async move {
+            let ex = fleet.explain_chat(&b).await.expect("explain");
+            let matched = ex["candidates"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|c| c["pod"] == pod.as_str())
+                .and_then(|c| c["matched_blocks"].as_u64())
+                .unwrap_or(0) as u32;
+            let total = ex["total_blocks"].as_u64().unwrap_or(0) as u32;
+            (matched, total, ex["input_tokens"].as_u64().unwrap_or(0) as u32)
+        }
+    };
+
+    let cat = send(&body("https://example.com/cat.png", None)).await;
+    assert_eq!(cat.cached_tokens, 0, "a cold fleet");
+    let holder = cat.served_by.clone().expect("served_by");
+    tokio::time::sleep(PROPAGATION).await;
+    // Another image, no uuid: the text blocks before the image only, all of them on the holder.
+    let dog_body = body("https://example.com/dog.png", None);
+    let (text_blocks, total, _) = claim(dog_body.clone(), holder.clone()).await;
+    assert!(text_blocks >= 20, "the system prompt's blocks are credited: {text_blocks}");
+    assert_eq!(total, text_blocks, "no block from the image on is claimed");
+    let dog = send(&dog_body).await;
+    assert_eq!(dog.served_by.as_deref(), Some(holder.as_str()), "a new image left the system prompt's pod");
+    assert_eq!(dog.cached_tokens, text_blocks * 16, "credited exactly what the engine served from cache");
+
+    // With a uuid: the first one is new after the text; the same uuid under another URL is
+    // credited and served through the image; another uuid stops at the image.
+    let first = send(&body("https://example.com/cat.png", Some("img-cat"))).await;
+    assert_eq!(first.served_by.as_deref(), Some(holder.as_str()));
+    assert_eq!(first.cached_tokens, text_blocks * 16);
+    tokio::time::sleep(PROPAGATION).await;
+    let same_body = body("https://mirror.example.org/cat-copy.png", Some("img-cat"));
+    let (matched, total, input_tokens) = claim(same_body.clone(), holder.clone()).await;
+    assert_eq!(matched, total, "the same uuid: every block credited");
+    assert!(total * 16 > text_blocks * 16 + 64, "the chain covers the image: {total} blocks");
+    let same = send(&same_body).await;
+    assert_eq!(same.served_by.as_deref(), Some(holder.as_str()));
+    assert_eq!(input_tokens, same.prompt_tokens, "the picker expands the image as the engine does");
+    assert!(same.cached_tokens + 16 >= total * 16, "served through the image: {} cached", same.cached_tokens);
+    let other_body = body("https://example.com/cat.png", Some("img-dog"));
+    let (matched, other_total, _) = claim(other_body.clone(), holder.clone()).await;
+    assert_eq!((matched, other_total), (text_blocks, total), "another uuid: credited up to the image");
+    let other = send(&other_body).await;
+    assert_eq!(other.cached_tokens, text_blocks * 16, "another uuid was served from the first image's blocks");
+    fleet.shutdown().await;
+}
