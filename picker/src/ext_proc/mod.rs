@@ -338,6 +338,12 @@ enum Routing {
 /// their tokenization (≈ 30 ms of CPU per MiB in a release build); smaller ones in place.
 pub const CANCELLABLE_BODY_BYTES: usize = 256 * 1024;
 
+/// Bodies under this size (bytes; ≈ 4k tokens) are decided right on the tokio worker: a
+/// decision of such a prompt takes ≈ 0.1 ms (docs/benchmarks.md "Picker latency"), less than
+/// what [`tokio::task::block_in_place`]'s hand-off of the worker to another thread costs on a
+/// machine whose cores sleep between requests.
+pub const INLINE_BODY_BYTES: usize = 16 * 1024;
+
 /// Sets its flag when dropped: the decision's future was dropped (its stream ended) before the
 /// decision finished, or the decision finished and nobody reads the flag any more.
 struct CancelOnDrop(Arc<AtomicBool>);
@@ -352,7 +358,8 @@ impl Drop for CancelOnDrop {
 /// `traceparent`, if any), keeps the decision's in-flight slot in `st`, and says how to answer.
 ///
 /// Parse + tokenize are CPU-bound (milliseconds for a cold 8 MiB body), so they must not stall the
-/// async workers. On the multi-thread runtime the decision runs in place with
+/// async workers. Bodies under [`INLINE_BODY_BYTES`] (≈ 0.1 ms of work) are decided right on the
+/// worker. Larger ones, on the multi-thread runtime, run in place with
 /// [`tokio::task::block_in_place`]: the worker's other tasks move to a fresh worker and this thread
 /// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
 /// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
@@ -381,7 +388,8 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
     };
     let multi_thread = tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
-    let large = body.as_ref().is_some_and(|b| b.len() >= CANCELLABLE_BODY_BYTES);
+    let len = body.as_ref().map_or(0, Vec::len);
+    let large = len >= CANCELLABLE_BODY_BYTES;
     let (body, result) = if multi_thread && !large {
         let result = {
             let input = DecisionInput {
@@ -392,7 +400,11 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                 objective: st.objective.as_deref(),
             };
             static NEVER: AtomicBool = AtomicBool::new(false);
-            tokio::task::block_in_place(|| run(gw, &input, &NEVER))
+            if len < INLINE_BODY_BYTES {
+                run(gw, &input, &NEVER)
+            } else {
+                tokio::task::block_in_place(|| run(gw, &input, &NEVER))
+            }
         };
         (body, result)
     } else {
