@@ -458,7 +458,7 @@ mod tests {
     fn a_copy_held_over_many_publishes_catches_up_exactly() {
         let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
         let mut b = PooledBackend::<3>::new(published.clone());
-        let keys: Vec<BlockHash> = (1..=600u64).map(|k| BlockHash(k * 0x9E37_79B9_7F4A_7C15)).collect();
+        let keys: Vec<BlockHash> = (1..=600u64).map(|k| BlockHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect();
         for h in &keys {
             b.link(PodIdx(0), h.0);
         }
