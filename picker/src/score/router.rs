@@ -293,9 +293,7 @@ impl Router {
         // Pending chains are token chains: approximate mode (text chains) keeps its own record.
         let precise = matches.is_none();
         if precise {
-            shared.pending.prefilling(&index, &mut sc.prefilling);
-            overlay_pending(sc, table, &shared, req.block_hashes, now);
-            self.overlay_offloaded(sc, table, req.block_hashes);
+            self.overlay_precise(sc, table, &index, &mut shared, req.block_hashes, now);
         }
         let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared)? else {
             drop(shared);
@@ -379,9 +377,7 @@ impl Router {
         let now = self.shared.clock().now_unix_ms();
         let mut shared = self.shared.lock();
         if matches.is_none() {
-            shared.pending.prefilling(&index, &mut sc.prefilling);
-            overlay_pending(sc, table, &shared, req.block_hashes, now);
-            self.overlay_offloaded(sc, table, req.block_hashes);
+            self.overlay_precise(sc, table, &index, &mut shared, req.block_hashes, now);
         }
         let scored = self.score(sc, table, req, total_blocks, tick, &shared);
         drop(shared);
@@ -479,7 +475,8 @@ impl Router {
                 && let (Some(s), Some(per_request)) = (status.stats.as_ref(), status.utilization_per_request)
                 && !stale
             {
-                let since = rec.inflight.since(s.observed_at_unix_ms).saturating_add(peers);
+                // With a fresh report `row.depth` is its waiting count plus those requests.
+                let since = row.depth.saturating_sub(s.num_requests_waiting);
                 row.utilization = forecast_utilization(s.gpu_utilization, per_request, since);
             }
             // docs/design.md §4: a request the report listed as running but whose prompt the
@@ -585,6 +582,22 @@ impl Router {
             self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
         }
         Ok(choice)
+    }
+
+    /// Precise mode's additions to the index walk, for [`Router::score`]: the requests still
+    /// prefilling, every row's pending entries and its CPU-tier match.
+    fn overlay_precise(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        index: &IndexSnapshot,
+        shared: &mut SharedState,
+        chain: &[kvroute_common::BlockHash],
+        now: i64,
+    ) {
+        shared.pending.prefilling(index, &mut sc.prefilling);
+        overlay_pending(sc, table, shared, chain, now);
+        self.overlay_offloaded(sc, table, chain);
     }
 
     /// Sets every row's CPU-tier match (docs/design.md §2 tiers); [`Router::score`] credits what it
