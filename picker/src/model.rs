@@ -584,9 +584,7 @@ impl ResolvedModel {
             }
         }
     }
-}
 
-impl ResolvedModel {
     /// Places a chat request's `images` (from [`chat_images`]) in its rendered `tokens` as the
     /// engine does (docs/design.md §2): each image's placeholder token, when the image carries a
     /// `uuid` and the model a fixed `image_tokens`, is expanded in `tokens` to that many tokens

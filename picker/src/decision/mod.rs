@@ -287,13 +287,12 @@ fn prepare_cancellable(
             let keys = BlockKeys { cache_salt, items };
             model.hasher.hash_prompt_keyed(&tokens[..claimable], &keys, &mut hashes.0);
         } else {
-            let done = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
+            // Approximate mode: the model has its text hasher, so the chain is always written.
+            let written = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
                 Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes.0),
                 Err(_) => model.approx_chain(&prompt, &mut Vec::new(), &mut hashes.0),
             });
-            if !done {
-                model.hasher.hash_prompt(&tokens, &mut hashes.0);
-            }
+            debug_assert!(written, "approximate mode without an approximate model");
         }
         tracing::Span::current().record("blocks", hashes.0.len());
     });
