@@ -238,15 +238,13 @@ impl<const MAX: usize> PooledBackend<MAX> {
             }
             None => {
                 self.log_base += log.entries.len() as u64;
-                log.entries.clear();
-                log.values.clear();
+                log.clear();
                 log.on = false;
             }
         }
         if log.entries.is_empty() {
             // A large batch can grow the log to MAX_LAG: give it back.
-            log.entries.shrink_to(LOG_KEEP);
-            log.values.shrink_to(LOG_KEEP);
+            log.shrink_to(LOG_KEEP);
         }
     }
 

@@ -88,6 +88,18 @@ impl DirtyLog {
         self.values.drain(..n.min(self.values.len()));
     }
 
+    /// Drops every entry (and its value).
+    pub(crate) fn clear(&mut self) {
+        self.entries.clear();
+        self.values.clear();
+    }
+
+    /// Gives back the memory of an empty log beyond room for `keep` entries.
+    pub(crate) fn shrink_to(&mut self, keep: usize) {
+        self.entries.shrink_to(keep);
+        self.values.shrink_to(keep);
+    }
+
     #[inline]
     fn mark(&mut self, kind: u32, i: usize) {
         if self.on {
