@@ -78,7 +78,7 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces) start after its closing parenthesis;
     // utime and stime are fields 14 and 15 of the line, 12 and 13 after it.
-    let rest = &stat[stat.rfind(')')? + 2..];
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
     let mut f = rest.split_ascii_whitespace().skip(11);
     let ticks = f.next()?.parse::<f64>().ok()? + f.next()?.parse::<f64>().ok()?;
     let hz: f64 = std::process::Command::new("getconf")
@@ -141,7 +141,7 @@ async fn main() -> Result<()> {
         _ => None,
     };
     let cpu_before = picker_pid.and_then(cpu_seconds);
-    let decisions_before = decisions(&fleet.picker_metrics().await?);
+    let decisions_before = sample(&fleet.picker_metrics().await?, "epp_decision_latency_us_count");
 
     let total = args.warmup + (args.rate * args.duration_s as f64).round() as usize;
     let period = Duration::from_secs_f64(1.0 / args.rate);
@@ -235,9 +235,13 @@ async fn main() -> Result<()> {
     }
     // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.
     let metrics = fleet.picker_metrics().await?;
-    if let (Some(before), Some(after), Some(d0), Some(d1), Some(idle)) =
-        (cpu_before, picker_pid.and_then(cpu_seconds), decisions_before, decisions(&metrics), idle_cpu_per_s)
-        && d1 > d0
+    if let (Some(before), Some(after), Some(d0), Some(d1), Some(idle)) = (
+        cpu_before,
+        picker_pid.and_then(cpu_seconds),
+        decisions_before,
+        sample(&metrics, "epp_decision_latency_us_count"),
+        idle_cpu_per_s,
+    ) && d1 > d0
     {
         let (cpu, made, secs) = (after - before, d1 - d0, wall.as_secs_f64());
         let marginal = (cpu - idle * secs).max(0.0);
@@ -248,10 +252,8 @@ async fn main() -> Result<()> {
             if marginal > 0.0 { made / marginal } else { f64::INFINITY },
         );
     }
-    let value = |name: &str| -> Option<f64> {
-        metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-    };
-    if let (Some(sum), Some(count)) = (value("epp_decision_latency_us_sum "), value("epp_decision_latency_us_count "))
+    if let (Some(sum), Some(count)) =
+        (sample(&metrics, "epp_decision_latency_us_sum"), sample(&metrics, "epp_decision_latency_us_count"))
         && count > 0.0
     {
         println!("picker decision time (in the added latency): mean {:.0} µs over {count} decisions", sum / count);
@@ -260,7 +262,7 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-/// `epp_decision_latency_us_count` from the picker's metrics text.
-fn decisions(metrics: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| l.strip_prefix("epp_decision_latency_us_count ").and_then(|v| v.trim().parse().ok()))
+/// The value of the unlabelled sample `name` in the picker's metrics text.
+fn sample(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
