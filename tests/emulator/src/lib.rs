@@ -23,6 +23,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::http::HeaderValue;
+use axum::serve::ListenerExt as _;
 use kvroute_tokenize::ModelTokenizer;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -189,6 +190,14 @@ pub async fn start(config: EmulatorConfig) -> Result<RunningEmulator, EmulatorEr
     let (stop, stopped) = oneshot::channel::<()>();
     let app = server::router(state);
     let server = tokio::spawn(async move {
+        // TCP_NODELAY on every connection, as vLLM's server has it (uvicorn on asyncio/uvloop
+        // disables Nagle on its TCP transports): without it the first SSE chunk after the
+        // response head waits for the gateway's delayed ACK, up to 40 ms of false TTFT.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!(error = %e, "could not set TCP_NODELAY");
+            }
+        });
         let result = axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = stopped.await;

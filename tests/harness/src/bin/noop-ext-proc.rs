@@ -173,7 +173,9 @@ async fn main() -> Result<()> {
     println!("READY");
     tonic::transport::Server::builder()
         .add_service(server)
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        // TCP_NODELAY as the picker's ext_proc listener has it: small replies must not wait on
+        // Nagle and Envoy's delayed ACK.
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)))
         .await?;
     Ok(())
 }
