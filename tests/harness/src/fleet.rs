@@ -67,6 +67,9 @@ pub struct FleetSpec {
     /// `image_tokens` for the model (docs/design.md §2). `None`: the emulator's default (256) and
     /// no `image_tokens` (the picker claims no block from an image on).
     pub image_tokens: Option<usize>,
+    /// Every kvroute Envoy (picker, extra and no-op gateways) writes an access log line per
+    /// request with its ext_proc filter's latency per phase ([`Fleet::ext_proc_phase_log`]).
+    pub ext_proc_phase_log: bool,
 }
 
 impl Default for FleetSpec {
@@ -93,6 +96,7 @@ impl Default for FleetSpec {
             picker_replicas: 1,
             picker_overrides: None,
             image_tokens: None,
+            ext_proc_phase_log: false,
         }
     }
 }
@@ -261,7 +265,11 @@ impl Fleet {
         let gateway_port = free_port()?;
         let envoy_cfg = work.join("envoy.yaml");
         let deploy_cfg = paths::repo_root().join("deploy/envoy/envoy.yaml");
-        write_yaml(&envoy_cfg, &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, &ext_proc_ports)?)?;
+        let phase_log = |name: &str| spec.ext_proc_phase_log.then(|| phase_log_path(&work, name));
+        write_yaml(
+            &envoy_cfg,
+            &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, &ext_proc_ports, phase_log("envoy"))?,
+        )?;
         let mut envoys = vec![start_envoy("envoy", &envoy_bin, &envoy_cfg, &work)?];
         let mut admin_urls = vec![admin_url_of(&envoy_cfg)?];
         let mut extra_gateways = Vec::new();
@@ -270,7 +278,13 @@ impl Fleet {
             let cfg = work.join(format!("envoy-extra-{i}.yaml"));
             write_yaml(
                 &cfg,
-                &kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, &ext_proc_ports)?,
+                &kvroute_envoy_config(
+                    &paths::repo_root().join(path),
+                    port,
+                    free_port()?,
+                    &ext_proc_ports,
+                    phase_log(&format!("envoy-extra-{i}")),
+                )?,
             )?;
             envoys.push(start_envoy(&format!("envoy-extra-{i}"), &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
@@ -285,7 +299,8 @@ impl Fleet {
             noop_ext_proc =
                 Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
             let cfg = work.join("envoy-noop-ext-proc.yaml");
-            write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, &[noop_port])?)?;
+            let log = phase_log("envoy-noop-ext-proc");
+            write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, &[noop_port], log)?)?;
             envoys.push(start_envoy("envoy-noop-ext-proc", &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
             noop_gateway = Some(format!("http://127.0.0.1:{port}"));
@@ -519,6 +534,18 @@ impl Fleet {
         self.agents.get(a).and_then(ManagedProcess::pid)
     }
 
+    /// The ext_proc phases of every request the Envoy named `name` (`envoy`, `envoy-extra-<i>`,
+    /// `envoy-noop-ext-proc`) has logged so far, oldest first; empty without
+    /// `spec.ext_proc_phase_log`. Envoy flushes its access logs about once a second.
+    pub fn ext_proc_phases(&self, name: &str) -> Result<Vec<ExtProcPhases>> {
+        if !self.spec.ext_proc_phase_log {
+            return Ok(Vec::new());
+        }
+        let path = phase_log_path(&self.work, name);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        Ok(text.lines().filter_map(parse_phase_line).collect())
+    }
+
     /// OS process id of picker replica `r`, if running.
     pub fn picker_pid(&self, r: usize) -> Option<u32> {
         self.pickers.get(r).and_then(Option::as_ref).and_then(ManagedProcess::pid)
@@ -670,10 +697,33 @@ fn agent_config(spec: &FleetSpec, index: usize, engines: &[Engine], ingest: &[u1
 }
 
 /// A kvroute Envoy config (`deploy/envoy/envoy.yaml` or a variant) with the fleet's ports:
-/// listener, admin, picker cluster.
-fn kvroute_envoy_config(path: &Path, listener: u16, admin: u16, pickers: &[u16]) -> Result<Value> {
+/// listener, admin, picker cluster; with `phase_log`, an access log there of the ext_proc
+/// filter's latency per phase ([`PHASE_LOG_FORMAT`]).
+fn kvroute_envoy_config(
+    path: &Path,
+    listener: u16,
+    admin: u16,
+    pickers: &[u16],
+    phase_log: Option<PathBuf>,
+) -> Result<Value> {
     let mut cfg = read_yaml(path)?;
     set_listener_and_admin(&mut cfg, listener, admin)?;
+    if let Some(log) = phase_log {
+        let hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            .as_object_mut()
+            .context("envoy config has no http_connection_manager in its first filter chain")?;
+        hcm.insert(
+            "access_log".into(),
+            json!([{
+                "name": "envoy.access_loggers.file",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                    "path": path_arg(&log),
+                    "log_format": {"text_format_source": {"inline_string": PHASE_LOG_FORMAT}},
+                },
+            }]),
+        );
+    }
     let cluster = cluster_mut(&mut cfg, "kvroute_picker")?;
     let endpoints: Vec<Value> = pickers
         .iter()
@@ -681,6 +731,46 @@ fn kvroute_envoy_config(path: &Path, listener: u16, admin: u16, pickers: &[u16])
         .collect();
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
     Ok(cfg)
+}
+
+/// One access-log line per request: `ext_proc` then `phase=µs` for request headers, request
+/// body (all chunks), response headers and response body (all chunks), as Envoy's ext_proc filter
+/// timed each exchange with its server (`-` where the phase was not sent).
+pub const PHASE_LOG_FORMAT: &str = "ext_proc request_headers=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_header_latency_us)% \
+request_body=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_body_total_latency_us)% \
+response_headers=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:response_header_latency_us)% \
+response_body=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:response_body_total_latency_us)%\n";
+
+/// Where the Envoy named `name` writes its ext_proc phase log.
+fn phase_log_path(work: &Path, name: &str) -> PathBuf {
+    work.join(format!("{name}-ext-proc-phases.log"))
+}
+
+/// The ext_proc exchanges of one request as Envoy timed them (µs; `None`: phase not sent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExtProcPhases {
+    pub request_headers: Option<u64>,
+    pub request_body: Option<u64>,
+    pub response_headers: Option<u64>,
+    pub response_body: Option<u64>,
+}
+
+/// Parses one [`PHASE_LOG_FORMAT`] line; `None` for any other line.
+pub fn parse_phase_line(line: &str) -> Option<ExtProcPhases> {
+    let rest = line.strip_prefix("ext_proc ")?;
+    let mut p = ExtProcPhases::default();
+    for field in rest.split_ascii_whitespace() {
+        let (key, value) = field.split_once('=')?;
+        let value = value.trim_matches('"').parse().ok();
+        match key {
+            "request_headers" => p.request_headers = value,
+            "request_body" => p.request_body = value,
+            "response_headers" => p.response_headers = value,
+            "response_body" => p.response_body = value,
+            _ => return None,
+        }
+    }
+    Some(p)
 }
 
 /// `kill -s <sig> <pid>`.
@@ -763,4 +853,47 @@ fn write_yaml(path: &Path, value: &Value) -> Result<()> {
 
 fn path_arg(p: &Path) -> String {
     p.display().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_lines_parse_as_envoy_writes_them() {
+        // Envoy writes `-` for a phase it did not send (response headers SKIP).
+        let p = parse_phase_line("ext_proc request_headers=372 request_body=183 response_headers=- response_body=61")
+            .expect("a phase line");
+        assert_eq!(
+            p,
+            ExtProcPhases {
+                request_headers: Some(372),
+                request_body: Some(183),
+                response_headers: None,
+                response_body: Some(61)
+            }
+        );
+        assert_eq!(parse_phase_line("[2026-12-02] some other log line"), None);
+        assert_eq!(
+            parse_phase_line("ext_proc request_headers=1 surprise=2"),
+            None,
+            "an unknown field is not a phase line"
+        );
+    }
+
+    #[test]
+    fn the_phase_log_is_added_to_the_connection_manager() {
+        let deploy = paths::repo_root().join("deploy/envoy/envoy.yaml");
+        let log = PathBuf::from("/tmp/x-ext-proc-phases.log");
+        let cfg = kvroute_envoy_config(&deploy, 1, 2, &[3], Some(log)).expect("the deploy config");
+        let hcm = &cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        assert_eq!(hcm["access_log"][0]["typed_config"]["path"], "/tmp/x-ext-proc-phases.log");
+        assert_eq!(
+            hcm["access_log"][0]["typed_config"]["log_format"]["text_format_source"]["inline_string"],
+            PHASE_LOG_FORMAT
+        );
+        let plain = kvroute_envoy_config(&deploy, 1, 2, &[3], None).expect("the deploy config");
+        let hcm = &plain["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        assert!(hcm.get("access_log").is_none(), "no access log unless asked");
+    }
 }

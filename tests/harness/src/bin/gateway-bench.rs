@@ -14,12 +14,16 @@
 //! measured by the client from send to the last body byte (`--stream`: to the first chunk with
 //! text, the TTFT a streaming client sees). `--also FILE` adds an Envoy + picker
 //! gateway on another kvroute Envoy config (same picker), to compare ext_proc layouts in one run.
+//! Every kvroute Envoy also logs how long each ext_proc exchange took as Envoy timed it (request
+//! headers, request body, response headers, response body), and the run ends with each
+//! layout's medians against the no-op's: where the picker's share goes, phase by phase.
 //! Binaries: see the harness's `$KVROUTE_BIN_DIR` (use release builds for numbers worth
 //! reporting).
 
 use anyhow::{Result, bail};
 use clap::Parser;
 use hdrhistogram::Histogram;
+use kvroute_harness::fleet::ExtProcPhases;
 use kvroute_harness::{Fleet, FleetSpec, GatewayClient};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -111,6 +115,7 @@ async fn main() -> Result<()> {
         picker_log_level: "warn".into(),
         extra_gateway_configs: args.also.clone(),
         noop_ext_proc_gateway: true,
+        ext_proc_phase_log: true,
         ..Default::default()
     };
     let model = spec.model.clone();
@@ -233,6 +238,35 @@ async fn main() -> Result<()> {
             p[g][2] - p[2][2]
         );
     }
+    // Where the share goes: each ext_proc exchange as Envoy timed it, against the no-op's.
+    tokio::time::sleep(Duration::from_millis(1500)).await; // Envoy flushes its access logs each second
+    let mut layouts = vec![("envoy+picker".to_owned(), "envoy".to_owned())];
+    for (i, (name, _)) in gateways.iter().enumerate().skip(3) {
+        layouts.push((name.clone(), format!("envoy-extra-{}", i - 3)));
+    }
+    layouts.push(("envoy+noop-ext-proc".to_owned(), "envoy-noop-ext-proc".to_owned()));
+    let mut medians = Vec::new();
+    for (label, envoy) in &layouts {
+        let phases = fleet.ext_proc_phases(envoy)?;
+        // The warm-up requests were logged first.
+        let counted = phases.get(args.warmup.min(phases.len())..).unwrap_or_default();
+        medians.push((label.as_str(), phase_medians(counted), counted.len()));
+    }
+    let floor = medians.last().map(|m| m.1);
+    println!(
+        "ext_proc exchanges as Envoy timed them, median µs (request headers / request body / response headers / response body):"
+    );
+    for (label, m, count) in &medians {
+        let over = match floor {
+            Some(f) if *label != "envoy+noop-ext-proc" => {
+                let d: Vec<String> = m.iter().zip(&f).map(|(a, b)| fmt_diff(*a, *b)).collect();
+                format!("; over the no-op {}", d.join(" / "))
+            }
+            _ => String::new(),
+        };
+        let v: Vec<String> = m.iter().map(|x| x.map_or("-".to_owned(), |x| format!("{x:.0}"))).collect();
+        println!("  {label:<30} {} (n={count}){over}", v.join(" / "));
+    }
     // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.
     let metrics = fleet.picker_metrics().await?;
     if let (Some(before), Some(after), Some(d0), Some(d1), Some(idle)) = (
@@ -260,6 +294,30 @@ async fn main() -> Result<()> {
     }
     println!("logs: {}", fleet.work.display());
     Ok(())
+}
+
+/// Median µs of each phase (request headers, request body, response headers, response body) over
+/// the requests that had it; `None` where none did.
+fn phase_medians(phases: &[ExtProcPhases]) -> [Option<f64>; 4] {
+    let pick: [fn(&ExtProcPhases) -> Option<u64>; 4] =
+        [|p| p.request_headers, |p| p.request_body, |p| p.response_headers, |p| p.response_body];
+    pick.map(|f| {
+        let mut v: Vec<u64> = phases.iter().filter_map(f).collect();
+        v.sort_unstable();
+        match v.len() {
+            0 => None,
+            n if n % 2 == 1 => Some(v[n / 2] as f64),
+            n => Some((v[n / 2 - 1] + v[n / 2]) as f64 / 2.0),
+        }
+    })
+}
+
+/// `a - b` as `+12`, or `-` when either is missing.
+fn fmt_diff(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) => format!("{:+.0}", a - b),
+        _ => "-".to_owned(),
+    }
 }
 
 /// The value of the unlabelled sample `name` in the picker's metrics text.
