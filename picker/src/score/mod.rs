@@ -171,6 +171,12 @@ pub struct ScoringConfig {
     /// lists as running (16 running at most: 0.005 vs 0.0125 + 0.005 of S), and cold prompts
     /// stacked on the pods that had just been given one. Default true.
     pub load_forecast: bool,
+    /// Ties of a cold request (no candidate holds any of its blocks) go, after loadRatio and
+    /// queueDepth and before the seeded random pick, to the pod whose requests still prefilling
+    /// have fewer blocks left to compute (docs/design.md §4 ties): pods that read the same on load
+    /// and queue may be at the start or the end of a cold prefill. Precise mode only (the blocks
+    /// left come from pending chains and KV events). Default true.
+    pub prefill_tie_break: bool,
 }
 
 /// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
@@ -233,6 +239,7 @@ impl Default for ScoringConfig {
             pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
             pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
             load_forecast: true,
+            prefill_tie_break: true,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,

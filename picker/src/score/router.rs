@@ -55,6 +55,9 @@ struct Row {
     /// GPU utilization as loadRatio counts it: the report's, brought forward by the requests
     /// routed since (docs/design.md §4), in [0, 1].
     utilization: f64,
+    /// Blocks the requests still prefilling there have left to compute (precise mode; the tie
+    /// break of a request no candidate holds any of, docs/design.md §4).
+    prefill: u32,
 }
 
 impl Row {
@@ -98,8 +101,9 @@ struct Scratch {
     /// `(pod, frontier)` per row, and the pending extension per row.
     frontiers: Vec<(PodIdx, u32)>,
     extension: Vec<u32>,
-    /// `(pod, routed_ms)` of the requests in flight still prefilling, sorted (precise mode).
-    prefilling: Vec<(PodIdx, i64)>,
+    /// `(pod, routed_ms, blocks left)` of the requests in flight still prefilling, sorted
+    /// (precise mode).
+    prefilling: Vec<(PodIdx, i64, u32)>,
 }
 
 impl Scratch {
@@ -438,6 +442,7 @@ impl Router {
                         depth: 0,
                         load: 0,
                         utilization: 0.0,
+                        prefill: 0,
                     });
                 }
             }
@@ -487,6 +492,7 @@ impl Router {
                 let before = prefilling_before(&sc.prefilling, rec.idx, s.observed_at_unix_ms);
                 row.depth = row.depth.saturating_add(before.saturating_sub(s.num_requests_waiting));
             }
+            row.prefill = prefill_left(&sc.prefilling, rec.idx);
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -552,6 +558,10 @@ impl Router {
             }
         }
         let n_custom = self.scorers.len().saturating_sub(BUILTINS);
+        // docs/design.md §4 ties: for a request no candidate holds a block of, S differs only
+        // by load and queue, and pods that read the same there may be at the start or the end
+        // of a cold prefill; the one with less prefill left goes first.
+        let cold = self.config.prefill_tie_break && sc.rows.iter().all(|r| r.credited() == 0 && r.offloaded == 0);
         let mut choice: Option<usize> = None;
         for (i, (row, f)) in sc.rows.iter().zip(&facts).enumerate() {
             let score = self.weighted(|j| sc.columns[j * n + i]);
@@ -564,6 +574,7 @@ impl Router {
                     score,
                     load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),
                     queue_depth: f.queue_depth,
+                    prefill: if cold { row.prefill } else { 0 },
                     tie_key: select::splitmix64(salt ^ u64::from(table.pods[row.pod as usize].idx.0)),
                 },
             });
@@ -745,12 +756,19 @@ fn overlay_pending(
     }
 }
 
-/// How many of `prefilling` (sorted `(pod, routed_ms)`) are on `pod` and were routed before
-/// `before_ms`.
-fn prefilling_before(prefilling: &[(PodIdx, i64)], pod: PodIdx, before_ms: i64) -> u32 {
-    let from = prefilling.partition_point(|(p, _)| *p < pod);
-    let to = prefilling.partition_point(|(p, t)| (*p, *t) < (pod, before_ms));
+/// How many of `prefilling` (sorted `(pod, routed_ms, blocks left)`) are on `pod` and were
+/// routed before `before_ms`.
+fn prefilling_before(prefilling: &[(PodIdx, i64, u32)], pod: PodIdx, before_ms: i64) -> u32 {
+    let from = prefilling.partition_point(|(p, _, _)| *p < pod);
+    let to = prefilling.partition_point(|(p, t, _)| (*p, *t) < (pod, before_ms));
     u32::try_from(to.saturating_sub(from)).unwrap_or(u32::MAX)
+}
+
+/// The blocks left to prefill of every request in `prefilling` (sorted by pod) on `pod`.
+fn prefill_left(prefilling: &[(PodIdx, i64, u32)], pod: PodIdx) -> u32 {
+    let from = prefilling.partition_point(|(p, _, _)| *p < pod);
+    let to = prefilling.partition_point(|(p, _, _)| *p <= pod);
+    prefilling.get(from..to).map_or(0, |run| run.iter().fold(0u32, |n, (_, _, left)| n.saturating_add(*left)))
 }
 
 /// docs/design.md §4 loadRatio brought forward: `reported` plus `per_request` for each of the

@@ -1,5 +1,6 @@
 //! Selection (docs/design.md §4): argmax of S; ties (|ΔS| ≤ 1e-9) go to the lower loadRatio, then the lower
-//! queue depth, then a seeded random choice (a per-decision key from splitmix64).
+//! queue depth, then (for a request no candidate holds a block of) the less prefill left, then a
+//! seeded random choice (a per-decision key from splitmix64).
 
 use std::cmp::Ordering;
 
@@ -12,6 +13,8 @@ pub(crate) struct Ranked {
     pub(crate) score: f64,
     pub(crate) load_ratio: f64,
     pub(crate) queue_depth: u32,
+    /// Blocks the pod's requests still prefilling have left (0 unless the request is cold).
+    pub(crate) prefill: u32,
     /// Random tie-break key (lower wins).
     pub(crate) tie_key: u64,
 }
@@ -21,7 +24,11 @@ pub(crate) fn better(a: &Ranked, b: &Ranked) -> Ordering {
     if (a.score - b.score).abs() > TIE_EPSILON {
         return b.score.total_cmp(&a.score);
     }
-    a.load_ratio.total_cmp(&b.load_ratio).then(a.queue_depth.cmp(&b.queue_depth)).then(a.tie_key.cmp(&b.tie_key))
+    a.load_ratio
+        .total_cmp(&b.load_ratio)
+        .then(a.queue_depth.cmp(&b.queue_depth))
+        .then(a.prefill.cmp(&b.prefill))
+        .then(a.tie_key.cmp(&b.tie_key))
 }
 
 /// splitmix64 finaliser: a well-mixed 64-bit value from `x`.

@@ -247,6 +247,58 @@ async fn a_request_still_prefilling_counts_in_queue_depth_until_its_blocks_are_c
     drop(dx);
 }
 
+/// docs/design.md §4 ties: pods a and b read the same on load and queue, each prefilling one cold
+/// prompt, but a's KV events already hold half of its prompt. A request neither holds a block of
+/// goes to a whatever the seed; without the prefill tie-break the seeded random pick sends some to b.
+#[tokio::test]
+async fn a_cold_tie_goes_to_the_pod_with_less_prefill_left() {
+    let mut chosen = Vec::new();
+    for on in [true, false] {
+        for seed in 0..16 {
+            let (pool, r) = router(ScoringConfig { seed, prefill_tie_break: on, ..ScoringConfig::default() });
+            // Reports read after the routing below (one second ahead of the wall clock).
+            let after = || {
+                let mut s = stats(1.0 / 256.0, 0, 1.0);
+                s.num_requests_running = 1;
+                s.observed_at_unix_ms = crate::pool::now_unix_ms() + 1000;
+                s
+            };
+            let to = |pod: &str| vec![format!("{pod}:8000")];
+            let route_to = |pod: &str, blocks: &[BlockHash]| {
+                let only = to(pod);
+                let d = r.route(&RouteRequest { subset: Some(&only), ..req(blocks) });
+                let Ok(d) = d else { panic!("no decision") };
+                assert_eq!(d.pod, pod);
+                d
+            };
+            put(&pool, "a", "m", stats(0.0, 0, 1.0), &[]).await;
+            put(&pool, "b", "m", stats(0.0, 0, 1.0), &[]).await;
+            // Each pod's KV events have confirmed a routed prompt (docs/design.md §4 queueDepth).
+            for (pod, base) in [("a", 300), ("b", 400)] {
+                let w = chain(base, 8);
+                let d = route_to(pod, &w);
+                put(&pool, pod, "m", stats(0.0, 0, 1.0), &w).await;
+                assert_eq!(r.explain(&req(&w)).choice.as_deref(), Some(pod));
+                drop(d);
+            }
+            let (x, y) = (chain(100, 8), chain(200, 8));
+            let (dx, dy) = (route_to("a", &x), route_to("b", &y));
+            // Both report one request running; a's events hold the first 4 of x's 8 blocks.
+            put(&pool, "a", "m", after(), &x[..4]).await;
+            put(&pool, "b", "m", after(), &[]).await;
+            let e = r.explain(&req(&chain(500, 8)));
+            let score = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| (c.score, c.queue));
+            assert_eq!(score("a"), score("b"), "a tie on S and queue: {e:?}");
+            assert_eq!(score("a").map(|(_, q)| q), Some(1.0 - 1.0 / 20.0), "{e:?}");
+            chosen.push((on, e.choice));
+            drop((dx, dy));
+        }
+    }
+    let picks = |on: bool, pod: &str| chosen.iter().filter(|(o, c)| *o == on && c.as_deref() == Some(pod)).count();
+    assert_eq!((picks(true, "a"), picks(true, "b")), (16, 0), "{chosen:?}");
+    assert!(picks(false, "a") > 0 && picks(false, "b") > 0, "{chosen:?}");
+}
+
 #[tokio::test]
 async fn ties_break_on_load_then_queue_then_seeded_random() {
     let cache_only = ScoringConfig {
