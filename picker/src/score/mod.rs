@@ -175,7 +175,8 @@ pub struct ScoringConfig {
     /// queueDepth and before the seeded random pick, to the pod whose requests still prefilling
     /// have fewer blocks left to compute (docs/design.md §4 ties): pods that read the same on load
     /// and queue may be at the start or the end of a cold prefill. Precise mode only (the blocks
-    /// left come from pending chains and KV events). Default true.
+    /// left come from pending chains and KV events). Default false: the design's tie rule ends in
+    /// a seeded random pick (docs/design.md §4), so this step is the operator's choice.
     pub prefill_tie_break: bool,
 }
 
@@ -239,7 +240,7 @@ impl Default for ScoringConfig {
             pile_guard_margin: DEFAULT_PILE_GUARD_MARGIN,
             pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
             load_forecast: true,
-            prefill_tie_break: true,
+            prefill_tie_break: false,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,

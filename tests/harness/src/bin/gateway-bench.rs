@@ -239,7 +239,7 @@ async fn main() -> Result<()> {
         );
     }
     // Where the share goes: each ext_proc exchange as Envoy timed it, against the no-op's.
-    tokio::time::sleep(Duration::from_millis(1500)).await; // Envoy flushes its access logs each second
+    tokio::time::sleep(Duration::from_millis(1500)).await; // Envoy flushes its access logs every 500 ms
     let mut layouts = vec![("envoy+picker".to_owned(), "envoy".to_owned())];
     for (i, (name, _)) in gateways.iter().enumerate().skip(3) {
         layouts.push((name.clone(), format!("envoy-extra-{}", i - 3)));
