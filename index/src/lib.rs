@@ -32,6 +32,7 @@ pub mod writer;
 
 pub use flat::FlatSnapshot;
 pub use hasher::{MixBuild, MixHasher};
+pub use pages::mapped_bytes;
 pub use pool::{MAX_COPIES, PooledBackend, PooledWriter, ReclaimWait};
 pub use types::{IndexStats, MatchScratch, PodIdx};
 pub use walk::{BlockPods, match_prefix, walk_blocks};

@@ -295,7 +295,7 @@ impl Editor {
 
     fn grow(&mut self, t: &mut FlatSnapshot) {
         let n = (t.slots.len() * 2).max(MIN_SLOTS);
-        let old = std::mem::replace(&mut t.slots, Table::filled(n, Slot::default()));
+        let old = std::mem::replace(&mut t.slots, Table::zeroed(n));
         t.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
         // Homes are the keys' top bits, so old slots land in the new table almost in order.
