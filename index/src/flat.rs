@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use kvroute_common::BlockHash;
 
-use crate::pages::Table;
+use crate::pages::{Table, Zeroed};
 use crate::types::{IndexStats, MatchScratch, PodIdx};
 use crate::walk::{BlockPods, FIRST_TOUCH, MAX_TOUCH, finish, narrow};
 
@@ -64,6 +64,11 @@ pub(crate) struct Slot {
     /// `run id << 8 | offset`, or [`NO_RUN`]; trusted only after checking (see module docs).
     pub(crate) run: u32,
 }
+
+// SAFETY: a slot is a `u64` and two `u32`s (16 bytes, no padding): all-zero bytes are a valid
+// slot, the empty one (`Slot::default()`). The crate's one `unsafe` outside `pages`.
+#[allow(unsafe_code)]
+unsafe impl Zeroed for Slot {}
 
 /// A run as one copy sees it: the first `len` of `hashes` (the array is shared by every copy
 /// and never changes; a cut only shortens `len`).

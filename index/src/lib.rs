@@ -11,7 +11,7 @@
 //!
 //! Modules, each depending only on those listed before it: [`types`] (ids, stats, the walk's
 //! scratch), `hasher`, `pages` (the slot tables' allocation: 2 MiB-aligned and advised for
-//! huge pages, the crate's only `unsafe`), [`walk`] (the prefix walk over
+//! huge pages: with the slot's `Zeroed` marker, the crate's only `unsafe`), [`walk`] (the prefix walk over
 //! any [`BlockPods`] map), [`flat`] (the snapshot: an open-addressing table of 16-byte slots with
 //! runs of consecutive blocks; its `edit` submodule changes a copy), [`writer`] (per-pod
 //! bookkeeping and the cap over any [`Backend`]), [`pool`] (design C: a pool of identical flat

@@ -25,7 +25,8 @@
 //! The length is fixed at construction (a table grows by allocating a bigger one); the element
 //! type is `Copy`, so it has no destructor and a drop only frees the memory.
 
-// The crate's only `unsafe` (Cargo.toml): allocation, mapping, the slice views and the advice.
+// The crate's `unsafe` (Cargo.toml): allocation, mapping, the slice views and the advice; the
+// only other is `flat::Slot`'s `Zeroed` marker.
 #![allow(unsafe_code)]
 
 use std::alloc::{self, Layout};
@@ -54,9 +55,7 @@ pub fn mapped_bytes() -> usize {
 /// (integers and structs of them, no references, no `NonZero`, no enums without a zero variant).
 pub unsafe trait Zeroed: Copy {}
 
-// SAFETY: a slot is two `u32`s after a `u64` (16 bytes, no padding): all-zero bytes are the
-// empty slot, `Slot::default()`.
-unsafe impl Zeroed for crate::flat::Slot {}
+// `Slot`'s implementation is beside its definition (`flat.rs`), where its fields are.
 // SAFETY: zero is a valid `u64`.
 unsafe impl Zeroed for u64 {}
 
