@@ -66,7 +66,8 @@ impl Removed {
         }
     }
 
-    /// Pops off the end of `list` (pod `pod`'s) every recorded call that ends it, latest first.
+    /// Pops off the end of `list` (pod `pod`'s) every recorded call that ends it, in the call's
+    /// order or reversed (a chain removed tail first), latest call first.
     fn pop_from(&mut self, pod: PodIdx, list: &mut Vec<u64>) {
         if self.pod != Some(pod) {
             return;
@@ -74,7 +75,10 @@ impl Removed {
         while let Some(&end) = self.ends.last() {
             let start = self.ends.len().checked_sub(2).map_or(0, |i| self.ends[i]);
             let call = &self.blocks[start..end];
-            if !list.ends_with(call) {
+            let Some(tail) = list.len().checked_sub(call.len()).and_then(|at| list.get(at..)) else {
+                break;
+            };
+            if tail != call && !tail.iter().eq(call.iter().rev()) {
                 break;
             }
             list.truncate(list.len() - call.len());
@@ -510,6 +514,15 @@ mod tests {
         assert_eq!(len(&w), 16, "the list's end (chain 0's last blocks) is still held");
         w.remove(pod, &chain(0)[8..]);
         assert_eq!((len(&w), w.pod_blocks(pod)), (0, 0));
+        // Chains removed tail first (each call's blocks reversed), latest chain first: popped
+        // (by the record, else by asking the map) all the same.
+        w.store(pod, &chain(7));
+        w.store(pod, &chain(8));
+        for c in [8, 7] {
+            let reversed: Vec<BlockHash> = chain(c).into_iter().rev().collect();
+            w.remove(pod, &reversed);
+        }
+        assert_eq!(len(&w), 0, "both chains popped");
         // A removal call is recorded even when the pod held none of its blocks; a store then
         // makes the record forget them (the pod holds them again), so popping the next calls
         // stops at them.
