@@ -107,6 +107,15 @@ fn main() {
     rates.sort_by(f64::total_cmp);
     println!("steady: best {:.2}, median {:.2} M block events/s (5 × {rounds} rounds)", rates[4], rates[2]);
     println!("steady per writer CPU-second: {:.2} M block events", events as f64 / cpu.max(1e-9) / 1e6);
+    println!("process memory on 2 MiB pages: {}", anon_huge().unwrap_or_else(|| "unknown".into()));
+}
+
+/// `AnonHugePages` of this process (`/proc/self/smaps_rollup`, Linux): how much of the slot
+/// tables the kernel backs with 2 MiB pages (index/src/pages.rs).
+fn anon_huge() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = s.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    Some(line.trim_start_matches("AnonHugePages:").trim().to_string())
 }
 
 /// Nanoseconds the calling thread has spent on a CPU (`/proc/thread-self/schedstat`), 0 where

@@ -39,6 +39,7 @@ use std::sync::Arc;
 
 use kvroute_common::BlockHash;
 
+use crate::pages::{Table, Zeroed};
 use crate::types::{IndexStats, MatchScratch, PodIdx};
 use crate::walk::{BlockPods, FIRST_TOUCH, MAX_TOUCH, finish, narrow};
 
@@ -64,6 +65,11 @@ pub(crate) struct Slot {
     pub(crate) run: u32,
 }
 
+// SAFETY: a slot is a `u64` and two `u32`s (16 bytes, no padding): all-zero bytes are a valid
+// slot, the empty one (`Slot::default()`). The crate's one `unsafe` outside `pages`.
+#[allow(unsafe_code)]
+unsafe impl Zeroed for Slot {}
+
 /// A run as one copy sees it: the first `len` of `hashes` (the array is shared by every copy
 /// and never changes; a cut only shortens `len`).
 #[derive(Clone, Debug, Default)]
@@ -86,7 +92,8 @@ impl Run {
 /// Published, immutable index state: block hash → sorted pods, with runs. See the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct FlatSnapshot {
-    pub(crate) slots: Vec<Slot>,
+    /// The open-addressing table, on 2 MiB pages where the system allows ([`Table`]).
+    pub(crate) slots: Table<Slot>,
     /// `64 - log2(slots.len())`: the home slot is the top bits of `key * FIB`.
     pub(crate) shift: u32,
     /// Occupied slots.
@@ -241,7 +248,7 @@ impl FlatSnapshot {
     /// Heap bytes of this copy's own arrays (slots, set and run tables, by capacity); the run
     /// hashes and set pods they point to are shared between copies and counted by the writer.
     pub(crate) fn table_bytes(&self) -> u64 {
-        (self.slots.capacity() * size_of::<Slot>()
+        (self.slots.bytes()
             + self.sets.capacity() * size_of::<Option<Arc<[PodIdx]>>>()
             + self.runs.capacity() * size_of::<Run>()) as u64
     }

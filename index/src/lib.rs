@@ -10,7 +10,8 @@
 //! never mutated.
 //!
 //! Modules, each depending only on those listed before it: [`types`] (ids, stats, the walk's
-//! scratch), `hasher`, [`walk`] (the prefix walk over
+//! scratch), `hasher`, `pages` (the slot tables' allocation: 2 MiB-aligned and advised for
+//! huge pages: with the slot's `Zeroed` marker, the crate's only `unsafe`), [`walk`] (the prefix walk over
 //! any [`BlockPods`] map), [`flat`] (the snapshot: an open-addressing table of 16-byte slots with
 //! runs of consecutive blocks; its `edit` submodule changes a copy), [`writer`] (per-pod
 //! bookkeeping and the cap over any [`Backend`]), [`pool`] (design C: a pool of identical flat
@@ -23,6 +24,7 @@
 
 pub mod flat;
 mod hasher;
+mod pages;
 pub mod pool;
 pub mod types;
 pub mod walk;
@@ -30,6 +32,7 @@ pub mod writer;
 
 pub use flat::FlatSnapshot;
 pub use hasher::{MixBuild, MixHasher};
+pub use pages::mapped_bytes;
 pub use pool::{MAX_COPIES, PooledBackend, PooledWriter, ReclaimWait};
 pub use types::{IndexStats, MatchScratch, PodIdx};
 pub use walk::{BlockPods, match_prefix, walk_blocks};

@@ -449,6 +449,61 @@ mod tests {
         assert!(caught_up > 300, "most writes started from a caught-up spare ({caught_up})");
     }
 
+    /// Runs made inline by store calls (their run references set after the slots were logged,
+    /// not logged again) reach caught-up spares: every copy equals the published one after
+    /// fresh chains are stored, partly removed, and stored again on other pods.
+    #[test]
+    fn store_calls_runs_reach_caught_up_copies() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut b = PooledBackend::<3>::new(published.clone());
+        let mut x = 0x9876_5432_u64;
+        let mut rand = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut chains: Vec<Vec<BlockHash>> = Vec::new();
+        let mut linked = Vec::new();
+        let mut held = Vec::new();
+        for round in 0..300u64 {
+            match rand(4) {
+                // A fresh chain (every block new: the inline path).
+                0 | 1 => {
+                    let n = 2 + rand(300);
+                    let chain: Vec<BlockHash> =
+                        (0..n).map(|k| BlockHash((round << 16 | k) * 0x9E37_79B9 + 1)).collect();
+                    b.store(PodIdx(rand(4) as u16), &chain, usize::MAX, &mut linked);
+                    chains.push(chain);
+                }
+                // An earlier chain on another pod (new pairs, blocks already indexed: set changes).
+                2 if !chains.is_empty() => {
+                    let chain = chains[rand(chains.len() as u64) as usize].clone();
+                    b.store(PodIdx(4 + rand(2) as u16), &chain, usize::MAX, &mut linked);
+                }
+                // Part of an earlier chain removed from every pod (runs cut and freed).
+                _ if !chains.is_empty() => {
+                    let chain = chains.swap_remove(rand(chains.len() as u64) as usize);
+                    let from = rand(chain.len() as u64) as usize;
+                    for pod in 0..6 {
+                        b.remove(PodIdx(pod), &chain[from..]);
+                    }
+                }
+                _ => {}
+            }
+            linked.clear();
+            b.publish(IndexStats { nodes: round, ..IndexStats::default() });
+            if rand(3) == 0 {
+                held.push(published.load_full());
+            }
+            held.drain(..held.len().saturating_sub(1));
+            let (_, copy) = b.parts();
+            let copy = copy.clone();
+            assert_same(&copy, &published.load());
+        }
+        assert!(b.caught_up() > 0);
+    }
+
     /// A spare readers held over many publishes catches up through the long path (each slot
     /// copied once, newest entry first) and equals the published copy exactly; the same slots
     /// were rewritten batch after batch meanwhile (links, unlinks, cuts, re-made runs).

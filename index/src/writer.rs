@@ -4,9 +4,12 @@
 //! the blocks it stored ([`PodBlocks`]), so clearing or replacing a pod costs O(its blocks), not a
 //! scan of the map. The list is appended to when a store makes a new (block, pod) pair, which
 //! costs nothing random (the map already said whether the pair is new); a removal leaves its
-//! entry behind, stale, except that stale entries at the list's end are popped at once (the
-//! map asked about the last entry until it names a block the pod holds: blocks stored last and
-//! removed first, whose slots are in cache), and the list is compacted (stale entries and
+//! entry behind, stale, except that stale entries at the list's end are popped at once: first
+//! whole removal calls (the [`Removed`] record: the pod's latest removal calls since it last
+//! stored, whose blocks it therefore does not hold; a call whose blocks end the list, in order,
+//! is popped with one comparison, as when chains are removed in the order stored), then one at
+//! a time, the map asked about the last entry until it names a block the pod holds (blocks
+//! stored last and removed first, whose slots are in cache). The list is compacted (stale entries and
 //! repeats dropped, the map asked which blocks the pod still holds) once it is more than twice
 //! the count plus [`SLACK`], so it never exceeds that. Every change to the shared map goes through the
 //! [`Backend`]; [`Writer::publish`] makes everything applied so far visible to readers at once
@@ -30,6 +33,60 @@ use crate::types::{IndexStats, PodIdx};
 const SLACK: usize = 1024;
 /// Blocks whose slots are loaded ahead together while compacting.
 const STRETCH: usize = 32;
+/// Most blocks the [`Removed`] record keeps (8 bytes each).
+const REMOVED_MAX: usize = 8192;
+
+/// The latest removal calls of one pod since it last stored (or was cleared), each call's blocks
+/// in its order: none of them is held by that pod. Lets [`Writer::remove`] pop a call's blocks
+/// off the end of the pod's list by comparing them, instead of asking the map about each.
+#[derive(Debug, Default)]
+struct Removed {
+    pod: Option<PodIdx>,
+    blocks: Vec<u64>,
+    /// End of each call's blocks in `blocks`.
+    ends: Vec<usize>,
+}
+
+impl Removed {
+    fn forget(&mut self) {
+        self.pod = None;
+        self.blocks.clear();
+        self.ends.clear();
+    }
+
+    /// Records that `pod` no longer holds `gone` (one removal call).
+    fn record(&mut self, pod: PodIdx, gone: &[BlockHash]) {
+        if self.pod != Some(pod) || self.blocks.len() + gone.len() > REMOVED_MAX {
+            self.forget();
+        }
+        if !gone.is_empty() && gone.len() <= REMOVED_MAX {
+            self.pod = Some(pod);
+            self.blocks.extend(gone.iter().map(|b| b.0));
+            self.ends.push(self.blocks.len());
+        }
+    }
+
+    /// Pops off the end of `list` (pod `pod`'s) every recorded call that ends it, in the call's
+    /// order or reversed (a chain removed tail first), latest call first.
+    fn pop_from(&mut self, pod: PodIdx, list: &mut Vec<u64>) {
+        if self.pod != Some(pod) {
+            return;
+        }
+        while let Some(&end) = self.ends.last() {
+            let start = self.ends.len().checked_sub(2).map_or(0, |i| self.ends[i]);
+            let call = &self.blocks[start..end];
+            let Some(tail) = list.len().checked_sub(call.len()).and_then(|at| list.get(at..)) else {
+                break;
+            };
+            if tail != call && !tail.iter().eq(call.iter().rev()) {
+                break;
+            }
+            list.truncate(list.len() - call.len());
+            self.blocks.truncate(start);
+            self.ends.pop();
+        }
+    }
+}
 
 /// One snapshot design: how the shared block → pods map is mutated and published.
 pub trait Backend {
@@ -104,6 +161,7 @@ pub struct Writer<B: Backend> {
     pods: Vec<PodBlocks>,
     /// Scratch: blocks seen while compacting (empty between calls).
     seen: HashSet<u64, MixBuild>,
+    removed: Removed,
     max_blocks_per_pod: usize,
     nodes: u64,
     entries: u64,
@@ -118,6 +176,7 @@ impl<B: Backend> Writer<B> {
             backend: B::new(published),
             pods: Vec::new(),
             seen: HashSet::default(),
+            removed: Removed::default(),
             max_blocks_per_pod,
             nodes: 0,
             entries: 0,
@@ -142,6 +201,10 @@ impl<B: Backend> Writer<B> {
         if i >= self.pods.len() {
             self.pods.resize_with(i + 1, PodBlocks::default);
         }
+        if self.removed.pod == Some(pod) {
+            // The pod may hold some of the recorded blocks again.
+            self.removed.forget();
+        }
         let p = &mut self.pods[i];
         let room = self.max_blocks_per_pod.saturating_sub(p.held);
         let before = p.list.len();
@@ -156,7 +219,7 @@ impl<B: Backend> Writer<B> {
 
     /// Records that `pod` no longer holds `blocks` (unknown blocks are ignored).
     pub fn remove(&mut self, pod: PodIdx, blocks: &[BlockHash]) {
-        let Writer { backend, pods, .. } = self;
+        let Writer { backend, pods, removed: record, .. } = self;
         let Some(p) = pods.get_mut(pod.as_usize()) else {
             return;
         };
@@ -164,10 +227,13 @@ impl<B: Backend> Writer<B> {
         p.held -= removed as usize;
         self.entries -= removed;
         self.nodes -= gone;
+        record.record(pod, blocks);
         if removed > 0 {
             // Stale entries at the list's end go at once: the blocks a pod stored last are
             // often the first it removes (a request's blocks freed soon after), and their slots,
-            // just changed, are in cache; compacting would probe each twice, cold.
+            // just changed, are in cache; compacting would probe each twice, cold. Whole
+            // removal calls first, by comparison; then entry by entry, asking the map.
+            record.pop_from(pod, &mut p.list);
             while p.list.last().is_some_and(|&b| !backend.holds(pod, b)) {
                 p.list.pop();
             }
@@ -216,6 +282,9 @@ impl<B: Backend> Writer<B> {
             return;
         };
         let old = std::mem::take(p);
+        if self.removed.pod == Some(pod) {
+            self.removed.forget();
+        }
         let blocks: Vec<BlockHash> = old.list.into_iter().map(BlockHash).collect();
         let (removed, gone) = self.backend.remove(pod, &blocks);
         self.entries -= removed;
@@ -243,7 +312,8 @@ impl<B: Backend> Writer<B> {
 
     /// Current size figures of the working copy.
     pub fn stats(&self) -> IndexStats {
-        let pod_bytes: u64 = self.pods.iter().map(|p| (p.list.capacity() * size_of::<u64>()) as u64).sum();
+        let pod_bytes: u64 = self.pods.iter().map(|p| (p.list.capacity() * size_of::<u64>()) as u64).sum::<u64>()
+            + ((self.removed.blocks.capacity() + self.removed.ends.capacity()) * size_of::<u64>()) as u64;
         IndexStats {
             nodes: self.nodes,
             entries: self.entries,
@@ -340,6 +410,83 @@ mod tests {
         assert_eq!((w.stats().entries, w.stats().nodes), (0, 0));
     }
 
+    /// Chains stored and removed on a few pods in the patterns the removal record serves (in the
+    /// order stored, in reverse, tails, chains stored again after their removal, the same blocks
+    /// on other pods, resyncs): every held block stays listed, counts stay exact, and the record
+    /// popped whole calls.
+    #[test]
+    fn the_removal_record_never_unlists_a_held_block() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut w = Writer::<PooledBackend>::new(published, usize::MAX);
+        let mut model: HashMap<u16, BTreeSet<u64>> = HashMap::new();
+        let mut x = 0x0DDB_1A5E_5BAD_5EED_u64;
+        let mut rand = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        // 40 chains of 1..=24 blocks over a small universe: chains share blocks now and then.
+        let chains: Vec<Vec<BlockHash>> =
+            (0..40).map(|c| (0..1 + rand(24)).map(|k| BlockHash(1 + (c * 7 + k) % 200)).collect()).collect();
+        let (mut popped_by_record, mut pod) = (0, 0u16);
+        // Per pod, the chains stored since (by index), so removals can follow the stores' order.
+        let mut recent: HashMap<u16, Vec<usize>> = HashMap::new();
+        for step in 0..6000 {
+            // Mostly the same pod as the step before (an agent's batch), now and then another.
+            if rand(5) == 0 {
+                pod = rand(3) as u16;
+            }
+            let held = model.entry(pod).or_default();
+            let stored = recent.entry(pod).or_default();
+            match rand(10) {
+                0..=3 => {
+                    let i = rand(chains.len() as u64) as usize;
+                    held.extend(chains[i].iter().map(|b| b.0));
+                    w.store(PodIdx(pod), &chains[i]);
+                    stored.push(i);
+                }
+                4..=8 => {
+                    let any = rand(chains.len() as u64) as usize;
+                    let part: Vec<BlockHash> = match rand(4) {
+                        // The oldest chain stored since (in the order stored), or the latest.
+                        0 if !stored.is_empty() => chains[stored.remove(0)].clone(),
+                        1 => chains[stored.pop().unwrap_or(any)].clone(),
+                        2 => chains[any].iter().rev().copied().collect(),
+                        _ => chains[any][rand(chains[any].len() as u64) as usize..].to_vec(),
+                    };
+                    for b in &part {
+                        held.remove(&b.0);
+                    }
+                    // Kept record (same pod, room): it grows by this call unless calls were popped.
+                    let kept = w.removed.pod == Some(PodIdx(pod)) && w.removed.blocks.len() + part.len() <= REMOVED_MAX;
+                    let calls = if kept { w.removed.ends.len() } else { 0 };
+                    w.remove(PodIdx(pod), &part);
+                    popped_by_record += usize::from(w.removed.ends.len() <= calls);
+                }
+                _ => {
+                    let i = rand(chains.len() as u64) as usize;
+                    held.clear();
+                    held.extend(chains[i].iter().map(|b| b.0));
+                    w.replace_pod(PodIdx(pod), &chains[i]);
+                    stored.clear();
+                    stored.push(i);
+                }
+            }
+            for (p, held) in &model {
+                let list = w.pods.get(usize::from(*p)).map_or(&[][..], |p| &p.list[..]);
+                assert_eq!(w.pod_blocks(PodIdx(*p)), held.len() as u64, "pod {p} count at step {step}");
+                let listed: BTreeSet<u64> = list.iter().copied().collect();
+                assert!(held.is_subset(&listed), "pod {p} lost a held block from its list at step {step}");
+            }
+        }
+        assert!(popped_by_record > 100, "the record popped {popped_by_record} calls");
+        for p in 0..3u16 {
+            w.clear_pod(PodIdx(p));
+        }
+        assert_eq!((w.stats().entries, w.stats().nodes), (0, 0));
+    }
+
     /// Stale entries at a list's end are popped at once: chains removed in the order stored
     /// (or in reverse) leave the list as it was before they were stored; a removal in the
     /// middle leaves its entries (stale) until the chains after them go too.
@@ -367,5 +514,22 @@ mod tests {
         assert_eq!(len(&w), 16, "the list's end (chain 0's last blocks) is still held");
         w.remove(pod, &chain(0)[8..]);
         assert_eq!((len(&w), w.pod_blocks(pod)), (0, 0));
+        // Chains removed tail first (each call's blocks reversed), latest chain first: popped
+        // (by the record, else by asking the map) all the same.
+        w.store(pod, &chain(7));
+        w.store(pod, &chain(8));
+        for c in [8, 7] {
+            let reversed: Vec<BlockHash> = chain(c).into_iter().rev().collect();
+            w.remove(pod, &reversed);
+        }
+        assert_eq!(len(&w), 0, "both chains popped");
+        // A removal call is recorded even when the pod held none of its blocks; a store then
+        // makes the record forget them (the pod holds them again), so popping the next calls
+        // stops at them.
+        w.remove(pod, &chain(5));
+        w.store(pod, &chain(5));
+        w.store(pod, &chain(6));
+        w.remove(pod, &chain(6));
+        assert_eq!((len(&w), w.pod_blocks(pod)), (16, 16), "chain 5 is held and listed");
     }
 }

@@ -15,6 +15,7 @@ use kvroute_common::BlockHash;
 
 use super::{FlatSnapshot, GATHERING, MAX_LOAD_PCT, MAX_RUN, NO_RUN, Run, Slot};
 use crate::hasher::MixBuild;
+use crate::pages::Table;
 use crate::types::PodIdx;
 
 /// Smallest non-empty table.
@@ -294,11 +295,11 @@ impl Editor {
 
     fn grow(&mut self, t: &mut FlatSnapshot) {
         let n = (t.slots.len() * 2).max(MIN_SLOTS);
-        let old = std::mem::replace(&mut t.slots, vec![Slot::default(); n]);
+        let old = std::mem::replace(&mut t.slots, Table::zeroed(n));
         t.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
         // Homes are the keys' top bits, so old slots land in the new table almost in order.
-        for s in old.into_iter().filter(|s| s.set != 0) {
+        for s in old.iter().copied().filter(|s| s.set != 0) {
             let mut i = t.home(s.key);
             while t.slots[i].set != 0 {
                 i = (i + 1) & mask;
