@@ -16,7 +16,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::Ex
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin;
 use crate::config::{PickerConfig, PoolSource};
@@ -337,7 +336,12 @@ pub async fn start_with_scope(
             Some(tls) => {
                 server.serve_with_incoming_shutdown(tls::incoming(ingest_l, tls, Some(refusals)), ingest_stop).await
             }
-            None => server.serve_with_incoming_shutdown(TcpListenerStream::new(ingest_l), ingest_stop).await,
+            // TCP_NODELAY as on every other listener: replica-sync events and HTTP/2 acks to the
+            // agents must not wait on Nagle and the peer's delayed ACK.
+            None => {
+                let incoming = tonic::transport::server::TcpIncoming::from(ingest_l).with_nodelay(Some(true));
+                server.serve_with_incoming_shutdown(incoming, ingest_stop).await
+            }
         };
         served.map_err(|e| StartError::Serve { what: "ingest", source: e.into() }).map(|()| "ingest")
     });
