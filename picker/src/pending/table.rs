@@ -357,15 +357,16 @@ impl PendingTable {
 
     /// docs/design.md §4 queueDepth: the requests in flight whose chain's last block the pod's
     /// `index` does not hold yet, i.e. still queued or being prefilled, as `(pod, routed_ms,
-    /// blocks left)` into `out` (cleared first), sorted. Blocks left: those of the chain from the
-    /// first one the index does not hold on the pod (a prefill computes a prompt's blocks in
-    /// order, and KV events store them chunk by chunk), the prefill work still ahead. Only pods
+    /// blocks left)` into `out` (cleared first), sorted. Blocks left, with `blocks_left` (else 0):
+    /// those of the chain from the first one the index does not hold on the pod (a prefill
+    /// computes a prompt's blocks in order, and KV events store them chunk by chunk), the prefill
+    /// work still ahead. Only pods
     /// whose KV events have confirmed a routed chain before count: a pod whose events never come
     /// (prefix caching off) would otherwise read as queued for each request's whole life. A chain
     /// leaves for good once confirmed, released or evicted, so the work per call is the number of
     /// requests still prefilling (at most the table's chains), each with a binary search of its
-    /// chain.
-    pub fn prefilling(&mut self, index: &IndexSnapshot, out: &mut Vec<(PodIdx, i64, u32)>) {
+    /// chain when `blocks_left`.
+    pub fn prefilling(&mut self, index: &IndexSnapshot, blocks_left: bool, out: &mut Vec<(PodIdx, i64, u32)>) {
         out.clear();
         let (chains, confirms) = (&self.chains, &mut self.confirms);
         self.unconfirmed.retain(|seq| {
@@ -382,8 +383,12 @@ impl PendingTable {
             if !confirms.get(usize::from(c.pod.0)).is_some_and(|&yes| yes) {
                 return None;
             }
-            let held = c.blocks.partition_point(|b| index.pods_of(*b).contains(&c.pod));
-            let left = u32::try_from(c.blocks.len().saturating_sub(held)).unwrap_or(u32::MAX);
+            let left = if blocks_left {
+                let held = c.blocks.partition_point(|b| index.pods_of(*b).contains(&c.pod));
+                u32::try_from(c.blocks.len().saturating_sub(held)).unwrap_or(u32::MAX)
+            } else {
+                0
+            };
             Some((c.pod, c.routed_ms, left))
         }));
         out.sort_unstable();
@@ -494,7 +499,7 @@ mod tests {
         let mut out = Vec::new();
         // Until a pod's KV events have confirmed one routed chain, its requests do not count
         // (a pod that publishes no events would read as queued for their whole life).
-        t.prefilling(&published.load(), &mut out);
+        t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![]);
         let (a0, b0) = (chain(400, 2), chain(500, 2));
         t.record(A, arc(&a0), 5, LOCAL, Some(7));
@@ -502,28 +507,31 @@ mod tests {
         w.store(A, &a0);
         w.store(B, &b0);
         w.publish();
-        t.prefilling(&published.load(), &mut out);
+        t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![(A, 10, 5), (A, 20, 5), (B, 30, 5)]);
         // A's events hold all of c2 but the last block: still prefilling, one block left; then
         // all of it.
         w.store(A, &c2[..4]);
         w.publish();
-        t.prefilling(&published.load(), &mut out);
+        t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![(A, 10, 5), (A, 20, 1), (B, 30, 5)]);
+        // Without blocks left (the tie step off) the same requests, no chain searched.
+        t.prefilling(&published.load(), false, &mut out);
+        assert_eq!(out, vec![(A, 10, 0), (A, 20, 0), (B, 30, 0)]);
         w.store(A, &c2);
         // c3's blocks on another pod confirm nothing on A.
         w.store(B, &c3);
         w.publish();
-        t.prefilling(&published.load(), &mut out);
+        t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![(A, 10, 5), (B, 30, 5)]);
         // Confirmed once is confirmed for good (evicting the blocks later does not bring it back).
         w.remove(A, &c2);
         w.publish();
-        t.prefilling(&published.load(), &mut out);
+        t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![(A, 10, 5), (B, 30, 5)]);
         // A request that ends is no longer prefilling, confirmed or not.
         t.release(LOCAL, 1, 50);
-        t.prefilling(&published.load(), &mut out);
+        t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![(A, 10, 5)]);
     }
 

@@ -492,7 +492,9 @@ impl Router {
                 let before = prefilling_before(&sc.prefilling, rec.idx, s.observed_at_unix_ms);
                 row.depth = row.depth.saturating_add(before.saturating_sub(s.num_requests_waiting));
             }
-            row.prefill = prefill_left(&sc.prefilling, rec.idx);
+            if self.config.prefill_tie_break {
+                row.prefill = prefill_left(&sc.prefilling, rec.idx);
+            }
         }
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
@@ -606,7 +608,8 @@ impl Router {
         chain: &[kvroute_common::BlockHash],
         now: i64,
     ) {
-        shared.pending.prefilling(index, &mut sc.prefilling);
+        // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
+        shared.pending.prefilling(index, self.config.prefill_tie_break, &mut sc.prefilling);
         overlay_pending(sc, table, shared, chain, now);
         self.overlay_offloaded(sc, table, chain);
     }
