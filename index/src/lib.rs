@@ -30,6 +30,19 @@ pub mod types;
 pub mod walk;
 pub mod writer;
 
+/// The unit tests' random source: xorshift64 from `seed` (non-zero), each call a value in
+/// `0..n`. One generator for every test, so a seed names the same sequence everywhere.
+#[cfg(test)]
+pub(crate) fn test_rng(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut x = seed;
+    move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    }
+}
+
 pub use flat::FlatSnapshot;
 pub use hasher::{MixBuild, MixHasher};
 pub use pages::mapped_bytes;

@@ -405,13 +405,7 @@ mod tests {
     fn caught_up_copies_equal_the_published_one() {
         let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
         let mut b = PooledBackend::<3>::new(published.clone());
-        let mut x = 0x1234_5678_u64;
-        let mut rand = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rand = crate::test_rng(0x1234_5678_u64);
         let mut held: Option<Arc<FlatSnapshot>> = None;
         let mut caught_up = 0;
         for round in 0..400u64 {
@@ -456,13 +450,7 @@ mod tests {
     fn store_calls_runs_reach_caught_up_copies() {
         let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
         let mut b = PooledBackend::<3>::new(published.clone());
-        let mut x = 0x9876_5432_u64;
-        let mut rand = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rand = crate::test_rng(0x9876_5432_u64);
         let mut chains: Vec<Vec<BlockHash>> = Vec::new();
         let mut linked = Vec::new();
         let mut held = Vec::new();

@@ -344,13 +344,7 @@ mod tests {
         let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
         let mut w = Writer::<PooledBackend>::new(published, 2000);
         let mut model: HashMap<u16, BTreeSet<u64>> = HashMap::new();
-        let mut x = 0x2545_F491_4F6C_DD1D_u64;
-        let mut rand = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rand = crate::test_rng(0x2545_F491_4F6C_DD1D_u64);
         let (mut compactions, mut dropped) = (0, 0);
         for step in 0..3000 {
             let pod = rand(3) as u16;
@@ -419,13 +413,7 @@ mod tests {
         let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
         let mut w = Writer::<PooledBackend>::new(published, usize::MAX);
         let mut model: HashMap<u16, BTreeSet<u64>> = HashMap::new();
-        let mut x = 0x0DDB_1A5E_5BAD_5EED_u64;
-        let mut rand = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rand = crate::test_rng(0x0DDB_1A5E_5BAD_5EED_u64);
         // 40 chains of 1..=24 blocks over a small universe: chains share blocks now and then.
         let chains: Vec<Vec<BlockHash>> =
             (0..40).map(|c| (0..1 + rand(24)).map(|k| BlockHash(1 + (c * 7 + k) % 200)).collect()).collect();

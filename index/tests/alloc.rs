@@ -16,11 +16,13 @@ mod designs;
 mod workload;
 
 use std::alloc::System;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use arc_swap::ArcSwap;
 use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
-use kvroute_index::{Backend, BlockPods, MatchScratch, PooledBackend, mapped_bytes, match_prefix};
+use kvroute_index::{Backend, BlockPods, MatchScratch, PooledBackend, Writer, mapped_bytes, match_prefix};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use workload::{SplitMix, Workload, build};
 
 /// Net bytes since `region` began and `mapped` was read: the allocator's (`bytes_reallocated` is
 /// already in its allocated and deallocated totals) plus the slot tables' own mappings'.
@@ -28,7 +30,6 @@ fn net(region: &Region<System>, mapped: usize) -> i64 {
     let c = region.change();
     c.bytes_allocated as i64 - c.bytes_deallocated as i64 + mapped_bytes() as i64 - mapped as i64
 }
-use workload::{SplitMix, Workload, build};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -133,6 +134,27 @@ fn bytes_per_entry_at_1m_within_spec() {
     }
 }
 
+/// Four rounds of remove-publish-store-publish on `w`'s first chains while a reader keeps the two
+/// latest snapshots: the pool grows to three copies. Returns the snapshots still held.
+fn churn_holding_two(
+    w: &Workload,
+    published: &ArcSwap<<PooledBackend as Backend>::Snapshot>,
+    writer: &mut Writer<PooledBackend>,
+) -> Vec<Arc<<PooledBackend as Backend>::Snapshot>> {
+    let mut held = Vec::new();
+    for k in 0..4 {
+        let (pod, chain) = (w.placement[k][0], &w.chains[k][..1]);
+        writer.remove(pod, chain);
+        writer.publish();
+        held.push(published.load_full());
+        writer.store(pod, chain);
+        writer.publish();
+        held.push(published.load_full());
+        held.drain(..held.len().saturating_sub(2));
+    }
+    held
+}
+
 /// Design C at its worst: readers hold the two previous snapshots, so the pool grows to three
 /// map copies. Measured for `docs/index.md`; bound: three copies of B's map, under 1.5× B.
 #[test]
@@ -143,19 +165,7 @@ fn pooled_bytes_per_entry_with_held_snapshots() {
     let mapped = mapped_bytes();
     let region = Region::new(GLOBAL);
     let (published, mut writer) = build::<PooledBackend>(&w);
-    let mut held = Vec::new();
-    for k in 0..4 {
-        let (pod, chain) = (w.placement[k][0], &w.chains[k][..1]);
-        writer.remove(pod, chain);
-        writer.publish();
-        held.push(published.load_full());
-        writer.store(pod, chain);
-        writer.publish();
-        held.push(published.load_full());
-        if held.len() > 2 {
-            held.drain(..held.len() - 2);
-        }
-    }
+    let held = churn_holding_two(&w, &published, &mut writer);
     writer.remove(w.placement[0][0], &w.chains[0][..1]);
     let per = net(&region, mapped) as f64 / w.entries() as f64;
     println!(
@@ -176,17 +186,7 @@ fn pooled_copies_are_freed_on_drop() {
     let mapped = mapped_bytes();
     let region = Region::new(GLOBAL);
     let (published, mut writer) = build::<PooledBackend>(&w);
-    let mut held = Vec::new();
-    for k in 0..4 {
-        let (pod, chain) = (w.placement[k][0], &w.chains[k][..1]);
-        writer.remove(pod, chain);
-        writer.publish();
-        held.push(published.load_full());
-        writer.store(pod, chain);
-        writer.publish();
-        held.push(published.load_full());
-        held.drain(..held.len().saturating_sub(2));
-    }
+    let held = churn_holding_two(&w, &published, &mut writer);
     assert_eq!(writer.backend().copies_held(), 3);
     let peak = net(&region, mapped);
     drop((held, published, writer));
