@@ -263,30 +263,27 @@ impl Fleet {
 
         let envoy_bin = paths::envoy()?;
         let gateway_port = free_port()?;
-        let envoy_cfg = work.join("envoy.yaml");
+        let main = KvrouteEnvoy::Picker.name();
+        let envoy_cfg = work.join(format!("{main}.yaml"));
         let deploy_cfg = paths::repo_root().join("deploy/envoy/envoy.yaml");
         let phase_log = |name: &str| spec.ext_proc_phase_log.then(|| phase_log_path(&work, name));
         write_yaml(
             &envoy_cfg,
-            &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, &ext_proc_ports, phase_log("envoy"))?,
+            &kvroute_envoy_config(&deploy_cfg, gateway_port, free_port()?, &ext_proc_ports, phase_log(&main))?,
         )?;
-        let mut envoys = vec![start_envoy("envoy", &envoy_bin, &envoy_cfg, &work)?];
+        let mut envoys = vec![start_envoy(&main, &envoy_bin, &envoy_cfg, &work)?];
         let mut admin_urls = vec![admin_url_of(&envoy_cfg)?];
         let mut extra_gateways = Vec::new();
         for (i, path) in spec.extra_gateway_configs.iter().enumerate() {
             let port = free_port()?;
-            let cfg = work.join(format!("envoy-extra-{i}.yaml"));
+            let name = KvrouteEnvoy::Extra(i).name();
+            let cfg = work.join(format!("{name}.yaml"));
+            let log = phase_log(&name);
             write_yaml(
                 &cfg,
-                &kvroute_envoy_config(
-                    &paths::repo_root().join(path),
-                    port,
-                    free_port()?,
-                    &ext_proc_ports,
-                    phase_log(&format!("envoy-extra-{i}")),
-                )?,
+                &kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, &ext_proc_ports, log)?,
             )?;
-            envoys.push(start_envoy(&format!("envoy-extra-{i}"), &envoy_bin, &cfg, &work)?);
+            envoys.push(start_envoy(&name, &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
             extra_gateways.push(format!("http://127.0.0.1:{port}"));
         }
@@ -298,10 +295,11 @@ impl Fleet {
             let bin = paths::binary("kvroute-noop-ext-proc")?;
             noop_ext_proc =
                 Some(ManagedProcess::spawn("noop-ext-proc", &bin, &args, &work, "READY", READY_TIMEOUT).await?);
-            let cfg = work.join("envoy-noop-ext-proc.yaml");
-            let log = phase_log("envoy-noop-ext-proc");
+            let name = KvrouteEnvoy::NoOp.name();
+            let cfg = work.join(format!("{name}.yaml"));
+            let log = phase_log(&name);
             write_yaml(&cfg, &kvroute_envoy_config(&deploy_cfg, port, free_port()?, &[noop_port], log)?)?;
-            envoys.push(start_envoy("envoy-noop-ext-proc", &envoy_bin, &cfg, &work)?);
+            envoys.push(start_envoy(&name, &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
             noop_gateway = Some(format!("http://127.0.0.1:{port}"));
         }
@@ -534,14 +532,14 @@ impl Fleet {
         self.agents.get(a).and_then(ManagedProcess::pid)
     }
 
-    /// The ext_proc phases of every request the Envoy named `name` (`envoy`, `envoy-extra-<i>`,
-    /// `envoy-noop-ext-proc`) has logged so far, oldest first; empty without
-    /// `spec.ext_proc_phase_log`. Envoy flushes its access logs every 500 ms (`start_envoy`).
-    pub fn ext_proc_phases(&self, name: &str) -> Result<Vec<ExtProcPhases>> {
+    /// The ext_proc phases of every request `envoy` has logged so far, oldest first; empty
+    /// without `spec.ext_proc_phase_log`. Envoy flushes its access logs every 500 ms
+    /// (`start_envoy`).
+    pub fn ext_proc_phases(&self, envoy: KvrouteEnvoy) -> Result<Vec<ExtProcPhases>> {
         if !self.spec.ext_proc_phase_log {
             return Ok(Vec::new());
         }
-        let path = phase_log_path(&self.work, name);
+        let path = phase_log_path(&self.work, &envoy.name());
         let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         Ok(text.lines().filter_map(parse_phase_line).collect())
     }
@@ -740,6 +738,28 @@ pub const PHASE_LOG_FORMAT: &str = "ext_proc request_headers=%FILTER_STATE(envoy
 request_body=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_body_total_latency_us)% \
 response_headers=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:response_header_latency_us)% \
 response_body=%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:response_body_total_latency_us)%\n";
+
+/// One of the fleet's Envoys with an ext_proc filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvrouteEnvoy {
+    /// The gateway on `deploy/envoy/envoy.yaml` and the picker.
+    Picker,
+    /// The gateway on `spec.extra_gateway_configs[i]` and the picker.
+    Extra(usize),
+    /// The gateway whose ext_proc server is `kvroute-noop-ext-proc`.
+    NoOp,
+}
+
+impl KvrouteEnvoy {
+    /// Its process name, which also names its config and log files in the work directory.
+    fn name(self) -> String {
+        match self {
+            KvrouteEnvoy::Picker => "envoy".to_owned(),
+            KvrouteEnvoy::Extra(i) => format!("envoy-extra-{i}"),
+            KvrouteEnvoy::NoOp => "envoy-noop-ext-proc".to_owned(),
+        }
+    }
+}
 
 /// Where the Envoy named `name` writes its ext_proc phase log.
 fn phase_log_path(work: &Path, name: &str) -> PathBuf {

@@ -23,7 +23,7 @@
 use anyhow::{Result, bail};
 use clap::Parser;
 use hdrhistogram::Histogram;
-use kvroute_harness::fleet::ExtProcPhases;
+use kvroute_harness::fleet::{ExtProcPhases, KvrouteEnvoy};
 use kvroute_harness::{Fleet, FleetSpec, GatewayClient};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -240,25 +240,26 @@ async fn main() -> Result<()> {
     }
     // Where the share goes: each ext_proc exchange as Envoy timed it, against the no-op's.
     tokio::time::sleep(Duration::from_millis(1500)).await; // Envoy flushes its access logs every 500 ms
-    let mut layouts = vec![("envoy+picker".to_owned(), "envoy".to_owned())];
+    // Gateways 0 and 2 are the picker's and the no-op's, 3.. the extra configs' in order.
+    let mut layouts = vec![(gateways[0].0.as_str(), KvrouteEnvoy::Picker)];
     for (i, (name, _)) in gateways.iter().enumerate().skip(3) {
-        layouts.push((name.clone(), format!("envoy-extra-{}", i - 3)));
+        layouts.push((name.as_str(), KvrouteEnvoy::Extra(i - 3)));
     }
-    layouts.push(("envoy+noop-ext-proc".to_owned(), "envoy-noop-ext-proc".to_owned()));
+    layouts.push((gateways[2].0.as_str(), KvrouteEnvoy::NoOp));
     let mut medians = Vec::new();
-    for (label, envoy) in &layouts {
+    for &(label, envoy) in &layouts {
         let phases = fleet.ext_proc_phases(envoy)?;
         // The warm-up requests were logged first.
         let counted = phases.get(args.warmup.min(phases.len())..).unwrap_or_default();
-        medians.push((label.as_str(), phase_medians(counted), counted.len()));
+        medians.push((label, envoy, phase_medians(counted), counted.len()));
     }
-    let floor = medians.last().map(|m| m.1);
+    let floor = medians.last().map(|m| m.2);
     println!(
         "ext_proc exchanges as Envoy timed them, median µs (request headers / request body / response headers / response body):"
     );
-    for (label, m, count) in &medians {
+    for (label, envoy, m, count) in &medians {
         let over = match floor {
-            Some(f) if *label != "envoy+noop-ext-proc" => {
+            Some(f) if *envoy != KvrouteEnvoy::NoOp => {
                 let d: Vec<String> = m.iter().zip(&f).map(|(a, b)| fmt_diff(*a, *b)).collect();
                 format!("; over the no-op {}", d.join(" / "))
             }
