@@ -458,9 +458,12 @@ fn reject(gw: &Gateway, st: &StreamState, rej: Rejection) -> ProcessingResponse 
 }
 
 fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingResponse {
-    let headers = h.headers.clone().unwrap_or_default();
-    st.response_status = header(&headers, ":status").and_then(|s| s.parse().ok());
-    let event_stream = header(&headers, "content-type").map(|ct| ct.contains("text/event-stream"));
+    let (status, content_type) = match &h.headers {
+        Some(headers) => (header(headers, ":status"), header(headers, "content-type")),
+        None => (None, None),
+    };
+    st.response_status = status.and_then(|s| s.parse().ok());
+    let event_stream = content_type.map(|ct| ct.contains("text/event-stream"));
     st.usage = Some(UsageScanner::new(event_stream));
     if h.end_of_stream {
         st.slot = None;

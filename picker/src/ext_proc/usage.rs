@@ -8,7 +8,7 @@
 //! tail of [`TAIL_BYTES`] that is scanned textually for `"cached_tokens": N` (an unescaped quote
 //! cannot occur inside a JSON string, so generated text cannot fake it).
 
-use serde_json::Value;
+use serde::Deserialize;
 
 /// Longest SSE line kept while waiting for its end, in bytes.
 pub const MAX_LINE_BYTES: usize = 1024 * 1024;
@@ -58,7 +58,7 @@ impl UsageScanner {
             } else if self.overflowed {
                 self.found = scan_text(&self.buf);
             } else if !self.buf.is_empty() {
-                self.found = serde_json::from_slice::<Value>(&self.buf).ok().as_ref().and_then(cached_tokens);
+                self.found = cached_tokens(&self.buf);
             }
         }
         self.buf = Vec::new();
@@ -101,9 +101,7 @@ impl UsageScanner {
         if data.first() != Some(&b'{') || memfind(data, b"\"usage\"").is_none() {
             return;
         }
-        if let Ok(v) = serde_json::from_slice::<Value>(data) {
-            self.found = cached_tokens(&v);
-        }
+        self.found = cached_tokens(data);
     }
 
     fn push_json(&mut self, chunk: &[u8]) {
@@ -118,9 +116,32 @@ impl UsageScanner {
     }
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a parsed response object.
-fn cached_tokens(v: &Value) -> Option<u32> {
-    v.get("usage")?.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64().and_then(|n| u32::try_from(n).ok())
+/// The parts of a response object (a completion, or one SSE chunk) the scanner reads. Every other
+/// field is skipped by the parser without being built (the generated text of a long completion
+/// is never copied); a field of another type than these makes the whole object unreadable.
+#[derive(Deserialize)]
+struct WithUsage {
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of a JSON response object; `None` when the text is
+/// not such an object, a level is missing or null, or the count is not a `u32`.
+fn cached_tokens(json: &[u8]) -> Option<u32> {
+    let v: WithUsage = serde_json::from_slice(json).ok()?;
+    v.usage?.prompt_tokens_details?.cached_tokens.and_then(|n| u32::try_from(n).ok())
 }
 
 /// Last `"cached_tokens": N` in `text`.
@@ -180,6 +201,27 @@ mod tests {
             s.push(c);
         }
         assert_eq!(s.finish(), Some(48));
+    }
+
+    #[test]
+    fn only_a_whole_integer_usage_counts() {
+        let cases: [(&[u8], Option<u32>); 7] = [
+            (br#"{"choices":[{"text":"\"usage\":{\"cached_tokens\": 7}"}],"usage":null}"#, None),
+            (br#"{"usage":"none"}"#, None),
+            (br#"{"usage":{"prompt_tokens_details":{"cached_tokens":3.5}}}"#, None),
+            (br#"{"usage":{"prompt_tokens_details":{"cached_tokens":4294967296}}}"#, None),
+            (br#"{"usage":{"prompt_tokens_details":{"cached_tokens":4294967295}}}"#, Some(u32::MAX)),
+            (
+                br#"{"id":1,"object":{"a":[1,{"b":null}]},"usage":{"prompt_tokens_details":{"cached_tokens":0}}}"#,
+                Some(0),
+            ),
+            (br#"{"usage":{"prompt_tokens_details":{"cached_tokens":16}}"#, None),
+        ];
+        for (body, want) in cases {
+            let mut s = UsageScanner::new(Some(false));
+            s.push(body);
+            assert_eq!(s.finish(), want, "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]
