@@ -10,6 +10,11 @@
 //! sub-millisecond p99 over the undisturbed ones is the scheduler, not the decision's code.
 //! The bench links the picker binary's allocator (mimalloc) so that allocation costs are the same.
 //!
+//! A second group times the floor's workload (issue 20, docs/benchmarks.md "Picker latency"): a
+//! ≈ 600-token `/v1/completions` prompt shaped like `kvroute-gateway-bench`'s, a new question
+//! after a seen prompt each call, its steps, and the same decision after 8 MiB of other writes
+//! have evicted the caches (what a picker sharing its cores with Envoy and engines meets).
+//!
 //! Real functions only: `parse_body`, `ModelTokenizer::{render_chat, encode_chat}`,
 //! `BlockHasher::hash_prompt`, `Router::route`, `decision::decide`. After criterion's
 //! groups, a percentile pass (2 000 timed full decisions, warm) prints p50/p99 per step, since
@@ -40,6 +45,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
 const PATH: &str = "/v1/chat/completions";
+const COMPLETION_PATH: &str = "/v1/completions";
 const TARGET_TOKENS: usize = 4096;
 
 fn tokenizer_dir() -> PathBuf {
@@ -71,6 +77,23 @@ fn chat_body(tok: &ModelTokenizer) -> (Vec<u8>, Vec<u32>) {
         }
     }
     unreachable!()
+}
+
+/// Words in each completion prompt (`kvroute-gateway-bench`'s default: ≈ 780 tokens).
+const COMPLETION_WORDS: usize = 600;
+
+/// `n` `/v1/completions` bodies shaped like `kvroute-gateway-bench`'s: one shared prompt of
+/// [`COMPLETION_WORDS`] words and a numbered question at its end, so every body's last text
+/// chunk is new to the segment cache and the rest is not (the floor's workload, issue 20).
+fn completion_bodies(n: usize) -> Vec<Vec<u8>> {
+    let vocabulary = ["alpha ", "route ", "cache ", "block ", "token ", "pod ", "queue "];
+    let shared: String = (0..COMPLETION_WORDS - 8).map(|w| vocabulary[(w * 3) % 7]).collect();
+    (0..n)
+        .map(|i| {
+            let prompt = format!("{shared}question {i} for group 0?");
+            serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string().into_bytes()
+        })
+        .collect()
 }
 
 /// A gateway with the Qwen tokenizer and 8 ready pods; `pod-3` holds every block of `ids` but the
@@ -116,6 +139,10 @@ fn gateway(rt: &tokio::runtime::Runtime, ids: &[u32]) -> Arc<Gateway> {
         gw.pool.sync().await.unwrap();
     });
     gw
+}
+
+fn completion_input(body: &[u8]) -> DecisionInput<'_> {
+    DecisionInput { request_id: "bench", path: COMPLETION_PATH, body: Some(body), subset: None, objective: None }
 }
 
 /// One call's wall-clock time and whether the thread was switched out during it.
@@ -232,5 +259,50 @@ fn main() {
     percentiles("5_lookup_and_score", time(n, || gw.router.route(&route_req).unwrap()));
     percentiles("3c_template+tokenize_cold", time(50, || cold.encode_chat(&chat).unwrap()));
     black_box(rendered);
+
+    // The ≤ 1k-token completion of the ext_proc floor's target: a new question after a seen prompt.
+    let bodies = completion_bodies(4096);
+    let first = parse_body(COMPLETION_PATH, &bodies[0]).unwrap().prompt;
+    let cids = model.tokens(&first, "bench");
+    let cgw = gateway(&rt, &cids);
+    let cmodel = cgw.models.resolve(MODEL).unwrap().clone();
+    let mut chashes = Vec::with_capacity(cids.len() / 16);
+    cmodel.hasher.hash_prompt(&cids, &mut chashes);
+    let croute = RouteRequest { model: &cmodel.target_model, adapter: None, block_hashes: &chashes, subset: None };
+    println!("\ncompletion: {} body bytes, {} tokens, {} blocks", bodies[0].len(), cids.len(), chashes.len());
+    let next = std::cell::Cell::new(0usize);
+    let body_i = || {
+        let i = next.get();
+        next.set((i + 1) % bodies.len());
+        &bodies[i]
+    };
+    let cinput = |body: &[u8]| decide(&cgw, &completion_input(body)).unwrap();
+    let parsed = |body: &[u8]| parse_body(COMPLETION_PATH, body).unwrap().prompt;
+    let mut g = c.benchmark_group("decision_780_token_completion");
+    g.bench_function("full_decide", |b| b.iter(|| cinput(black_box(body_i()))));
+    g.bench_function("1_parse_body", |b| b.iter(|| parsed(black_box(body_i()))));
+    g.bench_function("1_2_parse_and_tokenize", |b| b.iter(|| cmodel.tokens(&parsed(black_box(body_i())), "bench")));
+    g.bench_function("3_hash_blocks", |b| {
+        let mut out = Vec::with_capacity(chashes.len());
+        b.iter(|| cmodel.hasher.hash_prompt(black_box(&cids), &mut out))
+    });
+    g.bench_function("4_lookup_and_score", |b| b.iter(|| cgw.router.route(black_box(&croute)).unwrap()));
+    g.finish();
+    println!("\npercentiles, completion (timed one by one, same process):");
+    percentiles("full_decide", time(n, || cinput(body_i())));
+    // Between two requests of the live bench other processes run on the same cores and evict the
+    // picker's data from the caches: the same decision after writing 8 MiB elsewhere.
+    let mut evict = vec![0u8; 8 << 20];
+    let mut flushed = Vec::with_capacity(n);
+    for round in 0..n {
+        evict.iter_mut().step_by(64).for_each(|b| *b = b.wrapping_add(round as u8));
+        black_box(&evict);
+        flushed.extend(time(1, || cinput(body_i())));
+    }
+    percentiles("full_decide, caches evicted", flushed);
+    percentiles("1_parse_body", time(n, || parsed(body_i())));
+    percentiles("1_2_parse_and_tokenize", time(n, || cmodel.tokens(&parsed(body_i()), "bench")));
+    percentiles("3_hash_blocks", time(n, || cmodel.hasher.hash_prompt(&cids, &mut out)));
+    percentiles("4_lookup_and_score", time(n, || cgw.router.route(&croute).unwrap()));
     c.final_summary();
 }
