@@ -1,7 +1,10 @@
 //! Logging and tracing set-up shared by every kvroute binary (docs/design.md §9, §12).
 //!
 //! - Logs: structured JSON lines on stderr through `tracing`, level from a flag or the binary's
-//!   environment variable (e.g. `EPP_LOG_LEVEL`).
+//!   environment variable (e.g. `EPP_LOG_LEVEL`). A line is formatted where it is logged and
+//!   written to stderr by a logging thread ([`LOG_LINES_BUFFERED`] lines queued at most; past
+//!   that a logging thread waits, no line is dropped), so a request's log lines cost it no write
+//!   system call (docs/benchmarks.md "Picker latency", round 8).
 //! - Traces: OpenTelemetry spans exported over OTLP gRPC (tonic) when an endpoint is configured by
 //!   the standard variables `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`
 //!   (the first wins); `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn export off.
@@ -67,10 +70,17 @@ impl TelemetryConfig {
     }
 }
 
-/// The installed telemetry; flushes and stops the span exporter on [`Telemetry::shutdown`].
+/// Most log lines queued for the logging thread (≈ 300 bytes each, so about 5 MB); a thread that
+/// logs past it waits for the queue to drain.
+pub const LOG_LINES_BUFFERED: usize = 16_384;
+
+/// The installed telemetry; flushes and stops the span exporter on [`Telemetry::shutdown`]. Log
+/// lines still queued are written when it is dropped (keep it alive until the binary exits).
 #[derive(Debug, Default)]
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
+    /// Held for its drop, which writes the log lines still queued and stops the logging thread.
+    _log_writer: Option<tracing_appender::non_blocking::WorkerGuard>,
 }
 
 impl Telemetry {
@@ -124,7 +134,12 @@ pub fn init(service_name: &str, level: &str, config: &TelemetryConfig) -> Result
         }
         None => None,
     };
-    let (subscriber, bad) = subscriber(level, provider.as_ref(), service_name, std::io::stderr);
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .buffered_lines_limit(LOG_LINES_BUFFERED)
+        .thread_name("kvroute-log")
+        .finish(std::io::stderr());
+    let (subscriber, bad) = subscriber(level, provider.as_ref(), service_name, writer);
     let installed = subscriber.try_init().is_ok();
     if bad {
         tracing::warn!(level, "invalid log level directive, using info");
@@ -133,7 +148,7 @@ pub fn init(service_name: &str, level: &str, config: &TelemetryConfig) -> Result
         opentelemetry::global::set_tracer_provider(p.clone());
         tracing::info!(endpoint = %endpoint, "exporting traces over OTLP gRPC");
     }
-    Ok(Telemetry { provider: if installed { provider } else { None } })
+    Ok(Telemetry { provider: if installed { provider } else { None }, _log_writer: installed.then_some(guard) })
 }
 
 /// The subscriber [`init`] installs, writing log lines to `writer` (public for the

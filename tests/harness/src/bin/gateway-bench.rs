@@ -56,6 +56,9 @@ struct Args {
     /// Output tokens per request (`max_tokens`).
     #[arg(long, default_value_t = 1)]
     max_tokens: u32,
+    /// The picker's log level (`info` is its default in deploy/: three JSON lines per request).
+    #[arg(long, default_value = "warn")]
+    picker_log_level: String,
     /// Another kvroute Envoy config to measure in the same run (path relative to the workspace
     /// root, e.g. deploy/envoy/envoy-full-duplex.yaml); repeatable.
     #[arg(long)]
@@ -112,7 +115,7 @@ async fn main() -> Result<()> {
         prefill_us_per_token: 0,
         decode_ms_per_token: 0,
         max_num_seqs: 64,
-        picker_log_level: "warn".into(),
+        picker_log_level: args.picker_log_level.clone(),
         extra_gateway_configs: args.also.clone(),
         noop_ext_proc_gateway: true,
         ext_proc_phase_log: true,
