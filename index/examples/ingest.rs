@@ -2,8 +2,9 @@
 //! workload's bulk load (~1.04M (block, pod) entries, one publish), then steady rounds (store
 //! 2,048 fresh blocks on a pod, publish, remove them, publish), with no reader threads so
 //! instruction counts repeat exactly.
-//! Run: `cargo run --release -p kvroute-index --example ingest -- [bulk|steady|both|readers] [rounds]`
-//! (`bulk N`: N bulk loads, each timed by the wall clock and by this thread's CPU time).
+//! Run: `cargo run --release -p kvroute-index --example ingest -- [bulk|steady|both|readers] [rounds]
+//! [entries]` (`bulk N`: N bulk loads, each timed by the wall clock and by this thread's CPU
+//! time; `entries`: the workload's size, default ~1.04M).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -22,7 +23,9 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map_or("both", String::as_str);
     let rounds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(200);
-    let w = Workload::new(1_040_000, 1);
+    // A third argument: the workload's (block, pod) entries (default ~1.04M, as bench/peers).
+    let entries = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1_040_000usize).clamp(1_000, 50_000_000);
+    let w = Workload::new(entries, 1);
     // Bulk loads into a fresh index; the best of `tries` (the box is shared: the best is the
     // least disturbed), and the median.
     // `bulk N`: N loads (default 5).
