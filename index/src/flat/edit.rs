@@ -578,10 +578,7 @@ impl Editor {
                 inline &= l.new_entry && t.slots.len() == slots;
                 if inline {
                     if l.set != run_set || run.len() == MAX_RUN {
-                        // Every block so far was a new pair, pushed onto `linked` in order: the
-                        // run's hashes are the entries before this block's.
-                        let end = linked.len() - 1;
-                        let _ = self.make_run(t, &run, linked.get(end - run.len()..end), true);
+                        let _ = self.make_run(t, &run, true);
                         run.clear();
                         run_set = l.set;
                     }
@@ -590,7 +587,7 @@ impl Editor {
             }
         }
         if inline {
-            let _ = self.make_run(t, &run, linked.get(linked.len() - run.len()..), true);
+            let _ = self.make_run(t, &run, true);
         }
         run.clear();
         self.scratch_slots = run;
@@ -620,26 +617,18 @@ impl Editor {
     }
 
     /// Makes the slots `run` (one pod set, in chain order, in no current run) a run; false
-    /// (nothing done) when they are fewer than 2 or all 2^24 - 1 run ids are in use. `keys`:
-    /// the slots' keys in the same order, when the caller has them in one slice (a store call's
-    /// new pairs: copied at once instead of gathered slot by slot, round 9); `logged`: every
-    /// slot of `run` is in the dirty log already (a store call's slots just written), so setting
-    /// their run references need not log them again.
-    fn make_run(&mut self, t: &mut FlatSnapshot, run: &[usize], keys: Option<&[u64]>, logged: bool) -> bool {
+    /// (nothing done) when they are fewer than 2 or all 2^24 - 1 run ids are in use. `logged`:
+    /// every slot of `run` is in the dirty log already (a store call's slots just written), so
+    /// setting their run references need not log them again.
+    fn make_run(&mut self, t: &mut FlatSnapshot, run: &[usize], logged: bool) -> bool {
         if run.len() < 2 {
             return false;
         }
         let Some(r) = self.new_run(t) else {
             return false;
         };
-        let hashes: Arc<[u64]> = match keys {
-            Some(keys) if keys.len() == run.len() => {
-                debug_assert!(run.iter().zip(keys).all(|(&i, &k)| t.slots[i].key == k), "keys in run order");
-                Arc::from(keys)
-            }
-            // Written straight into the shared array (one allocation, no scratch copy).
-            _ => run.iter().map(|&i| t.slots[i].key).collect(),
-        };
+        // Written straight into the shared array (one allocation, no scratch copy).
+        let hashes: Arc<[u64]> = run.iter().map(|&i| t.slots[i].key).collect();
         for (k, &i) in run.iter().enumerate() {
             // `r < MAX_RUNS` (24 bits) and `k < MAX_RUN` (8 bits).
             t.slots[i].run = (r << 8) | k as u32;
@@ -791,7 +780,7 @@ impl Editor {
                 gathered.push(i2);
                 j += 1;
             }
-            if !self.make_run(t, &gathered, None, false) {
+            if !self.make_run(t, &gathered, false) {
                 for &i2 in &gathered {
                     self.set_run_ref(t, i2, NO_RUN);
                 }
