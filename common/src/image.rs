@@ -313,6 +313,31 @@ mod tests {
         assert_eq!(SmartResize { patch_size: 0, ..q }.tokens(448, 448), None);
     }
 
+    proptest::proptest! {
+        /// Hostile headers: any bytes after a PNG or JPEG signature are read without a panic, and a
+        /// size comes back only with both sides non-zero.
+        #[test]
+        fn any_header_is_read_without_panic(tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96), jpeg: bool) {
+            let mut bytes = if jpeg { vec![0xFF, 0xD8] } else { b"\x89PNG\r\n\x1a\n".to_vec() };
+            bytes.extend_from_slice(&tail);
+            if let Some((w, h)) = image_size(&bytes) {
+                proptest::prop_assert!(w > 0 && h > 0);
+            }
+            let text = String::from_utf8_lossy(&tail);
+            let _ = decode_base64(&text, 64);
+        }
+
+        /// Any size: refused, or resized to multiples of 28 within Qwen2-VL's pixel bounds.
+        #[test]
+        fn any_size_resizes_within_bounds(width in 1u32..20_000, height in 1u32..20_000) {
+            let q = SmartResize::QWEN2_VL;
+            if let Some((h, w)) = q.resize(width, height) {
+                proptest::prop_assert!(h % 28 == 0 && w % 28 == 0 && h >= 28 && w >= 28);
+                proptest::prop_assert!(h * w <= q.max_pixels && q.tokens(width, height).is_some());
+            }
+        }
+    }
+
     /// The hash input written out byte by byte, independently of the implementation.
     #[test]
     fn content_identifier_hashes_vllms_framed_layout() {
