@@ -4,6 +4,9 @@
 //!
 //! `cargo run --release -p kvroute-common --features image --example image_cost`
 
+// A measurement program: its inputs are built here, a failure is a bug worth a panic.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use base64::Engine as _;
 use kvroute_common::image::*;
 use std::time::Instant;
