@@ -34,6 +34,10 @@
 //!     tokenizer: /models/qwen2.5-vl
 //!     image_tokens: 256              # placeholder tokens per image, when fixed (docs/design.md §2)
 //!     # image_placeholder: "<|image_pad|>"
+//!   - name: Qwen/Qwen2.5-VL-3B-Instruct
+//!     tokenizer: /models/qwen2.5-vl
+//!     vision: {}                     # count from each inline image's size (Qwen2-VL defaults)
+//!     # image_hash_model: /models/qwen2.5-vl-3b   # the engine's `vllm serve <model>`, if not the target
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
 //! # or a preset (README "Tuning guide") with overrides and custom scorers:
@@ -73,6 +77,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
 use kvroute_common::config::InvalidField;
+use kvroute_common::image::{MAX_IMAGE_PIXELS, SmartResize};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
@@ -373,6 +378,78 @@ pub struct ModelConfig {
     /// `image_tokens` tokens. Default `<|image_pad|>` (Qwen2-VL and its successors).
     #[serde(default)]
     pub image_placeholder: Option<String>,
+    /// Instead of a fixed `image_tokens`: the count follows each image's size as the Qwen2-VL
+    /// family's processor resizes it (docs/design.md §2). The picker reads the size from the
+    /// header of inline images (`data:` URLs, PNG or JPEG); images it cannot size (http(s) URLs,
+    /// other formats) end the claimable prefix. Default none.
+    #[serde(default)]
+    pub vision: Option<VisionConfig>,
+    /// The model id vLLM hashes into the identifier of an inline image without `uuid`: the
+    /// `model` the engine was started with (`vllm serve <model>`: a hub id or a path), which is
+    /// not its `--served-model-name`. Default `target_model`.
+    #[serde(default)]
+    pub image_hash_model: Option<String>,
+}
+
+/// The Qwen2-VL family's image processor settings (its `preprocessor_config.json`); each field
+/// defaults to Qwen2-VL-*-Instruct's and Qwen2.5-VL-*-Instruct's value.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VisionConfig {
+    /// Vision patch side in pixels, 1..=1024. Default 14.
+    #[serde(default = "default_patch_size")]
+    pub patch_size: u32,
+    /// Patches merged per side into one token (`merge_size`), 1..=64. Default 2.
+    #[serde(default = "default_merge_size")]
+    pub merge_size: u32,
+    /// Smallest resized area in pixels (`min_pixels`), >= 1. Default 3136.
+    #[serde(default = "default_min_pixels")]
+    pub min_pixels: u64,
+    /// Largest resized area in pixels (`max_pixels`), min_pixels..=178956970. Default 12845056.
+    #[serde(default = "default_max_pixels")]
+    pub max_pixels: u64,
+}
+
+fn default_patch_size() -> u32 {
+    SmartResize::QWEN2_VL.patch_size
+}
+fn default_merge_size() -> u32 {
+    SmartResize::QWEN2_VL.merge_size
+}
+fn default_min_pixels() -> u64 {
+    SmartResize::QWEN2_VL.min_pixels
+}
+fn default_max_pixels() -> u64 {
+    SmartResize::QWEN2_VL.max_pixels
+}
+
+impl VisionConfig {
+    /// The resizing these settings describe.
+    pub fn smart_resize(&self) -> SmartResize {
+        SmartResize {
+            patch_size: self.patch_size,
+            merge_size: self.merge_size,
+            min_pixels: self.min_pixels,
+            max_pixels: self.max_pixels,
+        }
+    }
+
+    /// The first out-of-range field and why, if any.
+    fn invalid_field(&self) -> Option<(&'static str, u64, &'static str)> {
+        if !(1..=1024).contains(&self.patch_size) {
+            return Some(("patch_size", self.patch_size.into(), "must be 1..=1024 pixels"));
+        }
+        if !(1..=64).contains(&self.merge_size) {
+            return Some(("merge_size", self.merge_size.into(), "must be 1..=64"));
+        }
+        if self.min_pixels == 0 {
+            return Some(("min_pixels", 0, "must be >= 1"));
+        }
+        if !(self.min_pixels..=MAX_IMAGE_PIXELS).contains(&self.max_pixels) {
+            return Some(("max_pixels", self.max_pixels, "must be min_pixels..=178956970 (vLLM's largest image)"));
+        }
+        None
+    }
 }
 
 /// Most placeholder tokens per image `image_tokens` accepts.
@@ -393,6 +470,8 @@ impl ModelConfig {
             approximate: ApproxConfig::default(),
             image_tokens: None,
             image_placeholder: None,
+            vision: None,
+            image_hash_model: None,
         }
     }
 
@@ -631,6 +710,27 @@ impl PickerConfig {
                     ),
                 ));
             }
+            if let Some(v) = &m.vision {
+                if m.image_tokens.is_some() {
+                    return Err(ConfigError::invalid(
+                        field("vision"),
+                        "set",
+                        "set either image_tokens (a fixed count) or vision (the count from each image's size), not both",
+                    ));
+                }
+                if let Some((f, value, why)) = v.invalid_field() {
+                    return Err(ConfigError::invalid(field(&format!("vision.{f}")), value, why));
+                }
+            }
+            if let Some(h) = &m.image_hash_model
+                && h.trim().is_empty()
+            {
+                return Err(ConfigError::invalid(
+                    field("image_hash_model"),
+                    format!("{h:?}"),
+                    "must name the engine's model (vllm serve <model>); omit it for target_model",
+                ));
+            }
             if let Some(p) = &m.image_placeholder
                 && p.is_empty()
             {
@@ -751,12 +851,29 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
             ("{name: a, image_tokens: 0}", "image_tokens"),
             ("{name: a, image_tokens: 65537}", "image_tokens"),
             ("{name: a, image_placeholder: ''}", "image_placeholder"),
+            ("{name: a, image_tokens: 64, vision: {}}", "].vision"),
+            ("{name: a, vision: {patch_size: 0}}", "vision.patch_size"),
+            ("{name: a, vision: {merge_size: 65}}", "vision.merge_size"),
+            ("{name: a, vision: {min_pixels: 0}}", "vision.min_pixels"),
+            ("{name: a, vision: {min_pixels: 5000, max_pixels: 4000}}", "vision.max_pixels"),
+            ("{name: a, vision: {max_pixels: 178956971}}", "vision.max_pixels"),
+            ("{name: a, vision: {}, image_hash_model: ' '}", "image_hash_model"),
         ] {
             let err =
                 PickerConfig::from_yaml(&format!("models: [{yaml}]")).unwrap().validate().unwrap_err().to_string();
             assert!(err.contains(field), "{yaml}: {err}");
         }
         assert!(PickerConfig::from_yaml("models: [{name: a, image_tokens: -1}]").is_err());
+        assert!(PickerConfig::from_yaml("models: [{name: a, vision: {patch: 14}}]").is_err(), "unknown field");
+        // `vision: {}` is Qwen2-VL's processor; fields override one by one.
+        let c = PickerConfig::from_yaml("models: [{name: a, vision: {}}, {name: b, vision: {max_pixels: 1003520}}]")
+            .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.models[0].vision.unwrap().smart_resize(), SmartResize::QWEN2_VL);
+        assert_eq!(
+            c.models[1].vision.unwrap().smart_resize(),
+            SmartResize { max_pixels: 1_003_520, ..SmartResize::QWEN2_VL }
+        );
     }
 
     #[test]

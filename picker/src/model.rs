@@ -14,9 +14,11 @@
 //!
 //! Images in chat messages (docs/design.md §2): the engine expands each image's placeholder token
 //! to the image's token count and keys the blocks those tokens cover with the image's identifier.
-//! [`ResolvedModel::place_images`] does the same where it can (the image carries a `uuid`, which
-//! vLLM uses as the image's hash, and the model has a fixed `image_tokens`); from the first image
-//! it cannot place on, no block is claimed.
+//! [`ResolvedModel::place_images`] does the same where it can: the identifier is the image's
+//! `uuid` (vLLM's `multi_modal_uuids`) or, for an inline `data:` URL, vLLM's content hash of its
+//! bytes; the count is the model's fixed `image_tokens` or, with `vision`, the Qwen2-VL count of
+//! the image's size read from its header. From the first image it cannot place on (an http(s) URL
+//! without `uuid`, a count it cannot know, malformed data), no block is claimed.
 //!
 //! Mode (docs/design.md §6): precise models hash token blocks and match the KV-event index; approximate
 //! models (default without a tokenizer, or when it fails to load) hash text blocks
@@ -31,6 +33,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use kvroute_common::image::{SmartResize, content_identifier, data_url_payload, decode_base64, image_size};
 use kvroute_common::{BlockHash, BlockHasher, MmItem};
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
 use serde_json::Value;
@@ -77,7 +80,7 @@ pub struct ResolvedModel {
 }
 
 /// How a model's chat template and engine turn an image into tokens (docs/design.md §2).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ImageSettings {
     /// Id of the token the chat template renders once per image (`image_placeholder`); `None`
     /// when the tokenizer has no such token (then no block from the first image on is claimed,
@@ -85,7 +88,16 @@ pub struct ImageSettings {
     pub placeholder: Option<u32>,
     /// Placeholder tokens per image on the engine (`image_tokens`); `None` when not fixed.
     pub tokens_per_image: Option<usize>,
+    /// The count from the image's size (`vision`), when not fixed.
+    pub vision: Option<SmartResize>,
+    /// The model id vLLM folds into an inline image's content hash (`image_hash_model`, default
+    /// the base model).
+    pub hash_model: String,
 }
+
+/// Largest inline image the picker decodes, in bytes; a larger one is treated as one it cannot
+/// reproduce (its blocks are not claimed). The body limit bounds every image anyway.
+pub const MAX_INLINE_IMAGE_BYTES: usize = 64 << 20;
 
 /// Longest image `uuid` the picker uses as an identifier, in bytes; an image with a longer one is
 /// treated as one without (its blocks are not claimed).
@@ -99,7 +111,8 @@ pub const MAX_EXPANDED_TOKENS: usize = 1 << 21;
 /// and how many leading tokens it may claim.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct ImagePlacement {
-    /// The reproduced images (identifier = `uuid`), in prompt order, in expanded token positions.
+    /// The reproduced images (identifier: the `uuid`, or the content hash of an inline image),
+    /// in prompt order, in expanded token positions.
     pub items: Vec<MmItem>,
     /// Tokens from the start that the engine sees exactly as the picker does: up to the first
     /// placeholder of the first image not reproduced (the whole prompt when every image is).
@@ -160,8 +173,9 @@ pub struct ParsedBody {
     pub prompt: PromptInput,
     /// The `cache_salt` field (a non-empty string; anything else makes the prompt unmatched).
     pub cache_salt: Option<String>,
-    /// Whether an image's `uuid` is its identifier on the engine: false when the request sets
-    /// `mm_processor_kwargs` (vLLM then hashes the uuid with them, docs/design.md §2).
+    /// Whether the picker can reproduce an image's identifier: false when the request sets
+    /// `mm_processor_kwargs` (vLLM then hashes them into every image's identifier, `uuid` or
+    /// not, and they may change its token count; docs/design.md §2).
     pub image_uuids: bool,
 }
 
@@ -265,10 +279,12 @@ fn build_model(
     let images = ImageSettings {
         placeholder: tokenizer.as_ref().and_then(|t| t.token_id(placeholder_name)),
         tokens_per_image: cfg.image_tokens,
+        vision: cfg.vision.map(|v| v.smart_resize()),
+        hash_model: cfg.image_hash_model.clone().unwrap_or_else(|| target.to_owned()),
     };
     if tokenizer.is_some()
         && images.placeholder.is_none()
-        && (cfg.image_placeholder.is_some() || cfg.image_tokens.is_some())
+        && (cfg.image_placeholder.is_some() || cfg.image_tokens.is_some() || cfg.vision.is_some())
     {
         tracing::warn!(model = %name, placeholder = placeholder_name,
             "the tokenizer has no image placeholder token: requests with images claim no blocks");
@@ -392,27 +408,39 @@ fn responses_message(item: Value) -> Option<Value> {
     Some(serde_json::json!({"role": role, "content": content}))
 }
 
-/// One image of a chat request: its `uuid` when it carries a usable one.
-pub type ChatImage = Option<String>;
+/// One image of a chat request, borrowed from its content part.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChatImage<'a> {
+    /// Its `uuid`, when a usable one (a non-empty string of at most [`MAX_IMAGE_UUID_BYTES`]
+    /// bytes).
+    pub uuid: Option<&'a str>,
+    /// Its URL (`image_url.url`, or `image_url` / `image` as a string or `{url}`), when a string.
+    pub url: Option<&'a str>,
+}
 
 /// The images of `messages` in the order the chat template renders them (messages in order,
-/// parts in order): parts of type `image_url`, `image` or `input_image`, each with its `uuid`
-/// (a non-empty string of at most [`MAX_IMAGE_UUID_BYTES`] bytes; otherwise `None`).
-/// `Err` names a part that is neither text nor an image (audio, video, embeddings, files): the
-/// picker cannot tell where the engine puts its tokens.
-pub fn chat_images(messages: &[Value]) -> Result<Vec<ChatImage>, &'static str> {
+/// parts in order): parts of type `image_url`, `image` or `input_image`, each with its `uuid` and
+/// URL where usable. `Err` names a part that is neither text nor an image (audio, video,
+/// embeddings, files): the picker cannot tell where the engine puts its tokens.
+pub fn chat_images(messages: &[Value]) -> Result<Vec<ChatImage<'_>>, &'static str> {
     let mut out = Vec::new();
     for message in messages {
         let Some(Value::Array(parts)) = message.get("content") else { continue };
         for part in parts {
             match part.get("type").and_then(Value::as_str).unwrap_or("text") {
                 "text" | "input_text" | "output_text" | "refusal" => {}
-                "image_url" | "image" | "input_image" => out.push(
-                    part.get("uuid")
+                "image_url" | "image" | "input_image" => {
+                    let uuid = part
+                        .get("uuid")
                         .and_then(Value::as_str)
-                        .filter(|u| !u.is_empty() && u.len() <= MAX_IMAGE_UUID_BYTES)
-                        .map(str::to_owned),
-                ),
+                        .filter(|u| !u.is_empty() && u.len() <= MAX_IMAGE_UUID_BYTES);
+                    let url = match part.get("image_url").or_else(|| part.get("image")) {
+                        Some(Value::String(u)) => Some(u.as_str()),
+                        Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
+                        _ => None,
+                    };
+                    out.push(ChatImage { uuid, url });
+                }
                 _ => return Err("a content part other than text or an image"),
             }
         }
@@ -586,14 +614,18 @@ impl ResolvedModel {
     }
 
     /// Places a chat request's `images` (from [`chat_images`]) in its rendered `tokens` as the
-    /// engine does (docs/design.md §2): each image's placeholder token, when the image carries a
-    /// `uuid` and the model a fixed `image_tokens`, is expanded in `tokens` to that many tokens
-    /// and becomes an [`MmItem`] identified by the `uuid`; the first image that cannot be placed
-    /// (and every one after it) stays one token and ends the claimable prefix at its position.
-    /// `Err` (nothing claimable) when the tokenizer has no placeholder token or the rendered
-    /// prompt does not hold one per image (the template does not render them, or a text holds
-    /// the token). Without images: nothing to place, everything claimable.
-    pub fn place_images(&self, images: &[ChatImage], tokens: &mut Vec<u32>) -> Result<ImagePlacement, &'static str> {
+    /// engine does (docs/design.md §2): each image's placeholder token, when the picker knows the
+    /// image's identifier and token count ([`ResolvedModel::reproduce_image`]), is expanded in
+    /// `tokens` to that many tokens and becomes an [`MmItem`]; the first image that cannot be
+    /// placed (and every one after it) stays one token and ends the claimable prefix at its
+    /// position. `Err` (nothing claimable) when the tokenizer has no placeholder token or the
+    /// rendered prompt does not hold one per image (the template does not render them, or a text
+    /// holds the token). Without images: nothing to place, everything claimable.
+    pub fn place_images(
+        &self,
+        images: &[ChatImage<'_>],
+        tokens: &mut Vec<u32>,
+    ) -> Result<ImagePlacement, &'static str> {
         if images.is_empty() {
             return Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() });
         }
@@ -603,27 +635,22 @@ impl ResolvedModel {
         if tokens.iter().filter(|t| **t == pad).count() != images.len() {
             return Err("the rendered prompt does not hold one image placeholder per image");
         }
-        let reproducible = |i: usize, len: usize| -> Option<(usize, &str)> {
-            let n = self.images.tokens_per_image?;
-            let id = images[i].as_deref()?;
-            (len + n + tokens.len() <= MAX_EXPANDED_TOKENS).then_some((n, id))
-        };
-        let first_rendered = tokens.iter().position(|t| *t == pad).unwrap_or(tokens.len());
-        if reproducible(0, 0).is_none() {
-            return Ok(ImagePlacement { items: Vec::new(), claimable: first_rendered });
-        }
-        let mut out = Vec::with_capacity(tokens.len() + images.len() * self.images.tokens_per_image.unwrap_or(1));
+        let mut out = Vec::with_capacity(tokens.len());
         let mut items = Vec::new();
         let mut claimable = None;
-        let mut image = 0;
+        let mut next = images.iter();
         for &t in tokens.iter() {
             if t != pad || claimable.is_some() {
                 out.push(t);
                 continue;
             }
-            match reproducible(image, out.len()) {
-                Some((n, id)) => {
-                    items.push(MmItem { identifier: id.to_owned(), offset: out.len(), length: n });
+            let placed = next
+                .next()
+                .and_then(|image| self.reproduce_image(image))
+                .filter(|(n, _)| out.len() + n + tokens.len() <= MAX_EXPANDED_TOKENS);
+            match placed {
+                Some((n, identifier)) => {
+                    items.push(MmItem { identifier, offset: out.len(), length: n });
                     out.extend(std::iter::repeat_n(pad, n));
                 }
                 None => {
@@ -631,10 +658,52 @@ impl ResolvedModel {
                     out.push(t);
                 }
             }
-            image += 1;
         }
         *tokens = out;
         Ok(ImagePlacement { items, claimable: claimable.unwrap_or(tokens.len()) })
+    }
+
+    /// (placeholder tokens, identifier) of `image` as the engine derives them, or `None` when
+    /// the picker cannot know one of them (docs/design.md §2):
+    /// - the count is `image_tokens` when fixed; with `vision`, the Qwen2-VL count of the size
+    ///   in the header of an inline PNG or JPEG (`data:<type>;base64,`); otherwise unknown;
+    /// - the identifier is the `uuid`, else vLLM's content hash of the inline image's bytes.
+    ///
+    /// An http(s) URL without `uuid` is never fetched; malformed base64, a truncated or foreign
+    /// header, a zero side, an aspect ratio over 200 or more than 178,956,970 pixels (vLLM
+    /// refuses those), more than [`MAX_INLINE_IMAGE_BYTES`] or [`crate::config::MAX_IMAGE_TOKENS`]
+    /// tokens: `None`. Work is one base64 decode and one BLAKE3 pass over the image, only when
+    /// needed.
+    pub fn reproduce_image(&self, image: &ChatImage<'_>) -> Option<(usize, String)> {
+        let settings = &self.images;
+        if settings.tokens_per_image.is_none() && settings.vision.is_none() {
+            return None;
+        }
+        let needs_bytes = settings.tokens_per_image.is_none() || image.uuid.is_none();
+        let bytes = if needs_bytes {
+            let payload = data_url_payload(image.url?)?;
+            Some(decode_base64(payload, MAX_INLINE_IMAGE_BYTES)?)
+        } else {
+            None
+        };
+        let tokens = match (settings.tokens_per_image, settings.vision, bytes.as_deref()) {
+            (Some(n), _, _) => n,
+            (None, Some(vision), Some(b)) => {
+                let (width, height) = image_size(b)?;
+                vision.tokens(width, height).filter(|n| (1..=crate::config::MAX_IMAGE_TOKENS).contains(n))?
+            }
+            _ => return None,
+        };
+        let identifier = match (image.uuid, bytes.as_deref()) {
+            (Some(uuid), _) => uuid.to_owned(),
+            (None, Some(b)) => {
+                // An image vLLM could not open is refused there; the picker claims nothing on it.
+                image_size(b)?;
+                content_identifier(&settings.hash_model, b)
+            }
+            (None, None) => return None,
+        };
+        Some((tokens, identifier))
     }
 }
 
@@ -697,7 +766,9 @@ mod tests {
                 {"type": "input_image", "image_url": "u3", "uuid": long},
                 {"type": "image_url", "image_url": {"url": "u4"}, "uuid": ""}]}),
         ];
-        assert_eq!(chat_images(&messages), Ok(vec![Some("one".to_owned()), None, None, None]));
+        let want = [(Some("one"), Some("u1")), (None, Some("u2")), (None, Some("u3")), (None, Some("u4"))];
+        let want: Vec<ChatImage<'_>> = want.iter().map(|&(uuid, url)| ChatImage { uuid, url }).collect();
+        assert_eq!(chat_images(&messages), Ok(want));
         let video =
             vec![serde_json::json!({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]})];
         assert!(chat_images(&video).is_err());

@@ -256,7 +256,9 @@ fn prepare_cancellable(
         (PromptInput::Chat(chat), RoutingMode::Precise) if !tokens.is_empty() => {
             chat_images(&chat.messages).and_then(|mut images| {
                 if !image_uuids {
-                    images.iter_mut().for_each(|uuid| *uuid = None);
+                    // mm_processor_kwargs enter every image's identifier on the engine (and may
+                    // change its size): no image is reproducible.
+                    images.iter_mut().for_each(|image| *image = Default::default());
                 }
                 model.place_images(&images, &mut tokens)
             })

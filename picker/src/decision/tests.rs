@@ -388,6 +388,125 @@ async fn images_without_uuid_claim_the_text_before_the_first_image_only() {
     assert_eq!(holder.matched_blocks as usize, at / 16, "{ex:?}");
 }
 
+/// A fixture image (tests/fixtures/images, README there) as a client sends it inline.
+fn fixture_data_url(name: &str, media_type: &str) -> (Vec<u8>, String) {
+    use base64::Engine as _;
+    let path = format!("{}/../tests/fixtures/images/{name}", env!("CARGO_MANIFEST_DIR"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let url = format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+    (bytes, url)
+}
+
+/// docs/design.md §2, inline images without `uuid` on a model whose count follows the image size
+/// (`vision`): the picker decodes the data URL, reads the size from the PNG or JPEG header,
+/// expands the placeholder to the Qwen2-VL count (300×200 → 77 tokens, worked in the fixtures'
+/// README) and keys the blocks with vLLM's content hash of the bytes, so the same image matches
+/// through it on the pod that served it, another image only up to it, and anything it cannot
+/// reproduce (http URL, malformed base64, a truncated or absurd header) stops the claim at the
+/// image, never a rejection.
+#[tokio::test]
+async fn inline_images_are_hashed_and_sized_as_vllm_does() {
+    let models = format!(
+        "{IMAGE_MODELS}, {{name: vl-size, target_model: vl, tokenizer: DIR, vision: {{}}}}, \
+         {{name: vl-path, target_model: vl, tokenizer: DIR, vision: {{}}, image_hash_model: /models/vl}}"
+    );
+    let gw = gateway(&models.replace("DIR", &tokenizer_dir()));
+    let model = gw.models.resolve("vl-size").unwrap();
+    let pad = model.images.placeholder.unwrap();
+    let chat = "/v1/chat/completions";
+    let (rendered, _, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/cat.png", None)]));
+    let at = rendered.iter().position(|t| *t == pad).unwrap();
+    let mut plain = Vec::new();
+    model.hasher.hash_prompt(&rendered, &mut plain);
+
+    let (png, png_url) = fixture_data_url("gradient-300x200.png", "image/png");
+    let (tokens, cat, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url, None)]));
+    assert_eq!(why, "");
+    let mut engine = rendered[..at].to_vec();
+    engine.extend(std::iter::repeat_n(pad, 77));
+    engine.extend_from_slice(&rendered[at + 1..]);
+    assert_eq!(tokens, engine, "the placeholder expanded to the image's 77 tokens");
+    let identifier = kvroute_common::image::content_identifier("vl", &png);
+    let keys =
+        BlockKeys { cache_salt: None, items: vec![kvroute_common::MmItem { identifier, offset: at, length: 77 }] };
+    let mut want = Vec::new();
+    model.hasher.hash_prompt_keyed(&engine, &keys, &mut want);
+    assert_eq!(cat, want, "every full block, the image's keyed with vLLM's identifier");
+    assert!(cat.len() * 16 > at + 77 + 16, "the chain goes past the image");
+
+    // The same bytes under another media type: the same identity (vLLM hashes the bytes).
+    let (_, same, _) =
+        prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url.replacen("image/png", "image/jpeg", 1), None)]));
+    assert_eq!(same, cat);
+    // With a uuid: the uuid is the identifier, the size still gives the count.
+    let (tokens_uuid, by_uuid, _) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url, Some("cat"))]));
+    assert_eq!(tokens_uuid, engine);
+    let keys = BlockKeys {
+        cache_salt: None,
+        items: vec![kvroute_common::MmItem { identifier: "cat".into(), offset: at, length: 77 }],
+    };
+    let mut want = Vec::new();
+    model.hasher.hash_prompt_keyed(&engine, &keys, &mut want);
+    assert_eq!(by_uuid, want);
+    // The engine's `model` enters the hash: another image_hash_model, another chain after the text.
+    let (_, by_path, _) = prepared_chain(&gw, chat, &image_chat("vl-path", &[(&png_url, None)]));
+    assert_eq!((by_path.len(), &by_path[..at / 16]), (cat.len(), &cat[..at / 16]));
+    assert_ne!(by_path[at / 16], cat[at / 16]);
+    // A JPEG (progressive, EXIF): 130×90 → 15 tokens, its own identity from its first block on.
+    let (jpg, jpg_url) = fixture_data_url("pattern-130x90-progressive-exif.jpg", "image/jpeg");
+    let (tokens_jpg, dog, _) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&jpg_url, None)]));
+    assert_eq!(tokens_jpg.iter().filter(|t| **t == pad).count(), 15);
+    assert_eq!(dog[..at / 16], cat[..at / 16]);
+    assert!(dog[at / 16..].iter().all(|h| !cat.contains(h)), "another image: another chain from its first block");
+    // A fixed count (image_tokens) also hashes inline images without uuid.
+    let (_, fixed, _) = prepared_chain(&gw, chat, &image_chat("vl-fixed", &[(&jpg_url, None)]));
+    assert!(fixed.len() > at / 16 + 2 && fixed[..at / 16] == cat[..at / 16]);
+
+    // What the picker cannot reproduce ends the claim at the image, and is no error.
+    let truncated = {
+        use base64::Engine as _;
+        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png[..20]))
+    };
+    let mut absurd = png.clone();
+    absurd[16..24].copy_from_slice(&[0, 0, 0x9C, 0x40, 0, 0, 0, 1]); // 40000 × 1: aspect over 200
+    let absurd = {
+        use base64::Engine as _;
+        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&absurd))
+    };
+    let cut = &png_url[..png_url.len() - 1];
+    let spaced = png_url.replacen(",", ", ", 1);
+    for url in ["https://x/cat.png", "data:image/png;base64,!!!!", cut, &spaced, &truncated, &absurd, "data:,", ""] {
+        let (_, chain, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(url, None)]));
+        assert_eq!((chain.as_slice(), why), (&plain[..at / 16], ""), "{:.60}", url);
+    }
+    // A first image reproduced, a second not: keyed through the first, nothing from the second on.
+    let (tokens2, two, _) =
+        prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url, None), ("https://x/a.png", None)]));
+    let second = tokens2.iter().rposition(|t| *t == pad).unwrap();
+    assert_eq!(tokens2.iter().filter(|t| **t == pad).count(), 78);
+    assert_eq!(two[..], cat[..second / 16]);
+    // mm_processor_kwargs enter vLLM's hash (and may resize): the claim stops at the image.
+    let mut v: serde_json::Value = serde_json::from_slice(&image_chat("vl-size", &[(&png_url, None)])).unwrap();
+    v["mm_processor_kwargs"] = serde_json::json!({"max_pixels": 200704});
+    let (_, kwargs, _) = prepared_chain(&gw, chat, v.to_string().as_bytes());
+    assert_eq!(kwargs[..], plain[..at / 16]);
+
+    // Routing: the pod holding the first request's blocks is credited through the image for the
+    // same image, and up to it for another.
+    put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &cat).await;
+    put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
+    let again = image_chat("vl-size", &[(&png_url, None)]);
+    let input = DecisionInput { request_id: "t", path: chat, body: Some(&again), subset: None, objective: None };
+    let routed = decide(&gw, &input).unwrap();
+    assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", cat.len()));
+    drop(routed);
+    let other = image_chat("vl-size", &[(&jpg_url, None)]);
+    let ex = explain(&gw, &DecisionInput { body: Some(&other), ..input }).unwrap().explanation;
+    let holder = ex.candidates.iter().find(|c| &*c.pod == "holder").unwrap();
+    assert_eq!(holder.matched_blocks as usize, at / 16, "another image: up to it only; {ex:?}");
+    let _ = jpg;
+}
+
 /// docs/design.md §2, images the picker reproduces (a `uuid` and a fixed `image_tokens`): the
 /// placeholder is expanded and each block it covers keyed with `[uuid, offset]` as vLLM and the
 /// agent key them, so the same uuid gives the same chain through the image (whatever its URL),

@@ -82,10 +82,28 @@ pub struct EmulatorConfig {
     /// the emulator expands to `--mm-tokens-per-image` tokens. Default `<|image_pad|>` (Qwen).
     #[arg(long, default_value = "<|image_pad|>")]
     pub mm_placeholder_token: String,
-    /// Placeholder tokens per image (vLLM's processor derives it from the image size; the
-    /// emulator cannot decode images). Default 256 (a 448×448 image under Qwen2-VL).
+    /// Placeholder tokens per image: every image's with a fixed count, or with `--mm-vision`
+    /// those the emulator cannot size (URLs it does not fetch). Default 256 (a 448×448 image
+    /// under Qwen2-VL).
     #[arg(long, default_value_t = 256)]
     pub mm_tokens_per_image: usize,
+    /// Count inline images' tokens from their size as the Qwen2-VL processor resizes them
+    /// (docs/design.md §2), with the `--mm-patch-size`, `--mm-merge-size`, `--mm-min-pixels`
+    /// and `--mm-max-pixels` settings. Default off (the fixed `--mm-tokens-per-image`).
+    #[arg(long, default_value_t = false)]
+    pub mm_vision: bool,
+    /// Vision patch side in pixels (`--mm-vision`), 1..=1024. Default 14.
+    #[arg(long, default_value_t = 14)]
+    pub mm_patch_size: u32,
+    /// Patches merged per side into one token (`--mm-vision`), 1..=64. Default 2.
+    #[arg(long, default_value_t = 2)]
+    pub mm_merge_size: u32,
+    /// Smallest resized area in pixels (`--mm-vision`), >= 1. Default 3136.
+    #[arg(long, default_value_t = 3136)]
+    pub mm_min_pixels: u64,
+    /// Largest resized area in pixels (`--mm-vision`), min..=178956970. Default 12845056.
+    #[arg(long, default_value_t = 12_845_056)]
+    pub mm_max_pixels: u64,
     /// Prefill time per uncached prompt token, in microseconds. Default 220.
     #[arg(long, default_value_t = 220.0)]
     pub prefill_us_per_token: f64,
@@ -172,6 +190,19 @@ impl EmulatorConfig {
         if self.mm_tokens_per_image == 0 {
             return Err(ConfigError::OutOfRange { flag: "mm-tokens-per-image", reason: "must be at least 1".into() });
         }
+        let vision: [(&'static str, bool, &str); 4] = [
+            ("mm-patch-size", (1..=1024).contains(&self.mm_patch_size), "must be 1..=1024"),
+            ("mm-merge-size", (1..=64).contains(&self.mm_merge_size), "must be 1..=64"),
+            ("mm-min-pixels", self.mm_min_pixels >= 1, "must be at least 1"),
+            (
+                "mm-max-pixels",
+                (self.mm_min_pixels..=kvroute_common::image::MAX_IMAGE_PIXELS).contains(&self.mm_max_pixels),
+                "must be mm-min-pixels..=178956970",
+            ),
+        ];
+        if let Some((flag, _, why)) = vision.into_iter().find(|(_, ok, _)| !ok) {
+            return Err(ConfigError::OutOfRange { flag, reason: why.into() });
+        }
         if self.kv_replay_buffer == 0 {
             return Err(ConfigError::OutOfRange { flag: "kv-replay-buffer", reason: "must be at least 1".into() });
         }
@@ -252,5 +283,17 @@ mod tests {
         assert!(matches!(cfg.validate(), Err(ConfigError::LoraModule(_))));
         let cfg = EmulatorConfig::try_parse_from(["e", "--time-scale=-1"]).unwrap();
         assert!(cfg.validate().is_err());
+        for (args, flag) in [
+            (&["--mm-patch-size", "0"][..], "mm-patch-size"),
+            (&["--mm-merge-size", "65"], "mm-merge-size"),
+            (&["--mm-min-pixels", "0"], "mm-min-pixels"),
+            (&["--mm-min-pixels", "5000", "--mm-max-pixels", "4000"], "mm-max-pixels"),
+            (&["--mm-max-pixels", "178956971"], "mm-max-pixels"),
+        ] {
+            let cfg = EmulatorConfig::try_parse_from(["e"].iter().chain(args)).unwrap();
+            assert!(matches!(cfg.validate(), Err(ConfigError::OutOfRange { flag: f, .. }) if f == flag), "{args:?}");
+        }
+        let cfg = EmulatorConfig::try_parse_from(["e", "--mm-vision"]).unwrap();
+        assert!(cfg.validate().is_ok() && cfg.mm_vision && (cfg.mm_patch_size, cfg.mm_max_pixels) == (14, 12_845_056));
     }
 }

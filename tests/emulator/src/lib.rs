@@ -127,6 +127,13 @@ pub async fn start(config: EmulatorConfig) -> Result<RunningEmulator, EmulatorEr
     let mm = server::MmSettings {
         placeholder_token: tokenizer.as_ref().ok().and_then(|t| t.token_id(&config.mm_placeholder_token)),
         tokens_per_image: config.mm_tokens_per_image,
+        vision: config.mm_vision.then_some(kvroute_common::image::SmartResize {
+            patch_size: config.mm_patch_size,
+            merge_size: config.mm_merge_size,
+            min_pixels: config.mm_min_pixels,
+            max_pixels: config.mm_max_pixels,
+        }),
+        hash_model: config.model.clone(),
     };
 
     let faults = Arc::new(FaultState::new(Faults {

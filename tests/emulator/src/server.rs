@@ -22,6 +22,7 @@ use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kvroute_common::image::{SmartResize, content_identifier, data_url_payload, decode_base64, image_size};
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
@@ -277,15 +278,16 @@ impl AppState {
         }
     }
 
-    /// Renders `messages` with the chat template and expands each image placeholder to
-    /// `mm_tokens_per_image` tokens, giving every image its [`MmPlaceholder`] (identifier: the
-    /// part's `uuid` if given, as vLLM's `multi_modal_uuids`, else [`image_identifier`] of its URL).
+    /// Renders `messages` with the chat template and expands each image placeholder to its
+    /// token count, giving every image its [`MmPlaceholder`] ([`MmSettings::image`]: the part's
+    /// `uuid` if given, as vLLM's `multi_modal_uuids`, else vLLM's content hash of an inline
+    /// image, else [`image_identifier`] of its URL).
     fn encode_chat_mm(
         &self,
         messages: Vec<Value>,
         tools: Option<Vec<Value>>,
     ) -> Result<(Vec<u32>, Vec<MmPlaceholder>), ApiError> {
-        let images = image_identifiers(&messages);
+        let images = image_parts(&messages).map(|part| self.mm.image(part)).collect::<Result<Vec<_>, _>>()?;
         let rendered = self.encode_chat(messages, tools)?;
         if images.is_empty() {
             return Ok((rendered, Vec::new()));
@@ -302,16 +304,16 @@ impl AppState {
                 images.len()
             )));
         }
-        let per_image = self.mm.tokens_per_image.max(1);
-        let mut prompt = Vec::with_capacity(rendered.len() + images.len() * per_image);
+        let expanded: usize = images.iter().map(|(_, n)| n).sum();
+        let mut prompt = Vec::with_capacity(rendered.len() + expanded);
         let mut items = Vec::with_capacity(images.len());
         let mut next = images.into_iter();
         for token in rendered {
             if token == pad
-                && let Some(identifier) = next.next()
+                && let Some((identifier, length)) = next.next()
             {
-                items.push(MmPlaceholder { identifier, offset: prompt.len(), length: per_image });
-                prompt.extend(std::iter::repeat_n(pad, per_image));
+                items.push(MmPlaceholder { identifier, offset: prompt.len(), length });
+                prompt.extend(std::iter::repeat_n(pad, length));
             } else {
                 prompt.push(token);
             }
@@ -321,44 +323,92 @@ impl AppState {
 }
 
 /// Multimodal settings of the emulated model.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct MmSettings {
     /// Token id of the image placeholder (`<|image_pad|>` for Qwen), if the tokenizer has one.
     pub placeholder_token: Option<u32>,
-    /// Placeholder tokens each image expands to (vLLM's processor: from the image size).
+    /// Placeholder tokens per image when the count is fixed, and for images the emulator cannot
+    /// size (URLs it does not fetch).
     pub tokens_per_image: usize,
+    /// With `--mm-vision`: inline images count as the Qwen2-VL processor resizes them.
+    pub vision: Option<SmartResize>,
+    /// The model id vLLM hashes into an inline image's identifier (the engine's `--model`).
+    pub hash_model: String,
 }
 
-/// The emulator's stand-in for vLLM's multimodal content hash (blake3 of the decoded image in
-/// vLLM): XXH3-128 of the image reference's bytes (URL or data URL), 32 hex digits.
+/// Largest inline image the emulator decodes, in bytes (the body limit bounds it first).
+const MAX_INLINE_IMAGE_BYTES: usize = 256 << 20;
+
+impl MmSettings {
+    /// (identifier, placeholder tokens) of one image part as vLLM derives them (docs/design.md
+    /// §2): the identifier is the `uuid` if given, else for a base64 `data:` URL vLLM's content
+    /// hash of its bytes under [`MmSettings::hash_model`], else the [`image_identifier`]
+    /// stand-in of the URL (vLLM would fetch and hash it). The count is
+    /// [`MmSettings::tokens_per_image`], or with `vision` the Qwen2-VL count of an inline image's
+    /// size. A data URL vLLM cannot load (not strict base64; with `vision`, not a PNG/JPEG of a
+    /// size the processor takes) is a 400, as vLLM refuses it.
+    fn image(&self, part: ImagePart<'_>) -> Result<(String, usize), ApiError> {
+        let fixed = self.tokens_per_image.max(1);
+        let Some(payload) = part.url.and_then(data_url_payload) else {
+            let identifier = match part.uuid {
+                Some(uuid) => uuid.to_owned(),
+                None => image_identifier(part.url.unwrap_or_default()),
+            };
+            return Ok((identifier, fixed));
+        };
+        let refused = |why: &str| ApiError::BadRequest(format!("Failed to load image: {why}"));
+        let bytes = decode_base64(payload, MAX_INLINE_IMAGE_BYTES).ok_or_else(|| refused("invalid base64 data"))?;
+        let tokens = match self.vision {
+            None => fixed,
+            Some(vision) => {
+                let (width, height) =
+                    image_size(&bytes).ok_or_else(|| refused("not a PNG or JPEG the emulator can size"))?;
+                vision.tokens(width, height).ok_or_else(|| {
+                    refused(&format!("a {width}x{height} image is refused (aspect ratio over 200 or too many pixels)"))
+                })?
+            }
+        };
+        let identifier = match part.uuid {
+            Some(uuid) => uuid.to_owned(),
+            None => content_identifier(&self.hash_model, &bytes),
+        };
+        Ok((identifier, tokens))
+    }
+}
+
+/// The emulator's stand-in for vLLM's content hash of an image it fetched from a URL (the
+/// emulator fetches nothing): XXH3-128 of the URL's bytes, 32 hex digits. Inline images get
+/// vLLM's real identifier ([`MmSettings::image`]).
 pub fn image_identifier(reference: &str) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(reference.as_bytes()))
 }
 
-/// Identifiers of the images in `messages`, in the order the chat template renders them (messages
-/// in order, parts in order): `image_url` / `image` / `input_image` parts.
-fn image_identifiers(messages: &[Value]) -> Vec<String> {
-    let mut out = Vec::new();
-    for message in messages {
-        let Some(Value::Array(parts)) = message.get("content") else { continue };
-        for part in parts {
-            let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
-            if !matches!(kind, "image_url" | "image" | "input_image") {
-                continue;
-            }
-            if let Some(uuid) = part.get("uuid").and_then(Value::as_str) {
-                out.push(uuid.to_string());
-                continue;
-            }
-            let reference = match part.get("image_url").or_else(|| part.get("image")) {
-                Some(Value::String(url)) => url.clone(),
-                Some(Value::Object(o)) => o.get("url").and_then(Value::as_str).unwrap_or_default().to_string(),
-                _ => String::new(),
-            };
-            out.push(image_identifier(&reference));
-        }
-    }
-    out
+/// One image content part: its `uuid` and its URL, where strings.
+#[derive(Debug, Clone, Copy)]
+struct ImagePart<'a> {
+    uuid: Option<&'a str>,
+    url: Option<&'a str>,
+}
+
+/// The image parts of `messages`, in the order the chat template renders them (messages in
+/// order, parts in order): `image_url` / `image` / `input_image` parts.
+fn image_parts(messages: &[Value]) -> impl Iterator<Item = ImagePart<'_>> {
+    messages
+        .iter()
+        .filter_map(|message| match message.get("content") {
+            Some(Value::Array(parts)) => Some(parts),
+            _ => None,
+        })
+        .flatten()
+        .filter(|part| matches!(part.get("type").and_then(Value::as_str), Some("image_url" | "image" | "input_image")))
+        .map(|part| ImagePart {
+            uuid: part.get("uuid").and_then(Value::as_str),
+            url: match part.get("image_url").or_else(|| part.get("image")) {
+                Some(Value::String(url)) => Some(url.as_str()),
+                Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
+                _ => None,
+            },
+        })
 }
 
 /// vLLM refuses an empty `cache_salt` ("Parameter 'cache_salt' must be a non-empty string if

@@ -681,6 +681,84 @@ async fn images_are_part_of_block_identity(emu: &RunningEmulator) {
     assert!(cached(&again) > first_image_block * 16 + 40, "the same image hits: {again}");
 }
 
+/// vLLM's identifier of an inline image, written out from its hasher's framed layout
+/// (docs/design.md §2) independently of the implementation: BLAKE3 over
+/// frame("image") 03 frame("image") 03 frame(bytes) frame("model_id") 03 frame(model).
+fn vllm_image_hash(model: &str, bytes: &[u8]) -> String {
+    let frame = |out: &mut Vec<u8>, chunk: &[u8]| {
+        out.extend_from_slice(&(chunk.len() as u64).to_le_bytes());
+        out.extend_from_slice(chunk);
+    };
+    let mut stream = Vec::new();
+    frame(&mut stream, b"image");
+    stream.push(3);
+    frame(&mut stream, b"image");
+    stream.push(3);
+    frame(&mut stream, bytes);
+    frame(&mut stream, b"model_id");
+    stream.push(3);
+    frame(&mut stream, model.as_bytes());
+    blake3::hash(&stream).to_hex().to_string()
+}
+
+/// With `--mm-vision`, an inline image (a base64 `data:` URL without `uuid`) is identified as
+/// vLLM identifies it (its content hash under the engine's model) and expands to the Qwen2-VL
+/// count of its size: 300×200 → 77 tokens, 130×90 → 15 (worked in tests/fixtures/images'
+/// README); URLs the emulator does not fetch keep the fixed count; data vLLM cannot load is a 400.
+async fn inline_images_are_identified_and_sized_as_vllm_does(emu: &RunningEmulator) {
+    use base64::Engine as _;
+    let fixture = |name: &str, media_type: &str| {
+        let path = format!("{}/../fixtures/images/{name}", env!("CARGO_MANIFEST_DIR"));
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let url = format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+        (bytes, url)
+    };
+    let chat = |image: &str| {
+        json!({"model": "test-model", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Describe this picture in detail, please, all of it and then some more."},
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": "And say what colour it mostly is."}]}]})
+    };
+    let post = |body: Json| {
+        let u = url(emu, "/v1/chat/completions");
+        async move { reqwest::Client::new().post(u).json(&body).send().await.unwrap() }
+    };
+    let send = |body: Json| {
+        let resp = post(body);
+        async move {
+            let resp = resp.await;
+            assert_eq!(resp.status(), 200);
+            resp.json::<Json>().await.unwrap()
+        }
+    };
+    let prompt_tokens = |v: &Json| v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = |v: &Json| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let (png, png_url) = fixture("gradient-300x200.png", "image/png");
+    let sub = subscribe(emu);
+    let first = send(chat(&png_url)).await;
+    let stored = tokio::task::block_in_place(|| events(&recv_batch(&sub).2));
+    let by_url = send(chat("https://example.com/unfetched.png")).await;
+    assert_eq!(prompt_tokens(&first), prompt_tokens(&by_url) - 40 + 77, "77 tokens against the fixed 40");
+    let ids: Vec<String> = stored
+        .iter()
+        .flat_map(|e| field(e, "extra_keys").as_array().cloned().unwrap_or_default())
+        .filter_map(|k| Some(k.as_array()?.first()?.as_array()?.first()?.as_str()?.to_owned()))
+        .collect();
+    assert!(ids.len() >= 5, "77 tokens cover 5 or 6 blocks: {ids:?}");
+    assert!(ids.iter().all(|id| *id == vllm_image_hash("test-model", &png)), "{ids:?}");
+    let again = send(chat(&png_url)).await;
+    assert!(cached(&again) + 16 >= prompt_tokens(&again) - 16, "the same image hits through it: {again}");
+    let (_, jpg_url) = fixture("pattern-130x90-progressive-exif.jpg", "image/jpeg");
+    let other = send(chat(&jpg_url)).await;
+    assert_eq!(prompt_tokens(&other), prompt_tokens(&by_url) - 40 + 15);
+    assert!(cached(&other) < prompt_tokens(&first) - 77 - 10 && cached(&other) % 16 == 0, "{other}");
+    // Data vLLM cannot load: a 400, as vLLM answers.
+    let truncated = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png[..20]));
+    for bad in ["data:image/png;base64,!!!!", &png_url[..png_url.len() - 1], &truncated] {
+        assert_eq!(post(chat(bad)).await.status(), 400, "{bad:.40}");
+    }
+}
+
 /// One emulator with the real tokenizer (loading it is the slow part of a debug test) for the
 /// tests that render chats.
 #[tokio::test(flavor = "multi_thread")]
@@ -689,8 +767,9 @@ async fn tokenizer_backed_images_and_responses() {
     if kvroute_tokenize::ModelTokenizer::from_dir(std::path::Path::new(&dir)).is_err() {
         return;
     }
-    let emu = start(&["--tokenizer", &dir, "--mm-tokens-per-image", "40"]).await;
+    let emu = start(&["--tokenizer", &dir, "--mm-tokens-per-image", "40", "--mm-vision"]).await;
     images_are_part_of_block_identity(&emu).await;
+    inline_images_are_identified_and_sized_as_vllm_does(&emu).await;
     responses_api_is_served_like_chat(&emu).await;
     emu.shutdown().await;
 }

@@ -55,6 +55,11 @@ fn main() -> std::io::Result<()> {
             "chat-image-uuids",
             r#"{"model":"qwen","messages":[{"role":"system","content":"Describe pictures."},{"role":"user","content":[{"type":"text","text":"Two:"},{"type":"image_url","image_url":{"url":"https://x/a.png"},"uuid":"img-a"},{"type":"image_url","image_url":{"url":"https://x/b.png"}}]}]}"#,
         ),
+        (
+            1,
+            "chat-inline-png",
+            r#"{"model":"vl","messages":[{"role":"user","content":[{"type":"text","text":"Sized:"},{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAwCAIAAAAAAAAA"}},{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,/9j/"}}]}]}"#,
+        ),
         (1, "chat-salted", r#"{"model":"qwen","messages":[{"role":"user","content":"x"}],"cache_salt":"s1"}"#),
         (2, "embeddings", r#"{"model":"approx","input":"embed me"}"#),
         (0, "no-model", r#"{"prompt":"x"}"#),

@@ -53,18 +53,28 @@ fn tokenizer_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer-qwen2.5")
 }
 
-/// Models of the ext_proc target: `qwen` (precise, the fixture's tokenizer), `approx`
-/// (approximate text blocks) and `lora` (an adapter on `approx`).
+/// Models of the ext_proc target: `qwen` (precise, the fixture's tokenizer, 40 tokens per
+/// image), `vl` (the same with `vision`: inline images sized and hashed), `approx` (approximate
+/// text blocks) and `lora` (an adapter on `approx`).
 fn registry() -> &'static ModelRegistry {
     static REGISTRY: OnceLock<ModelRegistry> = OnceLock::new();
     REGISTRY.get_or_init(|| {
         let mut qwen = ModelConfig::named("qwen");
         qwen.tokenizer = Some(tokenizer_dir());
         qwen.image_tokens = Some(40);
+        let mut vl = ModelConfig::named("vl");
+        vl.tokenizer = Some(tokenizer_dir());
+        let q = kvroute_common::image::SmartResize::QWEN2_VL;
+        vl.vision = Some(kvroute_picker::config::VisionConfig {
+            patch_size: q.patch_size,
+            merge_size: q.merge_size,
+            min_pixels: q.min_pixels,
+            max_pixels: q.max_pixels,
+        });
         let mut lora = ModelConfig::named("lora");
         lora.target_model = Some("approx".into());
         lora.adapter = Some("sql-lora".into());
-        ModelRegistry::load(&[qwen, ModelConfig::named("approx"), lora], 16)
+        ModelRegistry::load(&[qwen, ModelConfig::named("approx"), lora, vl], 16)
     })
 }
 
@@ -78,7 +88,7 @@ fn tokenizer() -> Option<&'static ModelTokenizer> {
 pub fn ext_proc_body(data: &[u8]) {
     let Some((&sel, body)) = data.split_first() else { return };
     const PATHS: [&str; 4] = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/chat/completions?x=1"];
-    const MODELS: [&str; 4] = ["qwen", "approx", "lora", "qwen"];
+    const MODELS: [&str; 4] = ["qwen", "approx", "lora", "vl"];
     let path = PATHS[usize::from(sel & 3)];
     let Ok(parsed) = parse_body(path, body) else { return };
     assert!(!parsed.model.is_empty(), "a parsed body names a model");

@@ -67,6 +67,10 @@ pub struct FleetSpec {
     /// `image_tokens` for the model (docs/design.md §2). `None`: the emulator's default (256) and
     /// no `image_tokens` (the picker claims no block from an image on).
     pub image_tokens: Option<usize>,
+    /// Inline images count as the Qwen2-VL processor sizes them: the engines' `--mm-vision` and
+    /// the picker's `vision: {}` (docs/design.md §2); URL images keep `image_tokens` on the
+    /// engines. Default false.
+    pub image_vision: bool,
     /// Every kvroute Envoy (picker, extra and no-op gateways) writes an access log line per
     /// request with its ext_proc filter's latency per phase ([`Fleet::ext_proc_phase_log`]).
     pub ext_proc_phase_log: bool,
@@ -96,6 +100,7 @@ impl Default for FleetSpec {
             picker_replicas: 1,
             picker_overrides: None,
             image_tokens: None,
+            image_vision: false,
             ext_proc_phase_log: false,
         }
     }
@@ -626,6 +631,9 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
     if let Some(n) = spec.image_tokens {
         kv_pair("--mm-tokens-per-image", n.to_string());
     }
+    if spec.image_vision {
+        a.push("--mm-vision".into());
+    }
     a
 }
 
@@ -656,7 +664,9 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
             "tokenizer": path_arg(&paths::tokenizer_dir()),
         })
     };
-    if let Some(n) = spec.image_tokens {
+    if spec.image_vision {
+        model["vision"] = json!({});
+    } else if let Some(n) = spec.image_tokens {
         model["image_tokens"] = json!(n);
     }
     json!({

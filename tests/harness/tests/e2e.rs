@@ -236,6 +236,86 @@ async fn a_salted_prompt_matches_only_its_own_tenants_cache() {
     fleet.shutdown().await;
 }
 
+/// docs/design.md §2 inline images, end to end: with `vision` on the picker and `--mm-vision` on
+/// the emulated engines, an image sent as a base64 data URL without `uuid` (the fixtures' PNG:
+/// 300×200, 77 tokens; JPEG: 130×90, 15 tokens) is expanded and keyed by both as vLLM does (its
+/// content hash, its size's count), the agents fold the engines' keys, and the picker credits
+/// the pod that served it through the image for the same image and up to it for another; an
+/// http(s) image still stops the claim at the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_images_without_uuid_match_through_the_image_on_the_pod_that_served_them() {
+    use base64::Engine as _;
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let spec = FleetSpec { image_vision: true, image_tokens: Some(64), ..spec("e2e-inline-images") };
+    let fleet = Fleet::start(spec).await.expect("fleet starts");
+    let client = GatewayClient::new(&fleet.gateway).expect("client");
+    let system = "You describe pictures for a museum catalogue, precisely and briefly. ".repeat(40);
+    let body = |url: &str| {
+        json!({"model": MODEL, "max_tokens": 4, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "text", "text": "Here is the picture:"},
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What does it show, and in which colours, mostly?"}]}]})
+    };
+    let inline = |name: &str, media_type: &str| {
+        let path = format!("{}/../fixtures/images/{name}", env!("CARGO_MANIFEST_DIR"));
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+    };
+    let send = |b: &Value| {
+        let body = serde_json::to_vec(b).expect("json");
+        let client = &client;
+        async move {
+            let out = client.post_raw("/v1/chat/completions", body, &[]).await.expect("request");
+            assert_eq!(out.status, 200, "{:?}", out.error);
+            out
+        }
+    };
+    // (blocks the picker credits `pod` with, blocks in the request's chain, its prompt tokens).
+    let claim = |b: Value, pod: String| {
+        let fleet = &fleet;
+        async move {
+            let ex = fleet.explain_chat(&b).await.expect("explain");
+            let matched = ex["candidates"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|c| c["pod"] == pod.as_str())
+                .and_then(|c| c["matched_blocks"].as_u64())
+                .unwrap_or(0) as u32;
+            let total = ex["total_blocks"].as_u64().unwrap_or(0) as u32;
+            (matched, total, ex["input_tokens"].as_u64().unwrap_or(0) as u32)
+        }
+    };
+
+    let png = body(&inline("gradient-300x200.png", "image/png"));
+    let first = send(&png).await;
+    assert_eq!(first.cached_tokens, 0, "a cold fleet");
+    let holder = first.served_by.clone().expect("served_by");
+    tokio::time::sleep(PROPAGATION).await;
+    // An http(s) image: not fetched, the claim stops at it; that is the text before the image.
+    let (text_blocks, url_total, _) = claim(body("https://example.com/cat.png"), holder.clone()).await;
+    assert!(text_blocks >= 20 && url_total == text_blocks, "{text_blocks} of {url_total}");
+    // The same inline image: every block credited, through the image, and served from cache.
+    let (matched, total, input_tokens) = claim(png.clone(), holder.clone()).await;
+    assert_eq!(matched, total, "the same inline image: every block credited");
+    assert!(total * 16 >= text_blocks * 16 + 77, "the chain covers the image's 77 tokens: {total} blocks");
+    let again = send(&png).await;
+    assert_eq!(again.served_by.as_deref(), Some(holder.as_str()));
+    assert_eq!(input_tokens, again.prompt_tokens, "the picker expands the image as the engine does");
+    assert!(again.cached_tokens + 16 >= total * 16, "served through the image: {} cached", again.cached_tokens);
+    // Another inline image: credited up to the image only, and the engine agrees.
+    let jpg = body(&inline("pattern-130x90-progressive-exif.jpg", "image/jpeg"));
+    let (matched, total, input_tokens) = claim(jpg.clone(), holder.clone()).await;
+    assert_eq!(matched, text_blocks, "another image: credited up to it");
+    assert!(total > text_blocks, "its own chain goes on through the image");
+    let other = send(&jpg).await;
+    assert_eq!(other.served_by.as_deref(), Some(holder.as_str()), "a new image left the system prompt's pod");
+    assert_eq!(input_tokens, other.prompt_tokens, "15 tokens on both sides");
+    assert_eq!(other.cached_tokens, text_blocks * 16, "credited exactly what the engine served from cache");
+    fleet.shutdown().await;
+}
+
 /// docs/design.md §2 images, end to end: the emulated engines expand each image to 64 placeholder
 /// tokens and key the blocks they cover with the image's identifier (its `uuid` when given), the
 /// agents fold those keys in, and the picker (`image_tokens: 64`) claims exactly what the engine

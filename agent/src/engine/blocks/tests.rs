@@ -274,6 +274,52 @@ fn salted_and_multimodal_blocks_hash_like_the_picker() {
     assert!(chain(None, &a[..48]).iter().all(|h| !want.contains(h)));
 }
 
+/// docs/design.md §2, inline images: vLLM keys the blocks an image's placeholders cover with
+/// `[identifier, offset − block start]`, the identifier a 64-digit BLAKE3 hex digest for an image
+/// without `uuid`. An image of 40 tokens from offset 20 spans blocks 1..=3 (offsets 4, −12, −28);
+/// the agent's fold of those keys equals the picker's chain for the same request, and another
+/// identifier (another image) shares only the block before it.
+#[test]
+fn inline_image_identifiers_fold_like_the_picker() {
+    use kvroute_common::{BlockKeys, ExtraKey, MmItem};
+    let a: Vec<u32> = (1000..1064).collect();
+    let id = "9f2c0e5b7a1d4c3e8b6a5f4e3d2c1b0a9f8e7d6c5b4a39281706f5e4d3c2b1a0";
+    let picker = |identifier: &str| {
+        let keys = BlockKeys {
+            cache_salt: None,
+            items: vec![MmItem { identifier: identifier.into(), offset: 20, length: 40 }],
+        };
+        let mut want = Vec::new();
+        BlockHasher::new(MODEL, None, 16).hash_prompt_keyed(&a[..64], &keys, &mut want);
+        want
+    };
+    let engine = |identifier: &str| {
+        let item = |offset| BlockExtra::Keys(vec![ExtraKey::Item(identifier.into(), offset)]);
+        let mut rec = BlockRecord::new(MODEL);
+        rec.apply(&KvEventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::Stored(BlockStored {
+                block_hashes: (1..=4).map(EngineBlockHash).collect(),
+                parent: None,
+                token_ids: a[..64].to_vec(),
+                block_size: 16,
+                lora_id: None,
+                medium: Medium::Gpu,
+                lora_name: None,
+                extra_keys: vec![BlockExtra::Plain, item(4), item(-12), item(-28)],
+            })],
+            dp_rank: None,
+            damage: Default::default(),
+        });
+        stored_hashes(&rec.take_changes())
+    };
+    let want = picker(id);
+    assert_eq!(engine(id), want.iter().map(|h| h.0).collect::<Vec<_>>());
+    let other = engine(&id.replace('9', "8"));
+    assert_eq!(other[0], want[0].0, "the block before the image is shared");
+    assert!(other[1..].iter().all(|h| !want.iter().any(|w| w.0 == *h)), "another image: another chain from it on");
+}
+
 /// One GPU block `hash` of `tokens` under adapter `lora`, no parent.
 fn lora_block(hash: u64, lora: &str, tokens: &[u32]) -> KvEventBatch {
     let mut b = one_block(hash, None, tokens, Medium::Gpu);
