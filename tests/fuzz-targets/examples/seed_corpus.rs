@@ -162,9 +162,9 @@ fn main() -> std::io::Result<()> {
     // Config files: the shipped examples.
     write("agent_config", "example", &std::fs::read(root().join("agent/agent.example.yaml"))?)?;
     write("agent_config", "kubernetes", &std::fs::read(root().join("agent/agent.kubernetes.example.yaml"))?)?;
-    for node in ["gpu-node-1.yaml", "gpu-node-2.yaml"] {
-        write("agent_config", node, &std::fs::read(root().join("deploy/k8s/base/agent/nodes").join(node))?)?;
-    }
+    // The one agent config deploy/ ships for every node (the per-node files it replaced remain
+    // in the corpus as seeds of their own).
+    write("agent_config", "deploy", &std::fs::read(root().join("deploy/k8s/base/agent/agent.yaml"))?)?;
     write("picker_config", "deploy", &std::fs::read(root().join("deploy/k8s/base/picker/picker.yaml"))?)?;
     let presets = "models:\n  - name: m\n    mode: approximate\n    approximate: {block_chars: 32, max_blocks: 8}\n\
                    scoring:\n  preset: multi-lora\n  max_queue: 5\n  custom: [{scorer: cost, weight: 0.0, margin: 0.2}]\n";
