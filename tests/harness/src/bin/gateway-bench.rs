@@ -37,6 +37,10 @@ struct Args {
     /// Seconds of load per gateway (after the warm-up).
     #[arg(long, default_value_t = 15)]
     duration_s: u64,
+    /// Rounds of `--duration-s` each on the same fleet; with more than one, the picker's share
+    /// over the no-op is also printed per round with its median.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+    rounds: u64,
     /// Warm-up requests per gateway, not counted.
     #[arg(long, default_value_t = 20)]
     warmup: usize,
@@ -151,44 +155,60 @@ async fn main() -> Result<()> {
     let cpu_before = picker_pid.and_then(cpu_seconds);
     let decisions_before = sample(&fleet.picker_metrics().await?, "epp_decision_latency_us_count");
 
-    let total = args.warmup + (args.rate * args.duration_s as f64).round() as usize;
+    let per_round = (args.rate * args.duration_s as f64).round() as usize;
+    let rounds = usize::try_from(args.rounds).unwrap_or(1);
+    let total = args.warmup + per_round * rounds;
     let period = Duration::from_secs_f64(1.0 / args.rate);
     let mut tick = tokio::time::interval(period / n as u32);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut tasks = Vec::with_capacity(total * n);
-    let started = Instant::now();
-    for i in 0..total {
-        let body = serde_json::to_vec(&serde_json::json!({
-            "model": model, "prompt": prompt(i % args.groups, i, args.prompt_words),
-            "max_tokens": args.max_tokens, "stream": args.stream,
-        }))?;
-        // Rotate which gateway goes first so none always gets the same slot of the period.
-        for k in 0..n {
-            let g = (i + k) % n;
-            tick.tick().await;
-            let client = gateways[g].1.clone();
-            let body = body.clone();
-            tasks.push((g, i, tokio::spawn(async move { client.post_raw("/v1/completions", body, &[]).await })));
-        }
-    }
     let mut lat: Vec<Histogram<u64>> = (0..n).map(|_| histogram()).collect::<Result<_>>()?;
     let mut errors = vec![0usize; n];
-    for (g, i, t) in tasks {
-        match t.await? {
-            Ok(o) if o.status == 200 => {
-                if i >= args.warmup {
-                    let t = if args.stream { o.ttft.unwrap_or(o.latency) } else { o.latency };
-                    lat[g].saturating_record(t.as_micros().try_into().unwrap_or(u64::MAX));
+    // Each round's p50 per gateway: the picker's share over the no-op is judged round by round,
+    // since one run's share moves with the box's load (docs/benchmarks.md "Picker latency").
+    let mut round_p50s: Vec<Vec<f64>> = Vec::with_capacity(rounds);
+    let started = Instant::now();
+    let mut next = 0usize;
+    for round in 0..rounds {
+        let warmup = if round == 0 { args.warmup } else { 0 };
+        let mut tasks = Vec::with_capacity((warmup + per_round) * n);
+        for _ in 0..warmup + per_round {
+            let i = next;
+            next += 1;
+            let body = serde_json::to_vec(&serde_json::json!({
+                "model": model, "prompt": prompt(i % args.groups, i, args.prompt_words),
+                "max_tokens": args.max_tokens, "stream": args.stream,
+            }))?;
+            // Rotate which gateway goes first so none always gets the same slot of the period.
+            for k in 0..n {
+                let g = (i + k) % n;
+                tick.tick().await;
+                let client = gateways[g].1.clone();
+                let body = body.clone();
+                tasks.push((g, i, tokio::spawn(async move { client.post_raw("/v1/completions", body, &[]).await })));
+            }
+        }
+        let mut this_round: Vec<Histogram<u64>> = (0..n).map(|_| histogram()).collect::<Result<_>>()?;
+        for (g, i, t) in tasks {
+            match t.await? {
+                Ok(o) if o.status == 200 => {
+                    if i >= args.warmup {
+                        let t = if args.stream { o.ttft.unwrap_or(o.latency) } else { o.latency };
+                        this_round[g].saturating_record(t.as_micros().try_into().unwrap_or(u64::MAX));
+                    }
+                }
+                Ok(o) => {
+                    errors[g] += 1;
+                    eprintln!("{}: request {i} answered {}: {:?}", gateways[g].0, o.status, o.error);
+                }
+                Err(e) => {
+                    errors[g] += 1;
+                    eprintln!("{}: request {i} failed: {e:#}", gateways[g].0);
                 }
             }
-            Ok(o) => {
-                errors[g] += 1;
-                eprintln!("{}: request {i} answered {}: {:?}", gateways[g].0, o.status, o.error);
-            }
-            Err(e) => {
-                errors[g] += 1;
-                eprintln!("{}: request {i} failed: {e:#}", gateways[g].0);
-            }
+        }
+        round_p50s.push(this_round.iter().map(|h| quantile_ms(h, 0.5)).collect());
+        for (all, one) in lat.iter_mut().zip(&this_round) {
+            all.add(one)?;
         }
     }
     let wall = started.elapsed();
@@ -239,6 +259,17 @@ async fn main() -> Result<()> {
             if g == 0 { String::new() } else { format!(" ({})", gateways[g].0) },
             p[g][0] - p[2][0],
             p[g][2] - p[2][2]
+        );
+    }
+    if args.rounds > 1 {
+        let mut shares: Vec<f64> = round_p50s.iter().map(|p| p[0] - p[2]).collect();
+        let listed: Vec<String> = shares.iter().map(|x| format!("{x:+.3}")).collect();
+        shares.sort_by(f64::total_cmp);
+        println!(
+            "the picker's own share by round: p50 {} ms; median {:+.3} ms over {} rounds",
+            listed.join(" / "),
+            shares[shares.len() / 2],
+            shares.len()
         );
     }
     // Where the share goes: each ext_proc exchange as Envoy timed it, against the no-op's.
