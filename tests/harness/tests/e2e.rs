@@ -18,6 +18,28 @@ use kvroute_harness::DEFAULT_MODEL as MODEL;
 /// Time for a KV event to travel engine → agent → picker (docs/design.md §10 target p99 ≤ 50 ms).
 const PROPAGATION: Duration = Duration::from_millis(400);
 
+/// Sends a chat body (JSON bytes) through the gateway and asserts it was served (200).
+async fn send_chat(client: &GatewayClient, body: Vec<u8>) -> ChatOutcome {
+    let out = client.post_raw("/v1/chat/completions", body, &[]).await.expect("request");
+    assert_eq!(out.status, 200, "{:?}", out.error);
+    out
+}
+
+/// (blocks the picker credits `pod` with, blocks in the request's chain, its prompt tokens), from
+/// the picker's `/explain` of the chat body `b`.
+async fn claimed(fleet: &Fleet, b: &Value, pod: &str) -> (u32, u32, u32) {
+    let ex = fleet.explain_chat(b).await.expect("explain");
+    let matched = ex["candidates"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["pod"] == pod)
+        .and_then(|c| c["matched_blocks"].as_u64())
+        .unwrap_or(0) as u32;
+    let total = ex["total_blocks"].as_u64().unwrap_or(0) as u32;
+    (matched, total, ex["input_tokens"].as_u64().unwrap_or(0) as u32)
+}
+
 fn spec(label: &str) -> FleetSpec {
     FleetSpec { label: label.into(), time_scale: 0.2, ..Default::default() }
 }
@@ -262,30 +284,10 @@ async fn inline_images_without_uuid_match_through_the_image_on_the_pod_that_serv
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
     };
-    let send = |b: &Value| {
-        let body = serde_json::to_vec(b).expect("json");
-        let client = &client;
-        async move {
-            let out = client.post_raw("/v1/chat/completions", body, &[]).await.expect("request");
-            assert_eq!(out.status, 200, "{:?}", out.error);
-            out
-        }
-    };
-    // (blocks the picker credits `pod` with, blocks in the request's chain, its prompt tokens).
+    let send = |b: &Value| send_chat(&client, serde_json::to_vec(b).expect("json"));
     let claim = |b: Value, pod: String| {
         let fleet = &fleet;
-        async move {
-            let ex = fleet.explain_chat(&b).await.expect("explain");
-            let matched = ex["candidates"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|c| c["pod"] == pod.as_str())
-                .and_then(|c| c["matched_blocks"].as_u64())
-                .unwrap_or(0) as u32;
-            let total = ex["total_blocks"].as_u64().unwrap_or(0) as u32;
-            (matched, total, ex["input_tokens"].as_u64().unwrap_or(0) as u32)
-        }
+        async move { claimed(fleet, &b, &pod).await }
     };
 
     let png = body(&inline("gradient-300x200.png", "image/png"));
@@ -338,30 +340,10 @@ async fn images_find_the_system_prompts_pod_and_match_through_the_image_by_uuid(
             {"role": "user", "content": [{"type": "text", "text": "Here is the picture:"}, image,
                 {"type": "text", "text": "What does it show, and in which colours, mostly?"}]}]})
     };
-    let send = |b: &Value| {
-        let body = serde_json::to_vec(b).expect("json");
-        let client = &client;
-        async move {
-            let out = client.post_raw("/v1/chat/completions", body, &[]).await.expect("request");
-            assert_eq!(out.status, 200, "{:?}", out.error);
-            out
-        }
-    };
-    // (blocks the picker credits `pod` with, blocks in the request's chain, its prompt tokens).
+    let send = |b: &Value| send_chat(&client, serde_json::to_vec(b).expect("json"));
     let claim = |b: Value, pod: String| {
         let fleet = &fleet;
-        async move {
-            let ex = fleet.explain_chat(&b).await.expect("explain");
-            let matched = ex["candidates"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|c| c["pod"] == pod.as_str())
-                .and_then(|c| c["matched_blocks"].as_u64())
-                .unwrap_or(0) as u32;
-            let total = ex["total_blocks"].as_u64().unwrap_or(0) as u32;
-            (matched, total, ex["input_tokens"].as_u64().unwrap_or(0) as u32)
-        }
+        async move { claimed(fleet, &b, &pod).await }
     };
 
     let cat = send(&body("https://example.com/cat.png", None)).await;
