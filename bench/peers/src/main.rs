@@ -248,6 +248,12 @@ fn kvroute(w: &Workload) {
     }
     percentiles("kvroute", w, |q| u64::from(snap.match_prefix(q, &mut scratch)));
     drop(snap);
+    println!(
+        "{:>10} before steady: {} blocks, {} MiB of mapped slot tables",
+        "kvroute",
+        published.load().len(),
+        kvroute_index::mapped_bytes() >> 20
+    );
     let fresh = fresh_chains();
     let q = w.hit();
     let reader = published.clone();
@@ -269,6 +275,12 @@ fn kvroute(w: &Workload) {
             SCRATCH.with(|s| black_box(reader.load().match_prefix(&q, &mut s.borrow_mut())));
         },
         &[],
+    );
+    println!(
+        "{:>10} after steady: {} blocks, {} MiB of mapped slot tables",
+        "kvroute",
+        published.load().len(),
+        kvroute_index::mapped_bytes() >> 20
     );
     let b = writer.backend();
     println!(
