@@ -103,6 +103,9 @@ pub struct FlatSnapshot {
     /// Runs by id (a free id is empty).
     pub(crate) runs: Vec<Run>,
     pub(crate) stats: IndexStats,
+    /// The table last grew ×4 (growth within one batch, `flat::edit`): it may be twice the size
+    /// ×2 growth gives, and the writer's next full copy of it halves it instead.
+    pub(crate) overshot: bool,
 }
 
 impl FlatSnapshot {

@@ -38,7 +38,7 @@ use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
 
 use crate::flat::FlatSnapshot;
-use crate::flat::edit::{Editor, catch_up};
+use crate::flat::edit::{Editor, catch_up, halved};
 use crate::types::{IndexStats, PodIdx};
 use crate::writer::{Backend, Writer};
 
@@ -161,7 +161,19 @@ impl<const MAX: usize> PooledBackend<MAX> {
         if self.writable.is_none() {
             let copy = match self.take_spare() {
                 Some(copy) => copy,
-                None => FlatSnapshot::clone(&self.published.load()),
+                None => {
+                    let published = self.published.load();
+                    // A table grown ×4 in its last batch may be twice the size it needs: copied
+                    // at half size instead, at about a clone's cost. Placed anew: no other copy
+                    // can follow it (flat::edit::halved).
+                    match halved(&published) {
+                        Some(copy) => {
+                            self.editor.log.broken = true;
+                            copy
+                        }
+                        None => FlatSnapshot::clone(&published),
+                    }
+                }
             };
             self.writable = Some(copy);
         }
@@ -355,6 +367,7 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
         // Only the stats may have changed (e.g. stores dropped over the cap): then this copies.
         let (editor, copy) = self.parts();
         editor.settle(copy);
+        editor.end_batch();
         self.after_edit();
         let Some(mut snap) = self.writable.take() else {
             return;
@@ -396,6 +409,27 @@ mod tests {
         assert_eq!(a.sets, b.sets);
         let runs = |s: &FlatSnapshot| s.runs.iter().map(|r| r.blocks().to_vec()).collect::<Vec<_>>();
         assert_eq!(runs(a), runs(b));
+    }
+
+    /// `copy`, the writer's copy of `published`, equals it ([`assert_same`]), or is it halved
+    /// (`flat::edit::halved`: a table grown ×4 copied at half size): then the same blocks with
+    /// the same slot values, sets and runs, at half the table.
+    fn assert_same_or_halved(copy: &FlatSnapshot, published: &FlatSnapshot) -> bool {
+        if copy.slots.len() == published.slots.len() {
+            assert_same(copy, published);
+            return false;
+        }
+        assert!(published.overshot && copy.slots.len() * 2 == published.slots.len(), "halved");
+        assert_eq!((copy.len, copy.stats), (published.len, published.stats));
+        for s in published.slots.iter().filter(|s| s.set != 0) {
+            let i = copy.find(s.key).expect("every block is in the halved copy");
+            assert_eq!(copy.slots[i], *s);
+        }
+        assert_eq!(copy.slots.iter().filter(|s| s.set != 0).count(), copy.len);
+        assert_eq!(copy.sets, published.sets);
+        let runs = |s: &FlatSnapshot| s.runs.iter().map(|r| r.blocks().to_vec()).collect::<Vec<_>>();
+        assert_eq!(runs(copy), runs(published));
+        true
     }
 
     /// A spare caught up through the dirty log equals the published copy exactly, whether it was
@@ -487,9 +521,52 @@ mod tests {
             held.drain(..held.len().saturating_sub(1));
             let (_, copy) = b.parts();
             let copy = copy.clone();
-            assert_same(&copy, &published.load());
+            assert_same_or_halved(&copy, &published.load());
         }
         assert!(b.caught_up() > 0);
+    }
+
+    /// A bulk load grows the table ×4 (`flat::edit`): 300 blocks in one batch end in 1,024
+    /// slots where ×2 growth ends in 512. The writer's next copy halves it: 512 slots, every
+    /// block and pod kept, and later copies catch up from it as before. A table whose last growth
+    /// was ×2 (a later batch's first) is copied as it is.
+    #[test]
+    fn an_overshot_table_is_halved_at_the_next_copy() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut b = PooledBackend::<3>::new(published.clone());
+        let chain: Vec<BlockHash> = (1..=300u64).map(|k| BlockHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect();
+        let mut linked = Vec::new();
+        b.store(PodIdx(0), &chain, usize::MAX, &mut linked);
+        b.publish(IndexStats { nodes: 1, ..IndexStats::default() });
+        assert_eq!(published.load().slots.len(), 1024);
+        assert!(published.load().overshot);
+        b.store(PodIdx(1), &chain[..10], usize::MAX, &mut linked);
+        b.publish(IndexStats { nodes: 2, ..IndexStats::default() });
+        let p = published.load_full();
+        assert_eq!((p.slots.len(), p.len), (512, 300), "halved at the copy");
+        assert!(!p.overshot);
+        for (k, h) in chain.iter().enumerate() {
+            assert!(p.holds(PodIdx(0), h.0));
+            assert_eq!(p.holds(PodIdx(1), h.0), k < 10);
+        }
+        let mut scratch = crate::MatchScratch::default();
+        assert_eq!(p.match_prefix(&chain, &mut scratch), 300);
+        assert_eq!(scratch.matched(PodIdx(1)), 10);
+        // The copy after the halved one catches up through the log, as any.
+        b.remove(PodIdx(0), &chain[..5]);
+        b.publish(IndexStats { nodes: 3, ..IndexStats::default() });
+        let (_, copy) = b.parts();
+        let copy = copy.clone();
+        assert!(!assert_same_or_halved(&copy, &published.load()));
+        // A later batch's first growth is ×2, and such a table is copied whole.
+        let more: Vec<BlockHash> = (301..=400u64).map(|k| BlockHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect();
+        b.store(PodIdx(2), &more, usize::MAX, &mut linked);
+        b.publish(IndexStats { nodes: 4, ..IndexStats::default() });
+        assert_eq!(published.load().slots.len(), 1024);
+        assert!(!published.load().overshot);
+        b.store(PodIdx(3), &more[..1], usize::MAX, &mut linked);
+        b.publish(IndexStats { nodes: 5, ..IndexStats::default() });
+        assert_eq!(published.load().slots.len(), 1024);
     }
 
     /// A spare readers held over many publishes catches up through the long path (each slot

@@ -243,6 +243,9 @@ pub(crate) struct Editor {
     /// Scratch for building a pod set or gathering a run (empty between calls).
     scratch_pods: Vec<PodIdx>,
     scratch_slots: Vec<usize>,
+    /// The table grew since the last publish, or was never published: the next growth is ×4
+    /// ([`Editor::grow`]).
+    growing: bool,
     pub(crate) log: DirtyLog,
 }
 
@@ -261,9 +264,50 @@ impl Default for Editor {
             orphan_ends: Vec::new(),
             scratch_pods: Vec::new(),
             scratch_slots: Vec::new(),
+            growing: true,
             log: DirtyLog::default(),
         }
     }
+}
+
+/// Moves every occupied slot of `old` into `t`'s (empty) table by linear probing from its home.
+fn rehash(old: &[Slot], t: &mut FlatSnapshot) {
+    let mask = t.mask();
+    // Homes are the keys' top bits, so old slots land in the new table almost in order.
+    for s in old.iter().copied().filter(|s| s.set != 0) {
+        let mut i = t.home(s.key);
+        while t.slots[i].set != 0 {
+            i = (i + 1) & mask;
+        }
+        t.slots[i] = s;
+    }
+}
+
+/// Load, in percent of half the table, under which a copy of an overshot table is halved:
+/// below [`MAX_LOAD_PCT`], so the halved table does not grow again at the next few stores.
+const HALVE_PCT: usize = 60;
+
+/// A full copy of `src` at half its table size, when its table last grew ×4 and half holds its
+/// blocks under [`HALVE_PCT`] percent (the size ×2 growth would have reached, or nearly);
+/// `None` otherwise (copy it as it is). Same sets, runs and stats; slots placed anew, so no copy
+/// made before can follow it through the dirty log. Costs about what a clone does: one pass
+/// over the table, where the clone copies it.
+pub(crate) fn halved(src: &FlatSnapshot) -> Option<FlatSnapshot> {
+    let half = src.slots.len() / 2;
+    if !src.overshot || half < MIN_SLOTS || src.len * 100 > half * HALVE_PCT {
+        return None;
+    }
+    let mut t = FlatSnapshot {
+        slots: Table::zeroed(half),
+        shift: 64 - half.trailing_zeros(),
+        len: src.len,
+        sets: src.sets.clone(),
+        runs: src.runs.clone(),
+        stats: src.stats,
+        overshot: false,
+    };
+    rehash(&src.slots, &mut t);
+    Some(t)
 }
 
 impl Editor {
@@ -293,21 +337,28 @@ impl Editor {
         self.log.mark(SLOT, i);
     }
 
+    /// Grows the full table: ×2, or ×4 when it already grew since the last publish (or was never
+    /// published: a bulk load), so a load that keeps growing moves a third of the slots ×2 would
+    /// and clears half the fresh pages (docs/index.md, round 9: growth was a quarter of a bulk
+    /// load). A ×4 table may be twice what ×2 growth gives; [`halved`] then takes the size back
+    /// when the writer next copies the table whole.
+    #[cold]
+    #[inline(never)]
     fn grow(&mut self, t: &mut FlatSnapshot) {
-        let n = (t.slots.len() * 2).max(MIN_SLOTS);
+        let factor = if self.growing { 4 } else { 2 };
+        self.growing = true;
+        let n = (t.slots.len() * factor).max(MIN_SLOTS);
         let old = std::mem::replace(&mut t.slots, Table::zeroed(n));
         t.shift = 64 - n.trailing_zeros();
-        let mask = n - 1;
-        // Homes are the keys' top bits, so old slots land in the new table almost in order.
-        for s in old.iter().copied().filter(|s| s.set != 0) {
-            let mut i = t.home(s.key);
-            while t.slots[i].set != 0 {
-                i = (i + 1) & mask;
-            }
-            t.slots[i] = s;
-        }
+        t.overshot = factor == 4;
+        rehash(&old, t);
         // Other copies still have the old table: they cannot follow by slot index.
         self.log.broken = true;
+    }
+
+    /// At a publish: the batch is over, the next growth is ×2 again.
+    pub(crate) fn end_batch(&mut self) {
+        self.growing = false;
     }
 
     #[inline]
