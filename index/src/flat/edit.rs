@@ -291,7 +291,10 @@ const HALVE_PCT: usize = 60;
 /// blocks under [`HALVE_PCT`] percent (the size ×2 growth would have reached, or nearly);
 /// `None` otherwise (copy it as it is). Same sets, runs and stats; slots placed anew, so no copy
 /// made before can follow it through the dirty log. Costs about what a clone does: one pass
-/// over the table, where the clone copies it.
+/// over the table, where the clone copies it. Out of line: it runs once per growth burst, and kept
+/// out of the copy path the writer's loops keep their round 8 layout (docs/index.md round 10).
+#[cold]
+#[inline(never)]
 pub(crate) fn halved(src: &FlatSnapshot) -> Option<FlatSnapshot> {
     let half = src.slots.len() / 2;
     if !src.overshot || half < MIN_SLOTS || src.len * 100 > half * HALVE_PCT {
@@ -341,9 +344,9 @@ impl Editor {
     /// published: a bulk load), so a load that keeps growing moves a third of the slots ×2 would
     /// and clears half the fresh pages (docs/index.md, round 9: growth was a quarter of a bulk
     /// load). A ×4 table may be twice what ×2 growth gives; [`halved`] then takes the size back
-    /// when the writer next copies the table whole.
-    #[cold]
-    #[inline(never)]
+    /// when the writer next copies the table whole. Left to the compiler to inline, as before the
+    /// ×4 step: out of line, the store and remove loops it sits in ran 4–15 % slower in steady
+    /// ingest (docs/index.md round 10).
     fn grow(&mut self, t: &mut FlatSnapshot) {
         let factor = if self.growing { 4 } else { 2 };
         self.growing = true;
