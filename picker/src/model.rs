@@ -686,21 +686,22 @@ impl ResolvedModel {
         } else {
             None
         };
-        let tokens = match (settings.tokens_per_image, settings.vision, bytes.as_deref()) {
+        // Decoded bytes are always sized: the count may need it, and an image vLLM could not open
+        // is refused there, so the picker claims nothing on it.
+        let size = match bytes.as_deref() {
+            Some(b) => Some(image_size(b)?),
+            None => None,
+        };
+        let tokens = match (settings.tokens_per_image, settings.vision, size) {
             (Some(n), _, _) => n,
-            (None, Some(vision), Some(b)) => {
-                let (width, height) = image_size(b)?;
+            (None, Some(vision), Some((width, height))) => {
                 vision.tokens(width, height).filter(|n| (1..=crate::config::MAX_IMAGE_TOKENS).contains(n))?
             }
             _ => return None,
         };
         let identifier = match (image.uuid, bytes.as_deref()) {
             (Some(uuid), _) => uuid.to_owned(),
-            (None, Some(b)) => {
-                // An image vLLM could not open is refused there; the picker claims nothing on it.
-                image_size(b)?;
-                content_identifier(&settings.hash_model, b)
-            }
+            (None, Some(b)) => content_identifier(&settings.hash_model, b),
             (None, None) => return None,
         };
         Some((tokens, identifier))
