@@ -346,6 +346,31 @@ fn prepared_chain(gw: &Gateway, path: &str, body: &[u8]) -> (Vec<u32>, Vec<Block
     (p.tokens.clone(), p.block_hashes().to_vec(), p.unmatched_reason)
 }
 
+/// The prompt the engine sees for `rendered` with its image placeholder at `at` expanded to `n`
+/// placeholder tokens `pad`.
+fn expanded(rendered: &[u32], at: usize, pad: u32, n: usize) -> Vec<u32> {
+    let mut engine = rendered[..at].to_vec();
+    engine.extend(std::iter::repeat_n(pad, n));
+    engine.extend_from_slice(&rendered[at + 1..]);
+    engine
+}
+
+/// The block chain the agent folds for `engine` with one image `identifier` over `length`
+/// tokens from `at` (the engine's BlockStored keys).
+fn one_image_chain(
+    model: &ResolvedModel,
+    engine: &[u32],
+    identifier: &str,
+    at: usize,
+    length: usize,
+) -> Vec<BlockHash> {
+    let item = kvroute_common::MmItem { identifier: identifier.to_owned(), offset: at, length };
+    let keys = BlockKeys { cache_salt: None, items: vec![item] };
+    let mut chain = Vec::new();
+    model.hasher.hash_prompt_keyed(engine, &keys, &mut chain);
+    chain
+}
+
 const IMAGE_MODELS: &str =
     "{name: vl, tokenizer: DIR}, {name: vl-fixed, target_model: vl, tokenizer: DIR, image_tokens: 40}";
 
@@ -422,15 +447,10 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     let (png, png_url) = fixture_data_url("gradient-300x200.png", "image/png");
     let (tokens, cat, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url, None)]));
     assert_eq!(why, "");
-    let mut engine = rendered[..at].to_vec();
-    engine.extend(std::iter::repeat_n(pad, 77));
-    engine.extend_from_slice(&rendered[at + 1..]);
+    let engine = expanded(&rendered, at, pad, 77);
     assert_eq!(tokens, engine, "the placeholder expanded to the image's 77 tokens");
     let identifier = kvroute_common::image::content_identifier("vl", &png);
-    let keys =
-        BlockKeys { cache_salt: None, items: vec![kvroute_common::MmItem { identifier, offset: at, length: 77 }] };
-    let mut want = Vec::new();
-    model.hasher.hash_prompt_keyed(&engine, &keys, &mut want);
+    let want = one_image_chain(model, &engine, &identifier, at, 77);
     assert_eq!(cat, want, "every full block, the image's keyed with vLLM's identifier");
     assert!(cat.len() * 16 > at + 77 + 16, "the chain goes past the image");
 
@@ -441,13 +461,7 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     // With a uuid: the uuid is the identifier, the size still gives the count.
     let (tokens_uuid, by_uuid, _) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url, Some("cat"))]));
     assert_eq!(tokens_uuid, engine);
-    let keys = BlockKeys {
-        cache_salt: None,
-        items: vec![kvroute_common::MmItem { identifier: "cat".into(), offset: at, length: 77 }],
-    };
-    let mut want = Vec::new();
-    model.hasher.hash_prompt_keyed(&engine, &keys, &mut want);
-    assert_eq!(by_uuid, want);
+    assert_eq!(by_uuid, one_image_chain(model, &engine, "cat", at, 77));
     // The engine's `model` enters the hash: another image_hash_model, another chain after the text.
     let (_, by_path, _) = prepared_chain(&gw, chat, &image_chat("vl-path", &[(&png_url, None)]));
     assert_eq!((by_path.len(), &by_path[..at / 16]), (cat.len(), &cat[..at / 16]));
@@ -522,17 +536,9 @@ async fn images_with_uuid_and_fixed_token_count_are_keyed_as_the_engine_keys_the
     let (tokens, cat, why) = prepared_chain(&gw, chat, &image_chat("vl-fixed", &[("https://x/cat.png", Some("cat"))]));
     assert_eq!(why, "");
     // The engine's prompt: the placeholder expanded to 40 tokens.
-    let mut engine = rendered[..at].to_vec();
-    engine.extend(std::iter::repeat_n(pad, 40));
-    engine.extend_from_slice(&rendered[at + 1..]);
+    let engine = expanded(&rendered, at, pad, 40);
     assert_eq!(tokens, engine);
-    let keys = BlockKeys {
-        cache_salt: None,
-        items: vec![kvroute_common::MmItem { identifier: "cat".into(), offset: at, length: 40 }],
-    };
-    let mut want = Vec::new();
-    model.hasher.hash_prompt_keyed(&engine, &keys, &mut want);
-    assert_eq!(cat, want, "every full block, the image's keyed");
+    assert_eq!(cat, one_image_chain(model, &engine, "cat", at, 40), "every full block, the image's keyed");
     let mut plain = Vec::new();
     model.hasher.hash_prompt(&engine, &mut plain);
     assert_eq!(cat[..at / 16], plain[..at / 16]);
