@@ -197,21 +197,6 @@ where
     (subscriber, bad)
 }
 
-/// Installs the global JSON log subscriber only (no trace export); see [`init`].
-pub fn init_logging(level: &str) {
-    let (filter, bad) = env_filter(level);
-    let _ = fmt()
-        .json()
-        .with_current_span(false)
-        .with_target(true)
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter)
-        .try_init();
-    if bad {
-        tracing::warn!(level, "invalid log level directive, using info");
-    }
-}
-
 /// Makes the trace context in `headers` (lower-case `traceparent`, `tracestate`) the parent of
 /// `span`. A missing or malformed `traceparent` leaves the span a root (W3C Trace Context §4.3:
 /// an invalid header is ignored, never an error).
