@@ -5,8 +5,10 @@
 //!
 //! - [`data_url_payload`]: the base64 payload of a `data:<type>;base64,<payload>` URL.
 //! - [`decode_base64`]: that payload's bytes, decoded as strictly as vLLM does, bounded.
-//! - [`image_size`]: width and height from a PNG (IHDR) or JPEG (SOF) header, without decoding
-//!   pixels; anything else is `None`.
+//! - [`image_size`]: width and height as Pillow (vLLM's loader) reports them, from the header of
+//!   a PNG (IHDR), JPEG (SOF), WebP (VP8, VP8L, VP8X), GIF (screen and first frame) or BMP (info
+//!   header), without decoding pixels; anything else, or a header Pillow would refuse, is `None`.
+//!   vLLM hashes the original bytes whatever the format, so the size is all a format changes.
 //! - [`content_identifier`]: vLLM's multimodal hash of an image it loaded from bytes (BLAKE3 over
 //!   a framed serialization of the model id and the image's original bytes; 64 hex digits).
 //! - [`SmartResize`]: the Qwen2-VL family's token count for an image of a given size.
@@ -53,9 +55,12 @@ pub fn decode_base64(payload: &str, max_bytes: usize) -> Option<Vec<u8>> {
     (bytes.len() <= max_bytes).then_some(bytes)
 }
 
-/// (width, height) in pixels from a PNG or JPEG header; `None` for another format, a truncated or
-/// malformed header, or a zero dimension. Reads only up to the header (for JPEG, up to the first
-/// start-of-frame segment).
+/// (width, height) in pixels as Pillow reports an image's `size` when vLLM opens it, read from
+/// the header of a PNG (IHDR), JPEG (first start-of-frame), WebP (VP8, VP8L or VP8X chunk), GIF
+/// (logical screen and first image descriptor) or BMP (info header); `None` for another format,
+/// a truncated or malformed header, a zero dimension, or a header Pillow refuses to open (see
+/// each format's reader). Pixels are never decoded; reads stop at the header, except that a GIF
+/// is walked to its first image descriptor, linear in the input.
 pub fn image_size(bytes: &[u8]) -> Option<(u32, u32)> {
     const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
     let size = if bytes.starts_with(PNG) {
@@ -66,6 +71,12 @@ pub fn image_size(bytes: &[u8]) -> Option<(u32, u32)> {
         (be32(bytes, 16)?, be32(bytes, 20)?)
     } else if bytes.starts_with(&[0xFF, 0xD8]) {
         jpeg_size(bytes)?
+    } else if bytes.starts_with(b"RIFF") && bytes.get(8..12)? == b"WEBP" {
+        webp_size(bytes)?
+    } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        gif_size(bytes)?
+    } else if bytes.starts_with(b"BM") {
+        bmp_size(bytes)?
     } else {
         return None;
     };
@@ -73,11 +84,24 @@ pub fn image_size(bytes: &[u8]) -> Option<(u32, u32)> {
 }
 
 fn be32(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_be_bytes(b.get(at..at + 4)?.try_into().ok()?))
+    Some(u32::from_be_bytes(b.get(at..at.checked_add(4)?)?.try_into().ok()?))
 }
 
 fn be16(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_be_bytes(b.get(at..at + 2)?.try_into().ok()?))
+    Some(u16::from_be_bytes(b.get(at..at.checked_add(2)?)?.try_into().ok()?))
+}
+
+fn le32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at.checked_add(4)?)?.try_into().ok()?))
+}
+
+fn le24(b: &[u8], at: usize) -> Option<u32> {
+    let x = b.get(at..at.checked_add(3)?)?;
+    Some(u32::from(x[0]) | u32::from(x[1]) << 8 | u32::from(x[2]) << 16)
+}
+
+fn le16(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(at..at.checked_add(2)?)?.try_into().ok()?))
 }
 
 /// Walks the JPEG's marker segments to the first start-of-frame (SOF0–SOF15 but DHT, JPG, DAC),
@@ -113,6 +137,187 @@ fn jpeg_size(b: &[u8]) -> Option<(u32, u32)> {
             }
         }
     }
+}
+
+/// WebP (RFC 9649): `RIFF`, the RIFF size (little-endian, counting from byte 8), `WEBP`, then the
+/// first chunk's FourCC, size and payload. Pillow opens WebP through libwebp's demuxer, whose
+/// canvas is its `size`, and which refuses a file shorter than its RIFF size (trailing bytes are
+/// ignored) and these first chunks:
+/// - `VP8 ` (lossy): a 3-byte frame tag (bit 0 clear: key frame; bits 1–3: profile ≤ 3; bit 4:
+///   shown; bits 5–23: first partition size, under the chunk size), the start code 9D 01 2A,
+///   then width and height as 16-bit little-endian words whose top 2 bits are a scale (ignored);
+/// - `VP8L` (lossless): the signature 0x2F, then a 32-bit little-endian word of width − 1 (14
+///   bits), height − 1 (14 bits), an alpha hint (1 bit) and a version (3 bits, must be 0);
+/// - `VP8X` (extended, animated or not): flags and 3 reserved bytes, then the canvas width − 1
+///   and height − 1 as 24-bit little-endian numbers, their product under 2³².
+///
+/// An extended file's frames are not checked against its canvas (libwebp refuses a frame
+/// outside it, when the picker would still count the canvas).
+fn webp_size(b: &[u8]) -> Option<(u32, u32)> {
+    let riff = usize::try_from(le32(b, 4)?).ok()?;
+    let chunk = usize::try_from(le32(b, 16)?).ok()?;
+    // The RIFF payload ("WEBP", the chunk header, the chunk) must all be there.
+    if riff.checked_add(8)? > b.len() || chunk.checked_add(12)? > riff {
+        return None;
+    }
+    let data = b.get(20..20 + chunk)?;
+    match b.get(12..16)? {
+        b"VP8 " => {
+            let tag = le24(data, 0)?;
+            let key_frame = tag & 1 == 0;
+            let profile = (tag >> 1) & 7;
+            let shown = (tag >> 4) & 1 == 1;
+            let partition = usize::try_from(tag >> 5).ok()?;
+            if !key_frame || profile > 3 || !shown || partition >= chunk || data.get(3..6)? != [0x9D, 0x01, 0x2A] {
+                return None;
+            }
+            Some((u32::from(le16(data, 6)? & 0x3FFF), u32::from(le16(data, 8)? & 0x3FFF)))
+        }
+        b"VP8L" => {
+            let bits = le32(data, 1)?;
+            if *data.first()? != 0x2F || bits >> 29 != 0 {
+                return None;
+            }
+            Some(((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1))
+        }
+        b"VP8X" => {
+            let (width, height) = (le24(data, 4)? + 1, le24(data, 7)? + 1);
+            (u64::from(width) * u64::from(height) < 1 << 32).then_some((width, height))
+        }
+        _ => None,
+    }
+}
+
+/// One GIF data sub-block read as Pillow reads it: a length byte, then up to that many bytes
+/// (fewer at the end of the input). `None` for a zero length or no length byte; `at` advances
+/// past what was read.
+fn gif_sub_block<'a>(b: &'a [u8], at: &mut usize) -> Option<&'a [u8]> {
+    let len = usize::from(*b.get(*at)?);
+    *at += 1;
+    if len == 0 {
+        return None;
+    }
+    let start = (*at).min(b.len());
+    *at = at.saturating_add(len);
+    Some(&b[start..(*at).min(b.len())])
+}
+
+/// Sub-blocks until an empty one (zero length, end of input, or cut short to nothing).
+fn gif_skip_sub_blocks(b: &[u8], at: &mut usize) {
+    while gif_sub_block(b, at).is_some_and(|s| !s.is_empty()) {}
+}
+
+/// GIF87a/GIF89a: a 13-byte screen descriptor (signature, logical screen width and height as
+/// 16-bit little-endian numbers, flags, background, aspect), the global color table when flagged
+/// (3 · 2^(n+1) bytes), then blocks. Pillow's `size` is the logical screen grown to cover the
+/// first frame: it walks extensions (0x21, label, sub-blocks) and skips stray bytes up to the
+/// first image descriptor (0x2C: left, top, width, height, flags, the local color table when
+/// flagged, then the LZW code size byte), and refuses the file when the input or a trailer
+/// (0x3B) comes first, or when a graphic control extension is shorter than its fields.
+fn gif_size(b: &[u8]) -> Option<(u32, u32)> {
+    let screen = (u32::from(le16(b, 6)?), u32::from(le16(b, 8)?));
+    let flags = *b.get(..13)?.get(10)?;
+    let table = |flags: u8| if flags & 0x80 != 0 { 3usize << ((flags & 7) + 1) } else { 0 };
+    let mut at = 13 + table(flags);
+    loop {
+        match *b.get(at)? {
+            0x3B => return None,
+            0x21 => {
+                let label = *b.get(at + 1)?;
+                at += 2;
+                let first = gif_sub_block(b, &mut at);
+                match (label, first) {
+                    // Graphic control: flags, delay (2 bytes), and the transparent index if flagged.
+                    (0xF9, Some(block)) if block.len() < 3 || (block[0] & 1 == 1 && block.len() < 4) => return None,
+                    // A comment ends at its first empty sub-block.
+                    (0xFE, first) => {
+                        if first.is_some_and(|s| !s.is_empty()) {
+                            gif_skip_sub_blocks(b, &mut at);
+                        }
+                        continue;
+                    }
+                    // Pillow reads the looping sub-block of a NETSCAPE2.0 extension before the rest.
+                    (0xFF, Some(block)) if block.starts_with(b"NETSCAPE2.0") => {
+                        gif_sub_block(b, &mut at);
+                    }
+                    _ => {}
+                }
+                // Then sub-blocks up to an empty one, read after the first whatever it was.
+                gif_skip_sub_blocks(b, &mut at);
+            }
+            0x2C => {
+                let (left, top) = (u32::from(le16(b, at + 1)?), u32::from(le16(b, at + 3)?));
+                let (width, height) = (u32::from(le16(b, at + 5)?), u32::from(le16(b, at + 7)?));
+                let flags = *b.get(at + 9)?;
+                b.get(at + 10 + table(flags))?;
+                return Some((screen.0.max(left + width), screen.1.max(top + height)));
+            }
+            _ => at += 1,
+        }
+    }
+}
+
+/// BMP: `BM`, a 14-byte file header, then an info header whose first 32-bit little-endian word
+/// is its size, read whole. Pillow opens these sizes only:
+/// - 12 (BITMAPCOREHEADER): width and height as unsigned 16-bit numbers, bits per pixel at 24,
+///   no compression;
+/// - 40, 52, 56, 64, 108, 124 (BITMAPINFOHEADER to BITMAPV5HEADER): width as an unsigned 32-bit
+///   number at 18, height at 22 (negative for a top-down image: Pillow takes 2³² − height when its
+///   top byte is 0xFF, the raw unsigned value otherwise), bits per pixel at 28, compression at
+///   30, palette colors at 46.
+///
+/// Refused as Pillow refuses them: bits per pixel other than 1, 4, 8, 16, 24, 32; compression
+/// other than none, RLE8, RLE4 or bit fields (bit fields only at 16, 24 or 32 bits with one of
+/// the masks at 54, 58, 62 and, from 56-byte headers, 66 that Pillow knows); a palette over
+/// 65,536 colors.
+fn bmp_size(b: &[u8]) -> Option<(u32, u32)> {
+    let header = le32(b, 14)?;
+    let (width, height, bits, compression, colors) = match header {
+        12 => (u32::from(le16(b, 18)?), u32::from(le16(b, 20)?), le16(b, 24)?, 0, 0),
+        40 | 52 | 56 | 64 | 108 | 124 => {
+            let raw = le32(b, 22)?;
+            let height = if raw >> 24 == 0xFF { raw.wrapping_neg() } else { raw };
+            (le32(b, 18)?, height, le16(b, 28)?, le32(b, 30)?, le32(b, 46)?)
+        }
+        _ => return None,
+    };
+    // Pillow reads the whole info header (at most 124 bytes here) before anything else.
+    b.get(..14 + usize::try_from(header).ok()?)?;
+    if !matches!(bits, 1 | 4 | 8 | 16 | 24 | 32) {
+        return None;
+    }
+    let palette = if colors == 0 { 1u64 << bits } else { u64::from(colors) };
+    if bits <= 8 && palette > 65_536 {
+        return None;
+    }
+    match compression {
+        0..=2 => {}
+        3 => {
+            let alpha = if header >= 56 { le32(b, 66)? } else { 0 };
+            let masks = (le32(b, 54)?, le32(b, 58)?, le32(b, 62)?);
+            const KNOWN_32: [(u32, u32, u32, u32); 8] = [
+                (0xFF_0000, 0xFF00, 0xFF, 0),
+                (0xFF00_0000, 0xFF_0000, 0xFF00, 0),
+                (0xFF00_0000, 0xFF00, 0xFF, 0),
+                (0xFF00_0000, 0xFF_0000, 0xFF00, 0xFF),
+                (0xFF, 0xFF00, 0xFF_0000, 0xFF00_0000),
+                (0xFF_0000, 0xFF00, 0xFF, 0xFF00_0000),
+                (0xFF00_0000, 0xFF00, 0xFF, 0xFF_0000),
+                (0, 0, 0, 0),
+            ];
+            let known = match bits {
+                32 => KNOWN_32.contains(&(masks.0, masks.1, masks.2, alpha)),
+                24 => masks == (0xFF_0000, 0xFF00, 0xFF),
+                16 => masks == (0xF800, 0x7E0, 0x1F) || masks == (0x7C00, 0x3E0, 0x1F),
+                _ => false,
+            };
+            if !known {
+                return None;
+            }
+        }
+        _ => return None,
+    }
+    Some((width, height))
 }
 
 /// Length prefix of every framed chunk of vLLM's hash input (u64 little-endian).
@@ -271,10 +476,250 @@ mod tests {
                 assert_eq!(image_size(&full[..cut]), None, "cut at {cut}");
             }
         }
-        assert_eq!(image_size(b"GIF89a\x01\0\x01\0"), None, "other formats");
+        assert_eq!(image_size(b"GIF89a\x01\0\x01\0"), None, "a GIF cut short");
+        assert_eq!(image_size(b"II*\0\x08\0\0\0\0\0\0\0\0\0\0\0"), None, "other formats (TIFF)");
         // A segment length that points backwards or nowhere ends the walk.
         assert_eq!(image_size(&[0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x01]), None);
         assert_eq!(image_size(&[0xFF, 0xD8, 0xFF, 0xE0, 0xFF, 0xFF]), None);
+    }
+
+    /// A WebP file: the RIFF header around one chunk, then `after` (more chunks), RIFF size exact.
+    fn webp(fourcc: &[u8; 4], payload: &[u8], after: &[u8]) -> Vec<u8> {
+        let riff = 4 + 8 + payload.len() + after.len();
+        let mut b = b"RIFF".to_vec();
+        b.extend_from_slice(&(riff as u32).to_le_bytes());
+        b.extend_from_slice(b"WEBP");
+        b.extend_from_slice(fourcc);
+        b.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        b.extend_from_slice(payload);
+        b.extend_from_slice(after);
+        b
+    }
+
+    /// A lossy key frame: frame tag (key frame, profile 0, shown, first partition of 1 byte), start
+    /// code, the raw 16-bit width and height fields (scale in the top 2 bits), a little payload.
+    fn vp8(width_field: u16, height_field: u16) -> Vec<u8> {
+        vp8_tagged(0x10 | 1 << 5, width_field, height_field)
+    }
+
+    fn vp8_tagged(tag: u32, width_field: u16, height_field: u16) -> Vec<u8> {
+        let mut p = tag.to_le_bytes()[..3].to_vec();
+        p.extend_from_slice(&[0x9D, 0x01, 0x2A]);
+        p.extend_from_slice(&width_field.to_le_bytes());
+        p.extend_from_slice(&height_field.to_le_bytes());
+        p.extend_from_slice(&[0; 6]);
+        webp(b"VP8 ", &p, &[])
+    }
+
+    /// A lossless header: signature, then width − 1, height − 1 (14 bits each), alpha, version.
+    fn vp8l(width: u32, height: u32, version: u32) -> Vec<u8> {
+        let bits = (width - 1) | (height - 1) << 14 | 1 << 28 | version << 29;
+        let mut p = vec![0x2F];
+        p.extend_from_slice(&bits.to_le_bytes());
+        p.push(0);
+        webp(b"VP8L", &p, &[])
+    }
+
+    /// An extended (animated) header: flags, reserved, canvas width − 1 and height − 1 (24 bits
+    /// each), then an ANIM chunk.
+    fn vp8x(width: u32, height: u32) -> Vec<u8> {
+        let mut p = vec![0x02, 0, 0, 0];
+        p.extend_from_slice(&(width - 1).to_le_bytes()[..3]);
+        p.extend_from_slice(&(height - 1).to_le_bytes()[..3]);
+        webp(b"VP8X", &p, b"ANIM\x06\0\0\0\0\0\0\0\0\0")
+    }
+
+    #[test]
+    fn sizes_from_webp_headers() {
+        assert_eq!(image_size(&vp8(640, 480)), Some((640, 480)));
+        // The scale bits are not part of the size; 14 bits is the largest.
+        assert_eq!(image_size(&vp8(0xC000 | 640, 0x4000 | 480)), Some((640, 480)));
+        assert_eq!(image_size(&vp8(0x3FFF, 0xFFFF)), Some((16_383, 16_383)));
+        assert_eq!(image_size(&vp8(0xC000, 480)), None, "zero width under the scale bits");
+        // Frame tags libwebp refuses: not a key frame, profile 4, not shown, a first partition
+        // as long as the chunk; a wrong start code.
+        let chunk = vp8(640, 480).len() as u32 - 20;
+        for tag in [0x31, 0x10 | 4 << 1 | 1 << 5, 1 << 5, 0x10 | chunk << 5] {
+            assert_eq!(image_size(&vp8_tagged(tag, 640, 480)), None, "tag {tag:#x}");
+        }
+        assert_eq!(image_size(&vp8_tagged(0x10 | (chunk - 1) << 5, 640, 480)), Some((640, 480)));
+        let mut code = vp8(640, 480);
+        code[24] = 0x2B;
+        assert_eq!(image_size(&code), None);
+
+        assert_eq!(image_size(&vp8l(300, 200, 0)), Some((300, 200)));
+        assert_eq!(image_size(&vp8l(1, 1, 0)), Some((1, 1)));
+        assert_eq!(image_size(&vp8l(16_384, 16_384, 0)), Some((16_384, 16_384)), "14 bits of w − 1");
+        assert_eq!(image_size(&vp8l(16_384, 1, 0)), Some((16_384, 1)), "height − 1 = 0 is 1");
+        assert_eq!(image_size(&vp8l(300, 200, 1)), None, "version 1");
+        let mut signature = vp8l(300, 200, 0);
+        signature[20] = 0x2E;
+        assert_eq!(image_size(&signature), None);
+
+        // The canvas, whatever the frames; 24 bits of w − 1, area under 2³².
+        assert_eq!(image_size(&vp8x(100, 80)), Some((100, 80)));
+        assert_eq!(image_size(&vp8x(1 << 24, 1)), Some((1 << 24, 1)));
+        assert_eq!(image_size(&vp8x(65_536, 65_535)), Some((65_536, 65_535)));
+        assert_eq!(image_size(&vp8x(1 << 24, 256)), None, "area 2³²");
+
+        // Container: trailing bytes are ignored, a short file or a chunk past the RIFF size is
+        // refused, and so is any other first chunk.
+        let mut trailing = vp8l(300, 200, 0);
+        trailing.extend_from_slice(&[0; 9]);
+        assert_eq!(image_size(&trailing), Some((300, 200)));
+        for full in [vp8(640, 480), vp8l(300, 200, 0), vp8x(100, 80)] {
+            for cut in 0..full.len() {
+                assert_eq!(image_size(&full[..cut]), None, "cut at {cut} of {:?}", &full[12..16]);
+            }
+            let mut short_riff = full.clone();
+            short_riff[4] = short_riff[4].wrapping_sub(if &full[12..16] == b"VP8X" { 15 } else { 1 });
+            assert_eq!(image_size(&short_riff), None, "chunk past the RIFF size");
+            let mut other = full.clone();
+            other[15] = b'Z';
+            assert_eq!(image_size(&other), None);
+        }
+        assert_eq!(image_size(&webp(b"VP8X", &[0; 9], &[])), None, "VP8X chunk too short");
+    }
+
+    /// A GIF: screen descriptor (optionally a global color table of 2^(n+1) colors), `blocks`
+    /// verbatim, then an image descriptor at (left, top) of width × height with its LZW code size.
+    fn gif(screen: (u16, u16), table: Option<u8>, blocks: &[u8], frame: [u16; 4]) -> Vec<u8> {
+        let mut b = b"GIF89a".to_vec();
+        b.extend_from_slice(&screen.0.to_le_bytes());
+        b.extend_from_slice(&screen.1.to_le_bytes());
+        b.extend_from_slice(&[table.map_or(0, |n| 0x80 | n), 0, 0]);
+        b.resize(b.len() + table.map_or(0, |n| 3 << (n + 1)), 0x55);
+        b.extend_from_slice(blocks);
+        b.push(0x2C);
+        for field in frame {
+            b.extend_from_slice(&field.to_le_bytes());
+        }
+        b.extend_from_slice(&[0, 8, 2, 0x4C, 0x01, 0, 0x3B]);
+        b
+    }
+
+    /// Graphic control (4 bytes, transparent), NETSCAPE2.0 looping, a two-sub-block comment.
+    const GIF_EXTENSIONS: &[u8] =
+        b"!\xF9\x04\x01\x0A\x00\x05\x00!\xFF\x0BNETSCAPE2.0\x03\x01\x00\x00\x00!\xFE\x02hi\x01!\x00";
+
+    #[test]
+    fn sizes_from_gif_headers() {
+        assert_eq!(image_size(&gif((150, 100), None, &[], [0, 0, 150, 100])), Some((150, 100)));
+        let mut old = gif((150, 100), Some(7), GIF_EXTENSIONS, [0, 0, 150, 100]);
+        old[4] = b'7';
+        assert_eq!(image_size(&old), Some((150, 100)), "GIF87a, 256-color table, extensions");
+        // The first frame grows the logical screen (Pillow's size), a smaller one does not.
+        assert_eq!(image_size(&gif((150, 100), Some(0), &[], [100, 90, 60, 20])), Some((160, 110)));
+        assert_eq!(image_size(&gif((0, 0), None, &[], [0, 0, 30, 40])), Some((30, 40)));
+        assert_eq!(image_size(&gif((150, 100), None, &[], [10, 10, 5, 5])), Some((150, 100)));
+        assert_eq!(image_size(&gif((u16::MAX, 1), None, &[], [u16::MAX, 0, u16::MAX, 1])), Some((131_070, 1)));
+        assert_eq!(image_size(&gif((0, 100), None, &[], [0, 0, 0, 0])), None, "zero width");
+        // Pillow skips a stray byte, but stops at a trailer before any frame.
+        assert_eq!(image_size(&gif((8, 8), None, b"\x00\x42", [0, 0, 8, 8])), Some((8, 8)));
+        assert_eq!(image_size(&gif((8, 8), None, b";", [0, 0, 8, 8])), None);
+        // A graphic control extension shorter than its fields is refused.
+        assert_eq!(image_size(&gif((8, 8), None, b"!\xF9\x02\x00\x00\x00", [0, 0, 8, 8])), None);
+        assert_eq!(image_size(&gif((8, 8), None, b"!\xF9\x03\x01\x00\x00\x00", [0, 0, 8, 8])), None);
+        assert_eq!(image_size(&gif((8, 8), None, b"!\xF9\x03\x00\x00\x00\x00", [0, 0, 8, 8])), Some((8, 8)));
+        // An extension of no sub-blocks: Pillow reads one more length byte after its terminator
+        // (here 0x2C, so the descriptor is skipped as data and no frame follows).
+        assert_eq!(image_size(&gif((8, 8), None, b"!\x01\x00", [0, 0, 8, 8])), None);
+        assert_eq!(image_size(&gif((8, 8), None, b"!\x01\x00\x00", [0, 0, 8, 8])), Some((8, 8)));
+        // Every cut before the LZW code size byte is refused.
+        let full = gif((150, 100), Some(1), GIF_EXTENSIONS, [1, 2, 150, 100]);
+        let code_size = full.len() - 6;
+        for cut in 0..=code_size {
+            assert_eq!(image_size(&full[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(image_size(&full[..code_size + 1]), Some((151, 102)));
+        // A local color table must be there in full.
+        let mut local = gif((8, 8), None, &[], [0, 0, 8, 8]);
+        let flags = local.len() - 7;
+        local[flags] = 0x81;
+        assert_eq!(image_size(&local), None, "12-byte table and the code size byte, 6 bytes left");
+        local.extend_from_slice(&[0; 6]);
+        assert_eq!(image_size(&local), None, "no code size byte");
+        local.push(8);
+        assert_eq!(image_size(&local), Some((8, 8)));
+    }
+
+    /// A BMP with an info header of `size` bytes (40 and up): width, raw height, bits per pixel,
+    /// compression, palette colors, and the bit-field masks at 54 (the three after a 40-byte
+    /// header kept only with bit fields), the file cut at the header's end.
+    fn bmp(size: u32, width: u32, height: u32, bits: u16, compression: u32, colors: u32, masks: [u32; 4]) -> Vec<u8> {
+        let mut b = b"BM\0\0\0\0\0\0\0\0\0\0\0\0".to_vec();
+        b.extend_from_slice(&size.to_le_bytes());
+        b.extend_from_slice(&width.to_le_bytes());
+        b.extend_from_slice(&height.to_le_bytes());
+        b.extend_from_slice(&1u16.to_le_bytes());
+        b.extend_from_slice(&bits.to_le_bytes());
+        b.extend_from_slice(&compression.to_le_bytes());
+        b.extend_from_slice(&[0; 12]);
+        b.extend_from_slice(&colors.to_le_bytes());
+        b.extend_from_slice(&[0; 4]);
+        for mask in masks {
+            b.extend_from_slice(&mask.to_le_bytes());
+        }
+        // The masks lie past a 40-byte header; without bit fields nothing past the header is read.
+        let end = 14 + size as usize;
+        b.resize(if compression == 3 { end.max(66) } else { end }, 0);
+        b
+    }
+
+    fn bmp_core(width: u16, height: u16, bits: u16) -> Vec<u8> {
+        let mut b = b"BM\0\0\0\0\0\0\0\0\0\0\0\0\x0c\0\0\0".to_vec();
+        for field in [width, height, 1, bits] {
+            b.extend_from_slice(&field.to_le_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn sizes_from_bmp_headers() {
+        let plain = |height: u32| bmp(40, 640, height, 24, 0, 0, [0; 4]);
+        assert_eq!(image_size(&plain(480)), Some((640, 480)));
+        // A negative height is a top-down image of the same size.
+        assert_eq!(image_size(&plain((-480i32) as u32)), Some((640, 480)));
+        assert_eq!(image_size(&plain(u32::MAX)), Some((640, 1)));
+        // Pillow negates only heights whose top byte is 0xFF: a lower one reads as a huge height.
+        assert_eq!(image_size(&plain(0x8000_0000)), Some((640, 0x8000_0000)));
+        assert_eq!(image_size(&plain(0)), None);
+        assert_eq!(image_size(&bmp(40, 0, 480, 24, 0, 0, [0; 4])), None);
+        for size in [52, 56, 64, 108, 124] {
+            assert_eq!(image_size(&bmp(size, 90, 60, 32, 0, 0, [0; 4])), Some((90, 60)), "{size}");
+        }
+        assert_eq!(image_size(&bmp_core(90, 60, 8)), Some((90, 60)));
+        assert_eq!(image_size(&bmp_core(90, 60, 2)), None, "2 bits per pixel");
+        assert_eq!(image_size(&bmp_core(0, 60, 8)), None);
+        for (size, bits, compression, colors) in
+            [(20, 24, 0, 0), (40, 2, 0, 0), (40, 64, 0, 0), (40, 24, 4, 0), (40, 8, 6, 0), (40, 8, 0, 65_537)]
+        {
+            assert_eq!(
+                image_size(&bmp(size, 9, 6, bits, compression, colors, [0; 4])),
+                None,
+                "{size} {bits} {compression} {colors}"
+            );
+        }
+        assert_eq!(image_size(&bmp(40, 9, 6, 8, 0, 65_536, [0; 4])), Some((9, 6)));
+        assert_eq!(image_size(&bmp(40, 9, 6, 4, 2, 0, [0; 4])), Some((9, 6)), "RLE4");
+        // Bit fields: only the layouts Pillow knows; the alpha mask counts from 56-byte headers.
+        let fields = |size, bits, masks| image_size(&bmp(size, 9, 6, bits, 3, 0, masks));
+        assert_eq!(fields(40, 16, [0xF800, 0x7E0, 0x1F, 0]), Some((9, 6)));
+        assert_eq!(fields(40, 24, [0xFF_0000, 0xFF00, 0xFF, 0]), Some((9, 6)));
+        assert_eq!(fields(40, 24, [0xFF, 0xFF00, 0xFF_0000, 0]), None);
+        assert_eq!(fields(124, 32, [0xFF, 0xFF00, 0xFF_0000, 0xFF00_0000]), Some((9, 6)));
+        assert_eq!(fields(52, 32, [0xFF, 0xFF00, 0xFF_0000, 0xFF00_0000]), None, "alpha not read: unknown");
+        assert_eq!(fields(124, 8, [0; 4]), None);
+        // Every cut inside the info header is refused (a 40-byte header with bit fields needs
+        // its three masks after it).
+        for full in [plain(480), bmp(124, 9, 6, 24, 0, 0, [0; 4]), bmp_core(90, 60, 8)] {
+            for cut in 0..full.len() {
+                assert_eq!(image_size(&full[..cut]), None, "cut at {cut} of {}", full.len());
+            }
+        }
+        let masked = bmp(40, 9, 6, 16, 3, 0, [0x7C00, 0x3E0, 0x1F, 0]);
+        assert_eq!(image_size(&masked[..65]), None);
+        assert_eq!(image_size(&masked[..66]), Some((9, 6)));
     }
 
     /// Expected counts worked by hand from the reference formula (docs/design.md §2): round each
@@ -314,14 +759,36 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Hostile headers: any bytes after a PNG or JPEG signature are read without a panic, and a
-        /// size comes back only with both sides non-zero.
+        /// Hostile headers: any bytes after the signature of each format read are read without a
+        /// panic, and a size comes back only with both sides non-zero. WebP gets a RIFF size and
+        /// a chunk size that fit the bytes about half the time, so the chunk readers are reached.
         #[test]
-        fn any_header_is_read_without_panic(tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96), jpeg: bool) {
-            let mut bytes = if jpeg { vec![0xFF, 0xD8] } else { b"\x89PNG\r\n\x1a\n".to_vec() };
+        fn any_header_is_read_without_panic(
+            tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96),
+            format in 0usize..8,
+            sizes_fit: bool,
+        ) {
+            const SIGNATURES: [&[u8]; 8] =
+                [b"\x89PNG\r\n\x1a\n", &[0xFF, 0xD8], b"VP8 ", b"VP8L", b"VP8X", b"GIF87a", b"GIF89a", b"BM"];
+            let signature = SIGNATURES[format];
+            let mut bytes = if signature.starts_with(b"VP8") {
+                let riff = if sizes_fit { tail.len() as u32 + 12 } else { u32::from_le_bytes([tail.len() as u8, 0, 0, 0]) };
+                let chunk = if sizes_fit { tail.len() as u32 } else { 10 };
+                let mut b = b"RIFF".to_vec();
+                b.extend_from_slice(&riff.to_le_bytes());
+                b.extend_from_slice(b"WEBP");
+                b.extend_from_slice(signature);
+                b.extend_from_slice(&chunk.to_le_bytes());
+                b
+            } else {
+                signature.to_vec()
+            };
             bytes.extend_from_slice(&tail);
             if let Some((w, h)) = image_size(&bytes) {
                 proptest::prop_assert!(w > 0 && h > 0);
+                if format == 2 || format == 3 {
+                    proptest::prop_assert!(w <= 16_384 && h <= 16_384, "14-bit fields");
+                }
             }
             let text = String::from_utf8_lossy(&tail);
             let _ = decode_base64(&text, 64);

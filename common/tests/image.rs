@@ -16,11 +16,17 @@ fn data_url(media_type: &str, bytes: &[u8]) -> String {
 }
 
 #[test]
-fn real_png_and_jpeg_by_data_url() {
-    // (file, media type as a client would label it, size, tokens worked by hand in the README).
+fn real_images_by_data_url() {
+    // (file, media type as a client would label it, size as Pillow 13.0.0 reports it, tokens
+    // worked by hand in the README).
     let cases = [
         ("gradient-300x200.png", "image/png", (300, 200), 77),
         ("pattern-130x90-progressive-exif.jpg", "image/jpeg", (130, 90), 15),
+        ("photo-200x150-lossy.webp", "image/webp", (200, 150), 35),
+        ("gradient-180x120-lossless.webp", "image/webp", (180, 120), 24),
+        ("anim-100x80-3frames.webp", "image/webp", (100, 80), 12),
+        ("anim-150x100-2frames.gif", "image/gif", (150, 100), 20),
+        ("pattern-90x60.bmp", "image/bmp", (90, 60), 6),
     ];
     for (name, media_type, size, tokens) in cases {
         let bytes = fixture(name);
@@ -34,5 +40,25 @@ fn real_png_and_jpeg_by_data_url() {
         let mut other = decoded.clone();
         *other.last_mut().unwrap() ^= 1;
         assert_ne!(id, content_identifier("Qwen/Qwen2.5-VL-3B-Instruct", &other), "{name}");
+    }
+}
+
+/// The WebP fixtures are the three kinds of first chunk, and a real file cut anywhere is refused
+/// (libwebp refuses a file shorter than its RIFF size), while bytes after it are ignored.
+#[test]
+fn real_webp_kinds_and_truncation() {
+    for (name, fourcc) in [
+        ("photo-200x150-lossy.webp", b"VP8 "),
+        ("gradient-180x120-lossless.webp", b"VP8L"),
+        ("anim-100x80-3frames.webp", b"VP8X"),
+    ] {
+        let bytes = fixture(name);
+        assert_eq!(&bytes[12..16], fourcc, "{name}");
+        for cut in [0, 12, 20, 30, bytes.len() / 2, bytes.len() - 1] {
+            assert_eq!(image_size(&bytes[..cut]), None, "{name} cut at {cut}");
+        }
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0; 7]);
+        assert_eq!(image_size(&longer), image_size(&bytes), "{name}");
     }
 }

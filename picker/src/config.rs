@@ -380,8 +380,8 @@ pub struct ModelConfig {
     pub image_placeholder: Option<String>,
     /// Instead of a fixed `image_tokens`: the count follows each image's size as the Qwen2-VL
     /// family's processor resizes it (docs/design.md §2). The picker reads the size from the
-    /// header of inline images (`data:` URLs, PNG or JPEG); images it cannot size (http(s) URLs,
-    /// other formats) end the claimable prefix. Default none.
+    /// header of inline images (`data:` URLs, PNG, JPEG, WebP, GIF or BMP); images it cannot size
+    /// (http(s) URLs, other formats) end the claimable prefix. Default none.
     #[serde(default)]
     pub vision: Option<VisionConfig>,
     /// The model id vLLM hashes into the identifier of an inline image without `uuid`: the

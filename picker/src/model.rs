@@ -666,7 +666,8 @@ impl ResolvedModel {
     /// (placeholder tokens, identifier) of `image` as the engine derives them, or `None` when
     /// the picker cannot know one of them (docs/design.md §2):
     /// - the count is `image_tokens` when fixed; with `vision`, the Qwen2-VL count of the size
-    ///   in the header of an inline PNG or JPEG (`data:<type>;base64,`); otherwise unknown;
+    ///   in the header of an inline PNG, JPEG, WebP, GIF or BMP (`data:<type>;base64,`);
+    ///   otherwise unknown;
     /// - the identifier is the `uuid`, else vLLM's content hash of the inline image's bytes.
     ///
     /// An http(s) URL without `uuid` is never fetched; malformed base64, a truncated or foreign

@@ -423,7 +423,8 @@ fn fixture_data_url(name: &str, media_type: &str) -> (Vec<u8>, String) {
 }
 
 /// docs/design.md §2, inline images without `uuid` on a model whose count follows the image size
-/// (`vision`): the picker decodes the data URL, reads the size from the PNG or JPEG header,
+/// (`vision`): the picker decodes the data URL, reads the size from the PNG or JPEG header (other
+/// formats: the next test),
 /// expands the placeholder to the Qwen2-VL count (300×200 → 77 tokens, worked in the fixtures'
 /// README) and keys the blocks with vLLM's content hash of the bytes, so the same image matches
 /// through it on the pod that served it, another image only up to it, and anything it cannot
@@ -519,6 +520,70 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     let holder = ex.candidates.iter().find(|c| &*c.pod == "holder").unwrap();
     assert_eq!(holder.matched_blocks as usize, at / 16, "another image: up to it only; {ex:?}");
     let _ = jpg;
+}
+
+/// docs/design.md §2, the other formats vLLM's loader (Pillow) opens: a lossy, a lossless and an
+/// animated WebP, an animated GIF and a BMP inline get their size from their headers (the
+/// canvas, the logical screen), their placeholder the Qwen2-VL count worked in the fixtures'
+/// README, and blocks keyed with vLLM's hash of their bytes, so the pod holding an image's blocks
+/// is credited through the image; a WebP cut short (libwebp refuses it) stops the claim there.
+#[tokio::test]
+async fn webp_gif_and_bmp_inline_images_are_matched_through_the_image() {
+    let models = format!("{IMAGE_MODELS}, {{name: vl-size, target_model: vl, tokenizer: DIR, vision: {{}}}}");
+    let gw = gateway(&models.replace("DIR", &tokenizer_dir()));
+    let model = gw.models.resolve("vl-size").unwrap();
+    let pad = model.images.placeholder.unwrap();
+    let chat = "/v1/chat/completions";
+    let (rendered, _, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/cat.png", None)]));
+    let at = rendered.iter().position(|t| *t == pad).unwrap();
+    let mut plain = Vec::new();
+    model.hasher.hash_prompt(&rendered, &mut plain);
+
+    let cases = [
+        ("photo-200x150-lossy.webp", "image/webp", 35),
+        ("gradient-180x120-lossless.webp", "image/webp", 24),
+        ("anim-100x80-3frames.webp", "image/webp", 12),
+        ("anim-150x100-2frames.gif", "image/gif", 20),
+        ("pattern-90x60.bmp", "image/bmp", 6),
+    ];
+    let mut chains = Vec::new();
+    for (name, media_type, n) in cases {
+        let (bytes, url) = fixture_data_url(name, media_type);
+        let (tokens, chain, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&url, None)]));
+        assert_eq!(why, "", "{name}");
+        let engine = expanded(&rendered, at, pad, n);
+        assert_eq!(tokens, engine, "{name}: the placeholder expanded to {n} tokens");
+        let identifier = kvroute_common::image::content_identifier("vl", &bytes);
+        assert_eq!(chain, one_image_chain(model, &engine, &identifier, at, n), "{name}");
+        assert!(chain.len() * 16 > at + n + 16, "{name}: the chain goes past the image");
+        assert!(chains.iter().all(|c: &Vec<BlockHash>| c[at / 16] != chain[at / 16]), "{name}: its own identity");
+        chains.push(chain);
+        if media_type == "image/webp" {
+            use base64::Engine as _;
+            let cut = format!(
+                "data:image/webp;base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(&bytes[..bytes.len() - 1])
+            );
+            let (_, chain, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&cut, None)]));
+            assert_eq!((chain.as_slice(), why), (&plain[..at / 16], ""), "{name} cut short");
+        }
+    }
+
+    // Routing: the holder of the animated WebP's blocks is credited through it, and only up to
+    // the image for the GIF.
+    let (_, webp_url) = fixture_data_url("anim-100x80-3frames.webp", "image/webp");
+    let (_, gif_url) = fixture_data_url("anim-150x100-2frames.gif", "image/gif");
+    put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &chains[2]).await;
+    put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
+    let again = image_chat("vl-size", &[(&webp_url, None)]);
+    let input = DecisionInput { request_id: "t", path: chat, body: Some(&again), subset: None, objective: None };
+    let routed = decide(&gw, &input).unwrap();
+    assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", chains[2].len()));
+    drop(routed);
+    let other = image_chat("vl-size", &[(&gif_url, None)]);
+    let ex = explain(&gw, &DecisionInput { body: Some(&other), ..input }).unwrap().explanation;
+    let holder = ex.candidates.iter().find(|c| &*c.pod == "holder").unwrap();
+    assert_eq!(holder.matched_blocks as usize, at / 16, "another image: up to it only; {ex:?}");
 }
 
 /// docs/design.md §2, images the picker reproduces (a `uuid` and a fixed `image_tokens`): the

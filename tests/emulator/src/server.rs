@@ -345,7 +345,7 @@ impl MmSettings {
     /// hash of its bytes under [`MmSettings::hash_model`], else the [`image_identifier`]
     /// stand-in of the URL (vLLM would fetch and hash it). The count is
     /// [`MmSettings::tokens_per_image`], or with `vision` the Qwen2-VL count of an inline image's
-    /// size. A data URL vLLM cannot load (not strict base64; with `vision`, not a PNG/JPEG of a
+    /// size. A data URL vLLM cannot load (not strict base64; with `vision`, not a PNG, JPEG, WebP, GIF or BMP of a
     /// size the processor takes) is a 400, as vLLM refuses it.
     fn image(&self, part: ImagePart<'_>) -> Result<(String, usize), ApiError> {
         let fixed = self.tokens_per_image.max(1);
@@ -361,8 +361,8 @@ impl MmSettings {
         let tokens = match self.vision {
             None => fixed,
             Some(vision) => {
-                let (width, height) =
-                    image_size(&bytes).ok_or_else(|| refused("not a PNG or JPEG the emulator can size"))?;
+                let (width, height) = image_size(&bytes)
+                    .ok_or_else(|| refused("not a PNG, JPEG, WebP, GIF or BMP the emulator can size"))?;
                 vision.tokens(width, height).ok_or_else(|| {
                     refused(&format!("a {width}x{height} image is refused (aspect ratio over 200 or too many pixels)"))
                 })?

@@ -703,8 +703,8 @@ fn vllm_image_hash(model: &str, bytes: &[u8]) -> String {
 
 /// With `--mm-vision`, an inline image (a base64 `data:` URL without `uuid`) is identified as
 /// vLLM identifies it (its content hash under the engine's model) and expands to the Qwen2-VL
-/// count of its size: 300×200 → 77 tokens, 130×90 → 15 (worked in tests/fixtures/images'
-/// README); URLs the emulator does not fetch keep the fixed count; data vLLM cannot load is a 400.
+/// count of its size: 300×200 → 77 tokens, 130×90 → 15, and WebP, GIF, BMP alike (worked in
+/// tests/fixtures/images' README); URLs the emulator does not fetch keep the fixed count; data vLLM cannot load is a 400.
 async fn inline_images_are_identified_and_sized_as_vllm_does(emu: &RunningEmulator) {
     use base64::Engine as _;
     let fixture = |name: &str, media_type: &str| {
@@ -752,9 +752,22 @@ async fn inline_images_are_identified_and_sized_as_vllm_does(emu: &RunningEmulat
     let other = send(chat(&jpg_url)).await;
     assert_eq!(prompt_tokens(&other), prompt_tokens(&by_url) - 40 + 15);
     assert!(cached(&other) < prompt_tokens(&first) - 77 - 10 && cached(&other) % 16 == 0, "{other}");
-    // Data vLLM cannot load: a 400, as vLLM answers.
+    // The other formats vLLM's loader opens: an animated WebP's canvas (100×80 → 12 tokens), a
+    // GIF's screen (150×100 → 20), a BMP (90×60 → 6).
+    for (name, media_type, n) in [
+        ("anim-100x80-3frames.webp", "image/webp", 12),
+        ("anim-150x100-2frames.gif", "image/gif", 20),
+        ("pattern-90x60.bmp", "image/bmp", 6),
+    ] {
+        let (_, data_url) = fixture(name, media_type);
+        assert_eq!(prompt_tokens(&send(chat(&data_url)).await), prompt_tokens(&by_url) - 40 + n, "{name}");
+    }
+    // Data vLLM cannot load: a 400, as vLLM answers (libwebp refuses a WebP cut short).
     let truncated = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png[..20]));
-    for bad in ["data:image/png;base64,!!!!", &png_url[..png_url.len() - 1], &truncated] {
+    let (webp, _) = fixture("anim-100x80-3frames.webp", "image/webp");
+    let cut_webp =
+        format!("data:image/webp;base64,{}", base64::engine::general_purpose::STANDARD.encode(&webp[..webp.len() - 1]));
+    for bad in ["data:image/png;base64,!!!!", &png_url[..png_url.len() - 1], &truncated, &cut_webp] {
         assert_eq!(post(chat(bad)).await.status(), 400, "{bad:.40}");
     }
 }

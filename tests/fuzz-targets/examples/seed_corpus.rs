@@ -60,6 +60,17 @@ fn main() -> std::io::Result<()> {
             "chat-inline-png",
             r#"{"model":"vl","messages":[{"role":"user","content":[{"type":"text","text":"Sized:"},{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAwCAIAAAAAAAAA"}},{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,/9j/"}}]}]}"#,
         ),
+        // Lossless and extended (animated) WebP headers, the third cut short; a GIF, a top-down BMP.
+        (
+            1,
+            "chat-inline-webp",
+            r#"{"model":"vl","messages":[{"role":"user","content":[{"type":"text","text":"Sized:"},{"type":"image_url","image_url":{"url":"data:image/webp;base64,UklGRhIAAABXRUJQVlA4TAYAAAAvP8ALEAA="}},{"type":"image_url","image_url":{"url":"data:image/webp;base64,UklGRhYAAABXRUJQVlA4WAoAAAACAAAAYwAATwAA"}},{"type":"image_url","image_url":{"url":"data:image/webp;base64,UklGRhIAAABXRUJQVlA4TAYAAAAvPw=="}}]}]}"#,
+        ),
+        (
+            1,
+            "chat-inline-gif",
+            r#"{"model":"vl","messages":[{"role":"user","content":[{"type":"text","text":"Sized:"},{"type":"image_url","image_url":{"url":"data:image/gif;base64,R0lGODlhQAAwAIAAAAAAAAAAACH5BAAKAAAALAAAAABAADAAAAICRAEAOw=="}},{"type":"image_url","image_url":{"url":"data:image/bmp;base64,Qk0AAAAAAAAAAAAAAAAoAAAAQAAAAND///8BABgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}}]}]}"#,
+        ),
         (1, "chat-salted", r#"{"model":"qwen","messages":[{"role":"user","content":"x"}],"cache_salt":"s1"}"#),
         (2, "embeddings", r#"{"model":"approx","input":"embed me"}"#),
         (0, "no-model", r#"{"prompt":"x"}"#),
