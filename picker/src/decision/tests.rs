@@ -339,6 +339,29 @@ fn image_chat(model: &str, images: &[(&str, Option<&str>)]) -> Vec<u8> {
     .into_bytes()
 }
 
+/// A gateway for `models` (`DIR`: the fixture tokenizer) and, for the `vl` chat with one image
+/// the picker cannot reproduce, what the template renders: its ids, the image placeholder's id
+/// and position, and the plain (unkeyed) block chain of those ids.
+struct VisionChat {
+    gw: Gateway,
+    pad: u32,
+    rendered: Vec<u32>,
+    at: usize,
+    plain: Vec<BlockHash>,
+}
+
+fn vision_chat(models: &str) -> VisionChat {
+    let gw = gateway(&models.replace("DIR", &tokenizer_dir()));
+    let model = gw.models.resolve("vl-size").unwrap().clone();
+    let pad = model.images.placeholder.unwrap();
+    let (rendered, _, _) =
+        prepared_chain(&gw, "/v1/chat/completions", &image_chat("vl", &[("https://x/cat.png", None)]));
+    let at = rendered.iter().position(|t| *t == pad).unwrap();
+    let mut plain = Vec::new();
+    model.hasher.hash_prompt(&rendered, &mut plain);
+    VisionChat { gw, pad, rendered, at, plain }
+}
+
 /// (tokens, chain, unmatched reason) of a chat body.
 fn prepared_chain(gw: &Gateway, path: &str, body: &[u8]) -> (Vec<u32>, Vec<BlockHash>, &'static str) {
     let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
@@ -436,14 +459,9 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
         "{IMAGE_MODELS}, {{name: vl-size, target_model: vl, tokenizer: DIR, vision: {{}}}}, \
          {{name: vl-path, target_model: vl, tokenizer: DIR, vision: {{}}, image_hash_model: /models/vl}}"
     );
-    let gw = gateway(&models.replace("DIR", &tokenizer_dir()));
+    let VisionChat { gw, pad, rendered, at, plain } = vision_chat(&models);
     let model = gw.models.resolve("vl-size").unwrap();
-    let pad = model.images.placeholder.unwrap();
     let chat = "/v1/chat/completions";
-    let (rendered, _, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/cat.png", None)]));
-    let at = rendered.iter().position(|t| *t == pad).unwrap();
-    let mut plain = Vec::new();
-    model.hasher.hash_prompt(&rendered, &mut plain);
 
     let (png, png_url) = fixture_data_url("gradient-300x200.png", "image/png");
     let (tokens, cat, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&png_url, None)]));
@@ -530,14 +548,9 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
 #[tokio::test]
 async fn webp_gif_and_bmp_inline_images_are_matched_through_the_image() {
     let models = format!("{IMAGE_MODELS}, {{name: vl-size, target_model: vl, tokenizer: DIR, vision: {{}}}}");
-    let gw = gateway(&models.replace("DIR", &tokenizer_dir()));
+    let VisionChat { gw, pad, rendered, at, plain } = vision_chat(&models);
     let model = gw.models.resolve("vl-size").unwrap();
-    let pad = model.images.placeholder.unwrap();
     let chat = "/v1/chat/completions";
-    let (rendered, _, _) = prepared_chain(&gw, chat, &image_chat("vl", &[("https://x/cat.png", None)]));
-    let at = rendered.iter().position(|t| *t == pad).unwrap();
-    let mut plain = Vec::new();
-    model.hasher.hash_prompt(&rendered, &mut plain);
 
     let cases = [
         ("photo-200x150-lossy.webp", "image/webp", 35),
