@@ -345,8 +345,8 @@ impl MmSettings {
     /// hash of its bytes under [`MmSettings::hash_model`], else the [`image_identifier`]
     /// stand-in of the URL (vLLM would fetch and hash it). The count is
     /// [`MmSettings::tokens_per_image`], or with `vision` the Qwen2-VL count of an inline image's
-    /// size. A data URL vLLM cannot load (not strict base64; with `vision`, not a PNG, JPEG, WebP, GIF or BMP of a
-    /// size the processor takes) is a 400, as vLLM refuses it.
+    /// size. A data URL vLLM cannot load (not strict base64; with `vision`, not a PNG, JPEG,
+    /// WebP, GIF or BMP of a size the processor takes) is a 400, as vLLM refuses it.
     fn image(&self, part: ImagePart<'_>) -> Result<(String, usize), ApiError> {
         let fixed = self.tokens_per_image.max(1);
         let Some(payload) = part.url.and_then(data_url_payload) else {

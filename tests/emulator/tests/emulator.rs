@@ -704,7 +704,8 @@ fn vllm_image_hash(model: &str, bytes: &[u8]) -> String {
 /// With `--mm-vision`, an inline image (a base64 `data:` URL without `uuid`) is identified as
 /// vLLM identifies it (its content hash under the engine's model) and expands to the Qwen2-VL
 /// count of its size: 300×200 → 77 tokens, 130×90 → 15, and WebP, GIF, BMP alike (worked in
-/// tests/fixtures/images' README); URLs the emulator does not fetch keep the fixed count; data vLLM cannot load is a 400.
+/// tests/fixtures/images' README); URLs the emulator does not fetch keep the fixed count; data
+/// vLLM cannot load is a 400.
 async fn inline_images_are_identified_and_sized_as_vllm_does(emu: &RunningEmulator) {
     use base64::Engine as _;
     let fixture = |name: &str, media_type: &str| {
