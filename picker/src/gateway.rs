@@ -15,7 +15,7 @@ use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
 use crate::config::PoolSource;
 use crate::model::{ModelError, ModelRegistry, ResolvedModel};
-use crate::pool::{Pool, Served};
+use crate::pool::{InFlightSlot, Pool, Served};
 use crate::replicas::ReplicaIdentity;
 use crate::score::Router;
 use crate::server::StartError;
@@ -92,6 +92,15 @@ impl Gateway {
     /// Whether the picker reports SERVING (see [`Gateway::ready`]).
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
+    }
+
+    /// Envoy could not connect to the pod `slot` was reserved on: the pod leaves the candidates
+    /// until a TCP probe connects to it, and, when the mark is new, peer replicas are told so
+    /// they stop routing there too (docs/design.md §4 "One view across replicas").
+    pub fn endpoint_unreachable(&self, slot: &InFlightSlot) {
+        if slot.mark_unreachable() {
+            self.router.shared().unreachable(slot.pod_name().clone());
+        }
     }
 
     /// Resolves the client model `name` (docs/design.md §14). With the Kubernetes pool source, a

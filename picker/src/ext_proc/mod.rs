@@ -483,7 +483,7 @@ fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> Process
         && let Some(slot) = &st.slot
         && b.body.windows(UPSTREAM_CONNECT_ERROR.len()).any(|w| w == UPSTREAM_CONNECT_ERROR)
     {
-        slot.mark_unreachable();
+        gw.endpoint_unreachable(slot);
         gw.metrics.upstream_connect_failures.inc();
         tracing::info!(request_id = %st.request_id, pod = slot.pod(), "Envoy could not connect to the routed endpoint");
     }

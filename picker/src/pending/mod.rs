@@ -73,6 +73,12 @@ pub enum ReplicaEvent {
         /// Pod name.
         pod: Arc<str>,
     },
+    /// Envoy could not connect to `pod` when the sender routed there: the pod leaves every
+    /// replica's candidates until each one's own TCP probe connects to it again.
+    Unreachable {
+        /// Pod name.
+        pod: Arc<str>,
+    },
 }
 
 /// Peer replicas' in-flight requests per pod (docs/design.md §4 queueDepth across replicas).
@@ -296,8 +302,9 @@ impl SharedView {
         }
     }
 
-    /// Applies a peer replica's event (`origin` ≠ [`LOCAL`]): its pending chain is credited here,
-    /// its request counts in the pod's queueDepth until its `Finished`. `resolve` maps a pod name
+    /// Applies a peer replica's `Routed` or `Finished` (`origin` ≠ [`LOCAL`]): its pending chain is
+    /// credited here, its request counts in the pod's queueDepth until its `Finished`
+    /// (`Unreachable` is the pool's: false here). `resolve` maps a pod name
     /// to its index; events for pods this replica does not know are ignored (returns false).
     pub fn apply_peer(&self, origin: Origin, ev: &ReplicaEvent, resolve: impl Fn(&str) -> Option<PodIdx>) -> bool {
         if origin == LOCAL {
@@ -321,7 +328,15 @@ impl SharedView {
                 st.pending.release(origin, *id, now);
                 true
             }
+            // The pool's business, not the view's ([`crate::score::Router::apply_peer`]).
+            ReplicaEvent::Unreachable { .. } => false,
         }
+    }
+
+    /// Envoy could not connect to `pod`, newly seen by this replica: the peers are told
+    /// ([`ReplicaEvent::Unreachable`]). Nothing without replication or subscribers.
+    pub fn unreachable(&self, pod: Arc<str>) {
+        self.state.lock().publish(ReplicaEvent::Unreachable { pod });
     }
 
     /// A peer's stream ended: its in-flight requests are forgotten (no end will come for them);

@@ -103,9 +103,15 @@ impl InFlightSlot {
 
     /// Envoy could not connect to this slot's pod (its local 503 for a connection failure): the
     /// pod leaves the candidates until a TCP connect to it succeeds
-    /// ([`Pool::probe_unreachable`](super::Pool::probe_unreachable)).
-    pub fn mark_unreachable(&self) {
-        super::mark(&self.rec);
+    /// ([`Pool::probe_unreachable`](super::Pool::probe_unreachable)). True when the pod was not
+    /// marked before (the mark is news to tell peer replicas).
+    pub fn mark_unreachable(&self) -> bool {
+        super::mark(&self.rec)
+    }
+
+    /// The pod's name, shared.
+    pub fn pod_name(&self) -> &Arc<str> {
+        &self.rec.name
     }
 
     /// The pod this slot is reserved on.

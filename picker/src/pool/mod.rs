@@ -483,13 +483,16 @@ impl Pool {
         Duration::from_millis(self.config.max_report_age_ms)
     }
 
-    /// Marks pod `name` unreachable (Envoy could not connect to it): it leaves the candidates until
-    /// [`Pool::probe_unreachable`] connects to it. Returns false for an unknown pod.
+    /// Marks pod `name` unreachable (Envoy could not connect to it, seen by a peer replica): it
+    /// leaves the candidates until [`Pool::probe_unreachable`] connects to it. Returns false for
+    /// an unknown pod.
     pub fn mark_unreachable(&self, name: &str) -> bool {
         let table = self.table.load();
         match table.pods.iter().find(|r| &*r.name == name) {
             Some(rec) => {
-                mark(rec);
+                if !rec.unreachable.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(pod = %rec.name, "a picker replica reports Envoy could not connect to the endpoint: not a candidate until it accepts connections");
+                }
                 true
             }
             None => false,
@@ -534,11 +537,13 @@ impl Pool {
     }
 }
 
-/// Marks `rec` unreachable, logging the first mark.
-pub(crate) fn mark(rec: &PodRecord) {
-    if !rec.unreachable.swap(true, Ordering::AcqRel) {
+/// Marks `rec` unreachable, logging the first mark; true when it was not marked before.
+pub(crate) fn mark(rec: &PodRecord) -> bool {
+    let fresh = !rec.unreachable.swap(true, Ordering::AcqRel);
+    if fresh {
         tracing::warn!(pod = %rec.name, "Envoy could not connect to the endpoint: not a candidate until it accepts connections");
     }
+    fresh
 }
 
 /// The selection lock, held ([`Pool::lock_selection`]); released when dropped or when it reserves.

@@ -3,8 +3,9 @@
 //!
 //! - **Serving** ([`ReplicaService`]): served on the ingest listener, next to `AgentIngest`, so it
 //!   shares its port, its TLS and the way agents find pickers (the picker Service's
-//!   EndpointSlices). A subscriber gets `Hello`, a snapshot (this replica's requests in flight and
-//!   its pending chains) and then every decision and request end as they happen. A subscriber
+//!   EndpointSlices). A subscriber gets `Hello`, a snapshot (this replica's requests in flight,
+//!   its pending chains and the pods it holds unreachable) and then every decision, request end
+//!   and newly unreachable pod as they happen. A subscriber
 //!   that falls [`crate::pending::EVENT_BUFFER`] events behind is cut off (RESOURCE_EXHAUSTED) and
 //!   subscribes again. Publishing starts with the first subscriber: a single picker pays nothing.
 //! - **Subscribing** ([`run_peers`]): one task per peer address; each connects, subscribes,
@@ -40,7 +41,9 @@ use kvroute_cluster::{ReplicaView, Watched};
 use kvroute_common::BlockHash;
 use kvroute_proto::replica::v1::replica_sync_client::ReplicaSyncClient;
 use kvroute_proto::replica::v1::replica_sync_server::{ReplicaSync, ReplicaSyncServer};
-use kvroute_proto::replica::v1::{Finished, Hello, ReplicaMessage, Routed, SubscribeRequest, replica_message};
+use kvroute_proto::replica::v1::{
+    Finished, Hello, ReplicaMessage, Routed, SubscribeRequest, Unreachable, replica_message,
+};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
@@ -109,6 +112,7 @@ pub fn to_message(ev: &ReplicaEvent) -> ReplicaMessage {
         ReplicaEvent::Finished { id, pod } => {
             replica_message::Msg::Finished(Finished { id: *id, pod: pod.to_string() })
         }
+        ReplicaEvent::Unreachable { pod } => replica_message::Msg::Unreachable(Unreachable { pod: pod.to_string() }),
     };
     ReplicaMessage { msg: Some(msg) }
 }
@@ -147,6 +151,10 @@ pub fn from_message(m: ReplicaMessage) -> Result<Option<ReplicaEvent>, ReplicaEr
         Some(replica_message::Msg::Finished(f)) => {
             pod_ok(&f.pod)?;
             Ok(Some(ReplicaEvent::Finished { id: f.id, pod: Arc::from(f.pod) }))
+        }
+        Some(replica_message::Msg::Unreachable(u)) => {
+            pod_ok(&u.pod)?;
+            Ok(Some(ReplicaEvent::Unreachable { pod: Arc::from(u.pod) }))
         }
     }
 }

@@ -20,11 +20,16 @@ fn events_cross_the_wire_unchanged_and_bounds_hold() {
     let blocks: Arc<[BlockHash]> = chain(1, 5).into();
     let routed = ReplicaEvent::Routed { id: 7, pod: Arc::from("p"), routed_unix_ms: 123, blocks };
     let finished = ReplicaEvent::Finished { id: 7, pod: Arc::from("p") };
-    for ev in [routed, finished] {
+    let unreachable = ReplicaEvent::Unreachable { pod: Arc::from("p") };
+    for ev in [routed, finished, unreachable] {
         assert_eq!(from_message(to_message(&ev)), Ok(Some(ev)));
     }
     let long = ReplicaEvent::Finished { id: 1, pod: Arc::from("x".repeat(MAX_POD_NAME_BYTES + 1)) };
     assert_eq!(from_message(to_message(&long)), Err(ReplicaError::PodName(MAX_POD_NAME_BYTES + 1)));
+    let long = ReplicaEvent::Unreachable { pod: Arc::from("x".repeat(MAX_POD_NAME_BYTES + 1)) };
+    assert_eq!(from_message(to_message(&long)), Err(ReplicaError::PodName(MAX_POD_NAME_BYTES + 1)));
+    let empty = ReplicaEvent::Unreachable { pod: Arc::from("") };
+    assert_eq!(from_message(to_message(&empty)), Err(ReplicaError::PodName(0)));
     let huge: Arc<[BlockHash]> = vec![BlockHash(1); MAX_EVENT_BLOCKS + 1].into();
     let big = ReplicaEvent::Routed { id: 1, pod: Arc::from("p"), routed_unix_ms: 0, blocks: huge };
     assert_eq!(from_message(to_message(&big)), Err(ReplicaError::Chain(MAX_EVENT_BLOCKS + 1)));
@@ -93,6 +98,74 @@ async fn two_replicas_credit_each_others_pending_chains_and_count_their_requests
     eventually("B forgets A's finished request", || gw_b.router.shared().lock().peers.is_empty()).await;
     assert!(gw_b.replica.counters.applied.load(Ordering::Relaxed) >= 2);
     assert_eq!(gw_b.replica.counters.refused.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn a_pod_envoy_could_not_reach_through_one_replica_leaves_every_replicas_candidates() {
+    let (gw_a, addr_a) = replica().await;
+    // A already holds `b` unreachable when C subscribes: C learns it from the snapshot.
+    let mut slot = None;
+    for _ in 0..64 {
+        let blocks = chain(rand::random::<u64>() >> 8, 1);
+        let req = RouteRequest { model: "m", adapter: None, block_hashes: &blocks, subset: None };
+        let d = gw_a.router.route(&req).unwrap_or_else(|e| panic!("{e}"));
+        if d.pod == "b" {
+            slot = Some(d);
+            break;
+        }
+    }
+    let on_b = slot.expect("A routes some request to b");
+    gw_a.endpoint_unreachable(&on_b.slot);
+    let (gw_b, _addr_b) = replica().await;
+    let (gw_c, _addr_c) = replica().await;
+    let (_stop_tx, stop) = watch::channel(false);
+    let (_peers_tx, peers) = watch::channel(vec![addr_a]);
+    for gw in [&gw_b, &gw_c] {
+        tokio::spawn(run_peers((*gw).clone(), gw.replica.clone(), peers.clone(), plaintext_dialer(), stop.clone()));
+        eventually("follows A", || gw.replica.counters.connected.load(Ordering::Relaxed) == 1).await;
+    }
+    let unreachable = |gw: &Gateway, pod: &str| gw.pool.pods().iter().any(|p| p.name == pod && p.unreachable);
+    eventually("B and C take b's mark from A's snapshot", || unreachable(&gw_b, "b") && unreachable(&gw_c, "b")).await;
+
+    // Live: A's first failed connect to `a` reaches both; a second failure to the same pod is
+    // not news and is not sent again.
+    let applied = |gw: &Gateway| gw.replica.counters.applied.load(Ordering::Relaxed);
+    let before = (applied(&gw_b), applied(&gw_c));
+    let blocks = chain(900, 2);
+    let req = RouteRequest { model: "m", adapter: None, block_hashes: &blocks, subset: None };
+    let on_a = gw_a.router.route(&req).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(on_a.pod, "a", "b is not a candidate on A");
+    gw_a.endpoint_unreachable(&on_a.slot);
+    eventually("B and C stop routing to a", || unreachable(&gw_b, "a") && unreachable(&gw_c, "a")).await;
+    gw_a.endpoint_unreachable(&on_a.slot);
+    drop(on_a);
+    drop(on_b);
+    // The request on a's Routed and Finished, one Unreachable: the second mark sends nothing (the
+    // request on b was routed before replication began, so its end is not news either).
+    eventually("B and C apply A's request end", || applied(&gw_b) - before.0 == 3 && applied(&gw_c) - before.1 == 3)
+        .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!((applied(&gw_b) - before.0, applied(&gw_c) - before.1), (3, 3), "a's Routed, Unreachable, Finished");
+    assert!(gw_b.router.shared().lock().peers.is_empty() && gw_c.router.shared().lock().peers.is_empty());
+    assert_eq!(gw_b.replica.counters.refused.load(Ordering::Relaxed), 0);
+    // Both pods out everywhere: every replica degrades the same way.
+    for gw in [&gw_a, &gw_b, &gw_c] {
+        assert!(unreachable(gw, "a") && unreachable(gw, "b"));
+    }
+}
+
+#[tokio::test]
+async fn a_peers_unreachable_mark_names_a_known_pod_or_is_refused() {
+    let (gw, _addr) = replica().await;
+    let ev = |pod: &str| ReplicaEvent::Unreachable { pod: Arc::from(pod) };
+    assert!(!gw.router.apply_peer(1, &ev("nobody")), "an unknown pod is refused");
+    assert!(!gw.router.apply_peer(crate::pending::LOCAL, &ev("a")), "only peers' marks are applied");
+    assert!(gw.pool.pods().iter().all(|p| !p.unreachable));
+    assert!(gw.router.apply_peer(1, &ev("a")));
+    assert!(gw.pool.pods().iter().any(|p| p.name == "a" && p.unreachable));
+    // Until this replica's own probe connects (nothing listens at the test pods' endpoints).
+    assert_eq!(gw.pool.probe_unreachable(Duration::from_millis(50)).await, 1);
+    assert!(gw.pool.pods().iter().any(|p| p.name == "a" && p.unreachable));
 }
 
 #[tokio::test]

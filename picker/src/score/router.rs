@@ -233,18 +233,29 @@ impl Router {
         &self.shared
     }
 
-    /// Applies a peer replica's event (see [`SharedView::apply_peer`]); false when it names a pod
-    /// this replica does not know.
+    /// Applies a peer replica's event (see [`SharedView::apply_peer`]; an `Unreachable` marks the
+    /// pod, [`Pool::mark_unreachable`]); false when it names a pod this replica does not know.
     pub fn apply_peer(&self, origin: Origin, ev: &ReplicaEvent) -> bool {
+        if let ReplicaEvent::Unreachable { pod } = ev {
+            return origin != LOCAL && self.pool.mark_unreachable(pod);
+        }
         let table = self.pool.table.load();
         self.shared.apply_peer(origin, ev, |name| table.pods.iter().find(|p| *p.name == *name).map(|p| p.idx))
     }
 
     /// A peer subscribes to this replica's events: a snapshot and the live stream (see
-    /// [`SharedView::subscribe`]); `None` unless replication is on.
+    /// [`SharedView::subscribe`]), the snapshot ending with an `Unreachable` for every pod marked
+    /// here; `None` unless replication is on. A pod marked between the two reaches the peer twice
+    /// (marks are idempotent), never not at all: a mark is set before it is published.
     pub fn subscribe_peer(&self) -> Option<(Vec<ReplicaEvent>, tokio::sync::broadcast::Receiver<ReplicaEvent>)> {
         let table = self.pool.table.load();
-        self.shared.subscribe(|idx| table.pods.iter().find(|p| p.idx == idx).map(|p| p.name.clone()))
+        let (mut snapshot, rx) =
+            self.shared.subscribe(|idx| table.pods.iter().find(|p| p.idx == idx).map(|p| p.name.clone()))?;
+        // Read after the subscription exists (the marks are atomics, read now).
+        snapshot.extend(
+            table.pods.iter().filter(|p| p.is_unreachable()).map(|p| ReplicaEvent::Unreachable { pod: p.name.clone() }),
+        );
+        Some((snapshot, rx))
     }
 
     /// Names and weights of every registered scorer, built-ins first.
