@@ -58,7 +58,9 @@ pub struct FleetSpec {
     /// the floor under the picker's added latency.
     pub noop_ext_proc_gateway: bool,
     /// Picker replicas (each with its own ports, the same pool file; every agent streams to all
-    /// of them, Envoy's picker cluster lists all of them). Default 1.
+    /// of them, Envoy's picker cluster lists all of them; with more than one, each lists the
+    /// others as `replicas.peers`, as deploy/ joins them, unless `picker_overrides` sets
+    /// `replicas`). Default 1.
     pub picker_replicas: usize,
     /// Top-level keys set in every picker replica's config file, e.g.
     /// `{"limits": {"max_report_age_ms": 1500}, "shutdown_drain_ms": 1000}`.
@@ -213,13 +215,22 @@ impl Fleet {
         )?;
         let (mut ext_proc_ports, mut ingest_ports, mut picker_admins) = (Vec::new(), Vec::new(), Vec::new());
         let (mut pickers, mut picker_args) = (Vec::new(), Vec::new());
-        for r in 0..spec.picker_replicas.max(1) {
-            let (ext_proc_port, ingest_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+        let replicas = spec.picker_replicas.max(1);
+        let ports: Vec<(u16, u16, u16)> =
+            (0..replicas).map(|_| Ok((free_port()?, free_port()?, free_port()?))).collect::<Result<_>>()?;
+        for (r, &(ext_proc_port, ingest_port, admin_port)) in ports.iter().enumerate() {
             let picker_cfg = work.join(if r == 0 { "picker.yaml".to_owned() } else { format!("picker-{r}.yaml") });
             let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
             picker_yaml["ingest_tls"] = json!({
                 "ca_file": path_arg(&ca_file), "cert_file": path_arg(&picker_tls.cert), "key_file": path_arg(&picker_tls.key),
             });
+            if replicas > 1 {
+                // One view across replicas, as deploy/ runs them (docs/design.md §4): each
+                // replica subscribes to the others' ReplicaSync on their ingest listeners.
+                let peers: Vec<String> =
+                    (0..replicas).filter(|&o| o != r).map(|o| format!("127.0.0.1:{}", ports[o].1)).collect();
+                picker_yaml["replicas"] = json!({ "peers": peers });
+            }
             if let Some(Value::Object(overrides)) = &spec.picker_overrides {
                 for (k, v) in overrides {
                     picker_yaml[k] = v.clone();

@@ -5,9 +5,10 @@
 //!
 //! 1. SIGSTOP an agent (its engines alive): no 5xx; its pods' health falls to the stale-report
 //!    cap once `limits.max_report_age_ms` passes.
-//! 2. With that agent still stopped, kill -9 one of its engines: each picker replica sends the
-//!    dead engine at most one request (its own first failed connect marks the pod); after its
-//!    restart the pod returns (unreachable mark cleared).
+//! 2. With that agent still stopped, kill -9 one of its engines: the first failed connect, on
+//!    either replica, marks the pod on both (the replicas share unreachable marks); no request
+//!    sent 250 ms after that failure's answer reaches the dead engine; after its restart the pod
+//!    returns (unreachable mark cleared).
 //! 3. kill -9 an engine whose agent runs, restart it: no request reaches the dead engine 1 s
 //!    after its death.
 //! 4. kill -9 an agent and restart it: no 5xx (its pods ride the grace period).
@@ -30,6 +31,8 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Debug)]
 struct Rec {
     sent: Instant,
+    /// When the answer (or the error) was in.
+    done: Instant,
     status: u16,
     /// Envoy's 503 "upstream connect error": the request was routed to an engine that was down.
     connect_error: bool,
@@ -59,12 +62,13 @@ impl Load {
                         let rec = match client.chat(MODEL, &messages(w, i), 2).await {
                             Ok(out) => Rec {
                                 sent,
+                                done: Instant::now(),
                                 status: out.status,
                                 connect_error: out.error.as_ref().is_some_and(|e| {
                                     e.to_string().contains("upstream connect error or disconnect/reset before headers")
                                 }),
                             },
-                            Err(_) => Rec { sent, status: 599, connect_error: false },
+                            Err(_) => Rec { sent, done: Instant::now(), status: 599, connect_error: false },
                         };
                         records.lock().unwrap().push(rec);
                         tokio::time::sleep(Duration::from_millis(25)).await;
@@ -107,6 +111,8 @@ struct Phase {
     /// the death.
     to_dead: usize,
     to_dead_after_1s: usize,
+    /// Requests to the dead engine sent ≥ 250 ms after the first one's answer came back.
+    to_dead_after_first: usize,
 }
 
 fn phase(recs: &[Rec], death: Option<Instant>) -> Phase {
@@ -116,6 +122,9 @@ fn phase(recs: &[Rec], death: Option<Instant>) -> Phase {
         server_errors: recs.iter().filter(|r| r.status >= 500).count(),
         to_dead: recs.iter().filter(|r| r.connect_error).count(),
         to_dead_after_1s: recs.iter().filter(|r| r.connect_error && late(r)).count(),
+        to_dead_after_first: recs.iter().filter(|r| r.connect_error).map(|r| r.done).min().map_or(0, |first| {
+            recs.iter().filter(|r| r.connect_error && r.sent >= first + Duration::from_millis(250)).count()
+        }),
     }
 }
 
@@ -182,6 +191,19 @@ async fn faults_under_load_through_envoy() {
     for r in 0..2 {
         wait_picker_ready(&fleet, r).await;
     }
+    // The replicas follow each other over ReplicaSync, as deploy/ runs them.
+    for r in 0..2 {
+        let start = Instant::now();
+        loop {
+            let url = format!("{}/metrics", fleet.picker_admins[r]);
+            let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+            if text.lines().any(|l| l == "epp_replica_peers 1") {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "picker {r} does not follow its peer");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let pod = |i: usize| fleet_pod(i);
     let load = Load::start(&fleet.gateway, 3);
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -201,6 +223,10 @@ async fn faults_under_load_through_envoy() {
     fleet.kill_engine(0).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let p = phase(&load.window(death, Instant::now()), Some(death));
+    let marked = [
+        pod_gauge(&fleet, 0, "epp_pod_unreachable", &pod(0)).await,
+        pod_gauge(&fleet, 1, "epp_pod_unreachable", &pod(0)).await,
+    ];
     fleet.restart_engine(0).await.unwrap();
     let back = Instant::now();
     let returned = wait_all(&fleet, "epp_pod_unreachable", &pod(0), Duration::from_secs(5), |v| v == 0.0).await;
@@ -210,11 +236,15 @@ async fn faults_under_load_through_envoy() {
         "2 engine kill -9, agent SIGSTOPped: {p:?}; pod back {returned:?} after restart, fresh stats {:?} after SIGCONT",
         fresh
     ));
-    // Each replica learns of the death from its own first failed connect (replicas share pending
-    // chains and in-flight counts, not unreachable marks), and the pod's stale stats make it a
-    // rare pick, so a replica's first failure can come after the first second (seen once: 2
-    // failures, 1 late). After it that replica routes around the pod: at most one per replica.
-    assert!(p.to_dead <= 2, "each of the 2 replicas sends the dead engine at most one request: {p:?}");
+    // Nothing tells the pickers of the death until Envoy fails to connect (the agent is stopped),
+    // and the pod's stale stats make it a rare pick, so the first failure can come late. That
+    // failure marks the pod on the replica that routed it, and over the replica stream on the
+    // other: only requests already on their way (3 clients) can follow it to the dead engine.
+    assert_eq!(p.to_dead_after_first, 0, "the first failed connect marks the pod on both replicas: {p:?}");
+    assert!(p.to_dead <= 3, "at most the 3 clients' requests in flight reach the dead engine: {p:?}");
+    if p.to_dead > 0 {
+        assert_eq!(marked, [Some(1.0), Some(1.0)], "one replica's failed connect marks the pod on both: {p:?}");
+    }
     let _ = back;
 
     // 3. An engine dies with its agent running.
