@@ -5,7 +5,8 @@
 //! successor, installed by `scripts/install-smg`; clients send to it directly and it is given
 //! the engines' URLs), then through an Envoy doing plain round robin, all over the same emulated
 //! engines; with `--approximate` also through a second fleet whose picker runs in approximate
-//! mode. TTFT (first streamed chunk with text) is measured by the client.
+//! mode, and with `--independent-pickers` through one whose `--pickers` replicas do not follow
+//! each other. TTFT (first streamed chunk with text) is measured by the client.
 //!
 //! The stream: `--groups` system prompts × `--users` conversations each × `--turns` turns; each
 //! turn re-sends the whole conversation (earlier answers are seeded stand-in text, so every
@@ -96,6 +97,11 @@ struct Args {
     /// Also run a second fleet whose picker runs in approximate mode.
     #[arg(long)]
     approximate: bool,
+    /// Also run a fleet whose picker replicas do not follow each other (no `replicas.peers`):
+    /// each shares only the agents' KV events, not routed chains, in-flight counts or
+    /// unreachable marks. What one view across replicas buys (with `--pickers` ≥ 2).
+    #[arg(long)]
+    independent_pickers: bool,
 }
 
 /// One request's result.
@@ -352,6 +358,19 @@ async fn main() -> Result<()> {
         let fleet = Fleet::start(FleetSpec { picker_approximate: true, ..fleet_spec(&a, "chat-bench-approx") }).await?;
         runs.push((
             "Envoy + kvroute, approximate mode",
+            drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?,
+        ));
+        fleet.shutdown().await;
+    }
+    if a.independent_pickers {
+        eprintln!("starting a fleet whose picker replicas do not follow each other ...");
+        let spec = FleetSpec {
+            picker_overrides: Some(serde_json::json!({ "replicas": {} })),
+            ..fleet_spec(&a, "chat-bench-independent")
+        };
+        let fleet = Fleet::start(spec).await?;
+        runs.push((
+            "Envoy + kvroute, independent replicas",
             drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?,
         ));
         fleet.shutdown().await;
