@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_sim::engine::CostModel;
-use kvroute_sim::sim::SimConfig;
+use kvroute_sim::sim::{GpuUtilization, SimConfig};
 use kvroute_sim::workload::{self, SharedPrefixConfig, Workload};
 use kvroute_sim::{policy, report, sim};
 
@@ -76,6 +76,11 @@ struct Args {
     /// (chat-groups: 16), else 256.
     #[arg(long)]
     max_num_seqs: Option<usize>,
+    /// What pods report as GPU utilization: `running` (running requests ÷ max-num-seqs, the
+    /// agent's mock-NVML rule) or `busy` (the share of time since the previous read spent in
+    /// engine steps, as NVML counts it: ≈ 1 for any pod that is stepping).
+    #[arg(long, default_value = "running")]
+    gpu_utilization: String,
     /// Tokens per engine step (vLLM `max_num_batched_tokens`, chunked prefill).
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
@@ -165,6 +170,11 @@ fn main() -> anyhow::Result<()> {
         m => anyhow::bail!("unknown --model '{m}': use 8b or 70b"),
     };
     cost.max_num_batched_tokens = a.max_num_batched_tokens;
+    let gpu_utilization = match a.gpu_utilization.as_str() {
+        "running" => GpuUtilization::Running,
+        "busy" => GpuUtilization::Busy,
+        g => anyhow::bail!("unknown --gpu-utilization '{g}': use running or busy"),
+    };
     if !(0.0..=1.0).contains(&a.direct_share) {
         anyhow::bail!("--direct-share must be in [0, 1], got {}", a.direct_share);
     }
@@ -215,6 +225,7 @@ fn main() -> anyhow::Result<()> {
                 direct_share: a.direct_share,
                 cache_reset_interval_us: (a.cache_reset_interval_s * 1e6) as u64,
                 seed: *seed,
+                gpu_utilization,
                 ..SimConfig::default()
             };
             let mut rows = Vec::new();

@@ -29,6 +29,18 @@ use crate::engine::{CostModel, PodEngine};
 use crate::policy::{PodReport, Policy, ReplicaEvent};
 use crate::workload::Workload;
 
+/// What a pod reports as its GPU utilization.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuUtilization {
+    /// Running requests ÷ `max_batch`, the agent's mock-NVML rule (docs/design.md §7). Default.
+    #[default]
+    Running,
+    /// The share of the time since the pod's previous stats read that it spent in engine steps,
+    /// as NVML's `utilization.gpu` counts time with a kernel executing: a pod that steps without
+    /// pause reads 1 whether it runs one request or 200.
+    Busy,
+}
+
 /// Fleet, routers and reporting settings.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -51,6 +63,8 @@ pub struct SimConfig {
     pub cache_reset_interval_us: u64,
     /// Seed of the direct-traffic choices.
     pub seed: u64,
+    /// How the pods' reported GPU utilization is modelled. Default [`GpuUtilization::Running`].
+    pub gpu_utilization: GpuUtilization,
 }
 
 impl Default for SimConfig {
@@ -65,6 +79,7 @@ impl Default for SimConfig {
             direct_share: 0.0,
             cache_reset_interval_us: 0,
             seed: 1,
+            gpu_utilization: GpuUtilization::Running,
         }
     }
 }
@@ -142,6 +157,19 @@ struct Loop<'a> {
     /// Replica events in flight to the other replicas: (sender, event).
     peer_events: Vec<Option<(usize, ReplicaEvent)>>,
     next_stats_us: Vec<u64>,
+    /// Per pod, for [`GpuUtilization::Busy`]: the steps (start, end µs) not ended by the last
+    /// stats read, and that read's time.
+    steps: Vec<(Vec<(u64, u64)>, u64)>,
+}
+
+/// Share of `[from, now]` covered by `steps` ((start, end) µs, not overlapping), in [0, 1]; 0
+/// for an empty window.
+fn busy_share(steps: &[(u64, u64)], from: u64, now: u64) -> f64 {
+    if now <= from {
+        return 0.0;
+    }
+    let on: u64 = steps.iter().map(|&(a, b)| b.min(now).saturating_sub(a.max(from))).sum();
+    (on as f64 / (now - from) as f64).min(1.0)
 }
 
 impl Loop<'_> {
@@ -158,6 +186,9 @@ impl Loop<'_> {
         }
         match p.schedule(&self.w.requests) {
             Ok(Some(us)) => {
+                if self.cfg.gpu_utilization == GpuUtilization::Busy {
+                    self.steps[pod].0.push((now, now + us));
+                }
                 self.at(now + us, Ev::StepDone(pod));
                 Ok(())
             }
@@ -185,7 +216,16 @@ impl Loop<'_> {
             if !stats_due && p.stored.is_empty() && p.removed.is_empty() && !p.cleared {
                 continue;
             }
-            let stats = stats_due.then(|| p.stats());
+            let steps = &mut self.steps[pod];
+            let stats = stats_due.then(|| {
+                let mut st = p.stats();
+                if self.cfg.gpu_utilization == GpuUtilization::Busy {
+                    st.gpu_utilization = busy_share(&steps.0, steps.1, now);
+                    steps.0.retain(|&(_, end)| end > now);
+                    steps.1 = now;
+                }
+                st
+            });
             if stats_due {
                 self.next_stats_us[pod] = now + self.cfg.stats_interval_us;
             }
@@ -225,6 +265,7 @@ pub fn run(
         reports: Vec::new(),
         peer_events: Vec::new(),
         next_stats_us: vec![0; pods],
+        steps: vec![(Vec::new(), 0); pods],
     };
     let mut rng = StdRng::seed_from_u64(cfg.seed ^ 0xD1EC7);
     let mut direct = vec![false; n];
@@ -359,6 +400,64 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    /// NVML-like utilization counts a step in every read window it overlaps, not only in the one
+    /// it started in: a 463 ms prefill step reads busy through two 200 ms windows.
+    #[test]
+    fn busy_share_splits_long_steps_over_windows() {
+        let steps = [(0, 463_000), (463_000, 476_000)];
+        assert_eq!(busy_share(&steps, 0, 200_000), 1.0);
+        assert_eq!(busy_share(&steps, 200_000, 400_000), 1.0);
+        assert!((busy_share(&steps, 400_000, 600_000) - 0.38).abs() < 1e-9);
+        assert_eq!(busy_share(&steps, 600_000, 800_000), 0.0);
+        assert_eq!(busy_share(&steps, 5, 5), 0.0);
+    }
+
+    /// With busy-time utilization a pod stepping without pause reads 1 with a handful of requests
+    /// running, where the mock-NVML rule reads running ÷ 256.
+    #[test]
+    fn busy_utilization_reads_one_for_a_pod_that_never_pauses() {
+        let w = small();
+        let util = |gpu_utilization: GpuUtilization| {
+            let cfg = SimConfig { pods: 1, gpu_utilization, ..SimConfig::default() };
+            let mut routers: Vec<Box<dyn Policy>> = vec![Box::new(Recorder)];
+            if let Err(e) = run(&w, &mut routers, &cfg, None) {
+                panic!("{e}");
+            }
+            RECORDED.with(|r| std::mem::take(&mut *r.borrow_mut()))
+        };
+        let mock = util(GpuUtilization::Running);
+        let busy = util(GpuUtilization::Busy);
+        // Reads taken while requests were running.
+        let running: Vec<(f64, u32)> = mock.iter().filter(|(_, n)| *n > 0).copied().collect();
+        assert!(!running.is_empty());
+        assert!(running.iter().all(|(u, n)| (u - f64::from(*n) / 256.0).abs() < 1e-12), "{running:?}");
+        let busy_running: Vec<f64> = busy.iter().filter(|(_, n)| *n > 2).map(|(u, _)| *u).collect();
+        assert!(!busy_running.is_empty());
+        assert!(busy_running.iter().all(|u| *u > 0.99), "{busy_running:?}");
+    }
+
+    thread_local! {
+        static RECORDED: std::cell::RefCell<Vec<(f64, u32)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Sends everything to pod 0 and records each stats report's (utilization, running).
+    struct Recorder;
+
+    impl Policy for Recorder {
+        fn name(&self) -> &str {
+            "recorder"
+        }
+        fn pick(&mut self, _req: &workload::SimRequest, _now_us: u64) -> Result<usize, SimError> {
+            Ok(0)
+        }
+        fn on_report(&mut self, report: &PodReport) {
+            if let Some(s) = &report.stats {
+                RECORDED.with(|r| r.borrow_mut().push((s.gpu_utilization, s.running)));
+            }
+        }
+        fn on_finish(&mut self, _req: &workload::SimRequest, _pod: usize, _now_us: u64) {}
     }
 
     #[test]
