@@ -106,7 +106,7 @@ impl InFlightSlot {
     /// ([`Pool::probe_unreachable`](super::Pool::probe_unreachable)). True when the pod was not
     /// marked before (the mark is news to tell peer replicas).
     pub fn mark_unreachable(&self) -> bool {
-        super::mark(&self.rec)
+        super::mark(&self.rec, "this replica")
     }
 
     /// The pod's name, shared.

@@ -490,9 +490,7 @@ impl Pool {
         let table = self.table.load();
         match table.pods.iter().find(|r| &*r.name == name) {
             Some(rec) => {
-                if !rec.unreachable.swap(true, Ordering::AcqRel) {
-                    tracing::warn!(pod = %rec.name, "a picker replica reports Envoy could not connect to the endpoint: not a candidate until it accepts connections");
-                }
+                mark(rec, "a peer replica");
                 true
             }
             None => false,
@@ -537,11 +535,12 @@ impl Pool {
     }
 }
 
-/// Marks `rec` unreachable, logging the first mark; true when it was not marked before.
-pub(crate) fn mark(rec: &PodRecord) -> bool {
+/// Marks `rec` unreachable, logging the first mark with who saw the failure (`seen_by`); true
+/// when it was not marked before.
+pub(crate) fn mark(rec: &PodRecord, seen_by: &str) -> bool {
     let fresh = !rec.unreachable.swap(true, Ordering::AcqRel);
     if fresh {
-        tracing::warn!(pod = %rec.name, "Envoy could not connect to the endpoint: not a candidate until it accepts connections");
+        tracing::warn!(pod = %rec.name, seen_by, "Envoy could not connect to the endpoint: not a candidate until it accepts connections");
     }
     fresh
 }
