@@ -771,19 +771,17 @@ mod tests {
             const SIGNATURES: [&[u8]; 8] =
                 [b"\x89PNG\r\n\x1a\n", &[0xFF, 0xD8], b"VP8 ", b"VP8L", b"VP8X", b"GIF87a", b"GIF89a", b"BM"];
             let signature = SIGNATURES[format];
-            let mut bytes = if signature.starts_with(b"VP8") {
-                let riff = if sizes_fit { tail.len() as u32 + 12 } else { u32::from_le_bytes([tail.len() as u8, 0, 0, 0]) };
-                let chunk = if sizes_fit { tail.len() as u32 } else { 10 };
-                let mut b = b"RIFF".to_vec();
-                b.extend_from_slice(&riff.to_le_bytes());
-                b.extend_from_slice(b"WEBP");
-                b.extend_from_slice(signature);
-                b.extend_from_slice(&chunk.to_le_bytes());
-                b
-            } else {
-                signature.to_vec()
+            let bytes = match <&[u8; 4]>::try_from(signature) {
+                Ok(fourcc) if signature.starts_with(b"VP8") => {
+                    let mut b = webp(fourcc, &tail, &[]);
+                    if !sizes_fit {
+                        b[4..8].copy_from_slice(&u32::from(tail.len() as u8).to_le_bytes());
+                        b[16..20].copy_from_slice(&10u32.to_le_bytes());
+                    }
+                    b
+                }
+                _ => [signature, &tail].concat(),
             };
-            bytes.extend_from_slice(&tail);
             if let Some((w, h)) = image_size(&bytes) {
                 proptest::prop_assert!(w > 0 && h > 0);
                 if format == 2 || format == 3 {

@@ -372,6 +372,9 @@ pub fn run(
 
 #[cfg(test)]
 mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
     use super::*;
     use crate::policy;
     use crate::workload::{self, SharedPrefixConfig};
@@ -421,11 +424,12 @@ mod tests {
         let w = small();
         let util = |gpu_utilization: GpuUtilization| {
             let cfg = SimConfig { pods: 1, gpu_utilization, ..SimConfig::default() };
-            let mut routers: Vec<Box<dyn Policy>> = vec![Box::new(Recorder)];
+            let recorded = Rc::default();
+            let mut routers: Vec<Box<dyn Policy>> = vec![Box::new(Recorder(Rc::clone(&recorded)))];
             if let Err(e) = run(&w, &mut routers, &cfg, None) {
                 panic!("{e}");
             }
-            RECORDED.with(|r| std::mem::take(&mut *r.borrow_mut()))
+            recorded.take()
         };
         let mock = util(GpuUtilization::Running);
         let busy = util(GpuUtilization::Busy);
@@ -438,12 +442,8 @@ mod tests {
         assert!(busy_running.iter().all(|u| *u > 0.99), "{busy_running:?}");
     }
 
-    thread_local! {
-        static RECORDED: std::cell::RefCell<Vec<(f64, u32)>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
     /// Sends everything to pod 0 and records each stats report's (utilization, running).
-    struct Recorder;
+    struct Recorder(Rc<RefCell<Vec<(f64, u32)>>>);
 
     impl Policy for Recorder {
         fn name(&self) -> &str {
@@ -454,7 +454,7 @@ mod tests {
         }
         fn on_report(&mut self, report: &PodReport) {
             if let Some(s) = &report.stats {
-                RECORDED.with(|r| r.borrow_mut().push((s.gpu_utilization, s.running)));
+                self.0.borrow_mut().push((s.gpu_utilization, s.running));
             }
         }
         fn on_finish(&mut self, _req: &workload::SimRequest, _pod: usize, _now_us: u64) {}

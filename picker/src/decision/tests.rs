@@ -438,11 +438,16 @@ async fn images_without_uuid_claim_the_text_before_the_first_image_only() {
 
 /// A fixture image (tests/fixtures/images, README there) as a client sends it inline.
 fn fixture_data_url(name: &str, media_type: &str) -> (Vec<u8>, String) {
-    use base64::Engine as _;
     let path = format!("{}/../tests/fixtures/images/{name}", env!("CARGO_MANIFEST_DIR"));
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let url = format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+    let url = data_url(media_type, &bytes);
     (bytes, url)
+}
+
+/// `bytes` as a base64 `data:` URL of `media_type`.
+fn data_url(media_type: &str, bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
 }
 
 /// docs/design.md §2, inline images without `uuid` on a model whose count follows the image size
@@ -496,16 +501,10 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     assert!(fixed.len() > at / 16 + 2 && fixed[..at / 16] == cat[..at / 16]);
 
     // What the picker cannot reproduce ends the claim at the image, and is no error.
-    let truncated = {
-        use base64::Engine as _;
-        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png[..20]))
-    };
+    let truncated = data_url("image/png", &png[..20]);
     let mut absurd = png.clone();
     absurd[16..24].copy_from_slice(&[0, 0, 0x9C, 0x40, 0, 0, 0, 1]); // 40000 × 1: aspect over 200
-    let absurd = {
-        use base64::Engine as _;
-        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&absurd))
-    };
+    let absurd = data_url("image/png", &absurd);
     let cut = &png_url[..png_url.len() - 1];
     let spaced = png_url.replacen(",", ", ", 1);
     for url in ["https://x/cat.png", "data:image/png;base64,!!!!", cut, &spaced, &truncated, &absurd, "data:,", ""] {
@@ -572,11 +571,7 @@ async fn webp_gif_and_bmp_inline_images_are_matched_through_the_image() {
         assert!(chains.iter().all(|c: &Vec<BlockHash>| c[at / 16] != chain[at / 16]), "{name}: its own identity");
         chains.push(chain);
         if media_type == "image/webp" {
-            use base64::Engine as _;
-            let cut = format!(
-                "data:image/webp;base64,{}",
-                base64::engine::general_purpose::STANDARD.encode(&bytes[..bytes.len() - 1])
-            );
+            let cut = data_url(media_type, &bytes[..bytes.len() - 1]);
             let (_, chain, why) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&cut, None)]));
             assert_eq!((chain.as_slice(), why), (&plain[..at / 16], ""), "{name} cut short");
         }

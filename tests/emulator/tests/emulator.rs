@@ -707,11 +707,14 @@ fn vllm_image_hash(model: &str, bytes: &[u8]) -> String {
 /// tests/fixtures/images' README); URLs the emulator does not fetch keep the fixed count; data
 /// vLLM cannot load is a 400.
 async fn inline_images_are_identified_and_sized_as_vllm_does(emu: &RunningEmulator) {
-    use base64::Engine as _;
+    let data_url = |media_type: &str, bytes: &[u8]| {
+        use base64::Engine as _;
+        format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+    };
     let fixture = |name: &str, media_type: &str| {
         let path = format!("{}/../fixtures/images/{name}", env!("CARGO_MANIFEST_DIR"));
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        let url = format!("data:{media_type};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+        let url = data_url(media_type, &bytes);
         (bytes, url)
     };
     let chat = |image: &str| {
@@ -764,10 +767,9 @@ async fn inline_images_are_identified_and_sized_as_vllm_does(emu: &RunningEmulat
         assert_eq!(prompt_tokens(&send(chat(&data_url)).await), prompt_tokens(&by_url) - 40 + n, "{name}");
     }
     // Data vLLM cannot load: a 400, as vLLM answers (libwebp refuses a WebP cut short).
-    let truncated = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png[..20]));
+    let truncated = data_url("image/png", &png[..20]);
     let (webp, _) = fixture("anim-100x80-3frames.webp", "image/webp");
-    let cut_webp =
-        format!("data:image/webp;base64,{}", base64::engine::general_purpose::STANDARD.encode(&webp[..webp.len() - 1]));
+    let cut_webp = data_url("image/webp", &webp[..webp.len() - 1]);
     for bad in ["data:image/png;base64,!!!!", &png_url[..png_url.len() - 1], &truncated, &cut_webp] {
         assert_eq!(post(chat(bad)).await.status(), 400, "{bad:.40}");
     }

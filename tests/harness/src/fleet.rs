@@ -213,11 +213,13 @@ impl Fleet {
             &work.join(POOL_FILE),
             &pool_file(spec.engines_per_agent, engines.iter().enumerate().map(|(i, e)| (i, e, true))),
         )?;
-        let (mut ext_proc_ports, mut ingest_ports, mut picker_admins) = (Vec::new(), Vec::new(), Vec::new());
         let (mut pickers, mut picker_args) = (Vec::new(), Vec::new());
         let replicas = spec.picker_replicas.max(1);
         let ports: Vec<(u16, u16, u16)> =
             (0..replicas).map(|_| Ok((free_port()?, free_port()?, free_port()?))).collect::<Result<_>>()?;
+        let ext_proc_ports: Vec<u16> = ports.iter().map(|p| p.0).collect();
+        let ingest_ports: Vec<u16> = ports.iter().map(|p| p.1).collect();
+        let picker_admins: Vec<String> = ports.iter().map(|p| format!("http://127.0.0.1:{}", p.2)).collect();
         for (r, &(ext_proc_port, ingest_port, admin_port)) in ports.iter().enumerate() {
             let picker_cfg = work.join(if r == 0 { "picker.yaml".to_owned() } else { format!("picker-{r}.yaml") });
             let mut picker_yaml = picker_config(&spec, ext_proc_port, ingest_port, admin_port);
@@ -228,7 +230,7 @@ impl Fleet {
                 // One view across replicas, as deploy/ runs them (docs/design.md §4): each
                 // replica subscribes to the others' ReplicaSync on their ingest listeners.
                 let peers: Vec<String> =
-                    (0..replicas).filter(|&o| o != r).map(|o| format!("127.0.0.1:{}", ports[o].1)).collect();
+                    ingest_ports.iter().filter(|&&p| p != ingest_port).map(|p| format!("127.0.0.1:{p}")).collect();
                 picker_yaml["replicas"] = json!({ "peers": peers });
             }
             if let Some(Value::Object(overrides)) = &spec.picker_overrides {
@@ -243,9 +245,6 @@ impl Fleet {
             let bin = paths::binary("kvroute-picker")?;
             pickers.push(Some(ManagedProcess::spawn(&name, &bin, &args, &work, "READY", READY_TIMEOUT).await?));
             picker_args.push(args);
-            ext_proc_ports.push(ext_proc_port);
-            ingest_ports.push(ingest_port);
-            picker_admins.push(format!("http://127.0.0.1:{admin_port}"));
         }
 
         let mut agents = Vec::new();
