@@ -1,6 +1,6 @@
 //! An OpenAI-style client for the gateway that measures what a user feels: time to first token
 //! (first streamed chunk with non-empty text, as inference-perf counts it), which pod served the
-//! request (the engine's `x-served-by` header) and the cached tokens the engine reported.
+//! request (the engine's `x-served-by` header, else the upstream address the gateway reports) and the cached tokens the engine reported.
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 pub struct GatewayClient {
     http: reqwest::Client,
     base: String,
+    /// Upstream address (`ip:port`) → pod name, for engines that do not send `x-served-by`.
+    endpoint_names: std::sync::Arc<std::collections::HashMap<String, String>>,
 }
 
 /// What one chat request came back with.
@@ -36,7 +38,20 @@ pub struct ChatOutcome {
 impl GatewayClient {
     pub fn new(base: impl Into<String>) -> Result<Self> {
         let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
-        Ok(Self { http, base: base.into() })
+        Ok(Self { http, base: base.into(), endpoint_names: Default::default() })
+    }
+
+    /// Names the serving pod from the gateway's `x-upstream-endpoint` header (the upstream's
+    /// `ip:port`, [`crate::fleet::UPSTREAM_HEADER`]) through `names` when the engine sends no
+    /// `x-served-by` (real vLLM).
+    pub fn with_endpoint_names(mut self, names: std::collections::HashMap<String, String>) -> Self {
+        self.endpoint_names = std::sync::Arc::new(names);
+        self
+    }
+
+    /// The gateway's base URL.
+    pub fn base(&self) -> &str {
+        &self.base
     }
 
     /// Streams a `/v1/chat/completions` request with `stream_options.include_usage`.
@@ -87,7 +102,9 @@ impl GatewayClient {
         let resp = req.body(body).send().await.with_context(|| format!("POST {}{path}", self.base))?;
         let mut out = ChatOutcome { status: resp.status().as_u16(), ..Default::default() };
         let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
-        out.served_by = header("x-served-by");
+        out.served_by = header("x-served-by").or_else(|| {
+            header(crate::fleet::UPSTREAM_HEADER).and_then(|a| self.endpoint_names.get(&a).cloned())
+        });
         out.request_id = header("x-request-id");
         let is_sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
         if !is_sse {

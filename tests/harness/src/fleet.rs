@@ -5,6 +5,7 @@
 //! (`deploy/envoy/envoy-least-request.yaml`), the least-loaded baseline, and further Envoys on
 //! other kvroute configs sharing the same picker (to compare ext_proc layouts in one run).
 
+use crate::client::GatewayClient;
 use crate::paths::{self, free_port};
 use crate::process::ManagedProcess;
 use crate::tls;
@@ -18,9 +19,47 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The base model the demo fleet's engines serve (the Qwen2.5 fixture tokenizer's family).
 pub const DEFAULT_MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
 
+/// Which engine each pod runs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum EngineKind {
+    /// `kvroute-emulator`: fast, GPU-only behaviour (faults, timing scale, images).
+    #[default]
+    Emulator,
+    /// vLLM's CPU build (`scripts/install-vllm`) on the random-weight model, one core each.
+    Vllm(VllmSpec),
+}
+
+/// How the real vLLM engines are started (docs/operations.md, "Real vLLM").
+#[derive(Clone, Debug, PartialEq)]
+pub struct VllmSpec {
+    /// `--block-size` (vLLM's CPU attention needs a multiple of 32).
+    pub block_size: u32,
+    /// `--num-gpu-blocks-override`: KV capacity in engine blocks; `None`: from the KV space.
+    pub num_gpu_blocks: Option<u32>,
+    /// `VLLM_CPU_KVCACHE_SPACE`, whole GiB.
+    pub kv_cache_gib: u32,
+    /// LoRA adapters served with `--enable-lora` (`adapter-1` … as built by
+    /// `scripts/make-vllm-model`); 0 = LoRA off.
+    pub lora_adapters: usize,
+    /// `--max-model-len`.
+    pub max_model_len: u32,
+}
+
+impl Default for VllmSpec {
+    fn default() -> Self {
+        Self { block_size: 32, num_gpu_blocks: None, kv_cache_gib: 1, lora_adapters: 0, max_model_len: 4096 }
+    }
+}
+
+/// Longest a real vLLM engine may take from start to `/health` 200 (about 75-100 s on 2 cores,
+/// more when several start at once).
+const VLLM_READY_TIMEOUT: Duration = Duration::from_secs(420);
+
 /// What to start. `Default` is the demo's fleet: 4 engines, 2 agents, healthy GPUs.
 #[derive(Clone, Debug)]
 pub struct FleetSpec {
+    /// The engines' kind; the rest of the fleet is the same for both.
+    pub engine_kind: EngineKind,
     /// Names the work directory `target/kvroute-runs/<label>`.
     pub label: String,
     /// Served base model id (the block-hash root's model).
@@ -81,6 +120,7 @@ pub struct FleetSpec {
 impl Default for FleetSpec {
     fn default() -> Self {
         Self {
+            engine_kind: EngineKind::Emulator,
             label: "fleet".into(),
             model: DEFAULT_MODEL.into(),
             engines: 4,
@@ -142,6 +182,106 @@ impl Engine {
     pub fn is_running(&self) -> bool {
         self.process.is_some()
     }
+
+    /// The same pod and ports, without the process.
+    fn clone_ports(&self) -> Engine {
+        Engine { pod: self.pod.clone(), process: None, ..*self }
+    }
+}
+
+/// Starts `engine`'s process (index `i` in the fleet) under the name `name` and waits until it
+/// serves: the emulator prints READY; vLLM answers `GET /health` with 200.
+async fn start_engine(spec: &FleetSpec, engine: &Engine, i: usize, name: &str, work: &Path) -> Result<ManagedProcess> {
+    match &spec.engine_kind {
+        EngineKind::Emulator => {
+            let args = emulator_args(spec, &engine.name(), engine.port, engine.kv_events_port, engine.kv_replay_port);
+            ManagedProcess::spawn(name, &paths::binary("kvroute-emulator")?, &args, work, "READY", READY_TIMEOUT).await
+        }
+        EngineKind::Vllm(v) => {
+            let (args, env) = vllm_command(spec, v, engine, i)?;
+            let mut p = ManagedProcess::start_group(name, &paths::vllm()?, &args, &env, work)?;
+            wait_http_ok(&format!("{}/health", engine.url()), &mut p, VLLM_READY_TIMEOUT).await?;
+            Ok(p)
+        }
+    }
+}
+
+/// `vllm serve` arguments and environment for `engine` (docs/operations.md, "Real vLLM"): the
+/// random-weight model under the fleet's model name, prefix caching, usage with cached tokens,
+/// KV events on ZeroMQ (publisher and replay), tools, LoRA when asked, one core per engine.
+fn vllm_command(spec: &FleetSpec, v: &VllmSpec, e: &Engine, i: usize) -> Result<(Vec<String>, Vec<(String, String)>)> {
+    let model_dir = paths::vllm_model()?;
+    let kv_events = json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("tcp://127.0.0.1:{}", e.kv_events_port),
+        "replay_endpoint": format!("tcp://127.0.0.1:{}", e.kv_replay_port),
+        "topic": format!("kv@127.0.0.1@{}", spec.model),
+    });
+    let mut args: Vec<String> = vec!["serve".into(), path_arg(&model_dir)];
+    let mut flag = |k: &str, val: String| {
+        args.push(k.into());
+        args.push(val);
+    };
+    flag("--served-model-name", spec.model.clone());
+    flag("--host", "127.0.0.1".into());
+    flag("--port", e.port.to_string());
+    flag("--block-size", v.block_size.to_string());
+    flag("--max-model-len", v.max_model_len.to_string());
+    flag("--max-num-seqs", spec.max_num_seqs.to_string());
+    flag("--kv-events-config", kv_events.to_string());
+    flag("--tool-call-parser", "hermes".into());
+    flag("--seed", "0".into());
+    if let Some(n) = v.num_gpu_blocks {
+        flag("--num-gpu-blocks-override", n.to_string());
+    }
+    if v.lora_adapters > 0 {
+        let modules: Vec<String> = (1..=v.lora_adapters)
+            .map(|k| format!("adapter-{k}={}", model_dir.join("loras").join(format!("adapter-{k}")).display()))
+            .collect();
+        flag("--max-lora-rank", "8".into());
+        flag("--max-loras", v.lora_adapters.to_string());
+        args.push("--enable-lora".into());
+        args.push("--lora-modules".into());
+        args.extend(modules);
+    }
+    args.extend(["--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-auto-tool-choice"].map(String::from));
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let env = [
+        ("VLLM_TARGET_DEVICE", "cpu".to_owned()),
+        ("VLLM_CPU_KVCACHE_SPACE", v.kv_cache_gib.to_string()),
+        ("VLLM_CPU_OMP_THREADS_BIND", (i % cores).to_string()),
+        ("OMP_NUM_THREADS", "1".to_owned()),
+        // POST /reset_prefix_cache, which the fleet uses between compared runs.
+        ("VLLM_SERVER_DEV_MODE", "1".to_owned()),
+        ("HF_HUB_OFFLINE", "1".to_owned()),
+        ("VLLM_NO_USAGE_STATS", "1".to_owned()),
+        ("DO_NOT_TRACK", "1".to_owned()),
+    ]
+    .map(|(k, v)| (k.to_owned(), v))
+    .to_vec();
+    Ok((args, env))
+}
+
+/// Polls `url` until it answers 200; fails with the log tail when `p` exits first or `timeout`
+/// passes.
+async fn wait_http_ok(url: &str, p: &mut ManagedProcess, timeout: Duration) -> Result<()> {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(r) = http.get(url).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if p.has_exited() {
+            bail!("{} exited before {url} answered; last log lines:\n{}", p.name, p.log_tail(30));
+        }
+        if Instant::now() > deadline {
+            bail!("{} did not answer {url} within {timeout:?}; last log lines:\n{}", p.name, p.log_tail(30));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// A running fleet; dropping it kills every process.
@@ -186,14 +326,10 @@ impl Fleet {
         let mut starting = Vec::new();
         for i in 0..spec.engines {
             let (port, kv_events_port, kv_replay_port) = (free_port()?, free_port()?, free_port()?);
-            let pod = format!("engine-{i}");
-            let args = emulator_args(&spec, &endpoint_name(&pod), port, kv_events_port, kv_replay_port);
-            let bin = paths::binary("kvroute-emulator")?;
-            let work = work.clone();
-            starting.push(tokio::spawn(async move {
-                ManagedProcess::spawn(&pod, &bin, &args, &work, "READY", READY_TIMEOUT).await
-            }));
-            engines.push(Engine { pod: format!("engine-{i}"), port, kv_events_port, kv_replay_port, process: None });
+            let engine = Engine { pod: format!("engine-{i}"), port, kv_events_port, kv_replay_port, process: None };
+            let (spec, work, name, ready) = (spec.clone(), work.clone(), engine.pod.clone(), engine.clone_ports());
+            starting.push(tokio::spawn(async move { start_engine(&spec, &ready, i, &name, &work).await }));
+            engines.push(engine);
         }
         for (engine, task) in engines.iter_mut().zip(starting) {
             engine.process = Some(task.await.context("engine start task")??);
@@ -364,6 +500,13 @@ impl Fleet {
         Ok(fleet)
     }
 
+    /// A client for `base` (one of the fleet's gateways) that names the pod serving each request
+    /// also when the engine does not say (real vLLM), from the upstream address Envoy reports.
+    pub fn client(&self, base: &str) -> Result<GatewayClient> {
+        let names = self.engines.iter().map(|e| (e.endpoint(), e.name())).collect();
+        Ok(GatewayClient::new(base)?.with_endpoint_names(names))
+    }
+
     /// The picker's Prometheus text.
     pub async fn picker_metrics(&self) -> Result<String> {
         let r = self.http.get(format!("{}/metrics", self.picker_admin)).send().await?;
@@ -435,17 +578,8 @@ impl Fleet {
     pub async fn restart_engine(&mut self, i: usize) -> Result<()> {
         self.kill_engine(i).await;
         let e = self.engines.get(i).context("no such engine")?;
-        let args = emulator_args(&self.spec, &e.name(), e.port, e.kv_events_port, e.kv_replay_port);
         let name = format!("{}-restarted", e.pod);
-        let p = ManagedProcess::spawn(
-            &name,
-            &paths::binary("kvroute-emulator")?,
-            &args,
-            &self.work,
-            "READY",
-            READY_TIMEOUT,
-        )
-        .await?;
+        let p = start_engine(&self.spec, &e.clone_ports(), i, &name, &self.work).await?;
         if let Some(e) = self.engines.get_mut(i) {
             e.process = Some(p);
         }
@@ -835,10 +969,21 @@ fn baseline_envoy_config(name: &str, cluster: &str, listener: u16, admin: u16, e
     Ok(cfg)
 }
 
+/// The response header naming the upstream address that served a request, which the harness's
+/// Envoys add (a real vLLM has no `x-served-by`; see [`GatewayClient::with_endpoint_names`]).
+pub const UPSTREAM_HEADER: &str = "x-upstream-endpoint";
+
 fn set_listener_and_admin(cfg: &mut Value, listener: u16, admin: u16) -> Result<()> {
     cfg["admin"]["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": admin});
     let l = cfg["static_resources"]["listeners"].get_mut(0).context("envoy config has no listener")?;
     l["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": listener});
+    let routes = l["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+        .as_object_mut()
+        .context("envoy config has no route_config in its first filter chain")?;
+    routes.insert(
+        "response_headers_to_add".into(),
+        json!([{"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]),
+    );
     Ok(())
 }
 

@@ -23,6 +23,6 @@ pub mod workload;
 
 pub use client::{ChatOutcome, GatewayClient};
 pub use fake_agent::{FakeAgent, FakePod, poll_until};
-pub use fleet::{DEFAULT_MODEL, Fleet, FleetSpec};
+pub use fleet::{DEFAULT_MODEL, EngineKind, Fleet, FleetSpec, VllmSpec};
 pub use run::{Pacing, RunSummary, TurnRecord, run_chat_workload};
 pub use workload::{Conversation, ScheduledTurn, Workload};

@@ -64,6 +64,27 @@ pub fn envoy() -> Result<PathBuf> {
     Ok(path)
 }
 
+/// `vllm` of the venv `scripts/install-vllm` made (or `$KVROUTE_VLLM`).
+pub fn vllm() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KVROUTE_VLLM") {
+        return Ok(PathBuf::from(p));
+    }
+    let path = repo_root().join(".tools/vllm/bin/vllm");
+    if !path.exists() {
+        bail!("vLLM not found at {}: run scripts/install-vllm", path.display());
+    }
+    Ok(path)
+}
+
+/// The random-weight model directory `scripts/install-vllm` built (`scripts/make-vllm-model`).
+pub fn vllm_model() -> Result<PathBuf> {
+    let path = repo_root().join(".tools/vllm-model");
+    if !path.join("config.json").exists() {
+        bail!("the vLLM test model is missing at {}: run scripts/install-vllm", path.display());
+    }
+    Ok(path)
+}
+
 /// The Qwen2.5 tokenizer directory the emulated engines and the picker share.
 pub fn tokenizer_dir() -> PathBuf {
     repo_root().join("tests/fixtures/tokenizer-qwen2.5")

@@ -12,6 +12,10 @@ pub struct ManagedProcess {
     pub name: String,
     pub log: PathBuf,
     child: Child,
+    /// Started as the leader of its own process group ([`ManagedProcess::start_group`]): killing
+    /// it kills the group (vLLM's API server leaves its engine-core and worker processes behind
+    /// otherwise).
+    group: bool,
 }
 
 impl ManagedProcess {
@@ -57,17 +61,56 @@ impl ManagedProcess {
 
     /// Starts a process without waiting for anything (Envoy: poll its admin `/ready` instead).
     pub fn start(name: &str, program: &Path, args: &[String], work: &Path) -> Result<Self> {
+        Self::start_with(name, program, args, &[], false, work)
+    }
+
+    /// Like [`start`](Self::start) with extra environment `env`, as the leader of a new process
+    /// group that is killed whole (SIGKILL) when the process is killed or dropped. Its stdout
+    /// goes to the log with its stderr.
+    pub fn start_group(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        work: &Path,
+    ) -> Result<Self> {
+        Self::start_with(name, program, args, env, true, work)
+    }
+
+    fn start_with(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        group: bool,
+        work: &Path,
+    ) -> Result<Self> {
         let log = work.join(format!("{name}.log"));
         let err = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(err))
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {name} ({})", program.display()))?;
-        Ok(Self { name: name.to_string(), log, child })
+        let mut cmd = Command::new(program);
+        cmd.args(args).envs(env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null()).kill_on_drop(true);
+        if group {
+            cmd.process_group(0).stdout(Stdio::from(err.try_clone()?)).stderr(Stdio::from(err));
+        } else {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::from(err));
+        }
+        let child = cmd.spawn().with_context(|| format!("starting {name} ({})", program.display()))?;
+        Ok(Self { name: name.to_string(), log, child, group })
+    }
+
+    /// Whether the process has exited (it is reaped then).
+    pub fn has_exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// SIGKILL to the process group this process leads, if it leads one and still runs.
+    fn kill_group(&self) {
+        if let (true, Some(pid)) = (self.group, self.child.id()) {
+            let _ = std::process::Command::new("kill")
+                .args(["-s", "KILL", "--", &format!("-{pid}")])
+                .stderr(Stdio::null())
+                .status();
+        }
     }
 
     /// The last `n` lines of the process's log (stderr).
@@ -77,8 +120,9 @@ impl ManagedProcess {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
-    /// Kills the process and waits for it.
+    /// Kills the process (and its group, see [`start_group`](Self::start_group)) and waits for it.
     pub async fn kill(&mut self) {
+        self.kill_group();
         let _ = self.child.kill().await;
     }
 
@@ -90,5 +134,11 @@ impl ManagedProcess {
     /// OS process id, if still running.
     pub fn pid(&self) -> Option<u32> {
         self.child.id()
+    }
+}
+
+impl Drop for ManagedProcess {
+    fn drop(&mut self) {
+        self.kill_group();
     }
 }

@@ -1,30 +1,35 @@
-//! The kvroute demo: a fleet of 4 emulated vLLM engines, 2 agents (mock NVML), the picker and a
-//! real Envoy; a multi-turn chat workload with shared system prompts goes through Envoy, first
-//! routed by kvroute, then (caches emptied) by plain round robin, and the two are compared.
+//! The kvroute demo: a fleet of 4 emulated vLLM engines (or, with `--engines vllm`, 2 real vLLM
+//! CPU engines), agents (mock NVML), the picker and a real Envoy; a multi-turn chat workload with
+//! shared system prompts goes through Envoy, first routed by kvroute, then (caches emptied) by
+//! plain round robin, and the two are compared by the engines' own `cached_tokens`.
 
 use anyhow::Result;
 use clap::Parser;
-use kvroute_harness::{Fleet, FleetSpec, GatewayClient, Pacing, RunSummary, TurnRecord, Workload, run_chat_workload};
+use kvroute_harness::{EngineKind, Fleet, FleetSpec, Pacing, RunSummary, TurnRecord, VllmSpec, Workload, run_chat_workload};
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(version = kvroute_cli::LONG_VERSION, about = "Run a local kvroute fleet behind Envoy and route a multi-turn chat workload through it")]
 struct Args {
-    /// Number of distinct system prompts.
-    #[arg(long, default_value_t = 8)]
-    system_prompts: usize,
+    /// Engines: `emulator` (4 emulated engines) or `vllm` (2 real vLLM CPU engines, installed by
+    /// `scripts/install-vllm`; a smaller workload unless the sizes are given).
+    #[arg(long, default_value = "emulator", value_parser = ["emulator", "vllm"])]
+    engines: String,
+    /// Number of distinct system prompts (default 8; 4 with `--engines vllm`).
+    #[arg(long)]
+    system_prompts: Option<usize>,
     /// Conversations per system prompt.
     #[arg(long, default_value_t = 3)]
     conversations_per_prompt: usize,
     /// Turns per conversation.
     #[arg(long, default_value_t = 3)]
     turns: usize,
-    /// Words per system prompt (about 1.2 tokens per word).
-    #[arg(long, default_value_t = 1200)]
-    system_words: usize,
-    /// Output tokens per reply.
-    #[arg(long, default_value_t = 24)]
-    max_tokens: u32,
+    /// Words per system prompt, about 1.2 tokens per word (default 1200; 600 with `--engines vllm`).
+    #[arg(long)]
+    system_words: Option<usize>,
+    /// Output tokens per reply (default 24; 8 with `--engines vllm`).
+    #[arg(long)]
+    max_tokens: Option<u32>,
     /// Milliseconds between the arrivals of consecutive conversations.
     #[arg(long, default_value_t = 150)]
     arrival_gap_ms: u64,
@@ -46,17 +51,36 @@ struct Args {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    let spec = FleetSpec {
+    let real = args.engines == "vllm";
+    let mut spec = FleetSpec {
         label: "demo".into(),
         time_scale: args.time_scale,
         round_robin_baseline: true,
         ..Default::default()
     };
+    if real {
+        // Two engines on two cores, one agent each; the same KV budget in tokens as asked.
+        let v = VllmSpec::default();
+        let blocks = (args.num_gpu_blocks * 16).div_ceil(v.block_size);
+        spec = FleetSpec {
+            engines: 2,
+            engines_per_agent: 1,
+            engine_kind: EngineKind::Vllm(VllmSpec { num_gpu_blocks: Some(blocks), ..v }),
+            ..spec
+        };
+    }
+    let (system_prompts, system_words, max_tokens) = if real {
+        (args.system_prompts.unwrap_or(4), args.system_words.unwrap_or(600), args.max_tokens.unwrap_or(8))
+    } else {
+        (args.system_prompts.unwrap_or(8), args.system_words.unwrap_or(1200), args.max_tokens.unwrap_or(24))
+    };
     let model = spec.model.clone();
     println!(
-        "starting the fleet: {} emulated vLLM engines, {} agents (mock NVML), picker, Envoy 1.40 ...",
+        "starting the fleet: {} {} engines, {} agents (mock NVML), picker, Envoy 1.40 ...{}",
         spec.engines,
-        spec.engines.div_ceil(spec.engines_per_agent)
+        if real { "real vLLM (CPU)" } else { "emulated vLLM" },
+        spec.engines.div_ceil(spec.engines_per_agent),
+        if real { " (vLLM takes about 2 minutes to start)" } else { "" }
     );
     let fleet = Fleet::start(spec).await?;
     println!(
@@ -68,16 +92,16 @@ async fn main() -> Result<()> {
 
     let workload = Workload::multi_turn_chat(
         args.seed,
-        args.system_prompts,
+        system_prompts,
         args.conversations_per_prompt,
         args.turns,
-        args.system_words,
+        system_words,
         40,
     );
     let pacing = Pacing {
         arrival_gap: Duration::from_millis(args.arrival_gap_ms),
         think_time: Duration::from_millis(args.think_time_ms),
-        max_tokens: args.max_tokens,
+        max_tokens,
     };
     let print = |label: &'static str| {
         move |r: &TurnRecord| {
@@ -96,13 +120,12 @@ async fn main() -> Result<()> {
         }
     };
 
-    let kvroute =
-        run_chat_workload(&GatewayClient::new(&fleet.gateway)?, &model, &workload, pacing, print("kvroute")).await?;
+    let kvroute = run_chat_workload(&fleet.client(&fleet.gateway)?, &model, &workload, pacing, print("kvroute")).await?;
     fleet.reset_prefix_caches().await?;
     println!();
     let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
     let baseline =
-        run_chat_workload(&GatewayClient::new(rr_gateway)?, &model, &workload, pacing, print("round-robin")).await?;
+        run_chat_workload(&fleet.client(&rr_gateway)?, &model, &workload, pacing, print("round-robin")).await?;
 
     let (k, b) = (RunSummary::of(&kvroute), RunSummary::of(&baseline));
     println!("\nsummary ({} requests each, same workload, caches emptied in between):", k.requests);
