@@ -107,6 +107,8 @@ pub const DEFAULT_METRICS_HEADER_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_METRICS_MAX_CONNECTIONS: usize = kvroute_common::listener::DEFAULT_MAX_CONNECTIONS;
 /// Default `max_blocks_per_engine`.
 pub const DEFAULT_MAX_BLOCKS_PER_ENGINE: usize = crate::engine::blocks::DEFAULT_MAX_BLOCKS;
+/// Largest `index_block_size`, in tokens.
+pub const MAX_INDEX_BLOCK_SIZE: u32 = 4096;
 /// Default `engines[].max_num_seqs` (vLLM's default `--max-num-seqs`).
 pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
 /// Default `engine_file_poll_ms`.
@@ -146,6 +148,12 @@ pub struct AgentConfig {
     /// Most connections the metrics listener keeps open; past it the oldest connection that has
     /// not sent a request head is closed. Default [`DEFAULT_METRICS_MAX_CONNECTIONS`] (256).
     pub metrics_max_connections: usize,
+    /// Tokens per block of the kvroute hashes sent to the pickers: their `block_size` (the index
+    /// granularity, docs/design.md §2). Each engine's `--block-size` must be a multiple of it
+    /// (16 serves engines of 16, 32 and 64); an engine block is re-hashed as that many index
+    /// blocks. Default [`kvroute_common::DEFAULT_BLOCK_SIZE`] (16), at most
+    /// [`MAX_INDEX_BLOCK_SIZE`].
+    pub index_block_size: u32,
     /// Most engine blocks the agent records per engine (all media; about 116 bytes each); stores
     /// past it are dropped and counted in `kvroute_agent_kv_blocks_dropped_total` (under-claim).
     /// Default [`DEFAULT_MAX_BLOCKS_PER_ENGINE`] (262 144, about 29 MiB per engine).
@@ -291,6 +299,7 @@ impl Default for AgentConfig {
             metrics_addr: DEFAULT_METRICS_ADDR,
             metrics_header_timeout_ms: DEFAULT_METRICS_HEADER_TIMEOUT_MS,
             metrics_max_connections: DEFAULT_METRICS_MAX_CONNECTIONS,
+            index_block_size: kvroute_common::DEFAULT_BLOCK_SIZE as u32,
             max_blocks_per_engine: DEFAULT_MAX_BLOCKS_PER_ENGINE,
             scrape_interval_ms: DEFAULT_SCRAPE_INTERVAL_MS,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
@@ -447,6 +456,13 @@ impl AgentConfig {
             if v == 0 {
                 return bad(name, &v, "must be > 0");
             }
+        }
+        if !(1..=MAX_INDEX_BLOCK_SIZE).contains(&self.index_block_size) {
+            return bad(
+                "index_block_size",
+                &self.index_block_size,
+                "must be 1..=4096 tokens: the pickers' block_size, a divisor of every engine's --block-size",
+            );
         }
         if self.delta_queue < MIN_DELTA_QUEUE {
             return bad("delta_queue", &self.delta_queue, "must be at least 16 (deltas)");

@@ -280,6 +280,7 @@ impl EngineSet {
             model: model.clone().unwrap_or_default(),
             block_size,
             annotations: to_hash_map(&spec.annotations),
+            index_block_size: d.config.index_block_size,
         });
         // Bounded per-engine state (issue 17): blocks past the cap are dropped and counted.
         pod.set_block_capacity(d.config.max_blocks_per_engine);

@@ -118,6 +118,7 @@ fn gateway(rt: &tokio::runtime::Runtime, ids: &[u32]) -> Arc<Gateway> {
                 endpoint: format!("10.0.0.{p}:8000"),
                 model: MODEL.into(),
                 block_size: 16,
+                index_block_size: 16,
                 annotations: Default::default(),
             };
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;

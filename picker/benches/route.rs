@@ -52,6 +52,7 @@ fn fleet(n: usize, holders: usize) -> (Arc<Pool>, Vec<BlockHash>) {
                 endpoint: format!("10.0.{}.{}:8000", k / 250, k % 250),
                 model: "m".into(),
                 block_size: 16,
+                index_block_size: 16,
                 annotations: [("kvroute.io/cost-per-hour".to_string(), format!("{}", 0.5 + (k % 4) as f64))]
                     .into_iter()
                     .collect(),

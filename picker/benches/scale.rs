@@ -90,6 +90,7 @@ fn gateway(rt: &tokio::runtime::Runtime, ids: &[u32], pods: u64, own: u64) -> (A
                 endpoint: format!("10.{}.{}.{}:8000", p / 65536, (p / 256) % 256, p % 256),
                 model: MODEL.into(),
                 block_size: 16,
+                index_block_size: 16,
                 annotations: Default::default(),
             };
             let stats = PodStats {

@@ -47,6 +47,7 @@ fn gateway() -> Arc<Gateway> {
                 endpoint: format!("10.0.0.{p}:8000"),
                 model: MODEL.into(),
                 block_size: 16,
+                index_block_size: 16,
                 annotations: Default::default(),
             };
             let stats = PodStats { observed_at_unix_ms: now, health_score: 1.0, ready: true, ..Default::default() };

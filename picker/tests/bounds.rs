@@ -186,6 +186,7 @@ async fn header_only_streams_hold_no_in_flight_slot() {
         endpoint: "127.0.0.1:9".into(),
         model: "m".into(),
         block_size: 16,
+        index_block_size: 16,
         ..Default::default()
     };
     let stats = PodStats { ready: true, health_score: 1.0, ..Default::default() };

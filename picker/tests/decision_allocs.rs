@@ -30,6 +30,7 @@ async fn fleet(n: usize) -> (Arc<Pool>, Vec<BlockHash>) {
             endpoint: format!("10.0.{}.{}:8000", k / 250, k % 250),
             model: "m".into(),
             block_size: 16,
+            index_block_size: 16,
             ..PodInfo::default()
         };
         let stats = PodStats {

@@ -9,8 +9,20 @@
 //! (vLLM KV offloading `medium: CPU`, LMCache), which the picker credits partially; other media
 //! (disk, remote) only serve as parents.
 //!
+//! Index granularity (docs/design.md §2): the pickers' index hashes blocks of one size, its
+//! `block_size` (the record's `index_block_size`, 16 by default), whatever block size each engine
+//! runs with (vLLM's CPU attention needs a multiple of 32; GPU backends use 16, 32 or 64). An
+//! engine block of `B` tokens is re-hashed as `B / index_block_size` consecutive index blocks, so
+//! every engine in a pool lands on the same chains as the pickers' requests. An engine whose block
+//! size is not a multiple of the index's cannot be placed: its stores are dropped and counted.
+//! A `BlockRemoved` of an engine block removes all of its index blocks.
+//!
 //! Extra keys (docs/design.md §2): a block's `cache_salt` and multimodal items are folded into its
 //! kvroute hash after its tokens, exactly as the picker folds a request's ([`hash_block_keyed`]).
+//! When an engine block spans several index blocks, the salt goes to the first index block (the
+//! request's first `index_block_size` tokens, where the picker puts it); multimodal items cannot
+//! be placed on index blocks (vLLM's keys give an item's start in the engine block, not its end),
+//! so such blocks are skipped and counted (under-claim).
 //! Under-claim rule: a block whose parent the agent never saw is dropped and counted; so is a
 //! block whose extra keys the agent cannot interpret, and every block after it in the same run.
 //!
@@ -26,7 +38,7 @@
 //! names were searched linearly on the one KV-event thread): at most [`BlockRecord::capacity`]
 //! engine blocks over all media (default [`DEFAULT_MAX_BLOCKS`]); stores past it are dropped and
 //! counted ([`ApplyOutcome::dropped_capacity`]: under-claim), and removals make room again.
-//! Hash roots per (adapter, block size) are found through a map, at most
+//! Hash roots per adapter are found through a map, at most
 //! [`MAX_HASHED_ADAPTERS`] adapters kept (cheap to recompute: dropped all at once when full);
 //! at most [`MAX_MEDIA`] media are told apart, stores on further ones are dropped and counted.
 //!
@@ -35,7 +47,7 @@
 use super::kv_events::{BlockExtra, BlockStored, KvEvent, KvEventBatch, Medium};
 use fold_hash::{FoldMap, FoldSet, FoldState};
 use kvroute_common::hash::{hash_block, hash_block_keyed};
-use kvroute_common::{BlockHash, BlockHasher, EngineBlockHash};
+use kvroute_common::{BlockHash, BlockHasher, EngineBlockHash, ExtraKey};
 use kvroute_proto::agent::v1::{BlockChanges, BlockRun};
 
 mod fold_hash;
@@ -56,6 +68,9 @@ pub struct ApplyOutcome {
     /// Blocks dropped because the record was full ([`BlockRecord::capacity`]) or their medium
     /// was one too many ([`MAX_MEDIA`]).
     pub dropped_capacity: u64,
+    /// Blocks dropped because their engine block size is not a multiple of the index's
+    /// ([`BlockRecord::index_block_size`]).
+    pub dropped_block_size: u64,
     /// Times the record was cleared because the decoder lost events that may have removed
     /// blocks ([`KvEvent::Untrusted`]).
     pub untrusted_clears: u64,
@@ -88,6 +103,16 @@ impl Tier {
         self.pending_cleared = true;
         self.pending_stored.clear();
         self.pending_removed.clear();
+    }
+
+    /// Unrefs the index blocks of one engine block, from its last back through the parents.
+    fn unref_run(&mut self, entry: EngineEntry) {
+        let mut next = Some(entry.last);
+        for _ in 0..entry.index_blocks {
+            let Some(kv) = next else { break };
+            next = self.blocks.get(&kv).and_then(|b| b.parent);
+            self.unref(kv);
+        }
     }
 
     fn unref(&mut self, kv: BlockHash) {
@@ -135,19 +160,30 @@ fn tier_of(m: MediumId) -> Option<usize> {
     }
 }
 
+/// What an engine block maps to: the kvroute hash of its last index block, and how many index
+/// blocks it spans (each the parent of the next, so the others are found through the tier's
+/// parents).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EngineEntry {
+    last: BlockHash,
+    index_blocks: u16,
+}
+
 /// One engine's blocks. `model` is the base model id used as the hash root.
 #[derive(Debug)]
 pub struct BlockRecord {
     model: String,
+    /// Tokens per kvroute block (the pickers' index granularity).
+    index_block_size: u32,
     /// Interned media: index = medium id used in `engine_to_kv` keys.
     media: Vec<Medium>,
-    engine_to_kv: FoldMap<(MediumId, EngineBlockHash), BlockHash>,
+    engine_to_kv: FoldMap<(MediumId, EngineBlockHash), EngineEntry>,
     /// GPU, then CPU.
     tiers: [Tier; 2],
-    /// Hashers of the base model, by block size.
-    base_hashers: FoldMap<u32, BlockHasher>,
-    /// Hashers per LoRA adapter name, by block size (at most [`MAX_HASHED_ADAPTERS`] names).
-    lora_hashers: FoldMap<Box<str>, FoldMap<u32, BlockHasher>>,
+    /// Hasher of the base model.
+    base_hasher: Option<BlockHasher>,
+    /// Hashers per LoRA adapter name (at most [`MAX_HASHED_ADAPTERS`] names).
+    lora_hashers: FoldMap<Box<str>, BlockHasher>,
     /// Most entries of `engine_to_kv`.
     capacity: usize,
     scratch: Vec<BlockHash>,
@@ -157,14 +193,16 @@ pub struct BlockRecord {
 }
 
 impl BlockRecord {
-    /// An empty record for an engine serving base model `model`.
-    pub fn new(model: &str) -> Self {
+    /// An empty record for an engine serving base model `model`, hashing index blocks of
+    /// `index_block_size` tokens (the pickers' `block_size`; 0 is taken as 1).
+    pub fn new(model: &str, index_block_size: u32) -> Self {
         Self {
             model: model.to_string(),
+            index_block_size: index_block_size.max(1),
             media: vec![Medium::Gpu, Medium::Cpu],
             engine_to_kv: FoldMap::default(),
             tiers: [Tier::default(), Tier::default()],
-            base_hashers: FoldMap::default(),
+            base_hasher: None,
             lora_hashers: FoldMap::default(),
             capacity: DEFAULT_MAX_BLOCKS,
             scratch: Vec::new(),
@@ -177,7 +215,7 @@ impl BlockRecord {
     pub fn set_model(&mut self, model: &str) {
         if self.model != model {
             self.model = model.to_string();
-            self.base_hashers.clear();
+            self.base_hasher = None;
             self.lora_hashers.clear();
             self.clear();
         }
@@ -186,6 +224,11 @@ impl BlockRecord {
     /// Base model id of the hash root.
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// Tokens per kvroute block sent to the pickers.
+    pub fn index_block_size(&self) -> u32 {
+        self.index_block_size
     }
 
     /// Most engine blocks held over all media; stores past it are dropped (counted).
@@ -242,10 +285,10 @@ impl BlockRecord {
                     // A medium never stored on holds nothing to remove.
                     let Some(m) = self.find_medium(medium) else { continue };
                     for h in block_hashes {
-                        if let Some(kv) = self.engine_to_kv.remove(&(m, *h))
+                        if let Some(entry) = self.engine_to_kv.remove(&(m, *h))
                             && let Some(t) = tier_of(m)
                         {
-                            self.tiers[t].unref(kv);
+                            self.tiers[t].unref_run(entry);
                         }
                     }
                 }
@@ -286,91 +329,110 @@ impl BlockRecord {
     fn lookup_parent(&self, parent: EngineBlockHash) -> Option<BlockHash> {
         (0..self.media.len()).find_map(|m| {
             let m = MediumId::try_from(m).ok()?;
-            self.engine_to_kv.get(&(m, parent)).copied()
+            self.engine_to_kv.get(&(m, parent)).map(|e| e.last)
         })
     }
 
     fn stored(&mut self, s: &BlockStored, out: &mut ApplyOutcome) {
-        let n = s.block_hashes.len() as u64;
+        let n = s.block_hashes.len();
+        let (bs, g) = (s.block_size as usize, self.index_block_size as usize);
+        // Index blocks per engine block; an engine block must be a whole number of them.
+        let per = match (bs % g, u16::try_from(bs / g)) {
+            (0, Ok(per)) if per > 0 => per,
+            _ => {
+                out.dropped_block_size += n as u64;
+                return;
+            }
+        };
         let parent = match s.parent {
             None => None,
             Some(p) => match self.lookup_parent(p) {
                 Some(kv) => Some(kv),
                 None => {
-                    out.dropped_unknown_parent += n;
+                    out.dropped_unknown_parent += n as u64;
                     return;
                 }
             },
         };
         let Some(medium) = self.intern_medium(&s.medium) else {
-            out.dropped_capacity += n;
+            out.dropped_capacity += n as u64;
             return;
         };
-        let hasher = self.hasher(s.lora_name.as_deref(), s.block_size);
-        let start = parent.unwrap_or_else(|| hasher.root());
-        // Re-hash block by block, folding each block's extra keys; stop at the first block that
-        // cannot be placed (too few tokens, uninterpretable keys): its prefix is unknown.
-        let n = s.block_hashes.len();
-        let bs = s.block_size as usize;
+        let hasher = self.hasher(s.lora_name.as_deref());
+        // Re-hash engine block by engine block, each as `per` index blocks, folding its extra
+        // keys; stop at the first engine block that cannot be placed (too few tokens,
+        // uninterpretable keys): its prefix is unknown.
         self.scratch.clear();
-        let mut prev = start;
+        let mut prev = parent.unwrap_or_else(|| hasher.root());
         for i in 0..n {
             let Some(tokens) = s.token_ids.get(i * bs..(i + 1) * bs) else {
                 out.dropped_short_tokens += (n - i) as u64;
                 break;
             };
-            prev = match s.extra_keys.get(i).unwrap_or(&BlockExtra::Plain) {
-                BlockExtra::Plain => hash_block(prev, tokens),
-                BlockExtra::Keys(keys) => hash_block_keyed(prev, tokens, keys),
-                BlockExtra::Opaque => {
+            let keys: &[ExtraKey] = match s.extra_keys.get(i).unwrap_or(&BlockExtra::Plain) {
+                BlockExtra::Plain => &[],
+                BlockExtra::Keys(keys) if per == 1 || keys.iter().all(|k| matches!(k, ExtraKey::Str(_))) => keys,
+                BlockExtra::Keys(_) | BlockExtra::Opaque => {
                     out.skipped_extra_keys += (n - i) as u64;
                     break;
                 }
             };
-            self.scratch.push(prev);
+            for (j, sub) in tokens.chunks_exact(g).enumerate() {
+                // The salt (the only string key) is the request's first index block's, as the
+                // picker places it; a one-index-block engine block keeps all its keys.
+                prev =
+                    if j == 0 && !keys.is_empty() { hash_block_keyed(prev, sub, keys) } else { hash_block(prev, sub) };
+                self.scratch.push(prev);
+            }
         }
-        let placed = self.scratch.len();
+        let placed = self.scratch.len() / usize::from(per);
         let tier = tier_of(medium);
-        let mut run: Vec<BlockHash> = Vec::with_capacity(placed);
+        let mut run: Vec<BlockHash> = Vec::with_capacity(self.scratch.len());
         let mut prev = parent;
         let mut run_parent = parent;
         let hashes = std::mem::take(&mut self.scratch);
-        for (i, (engine_hash, kv)) in s.block_hashes.iter().zip(hashes.iter().copied()).take(placed).enumerate() {
+        for (i, (engine_hash, subs)) in
+            s.block_hashes.iter().zip(hashes.chunks_exact(usize::from(per))).take(placed).enumerate()
+        {
             let key = (medium, *engine_hash);
             if self.engine_to_kv.len() >= self.capacity && !self.engine_to_kv.contains_key(&key) {
                 // Full: the rest of the run (each block a child of the one before) is not kept.
                 out.dropped_capacity += (placed - i) as u64;
                 break;
             }
-            let old = self.engine_to_kv.insert(key, kv);
+            let entry = EngineEntry { last: subs[subs.len() - 1], index_blocks: per };
+            let old = self.engine_to_kv.insert(key, entry);
             if let Some(t) = tier {
                 let tier = &mut self.tiers[t];
                 match old {
                     // Re-store of a known engine block: nothing new in the tier.
-                    Some(old) if old == kv => {}
+                    Some(old) if old == entry => {}
                     other => {
                         if let Some(old) = other {
-                            tier.unref(old);
+                            tier.unref_run(old);
                         }
-                        let entry = tier.blocks.entry(kv).or_insert(TierBlock { parent: prev, refs: 0 });
-                        entry.refs += 1;
-                        if entry.refs == 1 {
-                            if run.is_empty() {
-                                run_parent = prev;
+                        for &kv in subs {
+                            let entry = tier.blocks.entry(kv).or_insert(TierBlock { parent: prev, refs: 0 });
+                            entry.refs += 1;
+                            if entry.refs == 1 {
+                                if run.is_empty() {
+                                    run_parent = prev;
+                                }
+                                run.push(kv);
+                                if t == GPU_TIER {
+                                    out.stored_gpu += 1;
+                                } else {
+                                    out.stored_cpu += 1;
+                                }
+                            } else if !run.is_empty() {
+                                tier.pending_stored.push((run_parent, std::mem::take(&mut run)));
                             }
-                            run.push(kv);
-                            if t == GPU_TIER {
-                                out.stored_gpu += 1;
-                            } else {
-                                out.stored_cpu += 1;
-                            }
-                        } else if !run.is_empty() {
-                            tier.pending_stored.push((run_parent, std::mem::take(&mut run)));
+                            prev = Some(kv);
                         }
                     }
                 }
             }
-            prev = Some(kv);
+            prev = Some(entry.last);
         }
         self.scratch = hashes;
         if let Some(t) = tier
@@ -380,22 +442,23 @@ impl BlockRecord {
         }
     }
 
-    /// The hasher of (`lora`, `block_size`) under the record's model, from the index (filled on
-    /// first use; the adapter index is dropped whole when it reaches [`MAX_HASHED_ADAPTERS`]).
-    fn hasher(&mut self, lora: Option<&str>, block_size: u32) -> BlockHasher {
-        let model = &self.model;
-        let make = || BlockHasher::new(model, lora, block_size as usize);
+    /// The hasher of `lora` under the record's model at the index granularity, from the index
+    /// (filled on first use; the adapter index is dropped whole when it reaches
+    /// [`MAX_HASHED_ADAPTERS`]).
+    fn hasher(&mut self, lora: Option<&str>) -> BlockHasher {
+        let (model, g) = (&self.model, self.index_block_size as usize);
+        let make = || BlockHasher::new(model, lora, g);
         let Some(name) = lora else {
-            return self.base_hashers.entry(block_size).or_insert_with(make).clone();
+            return self.base_hasher.get_or_insert_with(make).clone();
         };
-        if let Some(h) = self.lora_hashers.get(name).and_then(|m| m.get(&block_size)) {
+        if let Some(h) = self.lora_hashers.get(name) {
             return h.clone();
         }
-        if self.lora_hashers.len() >= MAX_HASHED_ADAPTERS && !self.lora_hashers.contains_key(name) {
+        if self.lora_hashers.len() >= MAX_HASHED_ADAPTERS {
             self.lora_hashers.clear();
         }
         let h = make();
-        self.lora_hashers.entry(name.into()).or_default().insert(block_size, h.clone());
+        self.lora_hashers.insert(name.into(), h.clone());
         h
     }
 

@@ -114,6 +114,11 @@ impl Pod {
         self.inner.lock().info.block_size
     }
 
+    /// Tokens per kvroute block the pod's record hashes (the pickers' index granularity).
+    pub fn index_block_size(&self) -> u32 {
+        self.inner.lock().record.index_block_size()
+    }
+
     /// Applies a KV-event batch to the record; changes wait for [`Pod::flush_blocks`].
     pub fn apply_batch(&self, batch: &KvEventBatch) -> ApplyOutcome {
         self.inner.lock().record.apply(batch)
@@ -213,6 +218,15 @@ impl Pod {
     }
 }
 
+/// Tokens per kvroute block for `info`'s record: its `index_block_size`, else (unset) the engine's
+/// block size, else the default.
+fn index_granularity(info: &PodInfo) -> u32 {
+    [info.index_block_size, info.block_size]
+        .into_iter()
+        .find(|&b| b != 0)
+        .unwrap_or(kvroute_common::DEFAULT_BLOCK_SIZE as u32)
+}
+
 /// All pods of this agent and the broadcast channel of their deltas.
 pub struct Hub {
     pods: Mutex<Arc<Vec<Arc<Pod>>>>,
@@ -232,7 +246,7 @@ impl Hub {
         Arc::new(Pod {
             name: info.pod.clone(),
             inner: Mutex::new(PodInner {
-                record: BlockRecord::new(&info.model),
+                record: BlockRecord::new(&info.model, index_granularity(&info)),
                 info,
                 info_version: 0,
                 seq: 0,

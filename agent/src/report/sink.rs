@@ -21,6 +21,8 @@ pub(crate) struct PodSink {
     alive: Weak<()>,
     dropped: Counter,
     block_events: Counter,
+    /// Whether the engine's block size was already reported as unusable (logged once).
+    warned_block_size: bool,
 }
 
 impl PodSink {
@@ -29,7 +31,7 @@ impl PodSink {
         let labels = pod_label(pod.name());
         let dropped = metrics.kv_blocks_dropped.get_or_create(&labels).clone();
         let block_events = metrics.kv_block_events.get_or_create(&labels).clone();
-        Self { pod, alive, dropped, block_events }
+        Self { pod, alive, dropped, block_events, warned_block_size: false }
     }
 }
 
@@ -47,8 +49,16 @@ impl EventSink for PodSink {
             .sum();
         self.block_events.inc_by(blocks as u64);
         let out = self.pod.apply_batch(&msg.batch);
-        let dropped =
-            out.dropped_unknown_parent + out.skipped_extra_keys + out.dropped_short_tokens + out.dropped_capacity;
+        let dropped = out.dropped_unknown_parent
+            + out.skipped_extra_keys
+            + out.dropped_short_tokens
+            + out.dropped_capacity
+            + out.dropped_block_size;
+        if out.dropped_block_size > 0 && !self.warned_block_size {
+            self.warned_block_size = true;
+            tracing::warn!(pod = %self.pod.name(), index_block_size = self.pod.index_block_size(),
+                "engine block size is not a multiple of the index block size: its blocks are dropped (set the agent's index_block_size to a divisor of the engine's --block-size, equal to the pickers' block_size)");
+        }
         if dropped > 0 {
             self.dropped.inc_by(dropped);
             tracing::debug!(pod = %self.pod.name(), seq = msg.seq, ?out, "blocks dropped");

@@ -70,8 +70,9 @@ pub struct InFlightSlot {
     pub(super) rec: Arc<PodRecord>,
     pub(super) id: u64,
     pub(super) routed_ms: i64,
-    /// Predicted cached prompt tokens (matched blocks × block size).
+    /// Predicted cached prompt tokens (matched index blocks × the index's block size).
     pub(super) predicted_tokens: u64,
+    /// Tokens per engine block of the pod (the staleness tolerance).
     pub(super) block_size: u64,
     /// Told once when the slot is released, with its id (pending chains, the replica stream).
     pub(super) on_release: Option<(Arc<dyn ReleaseHook>, u64)>,
@@ -96,7 +97,7 @@ impl fmt::Debug for InFlightSlot {
 
 impl InFlightSlot {
     /// Called when the engine's usage arrives: returns true when the routing was stale (actual
-    /// cached tokens < predicted matched tokens by more than one block, docs/design.md §5).
+    /// cached tokens < predicted matched tokens by more than one engine block, docs/design.md §5).
     pub fn observe_cached_tokens(&self, cached_tokens: u32) -> bool {
         self.predicted_tokens > u64::from(cached_tokens) + self.block_size
     }

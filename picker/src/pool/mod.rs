@@ -141,7 +141,11 @@ pub(crate) struct PodStatus {
     /// "ip:port" (shared with decisions' candidate lists without copying).
     pub(crate) endpoint: Arc<str>,
     pub(crate) model: String,
+    /// Tokens per engine block (vLLM `--block-size`; 0 = unknown, the index's is assumed).
     pub(crate) block_size: u32,
+    /// The pod's block hashes are of another granularity than the index's (a misconfigured
+    /// agent): they are not indexed, the pod is routed by load alone.
+    pub(crate) index_mismatch: bool,
     /// Latest stats; `None` until the first report (the pod is then not ready).
     pub(crate) stats: Option<PodStats>,
     /// When `stats` arrived (monotonic, the picker's clock), for the report-age limit.
@@ -566,16 +570,19 @@ impl Selection<'_> {
         let id = pool.next_slot.fetch_add(1, Ordering::Relaxed);
         rec.inflight.reserve(routed_ms, id);
         drop(guard);
-        let block_size = match status.block_size {
-            0 => pool.config.block_size as u64,
+        // The claim is counted in index blocks; the engine caches (and its usage counts) whole
+        // engine blocks, so the staleness tolerance is one engine block.
+        let index_block = pool.config.block_size as u64;
+        let engine_block = match status.block_size {
+            0 => index_block,
             b => u64::from(b),
         };
         InFlightSlot {
             rec: rec.clone(),
             id,
             routed_ms,
-            predicted_tokens: u64::from(matched_blocks) * block_size,
-            block_size,
+            predicted_tokens: u64::from(matched_blocks) * index_block,
+            block_size: engine_block,
             on_release: None,
         }
     }

@@ -16,6 +16,7 @@ pub(crate) fn info(pod: &str, model: &str) -> PodInfo {
         endpoint: format!("{pod}:8000"),
         model: model.into(),
         block_size: 16,
+        index_block_size: 16,
         annotations: Default::default(),
     }
 }
@@ -254,4 +255,42 @@ async fn an_unreachable_pod_returns_when_its_endpoint_accepts_connections() {
     assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 1);
     assert!(!pool.pods()[0].unreachable, "a successful connect clears the mark");
     assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 0);
+}
+
+/// An agent hashing blocks of another size than the index's (misconfigured `index_block_size`, or
+/// an older agent whose engine blocks differ) has its blocks left out of the index, never mixed
+/// in: the pod stays a candidate by load. An engine block size that differs is fine as long as
+/// the agent hashes at the index's granularity.
+#[tokio::test]
+async fn blocks_of_another_granularity_are_not_indexed() {
+    let pool = small();
+    let snapshot = |pod: &str, block_size, index_block_size| PoolUpdate::Snapshot {
+        stream: 1,
+        info: PodInfo { block_size, index_block_size, ..info(pod, "m") },
+        seq: 0,
+        stats: Some(stats(0.0, 0, 1.0)),
+        blocks: chain(0, 4),
+    };
+    for u in [snapshot("engine-32", 32, 16), snapshot("agent-32", 32, 32), snapshot("old-agent-32", 32, 0)] {
+        assert!(pool.update(u).await.is_ok());
+    }
+    assert!(pool.sync().await.is_ok());
+    let blocks = |name: &str| pool.pods().iter().find(|p| p.name == name).map(|p| p.blocks);
+    assert_eq!(blocks("engine-32"), Some(4));
+    assert_eq!(blocks("agent-32"), Some(0));
+    assert_eq!(blocks("old-agent-32"), Some(0));
+    assert_eq!(pool.index_stats().entries, 4);
+    // Deltas of such a pod are refused too.
+    let u = PoolUpdate::Delta {
+        stream: 1,
+        pod: "agent-32".into(),
+        seq: 1,
+        cleared: false,
+        stored: chain(50, 2),
+        removed: Vec::new(),
+        stats: None,
+    };
+    assert!(pool.update(u).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    assert_eq!(blocks("agent-32"), Some(0));
 }

@@ -185,16 +185,13 @@ impl Writer {
                 self.table_dirty = true;
             }
             p.status.block_size = info.block_size;
+            p.status.index_mismatch = index_mismatch(info, self.config.block_size);
             (p.status.annotations, p.status.cost_per_hour) = merged_annotations(info, &member.annotations);
             p.status.connected = true;
             p.status.disconnected_at = None;
             p.owner = stream;
             p.dirty = true;
             return Some(idx);
-        }
-        if info.block_size != 0 && info.block_size as usize != self.config.block_size {
-            warn!(pod = %info.pod, pod_block_size = info.block_size, picker_block_size = self.config.block_size,
-                "pod's block size differs from the picker's: its blocks will not match requests");
         }
         if let Some(&idx) = self.names.get(&info.pod) {
             if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut) {
@@ -206,6 +203,7 @@ impl Writer {
                     self.table_dirty = true;
                 }
                 p.status.block_size = info.block_size;
+                p.status.index_mismatch = index_mismatch(info, self.config.block_size);
                 (p.status.annotations, p.status.cost_per_hour) = super::annotations_of(info);
                 p.status.connected = true;
                 p.status.disconnected_at = None;
@@ -225,6 +223,7 @@ impl Writer {
             endpoint: Arc::from(info.endpoint.as_str()),
             model: info.model.clone(),
             block_size: info.block_size,
+            index_mismatch: index_mismatch(info, self.config.block_size),
             stats: None,
             stats_at: None,
             connected: true,
@@ -322,6 +321,7 @@ impl Writer {
                 endpoint: m.addr.clone(),
                 model: String::new(),
                 block_size: 0,
+                index_mismatch: false,
                 stats: None,
                 stats_at: None,
                 connected: false,
@@ -372,7 +372,8 @@ impl Writer {
             }
             PoolUpdate::Snapshot { stream, info, seq, stats, blocks } => {
                 let Some(idx) = self.register(&info, stream) else { return };
-                self.index.replace_pod(idx, &blocks);
+                let blocks: &[kvroute_common::BlockHash] = if self.indexable(idx) { &blocks } else { &[] };
+                self.index.replace_pod(idx, blocks);
                 self.set_stats(idx, stats, seq);
             }
             PoolUpdate::Delta { stream: _, pod, seq, cleared, stored, removed, stats } => {
@@ -383,7 +384,9 @@ impl Writer {
                 if cleared {
                     self.index.clear_pod(idx);
                 }
-                self.index.store(idx, &stored);
+                if self.indexable(idx) {
+                    self.index.store(idx, &stored);
+                }
                 self.index.remove(idx, &removed);
                 self.set_stats(idx, stats, seq);
             }
@@ -395,7 +398,9 @@ impl Writer {
                 if cleared {
                     self.cpu.clear_pod(idx);
                 }
-                self.cpu.store(idx, &stored);
+                if self.indexable(idx) {
+                    self.cpu.store(idx, &stored);
+                }
                 self.cpu.remove(idx, &removed);
             }
             PoolUpdate::Membership { view } => self.set_membership(&view),
@@ -411,6 +416,11 @@ impl Writer {
                 }
             }
         }
+    }
+
+    /// Whether the pod's block hashes are of the index's granularity.
+    fn indexable(&self, idx: PodIdx) -> bool {
+        self.pods.get(idx.as_usize()).and_then(Option::as_ref).is_some_and(|p| !p.status.index_mismatch)
     }
 
     /// Drops pods whose grace period is over.
@@ -452,6 +462,20 @@ impl Writer {
         self.table_dirty = true;
         self.publish();
     }
+}
+
+/// Whether `info`'s block hashes are of another granularity than the index's `block_size`
+/// (tokens): the agent's `index_block_size`, or, from an agent that does not send it, the engine's
+/// block size. Logged, since no block of the pod can then match a request.
+fn index_mismatch(info: &PodInfo, block_size: usize) -> bool {
+    let granularity = if info.index_block_size != 0 { info.index_block_size } else { info.block_size };
+    let mismatch = granularity != 0 && granularity as usize != block_size;
+    if mismatch {
+        warn!(pod = %info.pod, agent_index_block_size = granularity, engine_block_size = info.block_size,
+            picker_block_size = block_size,
+            "the agent hashes blocks of another size than the picker's index: the pod's blocks are not indexed (set the agent's index_block_size to the picker's block_size)");
+    }
+    mismatch
 }
 
 /// `info`'s annotations merged under the pool's (`pool` wins on a shared key), sorted, and the

@@ -621,7 +621,8 @@ impl Router {
     ) {
         // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
         shared.pending.prefilling(index, self.config.prefill_tie_break, &mut sc.prefilling);
-        overlay_pending(sc, table, shared, chain, now);
+        let index_block = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
+        overlay_pending(sc, table, shared, chain, now, index_block);
         self.overlay_offloaded(sc, table, chain);
     }
 
@@ -761,12 +762,28 @@ fn overlay_pending(
     shared: &SharedState,
     chain: &[kvroute_common::BlockHash],
     now: i64,
+    index_block: u32,
 ) {
     sc.frontiers.clear();
     sc.frontiers.extend(sc.rows.iter().map(|r| (table.pods[r.pod as usize].idx, r.matched)));
     shared.pending.extend_all(chain, now, &sc.frontiers, &mut sc.extension);
     for (row, ext) in sc.rows.iter_mut().zip(&sc.extension) {
-        row.pending = *ext;
+        // The engine will cache whole engine blocks only: credit pending index blocks up to the
+        // last engine block they complete (indexed blocks always end on one, the agent stores
+        // engine blocks whole).
+        let per = engine_block_in_index_blocks(table.status[row.pod as usize].block_size, index_block);
+        let credited = row.matched.saturating_add(*ext);
+        row.pending = (credited - credited % per).saturating_sub(row.matched);
+    }
+}
+
+/// Index blocks per engine block of a pod whose engine block is `engine_block` tokens, for an
+/// index of `index_block`-token blocks: 1 when unknown (0) or not a whole multiple (the agent then
+/// sends no blocks of the pod anyway).
+fn engine_block_in_index_blocks(engine_block: u32, index_block: u32) -> u32 {
+    match (engine_block, index_block) {
+        (e, i) if i > 0 && e > i && e % i == 0 => e / i,
+        _ => 1,
     }
 }
 

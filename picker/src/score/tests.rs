@@ -613,3 +613,47 @@ async fn the_load_forecast_uses_the_last_busy_report_and_caps_at_one() {
     assert_eq!(e.candidates.first().map(|c| c.load), Some(0.0), "{e:?}");
     drop(d);
 }
+
+/// docs/design.md §2 index granularity: pods whose engines run 16-, 32- and 64-token blocks share
+/// one 16-token index. Claims and predicted tokens count index blocks; the staleness tolerance is
+/// the pod's own engine block; pending credit stops at the last engine block it completes; the
+/// CPU tier's credit starts from there.
+#[tokio::test]
+async fn engines_of_16_32_and_64_token_blocks_share_one_index() {
+    use crate::pool::tests::info;
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(900, 10);
+    let engines = [("e16", 16u32), ("e32", 32), ("e64", 64)];
+    for (name, engine_block) in engines {
+        let info = kvroute_proto::agent::v1::PodInfo { block_size: engine_block, ..info(name, "m") };
+        // Each holds the prompt's first 64 tokens: 4 index blocks (4, 2 and 1 engine blocks).
+        let u =
+            PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats(0.0, 0, 1.0)), blocks: c[..4].to_vec() };
+        assert!(pool.update(u).await.is_ok());
+    }
+    assert!(pool.sync().await.is_ok());
+    let e = r.explain(&req(&c));
+    assert!(e.candidates.iter().all(|k| k.matched_blocks == 4), "{:?}", e.candidates);
+    let (mut held, mut seen) = (Vec::new(), Vec::new());
+    for (name, engine_block) in engines {
+        let subset = vec![format!("{name}:8000")];
+        let Ok(d) = r.route(&RouteRequest { subset: Some(&subset), ..req(&c) }) else { panic!("no decision") };
+        assert_eq!(d.pod, name);
+        // Predicted: 4 index blocks = 64 tokens, whatever the engine's block size. The engine
+        // may report one engine block less (the last prompt token is never cached).
+        let ok = 64 - engine_block;
+        assert!(!d.slot.observe_cached_tokens(ok), "{name}: {ok} cached is within one engine block of 64");
+        assert_eq!(d.slot.observe_cached_tokens(ok.saturating_sub(1)), ok > 0, "{name}: below one engine block");
+        seen.push((name, engine_block));
+        held.push(d);
+    }
+    // Each routed request is pending on its pod: the whole 10-block chain on e16 and e32 (5 engine
+    // blocks of 32), but only 8 on e64 (2 engine blocks; the rest it will never cache).
+    let e = r.explain(&req(&c));
+    let credited =
+        |pod: &str| e.candidates.iter().find(|k| k.pod.as_ref() == pod).map(|k| (k.matched_blocks, k.pending_blocks));
+    assert_eq!(credited("e16"), Some((10, 6)), "{:?}", e.candidates);
+    assert_eq!(credited("e32"), Some((10, 6)));
+    assert_eq!(credited("e64"), Some((8, 4)));
+    drop(held);
+}

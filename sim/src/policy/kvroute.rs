@@ -132,6 +132,7 @@ impl KvroutePolicy {
                 endpoint: format!("10.0.{}.{}:8000", i / 256, i % 256),
                 model: MODEL.into(),
                 block_size: 16,
+                index_block_size: 16,
                 annotations: Default::default(),
             };
             let stats = Some(to_stats(&EngineStats::default(), 0));

@@ -78,6 +78,7 @@ impl FakePod {
             endpoint: self.endpoint.clone(),
             model: self.model.clone(),
             block_size: 16,
+            index_block_size: 16,
             annotations: Default::default(),
         }
     }

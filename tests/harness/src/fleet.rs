@@ -206,15 +206,19 @@ async fn start_engine(spec: &FleetSpec, engine: &Engine, i: usize, name: &str, w
     }
 }
 
+/// A command's arguments and extra environment variables.
+type CommandLine = (Vec<String>, Vec<(String, String)>);
+
 /// `vllm serve` arguments and environment for `engine` (docs/operations.md, "Real vLLM"): the
 /// random-weight model under the fleet's model name, prefix caching, usage with cached tokens,
 /// KV events on ZeroMQ (publisher and replay), tools, LoRA when asked, one core per engine.
-fn vllm_command(spec: &FleetSpec, v: &VllmSpec, e: &Engine, i: usize) -> Result<(Vec<String>, Vec<(String, String)>)> {
+fn vllm_command(spec: &FleetSpec, v: &VllmSpec, e: &Engine, i: usize) -> Result<CommandLine> {
     let model_dir = paths::vllm_model()?;
     let kv_events = json!({
         "enable_kv_cache_events": true,
         "publisher": "zmq",
-        "endpoint": format!("tcp://127.0.0.1:{}", e.kv_events_port),
+        // vLLM binds only a wildcard endpoint (`tcp://*:P`); it connects to any other.
+        "endpoint": format!("tcp://*:{}", e.kv_events_port),
         "replay_endpoint": format!("tcp://127.0.0.1:{}", e.kv_replay_port),
         "topic": format!("kv@127.0.0.1@{}", spec.model),
     });
@@ -245,7 +249,9 @@ fn vllm_command(spec: &FleetSpec, v: &VllmSpec, e: &Engine, i: usize) -> Result<
         args.push("--lora-modules".into());
         args.extend(modules);
     }
-    args.extend(["--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-auto-tool-choice"].map(String::from));
+    args.extend(
+        ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-auto-tool-choice"].map(String::from),
+    );
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let env = [
         ("VLLM_TARGET_DEVICE", "cpu".to_owned()),

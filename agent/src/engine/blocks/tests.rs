@@ -39,7 +39,7 @@ fn fixture_batches_in_order() {
     for folder in ["v0.33", "legacy-array"] {
         let (a, b) = prompts();
         let (ca, cb) = (chain(None, &a), chain(None, &b));
-        let mut rec = BlockRecord::new(MODEL);
+        let mut rec = BlockRecord::new(MODEL, 16);
 
         let out = rec.apply(&batch(folder, 0));
         assert_eq!(out.stored_gpu, 3);
@@ -89,7 +89,7 @@ fn fixture_batches_in_order() {
 
 #[test]
 fn unknown_parent_is_dropped_and_counted() {
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     let out = rec.apply(&batch("v0.33", 1));
     assert_eq!(out.dropped_unknown_parent, 2);
     assert_eq!(out.stored_gpu, 0);
@@ -100,7 +100,7 @@ fn unknown_parent_is_dropped_and_counted() {
 fn cpu_block_can_parent_a_gpu_block() {
     let (a, _) = prompts();
     let ca = chain(None, &a);
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     rec.apply(&KvEventBatch {
         ts: 0.0,
         events: vec![KvEvent::Stored(BlockStored {
@@ -157,7 +157,7 @@ fn cpu_block_can_parent_a_gpu_block() {
 
 #[test]
 fn store_then_remove_within_a_window_nets_out() {
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     rec.apply(&batch("v0.33", 0));
     rec.apply(&batch("v0.33", 1));
     rec.apply(&batch("v0.33", 2));
@@ -172,7 +172,7 @@ fn store_then_remove_within_a_window_nets_out() {
 
 #[test]
 fn set_model_clears() {
-    let mut rec = BlockRecord::new("other-model");
+    let mut rec = BlockRecord::new("other-model", 16);
     rec.apply(&batch("v0.33", 0));
     rec.take_changes();
     rec.set_model(MODEL);
@@ -202,7 +202,7 @@ fn one_block(hash: u64, parent: Option<u64>, tokens: &[u32], medium: Medium) -> 
 fn block_on_another_medium_can_parent_a_gpu_block() {
     let (a, _) = prompts();
     let ca = chain(None, &a);
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     let disk = Medium::Other("disk".into());
     rec.apply(&one_block(1, None, &a[..16], disk.clone()));
     assert!(!rec.has_changes());
@@ -224,7 +224,7 @@ fn block_on_another_medium_can_parent_a_gpu_block() {
 #[test]
 fn removal_from_a_medium_never_seen_changes_nothing() {
     let (a, _) = prompts();
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     rec.apply(&one_block(1, None, &a[..16], Medium::Gpu));
     rec.take_changes();
     rec.apply(&KvEventBatch {
@@ -249,7 +249,7 @@ fn salted_and_multimodal_blocks_hash_like_the_picker() {
     let mut want = Vec::new();
     BlockHasher::new(MODEL, None, 16).hash_prompt_keyed(&a[..48], &keys, &mut want);
     // What vLLM sends: block 0 carries the salt, block 1 the image (offset 20 − 16 = 4).
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     rec.apply(&KvEventBatch {
         ts: 0.0,
         events: vec![KvEvent::Stored(BlockStored {
@@ -295,7 +295,7 @@ fn inline_image_identifiers_fold_like_the_picker() {
     };
     let engine = |identifier: &str| {
         let item = |offset| BlockExtra::Keys(vec![ExtraKey::Item(identifier.into(), offset)]);
-        let mut rec = BlockRecord::new(MODEL);
+        let mut rec = BlockRecord::new(MODEL, 16);
         rec.apply(&KvEventBatch {
             ts: 0.0,
             events: vec![KvEvent::Stored(BlockStored {
@@ -334,7 +334,7 @@ fn a_full_record_drops_new_stores_counted_until_removals_make_room() {
     for folder in ["v0.33", "legacy-array"] {
         let (a, b) = prompts();
         let (ca, cb) = (chain(None, &a), chain(None, &b));
-        let mut rec = BlockRecord::new(MODEL);
+        let mut rec = BlockRecord::new(MODEL, 16);
         assert_eq!(rec.capacity(), DEFAULT_MAX_BLOCKS);
         rec.set_capacity(4);
         assert_eq!(rec.apply(&batch(folder, 0)).stored_gpu, 3);
@@ -359,7 +359,7 @@ fn a_full_record_drops_new_stores_counted_until_removals_make_room() {
 #[test]
 fn adapters_are_found_by_name_and_their_index_stays_bounded() {
     let (a, _) = prompts();
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     let adapters = MAX_HASHED_ADAPTERS + 100;
     for i in 0..adapters {
         let name = format!("adapter-{i}");
@@ -379,7 +379,7 @@ fn adapters_are_found_by_name_and_their_index_stays_bounded() {
 #[test]
 fn stores_on_media_past_the_limit_are_dropped_counted() {
     let (a, _) = prompts();
-    let mut rec = BlockRecord::new(MODEL);
+    let mut rec = BlockRecord::new(MODEL, 16);
     let mut dropped = 0;
     for i in 0..MAX_MEDIA as u64 + 4 {
         let out = rec.apply(&one_block(i, None, &a[..16], Medium::Other(format!("tier-{i}"))));
@@ -388,4 +388,125 @@ fn stores_on_media_past_the_limit_are_dropped_counted() {
     // GPU and CPU are two of the limit's media; 14 others fit.
     assert_eq!(dropped, 6);
     assert_eq!(rec.len(), MAX_MEDIA - 2);
+}
+
+/// A run of `tokens.len() / block_size` engine blocks (hashes `first..`) from the chain's start.
+fn engine_run(first: u64, tokens: &[u32], block_size: u32, extra_keys: Vec<BlockExtra>) -> KvEventBatch {
+    let n = tokens.len() / block_size as usize;
+    KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Stored(BlockStored {
+            block_hashes: (0..n as u64).map(|i| EngineBlockHash(first + i)).collect(),
+            parent: None,
+            token_ids: tokens.to_vec(),
+            block_size,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            extra_keys,
+        })],
+        dp_rank: None,
+        damage: Default::default(),
+    }
+}
+
+fn removed(hashes: &[u64]) -> KvEventBatch {
+    KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::Removed {
+            block_hashes: hashes.iter().copied().map(EngineBlockHash).collect(),
+            medium: Medium::Gpu,
+        }],
+        dp_rank: None,
+        damage: Default::default(),
+    }
+}
+
+/// docs/design.md §2 index granularity: engines of 16-, 32- and 64-token blocks all land on the
+/// picker's 16-token chain, and removing one engine block removes exactly its index blocks.
+#[test]
+fn engine_blocks_of_any_multiple_land_on_the_index_chain() {
+    let a: Vec<u32> = (5000..5128).collect();
+    let tokens = &a[..];
+    let want = chain(None, tokens);
+    for engine_block in [16u32, 32, 64] {
+        let per = (engine_block / 16) as usize;
+        let n = tokens.len() / engine_block as usize;
+        let mut rec = BlockRecord::new(MODEL, 16);
+        let out = rec.apply(&engine_run(1, tokens, engine_block, vec![BlockExtra::Plain; n]));
+        assert_eq!(out.stored_gpu as usize, want.len(), "{engine_block}-token engine: index blocks announced");
+        assert_eq!(rec.len(), n, "{engine_block}-token engine: one record entry per engine block");
+        let c = rec.take_changes();
+        assert_eq!(stored_hashes(&c), want.iter().map(|h| h.0).collect::<Vec<_>>(), "{engine_block}-token engine");
+        // The last engine block goes: its `per` index blocks, and nothing else.
+        rec.apply(&removed(&[n as u64]));
+        let c = rec.take_changes();
+        let mut gone = c.removed.clone();
+        gone.sort_unstable();
+        let mut expect: Vec<u64> = want[want.len() - per..].iter().map(|h| h.0).collect();
+        expect.sort_unstable();
+        assert_eq!(gone, expect, "{engine_block}-token engine: removal of its last block");
+        assert_eq!(rec.gpu_len(), want.len() - per);
+        // A later store whose parent is the first engine block chains from its last index block.
+        let mut rec2 = BlockRecord::new(MODEL, 16);
+        let bs = engine_block as usize;
+        rec2.apply(&engine_run(1, &tokens[..bs], engine_block, vec![BlockExtra::Plain]));
+        rec2.take_changes();
+        let mut child = engine_run(2, &tokens[bs..2 * bs], engine_block, vec![BlockExtra::Plain]);
+        if let KvEvent::Stored(s) = &mut child.events[0] {
+            s.parent = Some(EngineBlockHash(1));
+        }
+        rec2.apply(&child);
+        let c = rec2.take_changes();
+        assert_eq!(
+            c.stored,
+            vec![BlockRun { parent: want[per - 1].0, hashes: want[per..2 * per].iter().map(|h| h.0).collect() }]
+        );
+    }
+}
+
+#[test]
+fn engine_blocks_not_a_multiple_of_the_index_block_are_dropped_counted() {
+    let a: Vec<u32> = (5000..5128).collect();
+    let mut rec = BlockRecord::new(MODEL, 16);
+    let out = rec.apply(&engine_run(1, &a[..48], 24, vec![BlockExtra::Plain; 2]));
+    assert_eq!((out.dropped_block_size, out.stored_gpu), (2, 0));
+    assert!(rec.is_empty() && !rec.has_changes());
+    // A 32-token index under 16-token engine blocks cannot be placed either.
+    let mut rec = BlockRecord::new(MODEL, 32);
+    let out = rec.apply(&engine_run(1, &a[..32], 16, vec![BlockExtra::Plain; 2]));
+    assert_eq!(out.dropped_block_size, 2);
+}
+
+/// A salted request on a 32-token engine: vLLM keys its first engine block with the salt; the
+/// picker keys the first 16-token index block. Both chains agree. A multimodal item cannot be
+/// placed on index blocks inside a larger engine block: skipped, counted, nothing claimed from it.
+#[test]
+fn salt_on_a_larger_engine_block_goes_to_its_first_index_block() {
+    use kvroute_common::{BlockKeys, ExtraKey};
+    let a: Vec<u32> = (5000..5128).collect();
+    let keys = BlockKeys { cache_salt: Some("tenant-1".into()), items: Vec::new() };
+    let mut want = Vec::new();
+    BlockHasher::new(MODEL, None, 16).hash_prompt_keyed(&a[..64], &keys, &mut want);
+    let mut rec = BlockRecord::new(MODEL, 16);
+    rec.apply(&engine_run(
+        1,
+        &a[..64],
+        32,
+        vec![BlockExtra::Keys(vec![ExtraKey::Str("tenant-1".into())]), BlockExtra::Plain],
+    ));
+    assert_eq!(stored_hashes(&rec.take_changes()), want.iter().map(|h| h.0).collect::<Vec<_>>());
+
+    let mut rec = BlockRecord::new(MODEL, 16);
+    let out = rec.apply(&engine_run(
+        1,
+        &a[..64],
+        32,
+        vec![BlockExtra::Plain, BlockExtra::Keys(vec![ExtraKey::Item("img-1".into(), 4)])],
+    ));
+    assert_eq!(
+        (out.stored_gpu, out.skipped_extra_keys),
+        (2, 1),
+        "the first engine block is placed, the image's is not"
+    );
 }

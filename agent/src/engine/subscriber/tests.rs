@@ -116,7 +116,7 @@ struct Running {
 impl Running {
     fn start(ctx: &zmq::Context, kv_replay: Option<String>) -> Self {
         let publisher = Publisher::new(ctx);
-        let rec = Arc::new(Mutex::new(BlockRecord::new(MODEL)));
+        let rec = Arc::new(Mutex::new(BlockRecord::new(MODEL, 16)));
         let resets = Arc::new(AtomicU64::new(0));
         let alive = Arc::new(());
         let sink = RecordSink { rec: rec.clone(), resets: resets.clone(), alive: Arc::downgrade(&alive) };
