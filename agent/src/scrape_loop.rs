@@ -268,9 +268,8 @@ impl ScrapeLoop {
             inputs.host_memory_used = used;
         }
         let health = health_score(&inputs);
-        self.metrics.health_score.get_or_create(&self.labels).set(health.score);
         let lora = m.lora.unwrap_or_default();
-        PodStats {
+        let stats = PodStats {
             observed_at_unix_ms: observed_at,
             num_requests_waiting: m.num_requests_waiting,
             num_requests_running: m.num_requests_running,
@@ -281,7 +280,20 @@ impl ScrapeLoop {
             running_adapters: lora.running,
             waiting_adapters: lora.waiting,
             ready: self.health_ok && self.model_loaded,
-        }
+        };
+        self.export(&stats);
+        stats
+    }
+
+    /// Sets the pod's gauges from the stats it reports.
+    fn export(&self, s: &PodStats) {
+        let m = &self.metrics;
+        m.health_score.get_or_create(&self.labels).set(s.health_score);
+        m.requests_waiting.get_or_create(&self.labels).set(i64::from(s.num_requests_waiting));
+        m.requests_running.get_or_create(&self.labels).set(i64::from(s.num_requests_running));
+        m.kv_cache_usage.get_or_create(&self.labels).set(s.kv_cache_usage);
+        m.gpu_utilization.get_or_create(&self.labels).set(s.gpu_utilization);
+        m.engine_ready.get_or_create(&self.labels).set(i64::from(s.ready));
     }
 
     /// Counts a failed engine request and logs it: WARN with the cause (refused, DNS, TLS,

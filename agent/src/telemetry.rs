@@ -45,6 +45,16 @@ pub struct AgentMetrics {
     pub scrape_errors: Family<Labels, Counter>,
     /// Current health score [0,1], per pod.
     pub health_score: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Requests waiting in the engine's queue (`vllm:num_requests_waiting`), per pod.
+    pub requests_waiting: Family<Labels, Gauge>,
+    /// Requests the engine is running (`vllm:num_requests_running`), per pod.
+    pub requests_running: Family<Labels, Gauge>,
+    /// The engine's KV-cache usage (`vllm:kv_cache_usage_perc`), [0,1], per pod.
+    pub kv_cache_usage: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// GPU utilization reported for the pod (max over its GPUs), [0,1], per pod.
+    pub gpu_utilization: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// 1 while the engine answers `/health` and serves its model, else 0, per pod.
+    pub engine_ready: Family<Labels, Gauge>,
     /// Time from a delta's creation to the picker's Ack of it, ms, per picker (last value).
     pub report_lag_ms: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Picker stream (re)connections, per picker.
@@ -85,6 +95,11 @@ impl AgentMetrics {
             kv_resyncs: Family::default(),
             scrape_errors: Family::default(),
             health_score: Family::default(),
+            requests_waiting: Family::default(),
+            requests_running: Family::default(),
+            kv_cache_usage: Family::default(),
+            gpu_utilization: Family::default(),
+            engine_ready: Family::default(),
             report_lag_ms: Family::default(),
             picker_connects: Family::default(),
             engines: Gauge::default(),
@@ -122,6 +137,31 @@ impl AgentMetrics {
         );
         registry.register("scrape_errors", "Failed engine HTTP scrapes", m.scrape_errors.clone());
         registry.register("health_score", "Pod health score [0,1]", m.health_score.clone());
+        registry.register(
+            "requests_waiting",
+            "Requests waiting in the engine's queue (vllm:num_requests_waiting)",
+            m.requests_waiting.clone(),
+        );
+        registry.register(
+            "requests_running",
+            "Requests the engine is running (vllm:num_requests_running)",
+            m.requests_running.clone(),
+        );
+        registry.register(
+            "kv_cache_usage",
+            "Engine KV-cache usage [0,1] (vllm:kv_cache_usage_perc)",
+            m.kv_cache_usage.clone(),
+        );
+        registry.register(
+            "gpu_utilization",
+            "GPU utilization reported for the pod, max over its GPUs [0,1]",
+            m.gpu_utilization.clone(),
+        );
+        registry.register(
+            "engine_ready",
+            "1 while the engine answers /health and serves its model",
+            m.engine_ready.clone(),
+        );
         registry.register("report_lag_ms", "Delta creation to picker Ack, ms", m.report_lag_ms.clone());
         registry.register("picker_connects", "Picker stream connections", m.picker_connects.clone());
         registry.register("engines", "Engines served now", m.engines.clone());
@@ -150,7 +190,12 @@ impl AgentMetrics {
         ] {
             f.remove(&l);
         }
-        self.health_score.remove(&l);
+        for f in [&self.requests_waiting, &self.requests_running, &self.engine_ready] {
+            f.remove(&l);
+        }
+        for f in [&self.health_score, &self.kv_cache_usage, &self.gpu_utilization] {
+            f.remove(&l);
+        }
     }
 
     /// Text exposition of every metric.

@@ -189,6 +189,17 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
         "{metrics}"
     );
     assert!(metrics.contains("kvroute_agent_health_score{model_server_pod=\"engine-0-rank-0\"}"));
+    // The scraped load, per pod, as the engine's page gave it (running 7, waiting 3, KV 0.4213).
+    for (family, value) in [
+        ("kvroute_agent_requests_running", 7.0),
+        ("kvroute_agent_requests_waiting", 3.0),
+        ("kvroute_agent_kv_cache_usage", 0.4213),
+        ("kvroute_agent_engine_ready", 1.0),
+    ] {
+        let line = format!("{family}{{model_server_pod=\"engine-0-rank-0\"}} ");
+        let got = metrics.lines().find_map(|l| l.strip_prefix(line.as_str())).and_then(|v| v.parse::<f64>().ok());
+        assert!(got.is_some_and(|g| (g - value).abs() < 1e-9), "{family}: {got:?}, want {value}\n{metrics}");
+    }
     agent.shutdown().await;
     publisher.join().expect("publisher thread");
 }

@@ -487,8 +487,10 @@ async fn become_ready(
 ) {
     let started = Instant::now();
     loop {
-        if let Some((covered, ready_pods)) = gw.pool.agent_coverage()
-            && (covered >= coverage || started.elapsed() >= timeout)
+        // Past the timeout, SERVING unless every Ready endpoint's agent reports an engine that
+        // does not answer yet (a fleet of starting engines would only get 503s).
+        if let Some(c) = gw.pool.agent_coverage()
+            && (c.share() >= coverage || (started.elapsed() >= timeout && c.any_routable()))
         {
             gw.ready.store(true, Ordering::Release);
             if gw.draining.load(Ordering::Acquire) {
@@ -497,8 +499,10 @@ async fn become_ready(
             health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
             health.set_service_status("", tonic_health::ServingStatus::Serving).await;
             tracing::info!(
-                coverage = covered,
-                ready_pods,
+                coverage = c.share(),
+                ready_endpoints = c.ready_endpoints,
+                engines_ready = c.engines_ready,
+                engines_unready = c.engines_unready,
                 after_ms = started.elapsed().as_millis() as u64,
                 "ready: SERVING"
             );

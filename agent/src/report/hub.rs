@@ -136,13 +136,22 @@ impl Pod {
     }
 
     /// Sets the model (hash root) and block size reported; a model change clears the blocks.
+    /// A change is news to the pickers: the streams describe the pod again (a `Hello` and its
+    /// snapshot with the new `PodInfo`), since the picker judges claims by the engine's block
+    /// size and files the pod under its model.
     pub fn set_model(&self, model: &str, block_size: Option<u32>) {
-        let mut g = self.inner.lock();
-        g.record.set_model(model);
-        g.info.model = model.to_string();
-        if let Some(b) = block_size {
-            g.info.block_size = b;
+        {
+            let mut g = self.inner.lock();
+            let block_size = block_size.unwrap_or(g.info.block_size);
+            if g.info.model == model && g.info.block_size == block_size {
+                return;
+            }
+            g.record.set_model(model);
+            g.info.model = model.to_string();
+            g.info.block_size = block_size;
+            g.info_version += 1;
         }
+        let _ = self.tx.send(Arc::new(Outgoing::Members));
     }
 
     /// Model of the hash root.

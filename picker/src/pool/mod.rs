@@ -135,6 +135,30 @@ enum WriterMsg {
     Barrier(oneshot::Sender<()>),
 }
 
+/// The pool's Ready endpoints by what their agents say of the engines behind them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Coverage {
+    /// Endpoints of Ready pods in the pool view.
+    pub ready_endpoints: usize,
+    /// Of those, endpoints whose agent reports an engine that answers and serves its model.
+    pub engines_ready: usize,
+    /// Of those, endpoints whose agent reports an engine that does not answer (yet).
+    pub engines_unready: usize,
+}
+
+impl Coverage {
+    /// Share of Ready endpoints whose engine is reported ready (1 for an empty pool).
+    pub fn share(&self) -> f64 {
+        if self.ready_endpoints == 0 { 1.0 } else { self.engines_ready as f64 / self.ready_endpoints as f64 }
+    }
+
+    /// Whether some endpoint may take a request: an empty pool (every request gets its 503 from
+    /// routing), an engine reported ready, or an endpoint no agent reports on (routed by load).
+    pub fn any_routable(&self) -> bool {
+        self.ready_endpoints == 0 || self.engines_unready < self.ready_endpoints
+    }
+}
+
 /// What readers know about a pod; replaced as a whole by the writer.
 #[derive(Debug, Clone)]
 pub(crate) struct PodStatus {
@@ -393,17 +417,24 @@ impl Pool {
         }
     }
 
-    /// Fraction of the pool view's Ready endpoints whose agent has reported stats, and how many
-    /// Ready endpoints there are; `None` without a pool source or before the view synced.
-    pub fn agent_coverage(&self) -> Option<(f64, usize)> {
+    /// How far the engines behind the pool view's Ready endpoints answer, as their agents report
+    /// (readiness, docs/design.md §14); `None` without a pool source or before the view synced.
+    pub fn agent_coverage(&self) -> Option<Coverage> {
         let view = self.membership.load_full()?;
         if !view.synced {
             return None;
         }
         let table = self.table.load();
-        let ready = table.status.iter().filter(|s| s.member == Membership::PoolReady).count();
-        let reported = table.status.iter().filter(|s| s.member == Membership::PoolReady && s.stats.is_some()).count();
-        Some(if ready == 0 { (1.0, 0) } else { (reported as f64 / ready as f64, ready) })
+        let mut c = Coverage::default();
+        for s in table.status.iter().filter(|s| s.member == Membership::PoolReady) {
+            c.ready_endpoints += 1;
+            match &s.stats {
+                Some(st) if st.ready => c.engines_ready += 1,
+                Some(_) => c.engines_unready += 1,
+                None => {}
+            }
+        }
+        Some(c)
     }
 
     /// How the pool's pods serve model id `name`, as their agents report it: as a base model,

@@ -187,11 +187,11 @@ async fn pool_view_is_the_only_source_of_pods_and_addresses() {
     // A report for a non-member changes nothing (the writer ignores it even if ingest let it by).
     put(&pool, "intruder-rank-0", "m", stats(0.0, 0, 1.0), &chain(20, 4)).await;
     assert_eq!(pool.pods().len(), 2);
-    assert_eq!(pool.agent_coverage(), Some((1.0, 1)));
+    assert_eq!(pool.agent_coverage().map(|c| (c.share(), c.ready_endpoints)), Some((1.0, 1)));
     // Re-addressed, unready → ready, deleted: applied at once, no restart.
     pool.set_membership(view(&[("a", "10.0.0.9", true), ("b", "10.0.0.2", true)])).await.unwrap();
     assert_eq!(endpoints(&pool)[0], ("a-rank-0".into(), "10.0.0.9:8000".into()));
-    assert_eq!(pool.agent_coverage(), Some((0.5, 2)));
+    assert_eq!(pool.agent_coverage().map(|c| (c.share(), c.ready_endpoints)), Some((0.5, 2)));
     pool.set_membership(view(&[("b", "10.0.0.2", true)])).await.unwrap();
     assert_eq!(endpoints(&pool), [("b-rank-0".into(), "10.0.0.2:8000".into())]);
     assert!(!pool.admits("a-rank-0"));
@@ -209,7 +209,7 @@ async fn expired_agent_state_of_a_member_is_dropped_but_the_member_stays() {
     let pods = pool.pods();
     assert_eq!(pods.len(), 1, "still in the pool");
     assert_eq!((pods[0].blocks, pods[0].connected, pods[0].ready), (0, false, false));
-    assert_eq!(pool.agent_coverage(), Some((0.0, 1)));
+    assert_eq!(pool.agent_coverage().map(|c| (c.share(), c.ready_endpoints)), Some((0.0, 1)));
 }
 
 #[tokio::test]
@@ -293,4 +293,24 @@ async fn blocks_of_another_granularity_are_not_indexed() {
     assert!(pool.update(u).await.is_ok());
     assert!(pool.sync().await.is_ok());
     assert_eq!(blocks("agent-32"), Some(0));
+}
+
+/// Readiness follows the engines (docs/design.md §14): an agent's report of an engine that does
+/// not answer yet covers nothing, and a pool whose every Ready endpoint is such an engine has no
+/// routable endpoint; an endpoint no agent reports on may still be routed by load.
+#[tokio::test]
+async fn coverage_counts_engines_that_answer() {
+    let pool = small();
+    pool.set_membership(view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", true)])).await.unwrap();
+    let c = pool.agent_coverage().unwrap();
+    assert_eq!((c.share(), c.any_routable()), (0.0, true), "no agent yet: routed by load");
+    let starting = PodStats { ready: false, ..stats(0.0, 0, 0.0) };
+    put(&pool, "a-rank-0", "m", starting.clone(), &[]).await;
+    put(&pool, "b-rank-0", "m", starting, &[]).await;
+    let c = pool.agent_coverage().unwrap();
+    assert_eq!((c.ready_endpoints, c.engines_ready, c.engines_unready), (2, 0, 2));
+    assert_eq!((c.share(), c.any_routable()), (0.0, false), "every engine still starting");
+    put(&pool, "a-rank-0", "m", stats(0.0, 0, 1.0), &[]).await;
+    let c = pool.agent_coverage().unwrap();
+    assert_eq!((c.share(), c.any_routable()), (0.5, true));
 }

@@ -58,6 +58,9 @@ struct Row {
     /// Blocks the requests still prefilling there have left to compute (precise mode; the tie
     /// break of a request no candidate holds any of, docs/design.md §4).
     prefill: u32,
+    /// Index blocks per engine block of the pod: every credit ends on a whole engine block,
+    /// since the engine caches (and its usage counts) nothing smaller.
+    per: u32,
 }
 
 impl Row {
@@ -425,6 +428,7 @@ impl Router {
         matches: Option<&dyn PrefixMatches>,
     ) -> usize {
         index.match_prefix(req.block_hashes, &mut sc.walk);
+        let index_block = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
         let limits = (Duration::from_millis(self.pool.config().grace_ttl_ms), self.pool.report_max_age());
         let now = Instant::now();
         // Pods of the pool whose agent has not reported yet serve no known model: candidates for
@@ -442,10 +446,15 @@ impl Router {
             match why {
                 Some(why) => sc.excluded.push((i, why)),
                 None => {
-                    let indexed = sc.walk.matched(rec.idx);
+                    // Two engine blocks can share their first index blocks (the same first 16
+                    // tokens under 32-token blocks): a match ending inside an engine block
+                    // claims nothing of it.
+                    let per = engine_block_in_index_blocks(status.block_size, index_block);
+                    let indexed = whole_engine_blocks(sc.walk.matched(rec.idx), per);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
                     sc.rows.push(Row {
                         pod: i,
+                        per,
                         matched,
                         pending: 0,
                         offloaded: 0,
@@ -621,8 +630,7 @@ impl Router {
     ) {
         // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
         shared.pending.prefilling(index, self.config.prefill_tie_break, &mut sc.prefilling);
-        let index_block = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
-        overlay_pending(sc, table, shared, chain, now, index_block);
+        overlay_pending(sc, table, shared, chain, now);
         self.overlay_offloaded(sc, table, chain);
     }
 
@@ -634,7 +642,7 @@ impl Router {
             return;
         }
         for row in &mut sc.rows {
-            row.cpu = sc.cpu_walk.matched(table.pods[row.pod as usize].idx);
+            row.cpu = whole_engine_blocks(sc.cpu_walk.matched(table.pods[row.pod as usize].idx), row.per);
         }
     }
 
@@ -762,19 +770,20 @@ fn overlay_pending(
     shared: &SharedState,
     chain: &[kvroute_common::BlockHash],
     now: i64,
-    index_block: u32,
 ) {
     sc.frontiers.clear();
     sc.frontiers.extend(sc.rows.iter().map(|r| (table.pods[r.pod as usize].idx, r.matched)));
     shared.pending.extend_all(chain, now, &sc.frontiers, &mut sc.extension);
     for (row, ext) in sc.rows.iter_mut().zip(&sc.extension) {
-        // The engine will cache whole engine blocks only: credit pending index blocks up to the
-        // last engine block they complete (indexed blocks always end on one, the agent stores
-        // engine blocks whole).
-        let per = engine_block_in_index_blocks(table.status[row.pod as usize].block_size, index_block);
-        let credited = row.matched.saturating_add(*ext);
-        row.pending = (credited - credited % per).saturating_sub(row.matched);
+        // The engine will cache whole engine blocks only: pending index blocks count up to the
+        // last engine block they complete.
+        row.pending = whole_engine_blocks(row.matched.saturating_add(*ext), row.per).saturating_sub(row.matched);
     }
+}
+
+/// `blocks` index blocks cut down to whole engine blocks of `per` index blocks each.
+fn whole_engine_blocks(blocks: u32, per: u32) -> u32 {
+    blocks - blocks % per.max(1)
 }
 
 /// Index blocks per engine block of a pod whose engine block is `engine_block` tokens, for an

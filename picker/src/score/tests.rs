@@ -634,6 +634,15 @@ async fn engines_of_16_32_and_64_token_blocks_share_one_index() {
     assert!(pool.sync().await.is_ok());
     let e = r.explain(&req(&c));
     assert!(e.candidates.iter().all(|k| k.matched_blocks == 4), "{:?}", e.candidates);
+    // A prompt that shares only the first 48 tokens: 3 index blocks, 1 engine block of 32,
+    // none of 64 (a match that ends inside an engine block claims nothing of it).
+    let mut other = c[..3].to_vec();
+    other.extend(chain(5000, 7));
+    let e = r.explain(&req(&other));
+    let matched = |e: &super::Explanation, pod: &str| {
+        e.candidates.iter().find(|k| k.pod.as_ref() == pod).map(|k| k.matched_blocks)
+    };
+    assert_eq!([matched(&e, "e16"), matched(&e, "e32"), matched(&e, "e64")], [Some(3), Some(2), Some(0)]);
     let (mut held, mut seen) = (Vec::new(), Vec::new());
     for (name, engine_block) in engines {
         let subset = vec![format!("{name}:8000")];

@@ -102,9 +102,8 @@ impl GatewayClient {
         let resp = req.body(body).send().await.with_context(|| format!("POST {}{path}", self.base))?;
         let mut out = ChatOutcome { status: resp.status().as_u16(), ..Default::default() };
         let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
-        out.served_by = header("x-served-by").or_else(|| {
-            header(crate::fleet::UPSTREAM_HEADER).and_then(|a| self.endpoint_names.get(&a).cloned())
-        });
+        out.served_by = header("x-served-by")
+            .or_else(|| header(crate::fleet::UPSTREAM_HEADER).and_then(|a| self.endpoint_names.get(&a).cloned()));
         out.request_id = header("x-request-id");
         let is_sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
         if !is_sse {

@@ -5,7 +5,9 @@
 
 use anyhow::Result;
 use clap::Parser;
-use kvroute_harness::{EngineKind, Fleet, FleetSpec, Pacing, RunSummary, TurnRecord, VllmSpec, Workload, run_chat_workload};
+use kvroute_harness::{
+    EngineKind, Fleet, FleetSpec, Pacing, RunSummary, TurnRecord, VllmSpec, Workload, run_chat_workload,
+};
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
@@ -120,7 +122,8 @@ async fn main() -> Result<()> {
         }
     };
 
-    let kvroute = run_chat_workload(&fleet.client(&fleet.gateway)?, &model, &workload, pacing, print("kvroute")).await?;
+    let kvroute =
+        run_chat_workload(&fleet.client(&fleet.gateway)?, &model, &workload, pacing, print("kvroute")).await?;
     fleet.reset_prefix_caches().await?;
     println!();
     let rr_gateway = fleet.round_robin_gateway.clone().unwrap_or_default();
