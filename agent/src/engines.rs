@@ -281,7 +281,8 @@ impl EngineSet {
             block_size,
             annotations: to_hash_map(&spec.annotations),
         });
-        // Bounded per-engine state (issue 17): blocks past the cap are dropped and counted.
+        // Bounded per-engine state (docs/decisions/0024-bounded-outside-input.md): blocks past
+        // the cap are dropped and counted.
         pod.set_block_capacity(d.config.max_blocks_per_engine);
         if let Some(kv_events) = &spec.kv_events {
             let cfg = SubscriberConfig {
