@@ -204,8 +204,8 @@ pub async fn start_with(
     let stop_threads = Arc::new(AtomicBool::new(false));
     let mut tasks = JoinSet::new();
 
-    // Header-read and idle timeouts and a connection bound (issue 17): a half-sent request does
-    // not hold a socket for ever, and many of them do not starve /healthz.
+    // Header-read and idle timeouts and a connection bound (docs/decisions/0024-bounded-outside-input.md):
+    // a half-sent request does not hold a socket for ever, and many of them do not starve /healthz.
     let limits = ListenerLimits {
         header_read_timeout: Duration::from_millis(config.metrics_header_timeout_ms),
         max_connections: config.metrics_max_connections,

@@ -282,7 +282,8 @@ impl EngineSet {
             annotations: to_hash_map(&spec.annotations),
             index_block_size: d.config.index_block_size,
         });
-        // Bounded per-engine state (issue 17): blocks past the cap are dropped and counted.
+        // Bounded per-engine state (docs/decisions/0024-bounded-outside-input.md): blocks past
+        // the cap are dropped and counted.
         pod.set_block_capacity(d.config.max_blocks_per_engine);
         if let Some(kv_events) = &spec.kv_events {
             let cfg = SubscriberConfig {

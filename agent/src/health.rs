@@ -9,12 +9,12 @@
 //!   (0.3: "GPU not found on this node" when NVML has no GPU of that index or UUID, "GPU assignment unknown" when the kubelet's
 //!   PodResources API has not told which GPUs the pod holds): the pod may be fine, but its ECC,
 //!   thermal and power state are unknown, so it must not pass for healthy (docs/design.md §14).
-//! - Stale stats (issue 17: when `/metrics` stopped parsing, the last good queue and KV figures
-//!   were reported for ever with health 1.0): once the last `/metrics` page that parsed is older
-//!   than `metrics_stale_after_ms`, a soft penalty of 0.1 grows linearly to 0.5 over
-//!   [`STALE_RAMP_MS`] (reason "engine stats stale"): the pod drops from minor to significant
-//!   while its figures are unknown, and is still never excluded by this alone (the probe and
-//!   `/health` say whether it serves).
+//! - Stale stats (without this, an engine whose `/metrics` stops parsing would have its last
+//!   good queue and KV figures reported for ever with health 1.0): once the last `/metrics` page
+//!   that parsed is older than `metrics_stale_after_ms`, a soft penalty of 0.1 grows linearly
+//!   to 0.5 over [`STALE_RAMP_MS`] (reason "engine stats stale"): the pod drops from minor to
+//!   significant while its figures are unknown, and is still never excluded by this alone (the
+//!   probe and `/health` say whether it serves).
 //! - 0.3–0.6 significant: frequent corrected ECC (≥ ~10/min), throttling at ≥ 90 °C, several
 //!   minor problems together (soft penalties add, floored at 0.3 so they never exclude alone).
 //! - < 0.3 excluded: uncorrected ECC errors (0.1), probe failing, or timing out while the

@@ -58,7 +58,8 @@ impl<T, E: Into<anyhow::Error>> Kind<T> for Result<T, E> {
 
 // One thread runs every task (scrapes, flushes, picker streams, metrics: light, mostly idle);
 // KV events are decoded and applied on their own subscriber threads. A multi-thread runtime would
-// start one worker per core (dozens on a GPU node) and pay cross-worker wake-ups (issue 5).
+// start one worker per core (dozens on a GPU node) and pay cross-worker wake-ups
+// (docs/decisions/0023-agent-cpu-budget.md).
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
     match run(Cli::parse()).await {

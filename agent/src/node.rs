@@ -26,8 +26,9 @@ impl NodeSources {
     }
 }
 
-/// The host's memory use, read at most once per `max_age` for all engines (one host: reading
-/// `/proc/meminfo` once per engine per scrape was ~2 % of the agent's CPU under load, issue 5).
+/// The host's memory use, read at most once per `max_age` for all engines: there is one host,
+/// and reading `/proc/meminfo` once per engine per scrape costs a visible share of the agent's
+/// CPU under load (docs/decisions/0023-agent-cpu-budget.md).
 pub(crate) struct HostMemory {
     state: parking_lot::Mutex<HostMemoryState>,
 }

@@ -6,7 +6,8 @@
 //! Every engine's loop ticks from one shared start ([`NodeSources::first_scrape`]), so the tokio
 //! timer wakes once per scrape interval for all engines rather than once per engine.
 //!
-//! Stale figures (issue 17): when `/metrics` fails or stops parsing, the last good page's figures
+//! Stale figures (docs/decisions/0024-bounded-outside-input.md): when `/metrics` fails or stops
+//! parsing, the last good page's figures
 //! are still reported (with its `observed_at_unix_ms`), but their age feeds the health score
 //! ([`HealthInputs::metrics_age_ms`]): past [`stale_after`] they cost a growing penalty with the
 //! reason "engine stats stale", so frozen figures never pass for a healthy pod.

@@ -180,7 +180,7 @@ fn get_status(addr: std::net::SocketAddr, path: &str) -> Result<String, String> 
 }
 
 /// With the process at 512 file descriptors (a common container limit is 1024), 1 100 half-sent
-/// requests once took every descriptor and /healthz went unanswered; now the listener's bound
+/// requests would take every descriptor and leave /healthz unanswered; the listener's bound
 /// closes the slow connections to serve new ones, and a half-sent request is closed after the
 /// header timeout.
 #[test]

@@ -1,11 +1,11 @@
-//! What the request path pays for tracing (issue 7): one decision's spans (`epp.decision` with
+//! What the request path pays for tracing (docs/design.md §9 traces): one decision's spans (`epp.decision` with
 //! a remote `traceparent` parent, four step spans, the upstream `traceparent` injected) under
 //! four subscribers, against a baseline measured in the same run: block-hashing a 2 048-token
 //! prompt, one of the steps every decision performs anyway.
 //!
 //! - `none`: no subscriber (spans disabled; what tests and tools without logging pay);
 //! - `json_logs_global_filter`: JSON logs at INFO to a sink behind one global filter, so the
-//!   JSON layer also builds every span (the layout before per-layer filters; for comparison);
+//!   JSON layer also builds every span (the layout per-layer filters avoid; for comparison);
 //! - `json_logs`: the binaries' subscriber (`telemetry::subscriber`) at INFO to a sink, no exporter;
 //! - `json_logs_otel`: the same with the OpenTelemetry layer over an SDK tracer provider (always-on
 //!   sampling, no exporter: span building and ending, not network export, which the batch

@@ -1,7 +1,7 @@
 //! An HTTP/1 listener for the binaries' own endpoints (metrics, health, admin) whose every
-//! connection is bounded in time and whose connections are bounded in number (issue 17: a
-//! half-sent request held a socket for ever, and 1 100 of them starved `/healthz` once the
-//! process ran out of file descriptors).
+//! connection is bounded in time and whose connections are bounded in number: otherwise a
+//! half-sent request holds a socket for ever, and a thousand of them starve `/healthz` once the
+//! process runs out of file descriptors (docs/decisions/0024-bounded-outside-input.md).
 //!
 //! - **Header-read timeout** ([`ListenerLimits::header_read_timeout`]): a request's head must
 //!   arrive within it, else the connection is closed. hyper starts this timer whenever the

@@ -4,7 +4,8 @@
 //!   environment variable (e.g. `EPP_LOG_LEVEL`). A line is formatted where it is logged and
 //!   written to stderr by a logging thread ([`LOG_LINES_BUFFERED`] lines queued at most; past
 //!   that a logging thread waits, no line is dropped), so a request's log lines cost it no write
-//!   system call (docs/benchmarks.md "Picker latency", round 8).
+//!   system call and a stalled sink does not stall requests
+//!   (docs/decisions/0017-logging-thread.md).
 //! - Traces: OpenTelemetry spans exported over OTLP gRPC (tonic) when an endpoint is configured by
 //!   the standard variables `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`
 //!   (the first wins); `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn export off.
@@ -171,8 +172,8 @@ where
     let (filter, bad) = env_filter(level);
     // Spans are the OpenTelemetry layer's business; events and `enabled!` hints (neither event
     // nor span: `tracing::enabled!(Level::DEBUG)` asks with a hint) are the log layer's. Keeping
-    // only events here made every `enabled!` guard false without an exporter, so the DEBUG
-    // `candidate`/`timings` lines never appeared (issue 18).
+    // only events here would make every `enabled!` guard false without an exporter, and the DEBUG
+    // `candidate`/`timings` lines would never appear.
     let events_only = tracing_subscriber::filter::filter_fn(|m| !m.is_span());
     // One combined filter, so a callsite both reject (every span, every event below `level`) is
     // disabled once at registration; two stacked filters, or an absent (`None`) layer beside them,
@@ -249,7 +250,7 @@ mod tests {
         assert_eq!(none.otlp_endpoint, None);
     }
 
-    /// Without an exporter, `enabled!` guards follow the level (they used to read false always).
+    /// Without an exporter, `enabled!` guards follow the level (not false always).
     #[test]
     fn enabled_guards_follow_the_level_without_an_exporter() {
         for (level, debug_on) in [("debug", true), ("info", false), ("trace", true)] {

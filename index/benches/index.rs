@@ -1,8 +1,8 @@
-//! Index benchmarks (issue 4, docs/design.md §10): hashing a 4096-token prompt; lookup of a 256-block
+//! Index benchmarks (docs/design.md §10, docs/index.md): hashing a 4096-token prompt; lookup of a 256-block
 //! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss, and hits over 600
 //! chains in turn, so the blocks are not in cache); ingest throughput with 2 concurrent readers;
 //! publish latency. Each measured for every snapshot design (design C over both snapshot layouts:
-//! `pooled3_hashbrown` as first built, `pooled3_flat` in use) and the naive
+//! `pooled3_hashbrown` the C-hb baseline, `pooled3_flat` in use) and the naive
 //! `std::collections::HashMap` model in the same run, so results read as ratios.
 //!
 //! Criterion reports medians of batched iterations; per-lookup p50/p99 come from the
@@ -256,7 +256,7 @@ fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
     );
 }
 
-/// Design C over hashbrown maps (round 3) with readers, same report.
+/// Design C over hashbrown maps (C-hb, a baseline) with readers, same report.
 fn ingest_pooled_hb(c: &mut Criterion, w: &Workload) {
     let (published, mut writer) = build::<PooledHashbrown>(w);
     let (rounds, reads) = run_ingest(c, w, "pooled3_hashbrown/2_readers", &published, &mut writer, true);

@@ -17,8 +17,9 @@
 //! bookkeeping and the cap over any [`Backend`]), [`pool`] (design C: a pool of identical flat
 //! copies, the backend in use).
 //!
-//! `docs/index.md` records the benchmarks that chose this design; the baselines it was measured
-//! against (designs A and B, and C over a hashbrown map) live with the benchmark
+//! `docs/index.md` has this design's figures against the peers, and
+//! docs/decisions/0002-index-snapshot-design.md the benchmarks that chose it; the baselines it is
+//! measured against (designs A and B, and C over a hashbrown map) live with the benchmark
 //! (`benches/designs/`), outside the library. This crate has no tokio/tonic dependency so its
 //! tests and benches build fast.
 

@@ -1,11 +1,11 @@
 //! [`Table`]: a fixed-length, zero-initialised heap array for the index's large flat tables (the
 //! slot table of every copy, [`crate::flat`]), placed so the kernel can back it with 2 MiB pages.
 //!
-//! Why (docs/index.md, "Round 8"): the writer's steady work is random stores into two or three
-//! 16 MiB slot tables, one per copy; with 4 KiB pages those span more pages than the TLB holds,
-//! so most stores also miss the TLB. With 2 MiB pages the writer did 10.5–10.8 M events per
-//! CPU-second against 9.2–9.5 (round 7, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which gives
-//! every allocation of the process huge pages). This type gives them to the index's tables only.
+//! Why (docs/decisions/0003-index-huge-page-tables.md): the writer's steady work is random stores
+//! into two or three 16 MiB slot tables, one per copy; with 4 KiB pages those span more pages
+//! than the TLB holds, so most stores also miss the TLB. With 2 MiB pages for the whole process
+//! (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`) the writer does 10.5–10.8 M events per CPU-second
+//! against 9.2–9.5. This type gives huge pages to the index's tables only.
 //!
 //! How: on Linux a table of at least [`HUGE_PAGE`] bytes is its own anonymous mapping, rounded
 //! up to and aligned on [`HUGE_PAGE`], advised `madvise(MADV_HUGEPAGE)` before its first write:
@@ -14,8 +14,8 @@
 //! fails, or huge pages are off or unavailable, the table is on 4 KiB pages, contents and
 //! behaviour unchanged. The mapping's pages arrive zeroed from the kernel, so a new table is not
 //! written twice (through the global allocator an over-aligned zeroed allocation is written by
-//! the kernel and again by `memset`, and glibc maps and unmaps one per table: round 8 measured
-//! a fifth of a bulk load clearing pages). When the mapping fails, and for smaller tables and on
+//! the kernel and again by `memset`, and glibc maps and unmaps one per table: a fifth of a bulk
+//! load then goes to clearing pages). When the mapping fails, and for smaller tables and on
 //! other systems, it is an ordinary zeroed allocation from the global allocator.
 //!
 //! Accounting: mappings bypass the global allocator, so a counting allocator does not see them;

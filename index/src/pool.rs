@@ -27,9 +27,10 @@
 //! is a full clone of the published one; the log is off while no copy needs it (a bulk load or a
 //! resync logs nothing).
 //!
-//! History (docs/index.md): round 3 kept a logical op log and replayed links, unlinks and seals
-//! onto the spare, so every event was applied twice; round 5 replaced it with this copy of dirty
-//! slots; round 7 added the recorded values and the once-per-slot copy.
+//! Why copies rather than a replayed op log (docs/decisions/0002-index-snapshot-design.md):
+//! replaying links, unlinks and seals onto the spare applies every event twice; copying the dirty
+//! slots, with their values recorded at publish (the spare never reads the published table) and
+//! each slot copied once in long catch-ups, applies it once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,6 +1,7 @@
 //! Allocation accounting with a counting global allocator (`stats_alloc`; the workspace forbids
 //! `unsafe`, so no hand-written one):
-//! - a warmed-up lookup allocates nothing (issue 4), on both designs, for hit, partial and miss;
+//! - a warmed-up lookup allocates nothing (docs/design.md §3), on both designs, for hit, partial
+//!   and miss;
 //! - heap bytes per (block, pod) entry at 1M entries (10M with `--ignored`, in release) — the
 //!   figures recorded in `docs/index.md`;
 //! - the pooled design's copies are all freed on drop.

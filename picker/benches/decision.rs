@@ -10,7 +10,7 @@
 //! sub-millisecond p99 over the undisturbed ones is the scheduler, not the decision's code.
 //! The bench links the picker binary's allocator (mimalloc) so that allocation costs are the same.
 //!
-//! A second group times the floor's workload (issue 20, docs/benchmarks.md "Picker latency"): a
+//! A second group times the floor's workload (docs/benchmarks.md "Picker latency"): a
 //! ≈ 600-token `/v1/completions` prompt shaped like `kvroute-gateway-bench`'s, a new question
 //! after a seen prompt each call, its steps, and the same decision after 8 MiB of other writes
 //! have evicted the caches (what a picker sharing its cores with Envoy and engines meets).
@@ -84,7 +84,7 @@ const COMPLETION_WORDS: usize = 600;
 
 /// `n` `/v1/completions` bodies shaped like `kvroute-gateway-bench`'s: one shared prompt of
 /// [`COMPLETION_WORDS`] words and a numbered question at its end, so every body's last text
-/// chunk is new to the segment cache and the rest is not (the floor's workload, issue 20).
+/// chunk is new to the segment cache and the rest is not (the no-op floor's workload).
 fn completion_bodies(n: usize) -> Vec<Vec<u8>> {
     let vocabulary = ["alpha ", "route ", "cache ", "block ", "token ", "pod ", "queue "];
     let shared: String = (0..COMPLETION_WORDS - 8).map(|w| vocabulary[(w * 3) % 7]).collect();

@@ -1,4 +1,4 @@
-//! Decision latency at fleet scale (issue 20.3): 1,000 pods, a 10M-entry index, and the same
+//! Decision latency at fleet scale (docs/capacity.md): 1,000 pods, a 10M-entry index, and the same
 //! 4,096-token chat request as `benches/decision.rs`, decided end to end (`decision::decide`:
 //! parse, template, tokenize, hash, walk, score, choose). Baseline in the same run: the same
 //! request over 8 pods and a 16K-entry index, so the figure reads as "what 1,000 pods and 10M

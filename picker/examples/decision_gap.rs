@@ -1,8 +1,9 @@
-//! One decision's wall-clock time against the idle time before it (issue 20's floor,
-//! docs/benchmarks.md "Picker latency" round 9): the same full `decide` as the decision bench's
-//! `decision_780_token_completion` group (a ≈ 600-token `/v1/completions` prompt, a new question
-//! after a seen prompt each call, 4 ready pods), called back to back and with the thread asleep for
-//! a gap before each call, as in a live picker that routes one request every few milliseconds.
+//! One decision's wall-clock time against the idle time before it (docs/benchmarks.md "Picker
+//! latency", docs/decisions/0021-ext-proc-layout.md): the same full `decide` as the decision
+//! bench's `decision_780_token_completion` group (a ≈ 600-token `/v1/completions` prompt, a new
+//! question after a seen prompt each call, 4 ready pods), called back to back and with the thread
+//! asleep for a gap before each call, as in a live picker that routes one request every few
+//! milliseconds.
 //! Nothing else needs to run: the gap alone is what is measured.
 //!
 //! Run: `cargo run --release -p kvroute-picker --example decision_gap -- [gap_us ...]` (default

@@ -1,5 +1,6 @@
-//! Time and count bounds of the picker's listeners (issue 17: every outside input is bounded in
-//! size, count and time). The `limits:` section of the picker's config file:
+//! Time and count bounds of the picker's listeners (every outside input is bounded in size,
+//! count and time: docs/decisions/0024-bounded-outside-input.md). The `limits:` section of the
+//! picker's config file:
 //!
 //! ```yaml
 //! limits:

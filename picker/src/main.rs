@@ -18,7 +18,8 @@ use kvroute_picker::config::PickerConfig;
 /// mimalloc instead of glibc malloc: a decision allocates a JSON tree, the template's values and
 /// strings, and `tokenizers` allocates per word; under glibc, perf showed about a third of the
 /// template step in malloc/free/consolidation and page faults, and cold tokenization ran 3-6×
-/// slower (`benches/decision.rs`, which links the same allocator; docs/benchmarks.md).
+/// slower (`benches/decision.rs`, which links the same allocator;
+/// docs/decisions/0008-picker-allocator-mimalloc.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -1,7 +1,8 @@
-//! The picker's listeners bound hostile peers in time and size (issue 17; `picker/src/limits.rs`):
-//! an ext_proc stream that sends headers and then no body, or part of a body and stalls, gets a
-//! 408 and is ended; `/explain` takes any body the ext_proc path takes (not axum's 2 MiB); the
-//! admin listener closes a half-sent request and keeps serving `/healthz`.
+//! The picker's listeners bound hostile peers in time and size (`picker/src/limits.rs`,
+//! docs/decisions/0024-bounded-outside-input.md): an ext_proc stream that sends headers and then no
+//! body, or part of a body and stalls, gets a 408 and is ended; `/explain` takes any body the
+//! ext_proc path takes (not axum's 2 MiB); the admin listener closes a half-sent request and keeps
+//! serving `/healthz`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -212,8 +213,8 @@ async fn header_only_streams_hold_no_in_flight_slot() {
 }
 
 /// A large prompt's tokenization stops soon after its ext_proc stream ends: Envoy gave up, nobody
-/// waits for the decision (issue 17). Measured against the same-size decision run to its end in
-/// the same test.
+/// waits for the decision. Measured against the same-size decision run to its end in the same
+/// test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenization_stops_when_the_stream_ends() {
     let tokenizer = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5");

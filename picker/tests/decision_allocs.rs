@@ -1,6 +1,6 @@
 //! A routing decision allocates only its result (the chosen pod's name and endpoint and the short
 //! candidate list): the per-pod work (filters, factor columns, ranking) reuses per-thread buffers,
-//! so allocations per decision do not grow with the fleet (issue 3, docs/design.md §10 scoring targets).
+//! so allocations per decision do not grow with the fleet (docs/design.md §10 scoring targets).
 //! Counted with a counting global allocator (`stats_alloc`; the workspace forbids `unsafe`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]

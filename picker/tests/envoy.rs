@@ -248,7 +248,7 @@ async fn bodies_in_both_modes_through_real_envoy() {
 
     for (mode, gw) in [("BUFFERED", buffered), ("FULL_DUPLEX_STREAMED", full_duplex)] {
         // 0 B: an inference request without a body is the picker's 400 with a JSON error
-        // (issue 18), answered on the headers, not hung and not sent upstream.
+        // (docs/design.md §5), answered on the headers, not hung and not sent upstream.
         let before = hot_seen.lock().len() + cold_seen.lock().len();
         let (status, head, resp) = post(gw, "/v1/completions", b"", "").await;
         assert_eq!(status, 400, "{mode}: {head}\n{resp}");
@@ -724,10 +724,11 @@ async fn read_until_closed(s: &mut tokio::net::TcpStream) -> (String, Option<Ins
     }
 }
 
-/// deploy/'s listener bounds, with the real Envoy (issue 17): a request whose head never ends is
-/// closed at `request_headers_timeout`, one whose body stalls gets a 408 at `request_timeout`
-/// (both shortened here from the deploy file's 10 s / 60 s, the rest untouched), and 1,100
-/// half-open connections neither starve a normal request nor outlive the head timeout.
+/// deploy/'s listener bounds, with the real Envoy (docs/decisions/0024-bounded-outside-input.md): a
+/// request whose head never ends is closed at `request_headers_timeout`, one whose body stalls gets
+/// a 408 at `request_timeout` (both shortened here from the deploy file's 10 s / 60 s, the rest
+/// untouched), and 1,100 half-open connections neither starve a normal request nor outlive the head
+/// timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_closed_and_do_not_starve_envoy() {
     let picker = start_picker(&simple_models()).await;

@@ -1,4 +1,4 @@
-//! Observability (docs/design.md §9, issue 7):
+//! Observability (docs/design.md §9):
 //! - the Grafana dashboard and the alert rules under `deploy/observability/` query only metrics the
 //!   picker exports, and carry docs/design.md §9 panels and thresholds;
 //! - `/explain` reports factors, exclusions and the would-be choice without changing state;
@@ -687,8 +687,8 @@ fn write_pool_file(dir: &std::path::Path) {
 }
 
 /// At `--log-level debug` and with no OTLP endpoint (the usual production set-up), the DEBUG
-/// `candidate` (one per candidate, with the factor breakdown) and `timings` lines are logged
-/// (issue 18: they never appeared without an exporter).
+/// `candidate` (one per candidate, with the factor breakdown) and `timings` lines are logged,
+/// also without an exporter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_at_debug_without_otlp_logs_candidates_and_timings() {
     let (ext_proc, ingest, admin) = (free_port().unwrap(), free_port().unwrap(), free_port().unwrap());

@@ -36,7 +36,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 const NS: &str = "kvroute";
 const MODEL: &str = "Qwen/Qwen2.5-7B-Instruct";
-/// How fast routing must follow a pool change (issue 14.8).
+/// How fast routing must follow a pool change (docs/operations.md "Install", pool changes).
 const FOLLOW: Duration = Duration::from_secs(2);
 /// Pod IPs: p0..p3 start or join the pool; `MOVED` is p2's new address; `OUTSIDE` is never in it.
 const IPS: [&str; 5] = ["127.0.0.41", "127.0.0.42", "127.0.0.43", "127.0.0.44", "127.0.0.45"];

@@ -1,4 +1,4 @@
-//! Rogue agents against a live picker (docs/design.md §14, "Trust"; issue 15's attacks): each attack
+//! Rogue agents against a live picker (docs/design.md §14, "Trust"): each attack
 //! leaves the routing decision exactly as it was and is counted in `epp_ingest_refusals_total`.
 //!
 //! The picker runs in-process with mTLS (a CA made by rcgen) and a pool view of two pods:

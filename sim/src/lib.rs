@@ -1,4 +1,4 @@
-//! kvroute-sim: a discrete-event simulator that measures routing quality (issue 9, docs/design.md §10).
+//! kvroute-sim: a discrete-event simulator that measures routing quality (docs/design.md §10).
 //!
 //! It drives kvroute's *real* pool, prefix index, router and approximate store
 //! ([`policy::KvroutePolicy`]) and re-implementations of the peers' policies ([`policy`]) with

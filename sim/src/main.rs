@@ -14,10 +14,12 @@ use kvroute_sim::sim::{GpuUtilization, SimConfig};
 use kvroute_sim::workload::{self, SharedPrefixConfig, Workload};
 use kvroute_sim::{policy, report, sim};
 
-/// Workloads before December 2026 (`classic`) and the December ones (`december`).
+/// The seed's workloads (`classic`) and the ones with their own fleet (`december`: replicas,
+/// KV size and warm-up per workload, docs/design.md §10).
 const CLASSIC: [&str; 5] = ["shared-prefix", "chat", "herd", "lora", "zipf"];
 const DECEMBER: [&str; 5] = ["w1", "w2", "pressure", "cold-start", "llm-d"];
-/// Workloads added for issue 16's end-to-end findings (`all` includes them).
+/// Workloads that reproduce an end-to-end benchmark's stream and fleet (`chat-groups`: the
+/// multi-turn chat bench's; `all` includes them).
 const ISSUE16: [&str; 1] = ["chat-groups"];
 /// llm-d's shape: rates rising past the cache-aware policies' saturation (random's is ≈ 6 req/s).
 const LLMD_RATES: [f64; 7] = [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0];

@@ -1,4 +1,4 @@
-//! Workloads (issue 9; docs/design.md §10): seeded generators and a JSONL trace reader.
+//! Workloads (docs/design.md §10): seeded generators and a JSONL trace reader.
 //!
 //! A request is a list of prompt [`Segment`]s (a segment is a run of tokens with an identity:
 //! a system prompt, a document, a user turn). Two requests whose segment lists start the same share
@@ -16,8 +16,9 @@
 //! (16 384 characters ≈ 4 096 tokens) never reach past it, which is how GIE's text view loses
 //! conversations.
 //!
-//! The December 2026 workloads (docs/design.md §10) come with their fleet: KV tokens per pod and
-//! router replicas ([`Fleet`]), and warm-up stages excluded from the figures.
+//! The `december` workloads (W1, W2, pressure, cold start, llm-d's shape; docs/design.md §10) come
+//! with their fleet: KV tokens per pod and router replicas ([`Fleet`]), and warm-up stages excluded
+//! from the figures.
 
 use std::io::BufRead;
 use std::path::Path;
@@ -441,7 +442,7 @@ pub fn chat_with(name: &str, cfg: &ChatConfig, seed: u64, block_size: usize) -> 
     finish(name, description, stages, drafts, block_size)
 }
 
-/// W1 (docs/design.md §10, December 2026): the shared-prefix stream on llm-d's benchmark pods
+/// W1 (docs/design.md §10): the shared-prefix stream on llm-d's benchmark pods
 /// (307 328 KV tokens each) behind 3 router replicas; Poisson 5 then 10 req/s × 60 s warm-up,
 /// then 10 req/s × 120 s measured.
 pub fn w1(seed: u64, block_size: usize) -> Workload {

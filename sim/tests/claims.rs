@@ -1,4 +1,4 @@
-//! The seed's routing claims, reproduced on the simulator and pinned (issue 9):
+//! The seed's routing claims, reproduced on the simulator and pinned (docs/benchmarks.md):
 //! - docs/design.md §16: random routing over 32 pods leaves ~97 % (31/32) of repeated-prefix requests cold;
 //! - docs/design.md §4: conversations stick to their pod under kvroute;
 //! - docs/design.md §15: a thundering herd on a 4-pod fleet with maxQueue 20 puts 20 requests on the

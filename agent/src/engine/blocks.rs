@@ -34,11 +34,12 @@
 //! engine → kvroute map is keyed by `(u16, u64)`: no allocation per lookup, and a parent is
 //! looked up once per medium seen (GPU first, then CPU, then the others), never by a scan.
 //!
-//! Bounds (issue 17: a hostile or broken engine made one record hold 3 M blocks, and 80 k LoRA
-//! names were searched linearly on the one KV-event thread): at most [`BlockRecord::capacity`]
-//! engine blocks over all media (default [`DEFAULT_MAX_BLOCKS`]); stores past it are dropped and
-//! counted ([`ApplyOutcome::dropped_capacity`]: under-claim), and removals make room again.
-//! Hash roots per adapter are found through a map, at most
+//! Bounds (an engine's events are outside input: unbounded, a hostile or broken engine can make
+//! one record hold millions of blocks, or make the one KV-event thread search tens of thousands
+//! of LoRA names linearly; docs/decisions/0024-bounded-outside-input.md): at most
+//! [`BlockRecord::capacity`] engine blocks over all media (default [`DEFAULT_MAX_BLOCKS`]);
+//! stores past it are dropped and counted ([`ApplyOutcome::dropped_capacity`]: under-claim), and
+//! removals make room again. Hash roots per adapter are found through a map, at most
 //! [`MAX_HASHED_ADAPTERS`] adapters kept (cheap to recompute: dropped all at once when full);
 //! at most [`MAX_MEDIA`] media are told apart, stores on further ones are dropped and counted.
 //!

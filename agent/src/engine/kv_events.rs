@@ -7,9 +7,9 @@
 //! (older releases). Unknown fields and trailing elements are ignored; absent optional fields take
 //! their defaults (absent `medium` = GPU).
 //!
-//! Events are judged one by one (issue 17: one unreadable event used to reject its whole batch,
-//! and the resulting gap cleared the pod's whole record). Keep what can be kept, clear only what
-//! cannot be trusted (docs/design.md §7, under-claim):
+//! Events are judged one by one, so that one unreadable event neither rejects its whole batch nor
+//! turns into a gap that clears the pod's whole record (docs/decisions/0024-bounded-outside-input.md).
+//! Keep what can be kept, clear only what cannot be trusted (docs/design.md §7, under-claim):
 //! - an event of a type this decoder does not know (a newer vLLM) is skipped and counted
 //!   ([`Damage::unknown_events`]);
 //! - a `BlockStored` whose fields cannot be read, or an event without a type, is skipped and

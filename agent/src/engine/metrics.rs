@@ -6,8 +6,9 @@
 //! could silently report an idle engine). It is pure and allocation-light; no shared state.
 //!
 //! Work is bounded: a page of more than [`MAX_LINES`] lines is rejected before its lines are
-//! parsed (issue 17: a 1M-series page cost a core at one scrape per 200 ms); the page's bytes are
-//! bounded by the reader ([`super::scrape::ReadLimits`]).
+//! parsed (a page of a million series would cost a core at one scrape per 200 ms,
+//! docs/decisions/0024-bounded-outside-input.md); the page's bytes are bounded by the reader
+//! ([`super::scrape::ReadLimits`]).
 //!
 //! Aggregation over vLLM's `engine` label (data-parallel ranks): request counts are summed,
 //! `kv_cache_usage_perc` takes the maximum (the fullest rank limits admission).
@@ -92,7 +93,8 @@ pub struct EngineMetrics {
 
 /// One sample line, borrowed from the page: the labels are checked but kept raw (between the
 /// braces, values still escaped), so lines the agent does not read cost no allocation
-/// (issue 5: allocating every name and label of every line was most of a scrape's parse).
+/// (allocating every name and label of every line would be most of a scrape's parse,
+/// docs/decisions/0023-agent-cpu-budget.md).
 #[derive(Debug, Clone, Copy)]
 struct LineRef<'a> {
     name: &'a str,

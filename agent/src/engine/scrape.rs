@@ -2,8 +2,9 @@
 //! active 1-token completion probe with a deadline (every probe interval). A stuck engine still
 //! answers `/health` but misses the probe's deadline.
 //!
-//! Every read is bounded (issue 17: an endless chunked `/metrics` took the agent to 3.55 GB, a
-//! 200 MB probe reply cost +270 MB): each endpoint has a byte limit ([`ReadLimits`]), a
+//! Every read is bounded (an endless chunked `/metrics` or a huge probe reply would otherwise
+//! grow the agent's memory without limit, docs/decisions/0024-bounded-outside-input.md): each
+//! endpoint has a byte limit ([`ReadLimits`]), a
 //! `Content-Length` over it is refused before the body is read, and a body that grows past it is
 //! dropped (closing the connection) with [`ScrapeError::TooLarge`]; the client's timeout bounds
 //! the whole exchange. The parse of `/metrics` has its own line bound

@@ -2,14 +2,15 @@
 //! blocking), a SUB socket per engine on its PUB endpoint, handing decoded batches, in seq order,
 //! to each engine's [`EventSink`] on that thread, then asking the sinks to send what changed.
 //!
-//! Read passes (issue 5): when idle, the thread waits in `zmq::poll` for any engine's first batch.
+//! Read passes (docs/decisions/0023-agent-cpu-budget.md): when idle, the thread waits in
+//! `zmq::poll` for any engine's first batch.
 //! Then it works in passes one coalescing window (`block_flush_ms`, docs/design.md §7) apart: sleep the
 //! window, read every batch that queued up meanwhile on every socket, end the pass with
 //! [`EventSink::flush`] on the engines that got batches; it goes back to `poll` after a pass that
 //! found nothing. Under load that is one wake-up per window for the whole node, instead of one
 //! per batch per engine thread plus a flush timer on the tokio side (8 threads × ~35 wake-ups/s
 //! at ~300 batches/s), and no `poll` between passes (libzmq's poll asks every socket for its
-//! state, one system call each). A batch waits at most one window, as before. libzmq queues the
+//! state, one system call each). A batch waits at most one window. libzmq queues the
 //! batches in the meantime (default high-water mark 1 000 messages per socket).
 //!
 //! Sequence handling (docs/design.md §7), per engine: the thread remembers the last seq it forwarded. On
@@ -222,8 +223,9 @@ fn zerr<'a>(what: &'static str, endpoint: &'a str) -> impl FnOnce(zmq::Error) ->
 }
 
 /// How long the thread waits in `poll` before it looks at `stop` again (ms): the only wake-up of
-/// an idle node (issue 5: at 100 ms per engine thread, 8 engines cost 80 wake-ups/s doing
-/// nothing); a batch or a monitor event wakes it at once.
+/// an idle node, so it is long (an idle node should cost next to nothing; at 100 ms per engine,
+/// 8 engines would wake 80 times a second doing nothing); a batch or a monitor event wakes it at
+/// once.
 const IDLE_WAKE_MS: i64 = 500;
 
 /// Most batches read from one engine in one pass, so an engine that publishes faster than the

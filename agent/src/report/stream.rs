@@ -71,7 +71,7 @@ pub struct AgentIdentity {
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 /// How long a PING may go unanswered before the connection (and the stream) is dropped and the
 /// agent reconnects: a SIGSTOPped or partitioned picker, whose kernel still ACKs TCP, is seen as
-/// dead within [`KEEPALIVE_INTERVAL`] + this (issue 17).
+/// dead within [`KEEPALIVE_INTERVAL`] + this (docs/decisions/0024-bounded-outside-input.md).
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest TCP connect to a picker.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -9,7 +9,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvroute_cluster::crd::{InferencePool, InferencePoolSpec, PoolPort, PoolSelector};
 use kvroute_kube_stand_in::ApiServer;
 
-/// Every change must show within this bound (issue 14: "routing follows within 2 s").
+/// Every change must show within this bound: routing follows a pool change within 2 s
+/// (docs/operations.md "Install", pool changes).
 pub const BOUND: Duration = Duration::from_secs(2);
 pub const NS: &str = "inference";
 

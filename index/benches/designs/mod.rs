@@ -6,8 +6,9 @@
 //! - [`sharded`] (design A): 64 copy-on-write hashbrown shards (`Arc::make_mut`);
 //! - [`double`] (design B): two copies of one hashbrown map, left-right style, kept in step by
 //!   replaying an op log;
-//! - [`pooled_hb`] (design C as first built, round 3): the pool of up to three copies over B's
-//!   hashbrown map, kept in step by the op log (the library's pool copies dirty slots instead).
+//! - [`pooled_hb`] (design C-hb): the pool of up to three copies over B's hashbrown map, kept in
+//!   step by the op log (the library's pool copies dirty slots instead;
+//!   docs/decisions/0002-index-snapshot-design.md).
 
 #![allow(dead_code)]
 

@@ -1,9 +1,10 @@
-//! Design C as first built (round 3): a pool of up to [`MAX_COPIES`] copies of design B's
-//! hashbrown map, kept in step by replaying an op log. Before the next write the writer takes the
-//! freshest spare no reader holds and replays the log from its position; when readers hold every
-//! spare it copies the published map (growing the pool); past `MAX` copies it waits as B does.
-//! A spare more than [`MAX_LAG_OPS`] behind is let go. The library's pool (`kvroute_index::pool`)
-//! keeps this structure but copies dirty slots instead of replaying, over the flat table.
+//! Design C-hb (docs/decisions/0002-index-snapshot-design.md): a pool of up to [`MAX_COPIES`]
+//! copies of design B's hashbrown map, kept in step by replaying an op log. Before the next write
+//! the writer takes the freshest spare no reader holds and replays the log from its position; when
+//! readers hold every spare it copies the published map (growing the pool); past `MAX` copies it
+//! waits as B does. A spare more than [`MAX_LAG_OPS`] behind is let go. The library's pool
+//! (`kvroute_index::pool`) keeps this structure but copies dirty slots instead of replaying, over
+//! the flat table.
 
 use std::sync::Arc;
 

@@ -6,7 +6,8 @@
 //! Because every copy is changed by this one editor in the same order, copies are identical
 //! (same slot positions, set ids, run ids); a spare copy catches up by copying the logged
 //! indices from the published copy ([`catch_up`]) instead of re-running links, interning and
-//! sealing, which is what made the op-log replay of rounds 3–4 cost as much as the write itself.
+//! sealing: replaying an op log onto a spare costs as much as the write itself
+//! (docs/decisions/0002-index-snapshot-design.md).
 
 use std::sync::Arc;
 
@@ -292,7 +293,8 @@ const HALVE_PCT: usize = 60;
 /// `None` otherwise (copy it as it is). Same sets, runs and stats; slots placed anew, so no copy
 /// made before can follow it through the dirty log. Costs about what a clone does: one pass
 /// over the table, where the clone copies it. Out of line: it runs once per growth burst, and kept
-/// out of the copy path the writer's loops keep their round 8 layout (docs/index.md round 10).
+/// out of the copy path it leaves the writer's loops their layout, which their steady speed
+/// depends on (docs/decisions/0004-index-table-growth.md).
 #[cold]
 #[inline(never)]
 pub(crate) fn halved(src: &FlatSnapshot) -> Option<FlatSnapshot> {
@@ -342,11 +344,11 @@ impl Editor {
 
     /// Grows the full table: ×2, or ×4 when it already grew since the last publish (or was never
     /// published: a bulk load), so a load that keeps growing moves a third of the slots ×2 would
-    /// and clears half the fresh pages (docs/index.md, round 9: growth was a quarter of a bulk
-    /// load). A ×4 table may be twice what ×2 growth gives; [`halved`] then takes the size back
-    /// when the writer next copies the table whole. Left to the compiler to inline, as before the
-    /// ×4 step: out of line, the store and remove loops it sits in ran 4–15 % slower in steady
-    /// ingest (docs/index.md round 10).
+    /// and clears half the fresh pages (growth is a quarter of a bulk load). A ×4 table may be
+    /// twice what ×2 growth gives; [`halved`] then takes the size back when the writer next
+    /// copies the table whole. Left to the compiler to inline: out of line, the store and remove
+    /// loops it sits in run 4–15 % slower in steady ingest
+    /// (docs/decisions/0004-index-table-growth.md).
     fn grow(&mut self, t: &mut FlatSnapshot) {
         let factor = if self.growing { 4 } else { 2 };
         self.growing = true;

@@ -50,7 +50,8 @@ pub struct Rejection {
 
 /// Longest rejection message, in bytes: messages may quote the client's input (a model name, a
 /// value the JSON parser refused), which is echoed into the error body and the log only this far
-/// (issue 17: a 4 MB model name was echoed whole into the 404 and the logs).
+/// (a multi-megabyte model name must not be echoed whole into the 404 and the logs;
+/// docs/decisions/0024-bounded-outside-input.md).
 pub const MAX_MESSAGE_BYTES: usize = 512;
 
 impl Rejection {

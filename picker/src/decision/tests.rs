@@ -106,8 +106,8 @@ async fn explain_rejects_like_routing() {
     assert_eq!(ex.explanation.choice, None);
 }
 
-/// Issue 17: a 4 MB model name, or one carrying line breaks, is quoted in the 404 only bounded
-/// and cleaned; so is a parser error quoting a huge string value.
+/// A 4 MB model name, or one carrying line breaks, is quoted in the 404 only bounded and cleaned;
+/// so is a parser error quoting a huge string value.
 #[test]
 fn errors_quote_client_input_bounded_and_without_control_characters() {
     let gw = gateway("{name: m}");

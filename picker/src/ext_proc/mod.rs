@@ -236,7 +236,7 @@ async fn on_request_headers(
             Routing::Routed { endpoint, trace, .. } => {
                 // A request without a body (`GET /v1/models`) is no inference work: it must not
                 // count in the pod's queue depth, nor hold a slot for as long as its stream stays
-                // open (issue 17: 100 such streams pushed queue depth past maxQueue).
+                // open (otherwise 100 such streams push queue depth past maxQueue).
                 st.slot = None;
                 out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
             }
@@ -364,7 +364,8 @@ impl Drop for CancelOnDrop {
 /// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
 /// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
 /// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`, as do bodies of
-/// [`CANCELLABLE_BODY_BYTES`] or more, whose tokenization an ended stream cancels (issue 17).
+/// [`CANCELLABLE_BODY_BYTES`] or more, whose tokenization an ended stream cancels
+/// (docs/decisions/0024-bounded-outside-input.md).
 async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Routing {
     st.decided = true;
     let span = tracing::info_span!(
@@ -477,8 +478,9 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
 pub const UPSTREAM_CONNECT_ERROR: &[u8] = b"upstream connect error or disconnect/reset before headers";
 
 fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> ProcessingResponse {
-    // Envoy's signal that the chosen endpoint is down: mark it at once (issue 17; the agent may
-    // be silent), a probe brings it back when it accepts connections again.
+    // Envoy's signal that the chosen endpoint is down: mark it at once (the agent may be silent;
+    // docs/decisions/0016-unreachable-marks.md), a probe brings it back when it accepts
+    // connections again.
     if st.response_status == Some(503)
         && let Some(slot) = &st.slot
         && b.body.windows(UPSTREAM_CONNECT_ERROR.len()).any(|w| w == UPSTREAM_CONNECT_ERROR)

@@ -1,5 +1,6 @@
-//! Routing policies compared on the same simulated runs (issue 9): the peers' algorithms,
-//! re-implemented from their published descriptions, and kvroute itself through its real code.
+//! Routing policies compared on the same simulated runs (docs/benchmarks.md): the peers'
+//! algorithms, re-implemented from their published descriptions, and kvroute itself through its
+//! real code.
 //!
 //! Every policy sees the fleet the way its real counterpart does: engine state arrives as
 //! [`PodReport`]s after the report delay (KV events and stats, like kvroute's agents or Dynamo's

@@ -1,7 +1,8 @@
-//! Chaos suite (issue 17): a live fleet (4 emulated engines, 2 agents, 2 picker replicas, Envoy
-//! with `deploy/envoy/envoy.yaml`) under steady load through Envoy, while the test kills, stops
-//! and restarts its parts. What a client sees is recorded per request (send time, status, served
-//! by, whether Envoy could not connect to the chosen engine) and asserted per phase:
+//! Chaos suite (docs/operations.md "Faults and recovery"): a live fleet (4 emulated engines, 2
+//! agents, 2 picker replicas, Envoy with `deploy/envoy/envoy.yaml`) under steady load through
+//! Envoy, while the test kills, stops and restarts its parts. What a client sees is recorded per
+//! request (send time, status, served by, whether Envoy could not connect to the chosen engine) and
+//! asserted per phase:
 //!
 //! 1. SIGSTOP an agent (its engines alive): no 5xx; its pods' health falls to the stale-report
 //!    cap once `limits.max_report_age_ms` passes.

@@ -1,10 +1,10 @@
 //! Streaming msgpack → event decoding with `rmp-serde`: each field is read straight into its
 //! final form (token ids into one `Vec<u32>` sized from the array header, hashes into
-//! `Vec<EngineBlockHash>`), with no intermediate value tree (issue 5: building and dropping an
-//! `rmpv` tree of every token id was ~12 % of the agent's CPU under load). Token ids and hashes,
-//! the bulk of a batch, have their own element visitors: going through the general [`Scalar`]
-//! per element was slower than the `rmpv` tree (62 vs 40 µs for a 1 500-token batch here); with
-//! them it is 14 µs.
+//! `Vec<EngineBlockHash>`), with no intermediate value tree: building and dropping an `rmpv` tree
+//! of every token id is a large share of the agent's CPU under load. Token ids and hashes, the
+//! bulk of a batch, have their own element visitors, because going through the general
+//! [`Scalar`] per element is slower than the tree (figures in
+//! docs/decisions/0023-agent-cpu-budget.md).
 //!
 //! The visitors are lenient: a value of the wrong type is consumed and recorded as a shape
 //! problem ([`Lenient`]) rather than failing the deserializer, so that (a) a field is only an

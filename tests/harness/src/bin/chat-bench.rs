@@ -1,12 +1,12 @@
-//! End-to-end multi-turn chat benchmark against a real peer router (issue 16 item 7): the same
+//! End-to-end multi-turn chat benchmark against a real peer router (docs/benchmarks.md): the same
 //! seeded open-loop stream of streaming `/v1/chat/completions` requests goes through Envoy +
 //! kvroute (picker in precise mode, agents, KV events), then — every engine's prefix cache emptied
 //! — through SMG (`smg launch --backend vllm --policy cache_aware`, the SGLang router's Rust
-//! successor, installed by `scripts/install-smg`; clients send to it directly and it is given
-//! the engines' URLs), then through an Envoy doing plain round robin, all over the same emulated
-//! engines; with `--approximate` also through a second fleet whose picker runs in approximate
-//! mode, and with `--independent-pickers` through one whose `--pickers` replicas do not follow
-//! each other. TTFT (first streamed chunk with text) is measured by the client.
+//! successor, installed by `scripts/install-smg`; clients send to it directly and it is given the
+//! engines' URLs), then through an Envoy doing plain round robin, all over the same emulated
+//! engines; with `--approximate` also through a second fleet whose picker runs in approximate mode,
+//! and with `--independent-pickers` through one whose `--pickers` replicas do not follow each
+//! other. TTFT (first streamed chunk with text) is measured by the client.
 //!
 //! The stream: `--groups` system prompts × `--users` conversations each × `--turns` turns; each
 //! turn re-sends the whole conversation (earlier answers are seeded stand-in text, so every

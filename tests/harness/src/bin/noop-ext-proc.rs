@@ -1,4 +1,5 @@
-//! A no-op ext_proc server: the floor under the picker in `kvroute-gateway-bench` (issue 20.2).
+//! A no-op ext_proc server: the floor under the picker in `kvroute-gateway-bench`
+//! (docs/design.md §10, docs/decisions/0021-ext-proc-layout.md).
 //!
 //! It answers Envoy exactly as the picker does, phase by phase and with the same reply shapes
 //! (the picker's `ext_proc::reply`: CONTINUE on request headers, then on the buffered body the

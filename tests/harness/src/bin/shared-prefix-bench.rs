@@ -1,13 +1,12 @@
-//! End-to-end shared-prefix benchmark (issue 9; docs/design.md §10's routing-quality shape, scaled down to
+//! End-to-end shared-prefix benchmark (docs/design.md §10's routing-quality shape, scaled down to
 //! what emulated engines on this machine sustain): the same open-loop Poisson stream of
 //! `/v1/completions` requests (G groups × a shared prefix × Q questions) goes through real Envoy +
 //! picker + agents + emulated engines (precise mode: KV events), then — prefix caches emptied —
 //! through an Envoy doing plain round robin over the same engines (with `--least-request`, caches
 //! emptied again, through an Envoy doing least-request, the least-loaded baseline), then through a
-//! second fleet
-//! whose picker runs in approximate mode (no tokenizer: docs/design.md §6's text blocks and per-pod LRU of
-//! its own routing, GIE's estimated prefix cache). TTFT (first streamed chunk with text) is
-//! measured by the client, as inference-perf does.
+//! second fleet whose picker runs in approximate mode (no tokenizer: docs/design.md §6's text
+//! blocks and per-pod LRU of its own routing, GIE's estimated prefix cache). TTFT (first streamed
+//! chunk with text) is measured by the client, as inference-perf does.
 //!
 //! Engines prefill one request at a time by default (`--max-num-partial-prefills 1`, vLLM's
 //! default), so prefill compute is each pod's bottleneck and a cache-blind router saturates once
