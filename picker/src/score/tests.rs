@@ -643,6 +643,22 @@ async fn engines_of_16_32_and_64_token_blocks_share_one_index() {
         e.candidates.iter().find(|k| k.pod.as_ref() == pod).map(|k| k.matched_blocks)
     };
     assert_eq!([matched(&e, "e16"), matched(&e, "e32"), matched(&e, "e64")], [Some(3), Some(2), Some(0)]);
+    // CPU-tier credit starts after the GPU's and also stops at whole engine blocks: 7 offloaded
+    // index blocks are 6 on e32 (2 beyond its 4 on GPU) and 4 on e64 of a 10-block offload (8).
+    for (pod, blocks) in [("e32", 7), ("e64", 10)] {
+        let u = PoolUpdate::Offloaded {
+            stream: 1,
+            pod: pod.into(),
+            cleared: true,
+            stored: c[..blocks].to_vec(),
+            removed: Vec::new(),
+        };
+        assert!(pool.update(u).await.is_ok());
+    }
+    assert!(pool.sync().await.is_ok());
+    let e = r.explain(&req(&c));
+    let offloaded = |pod: &str| e.candidates.iter().find(|k| k.pod.as_ref() == pod).map(|k| k.offloaded_blocks);
+    assert_eq!([offloaded("e16"), offloaded("e32"), offloaded("e64")], [Some(0), Some(2), Some(4)]);
     let (mut held, mut seen) = (Vec::new(), Vec::new());
     for (name, engine_block) in engines {
         let subset = vec![format!("{name}:8000")];

@@ -3,10 +3,10 @@
 //! kvroute (picker in precise mode, agents, KV events), then — every engine's prefix cache emptied
 //! — through SMG (`smg launch --backend vllm --policy cache_aware`, the SGLang router's Rust
 //! successor, installed by `scripts/install-smg`; clients send to it directly and it is given the
-//! engines' URLs), then through an Envoy doing plain round robin, all over the same emulated
-//! engines; with `--approximate` also through a second fleet whose picker runs in approximate mode,
-//! and with `--independent-pickers` through one whose `--pickers` replicas do not follow each
-//! other. TTFT (first streamed chunk with text) is measured by the client.
+//! engines' URLs), then through an Envoy doing plain round robin, all over the same engines
+//! (emulated, or real vLLM with `--engine-kind vllm`); with `--approximate` also through a second
+//! fleet whose picker runs in approximate mode, and with `--independent-pickers` through one
+//! whose `--pickers` replicas do not follow each other. TTFT (first streamed chunk with text) is measured by the client.
 //!
 //! The stream: `--groups` system prompts × `--users` conversations each × `--turns` turns; each
 //! turn re-sends the whole conversation (earlier answers are seeded stand-in text, so every
@@ -23,7 +23,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kvroute_harness::fleet::Engine;
 use kvroute_harness::process::ManagedProcess;
-use kvroute_harness::{Fleet, FleetSpec, GatewayClient, Workload, paths};
+use kvroute_harness::{EngineKind, Fleet, FleetSpec, GatewayClient, VllmSpec, Workload, paths};
 
 #[derive(Parser, Debug)]
 #[command(version = kvroute_cli::LONG_VERSION, about = "Multi-turn chat through Envoy + kvroute vs SMG vs Envoy round robin; client-side TTFT p50/p90/p99")]
@@ -52,10 +52,15 @@ struct Args {
     /// Offered rate, requests per second.
     #[arg(long, default_value_t = 4.0)]
     rate: f64,
-    /// Emulated engines.
+    /// Engines.
     #[arg(long, default_value_t = 4)]
     engines: usize,
-    /// KV cache per engine, 16-token blocks (default: the working set is ≈ 1.6× the fleet's).
+    /// What the engines are: `emulator`, or `vllm` (vLLM's CPU build, `scripts/install-vllm`;
+    /// 32-token blocks, one core each: size the stream for a few requests per second).
+    #[arg(long, default_value = "emulator", value_parser = ["emulator", "vllm"])]
+    engine_kind: String,
+    /// KV cache per engine, 16-token blocks (default: the working set is ≈ 1.6× the fleet's;
+    /// with `--engine-kind vllm`, rounded down to its 32-token blocks).
     #[arg(long, default_value_t = 1000)]
     num_gpu_blocks: u32,
     /// Requests each engine runs at once (vLLM `--max-num-seqs`); the rest queue.
@@ -268,8 +273,18 @@ async fn start_smg(exe: &Path, engines: &[Engine], extra: &[String], work: &Path
 }
 
 fn fleet_spec(a: &Args, label: &str) -> FleetSpec {
+    let engine_kind = if a.engine_kind == "vllm" {
+        let v = VllmSpec::default();
+        let blocks = a.num_gpu_blocks * 16 / v.block_size;
+        // vLLM keeps one block back and refuses a model length its cache cannot hold.
+        let max_model_len = v.max_model_len.min(blocks.saturating_sub(1) * v.block_size);
+        EngineKind::Vllm(VllmSpec { num_gpu_blocks: Some(blocks), max_model_len, ..v })
+    } else {
+        EngineKind::Emulator
+    };
     FleetSpec {
         label: label.into(),
+        engine_kind,
         engines: a.engines,
         num_gpu_blocks: a.num_gpu_blocks,
         time_scale: a.time_scale,
@@ -297,7 +312,7 @@ async fn main() -> Result<()> {
     let w = Workload::multi_turn_chat(a.seed, a.groups, a.users, a.turns, a.system_words, a.user_words);
     let spec = FleetSpec { round_robin_baseline: !a.no_rr, ..fleet_spec(&a, "chat-bench") };
     let model = spec.model.clone();
-    eprintln!("starting {} engines, agents, picker and Envoys ...", a.engines);
+    eprintln!("starting {} engines ({}), agents, picker and Envoys ...", a.engines, a.engine_kind);
     let fleet = Fleet::start(spec).await?;
     let mut runs: Vec<(&str, Vec<Sample>)> = Vec::new();
     eprintln!("kvroute ...");
@@ -379,7 +394,7 @@ async fn main() -> Result<()> {
     let words = a.groups * a.system_words + a.groups * a.users * a.turns * (a.user_words + a.reply_words);
     println!(
         "multi-turn chat, seed {}: {} system prompts × {} words, {} conversations each × {} turns ({} + {} words per turn), \
-         {} output tokens, {} req/s Poisson; {} engines × {} KV blocks (working set ≈ {:.1}× the fleet's at 1.1 tokens per word), \
+         {} output tokens, {} req/s Poisson; {} engines ({}) × {} KV blocks of 16 tokens (working set ≈ {:.1}× the fleet's at 1.1 tokens per word), \
          max {} running and {} prefilling each, time scale {}; {} picker replica(s), {} SMG replica(s){}\n",
         a.seed,
         a.groups,
@@ -391,6 +406,7 @@ async fn main() -> Result<()> {
         a.max_tokens,
         a.rate,
         a.engines,
+        a.engine_kind,
         a.num_gpu_blocks,
         words as f64 * 1.1 / (f64::from(a.num_gpu_blocks) * 16.0 * a.engines as f64),
         a.max_num_seqs,
