@@ -121,11 +121,10 @@ struct Sample {
     served_by: Option<String>,
 }
 
-/// Sends the whole stream to `gateways` (requests to each in turn): one task per conversation,
+/// Sends the whole stream through `clients` (requests to each in turn): one task per conversation,
 /// each turn at its scheduled time or once the previous reply is in, whichever is later.
-async fn drive(gateways: &[String], model: &str, w: &Workload, a: &Args) -> Result<Vec<Sample>> {
-    let clients: Arc<Vec<GatewayClient>> =
-        Arc::new(gateways.iter().map(|g| GatewayClient::new(g.as_str())).collect::<Result<_>>()?);
+async fn drive(clients: Vec<GatewayClient>, model: &str, w: &Workload, a: &Args) -> Result<Vec<Sample>> {
+    let clients = Arc::new(clients);
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let replies = w.synthetic_replies(a.seed, a.reply_words);
     let mut per_conversation: BTreeMap<usize, Vec<(f64, usize)>> = BTreeMap::new();
@@ -315,8 +314,12 @@ async fn main() -> Result<()> {
     eprintln!("starting {} engines ({}), agents, picker and Envoys ...", a.engines, a.engine_kind);
     let fleet = Fleet::start(spec).await?;
     let mut runs: Vec<(&str, Vec<Sample>)> = Vec::new();
+    // Prompt tokens each engine processed in a run, by its own `vllm:prompt_tokens_total`.
+    let mut shares: Vec<(&str, Vec<f64>)> = Vec::new();
     eprintln!("kvroute ...");
-    runs.push(("Envoy + kvroute", drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?));
+    let before = prompt_tokens(&fleet).await;
+    runs.push(("Envoy + kvroute", drive(vec![fleet.client(&fleet.gateway)?], &model, &w, &a).await?));
+    shares.push(("Envoy + kvroute", token_shares(&before, &prompt_tokens(&fleet).await)));
     // The picker's own account of its decisions in that run (docs/design.md §4: pile guard,
     // pending credit withheld, stale cache routing), to explain where groups spread.
     let metrics = fleet.picker_metrics().await.unwrap_or_default();
@@ -355,7 +358,10 @@ async fn main() -> Result<()> {
             bases.push(base);
         }
         eprintln!("SMG ({} replicas{}) ...", a.smg_replicas, if a.smg_mesh { ", mesh" } else { "" });
-        let samples = drive(&bases, &model, &w, &a).await;
+        let clients = bases.iter().map(|b| GatewayClient::new(b.as_str())).collect::<Result<Vec<_>>>()?;
+        let before = prompt_tokens(&fleet).await;
+        let samples = drive(clients, &model, &w, &a).await;
+        shares.push(("SMG cache_aware", token_shares(&before, &prompt_tokens(&fleet).await)));
         for mut p in procs {
             p.kill().await;
         }
@@ -365,7 +371,9 @@ async fn main() -> Result<()> {
         fleet.reset_prefix_caches().await?;
         eprintln!("round robin ...");
         let rr = fleet.round_robin_gateway.clone().context("round-robin gateway")?;
-        runs.push(("Envoy round robin", drive(&[rr], &model, &w, &a).await?));
+        let before = prompt_tokens(&fleet).await;
+        runs.push(("Envoy round robin", drive(vec![fleet.client(&rr)?], &model, &w, &a).await?));
+        shares.push(("Envoy round robin", token_shares(&before, &prompt_tokens(&fleet).await)));
     }
     fleet.shutdown().await;
     if a.approximate {
@@ -373,7 +381,7 @@ async fn main() -> Result<()> {
         let fleet = Fleet::start(FleetSpec { picker_approximate: true, ..fleet_spec(&a, "chat-bench-approx") }).await?;
         runs.push((
             "Envoy + kvroute, approximate mode",
-            drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?,
+            drive(vec![fleet.client(&fleet.gateway)?], &model, &w, &a).await?,
         ));
         fleet.shutdown().await;
     }
@@ -386,7 +394,7 @@ async fn main() -> Result<()> {
         let fleet = Fleet::start(spec).await?;
         runs.push((
             "Envoy + kvroute, independent replicas",
-            drive(std::slice::from_ref(&fleet.gateway), &model, &w, &a).await?,
+            drive(vec![fleet.client(&fleet.gateway)?], &model, &w, &a).await?,
         ));
         fleet.shutdown().await;
     }
@@ -440,5 +448,31 @@ async fn main() -> Result<()> {
     for (name, s) in &runs {
         placement(name, s);
     }
+    for (name, share) in &shares {
+        let per: Vec<String> =
+            share.iter().enumerate().map(|(i, x)| format!("engine-{i} {:.1} %", x * 100.0)).collect();
+        println!("{name}: prompt tokens per engine, by the engines' own counters: {}", per.join(", "));
+    }
     Ok(())
+}
+
+/// Every engine's `vllm:prompt_tokens_total` (0 where it cannot be read).
+async fn prompt_tokens(fleet: &Fleet) -> Vec<f64> {
+    let http = reqwest::Client::new();
+    let mut out = Vec::with_capacity(fleet.engines.len());
+    for e in &fleet.engines {
+        let text = match http.get(format!("{}/metrics", e.url())).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        out.push(kvroute_harness::fleet::metric_value(&text, "vllm:prompt_tokens_total", "").unwrap_or(0.0));
+    }
+    out
+}
+
+/// Each engine's share of the prompt tokens counted between `before` and `after`.
+fn token_shares(before: &[f64], after: &[f64]) -> Vec<f64> {
+    let grown: Vec<f64> = after.iter().zip(before).map(|(a, b)| (a - b).max(0.0)).collect();
+    let total: f64 = grown.iter().sum();
+    grown.iter().map(|g| if total > 0.0 { g / total } else { 0.0 }).collect()
 }
