@@ -98,6 +98,9 @@ pub enum GenerationEvent {
         prompt_tokens: u32,
         /// Prompt tokens served from the prefix cache.
         cached_tokens: u32,
+        /// Prompt tokens this request wrote to the prefix cache: its full prompt blocks that were
+        /// not hits (vLLM's `num_cache_creation_tokens`).
+        created_cache_tokens: u32,
         /// Generated tokens.
         completion_tokens: u32,
         /// Why it finished.
@@ -284,6 +287,7 @@ impl Engine {
             hit
         };
         let cached_tokens = hit_blocks * bs;
+        let created_cache_tokens = (held.cached * bs).min(prompt_len).saturating_sub(cached_tokens);
         self.metrics.record_prefix_lookup(prompt_len as u64, cached_tokens as u64);
 
         let uncached = (prompt_len - cached_tokens) as f64;
@@ -314,6 +318,7 @@ impl Engine {
         let finished = GenerationEvent::Finished {
             prompt_tokens: prompt_len as u32,
             cached_tokens: cached_tokens as u32,
+            created_cache_tokens: created_cache_tokens as u32,
             completion_tokens: request.max_tokens,
             reason: FinishReason::Length,
         };
