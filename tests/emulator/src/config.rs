@@ -1,8 +1,8 @@
 //! Command-line configuration of the emulator, with the flag names of vLLM's `vllm serve` where
 //! vLLM has an equivalent (the lead's harness and the demo depend on these names).
 //!
-//! Invariants after [`EmulatorConfig::validate`]: block size, GPU blocks and max sequences are
-//! non-zero, the time scale is finite and non-negative, and LoRA module specs are `name=path`.
+//! Invariants after [`EmulatorConfig::validate`]: block size and max sequences are non-zero, at
+//! least 2 GPU blocks, the time scale is finite and non-negative, and LoRA module specs are `name=path`.
 
 use std::path::PathBuf;
 
@@ -58,7 +58,8 @@ pub struct EmulatorConfig {
     /// Tokens per KV block (vLLM `--block-size`). Default 16.
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
-    /// Prefix-cache capacity in blocks (vLLM's `num_gpu_blocks`). Default 2048.
+    /// KV-cache blocks (vLLM's `num_gpu_blocks`, `--num-gpu-blocks-override`), at least 2: as in
+    /// vLLM one is the null block, so `N − 1` hold KV and KV usage is held / (N − 1). Default 2048.
     #[arg(long, default_value_t = 2048)]
     pub num_gpu_blocks: u32,
     /// Maximum running requests; more wait in the queue. Default 8.
@@ -163,9 +164,17 @@ pub struct EmulatorConfig {
 impl EmulatorConfig {
     /// Checks ranges and parses `--lora-modules`, returning the adapters in order.
     pub fn validate(&self) -> Result<Vec<LoraModule>, ConfigError> {
+        if self.num_gpu_blocks < 2 {
+            return Err(ConfigError::OutOfRange {
+                flag: "num-gpu-blocks",
+                reason: format!(
+                    "{} leaves no usable block: at least 2 (one is vLLM's null block)",
+                    self.num_gpu_blocks
+                ),
+            });
+        }
         let non_zero = [
             ("block-size", self.block_size),
-            ("num-gpu-blocks", self.num_gpu_blocks),
             ("max-num-seqs", self.max_num_seqs),
             ("max-model-len", self.max_model_len),
         ];

@@ -1,30 +1,35 @@
 //! The emulated engine: admission (bounded running batch + FIFO-ish wait queue), the timing model
-//! and the prefix-cache bookkeeping of each request.
+//! and the KV blocks of each request.
 //!
 //! Timing (every duration × `time_scale`): prefill sleeps `uncached_tokens × prefill_us_per_token`
 //! and yields the first token; with `max_num_partial_prefills` = N > 0 at most N requests prefill
 //! at once and the others wait (FIFO) before their cache lookup, so a prefill queued behind another
-//! of the same prefix finds its blocks, as vLLM's scheduler does; each further token takes `decode_ms_per_token`. Cache: the hit is
-//! the longest run of cached leading full blocks, capped so that the last prompt token is never
-//! counted (vLLM: hit tokens ≤ prompt_len − 1, whole blocks). After prefill the prompt's full blocks
-//! are stored; at the end the full blocks of prompt + output are stored too; then every block the
-//! request referenced is released (LRU order), as vLLM does. Block identity includes the request's
-//! extra keys ([`BlockKeys`]: adapter, images, `cache_salt`), so a salted prompt never hits an
-//! unsalted (or differently salted) cache.
+//! of the same prefix finds its blocks, as vLLM's scheduler does; each further token takes
+//! `decode_ms_per_token`.
 //!
-//! KV usage (`vllm:kv_cache_usage_perc`) counts blocks the way vLLM's block pool does: a cached
-//! block referenced by running requests once, however many share it, plus each running request's
-//! own blocks outside the cache (its partial last block, tokens decoded since its last store,
-//! blocks the cache had no room for). Cached blocks no request references are free (evictable)
-//! and not counted. One simplification: two requests that prefill the same block at the same time
-//! hold two physical blocks in vLLM and one here.
+//! Blocks follow vLLM's scheduler and block pool ([`BlockPool`], `vllm/v1/core/kv_cache_manager.py`):
+//! when a request is scheduled, its hit is the longest run of cached leading full blocks, capped
+//! so that the last prompt token is never counted (hit tokens ≤ prompt_len − 1, whole blocks); it
+//! takes a reference on those, takes new blocks for the rest of the prompt (evicting LRU cached
+//! blocks when no empty one is left) and caches the prompt's full blocks, all before its prefill
+//! runs. Each decode step takes a block when the token it computes starts one and caches a block
+//! when it fills one; the last generated token is never computed, so a request holds
+//! `ceil((prompt + output − 1) / block_size)` blocks at most. At the end every block is released,
+//! last first. Block identity includes the request's extra keys ([`BlockKeys`]: adapter, images,
+//! `cache_salt`), so a salted prompt never hits an unsalted (or differently salted) cache.
+//!
+//! KV usage (`vllm:kv_cache_usage_perc`) is the pool's: blocks held by running requests, a shared
+//! one once, over `num_gpu_blocks − 1` (vLLM's null block is never usable). Cached blocks no
+//! request holds are free (evictable) and not counted. Not modelled: vLLM admits a request only
+//! when its blocks are free and preempts under pressure; the emulator runs it anyway (see
+//! [`BlockPool`]).
 //!
 //! Concurrency: each request runs in its own tokio task, which owns the request's lifecycle and
 //! streams [`GenerationEvent`]s to the HTTP side through a bounded channel; a closed channel means
-//! the client left, and the task aborts (releasing its blocks). The cache is one `parking_lot`
+//! the client left, and the task aborts (releasing its blocks). The pool is one `parking_lot`
 //! mutex, never held across an `.await`. Admission is a tokio semaphore of `max_num_partial_prefills`
 //! permits (when limited), then one of `max_num_seqs` permits; a request holds the prefill permit
-//! until its prefill is stored. Every running-slot holder is past its prefill, so the prefill holder
+//! until its prefill is done. Every running-slot holder is past its prefill, so the prefill holder
 //! waiting for a running slot always gets one once a decode finishes: no deadlock.
 
 use std::sync::Arc;
@@ -35,7 +40,8 @@ use parking_lot::Mutex;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio::time::Instant;
 
-use crate::cache::{BlockKeys, EngineHasher, PrefixCache};
+use crate::block_pool::{BlockContent, BlockId, BlockPool};
+use crate::cache::{BlockKeys, EngineHasher};
 use crate::faults::FaultState;
 use crate::kv_events::{KvEvent, KvEventSink};
 use crate::metrics::{FinishReason, Metrics};
@@ -45,7 +51,7 @@ use crate::metrics::{FinishReason, Metrics};
 pub struct EngineConfig {
     /// Tokens per block.
     pub block_size: u32,
-    /// Cache capacity in blocks.
+    /// KV blocks, vLLM's `num_gpu_blocks` (one of them is the null block).
     pub num_gpu_blocks: u32,
     /// Maximum running requests.
     pub max_num_seqs: u32,
@@ -92,6 +98,9 @@ pub enum GenerationEvent {
         prompt_tokens: u32,
         /// Prompt tokens served from the prefix cache.
         cached_tokens: u32,
+        /// Prompt tokens this request wrote to the prefix cache: its full prompt blocks that were
+        /// not hits (vLLM's `num_cache_creation_tokens`).
+        created_cache_tokens: u32,
         /// Generated tokens.
         completion_tokens: u32,
         /// Why it finished.
@@ -104,7 +113,7 @@ pub enum GenerationEvent {
 pub struct Engine {
     config: EngineConfig,
     hasher: EngineHasher,
-    cache: Mutex<KvState>,
+    cache: Mutex<BlockPool>,
     slots: Semaphore,
     /// `None` when prefills are not limited.
     prefill_slots: Option<Semaphore>,
@@ -117,28 +126,26 @@ pub struct Engine {
 /// The client left before the request finished.
 struct Aborted;
 
-/// The prefix cache and the running requests' blocks outside it, under one lock.
-#[derive(Debug)]
-struct KvState {
-    cache: PrefixCache,
-    /// Sum over running requests of [`Held::private`].
-    private: u64,
+/// What the pool needs to cache a request's blocks: the chain over `tokens`' full blocks.
+fn content<'a>(
+    request: &'a GenerationRequest,
+    keys: &'a BlockKeys,
+    chain: &'a [u64],
+    tokens: &'a [u32],
+    block_size: usize,
+) -> BlockContent<'a> {
+    BlockContent { chain, tokens, block_size, lora: request.lora.as_ref(), keys }
 }
 
-impl KvState {
-    /// Blocks in use, vLLM's way: referenced cached blocks once each, plus private blocks.
-    fn in_use(&self) -> u64 {
-        self.cache.referenced() as u64 + self.private
-    }
-}
-
-/// Blocks a request holds; released exactly once.
+/// The blocks a request holds; released exactly once.
 #[derive(Default)]
 struct Held {
-    /// Cached blocks it references.
-    pinned: Vec<u64>,
-    /// Its blocks outside the cache: `ceil(tokens / block_size) − pinned.len()`.
-    private: u64,
+    /// Its blocks in token order: block `i` holds tokens `i*bs..(i+1)*bs`.
+    blocks: Vec<BlockId>,
+    /// Leading blocks of `blocks` that are cached (hits, or filled and cached since).
+    cached: usize,
+    /// Blocks it needed when the pool had none free (counted in use, never cached).
+    missing: u64,
 }
 
 impl Engine {
@@ -153,7 +160,7 @@ impl Engine {
         let filler = if filler.is_empty() { vec![(1000, " the".to_string())] } else { filler };
         Self {
             hasher: EngineHasher::new(config.hash_seed, config.block_size),
-            cache: Mutex::new(KvState { cache: PrefixCache::new(config.num_gpu_blocks as usize), private: 0 }),
+            cache: Mutex::new(BlockPool::new(config.num_gpu_blocks as usize)),
             slots: Semaphore::new(config.max_num_seqs as usize),
             prefill_slots: (config.max_num_partial_prefills > 0)
                 .then(|| Semaphore::new(config.max_num_partial_prefills as usize)),
@@ -176,17 +183,17 @@ impl Engine {
     /// Clears the prefix cache and publishes AllBlocksCleared.
     pub fn reset_prefix_cache(&self) {
         {
-            let mut kv = self.cache.lock();
-            kv.cache.clear();
-            self.metrics.blocks_in_use.store(kv.in_use(), Ordering::Relaxed);
+            let mut pool = self.cache.lock();
+            pool.clear();
+            self.metrics.blocks_in_use.store(pool.in_use(), Ordering::Relaxed);
         }
         self.events.send([KvEvent::AllBlocksCleared]);
         tracing::info!("prefix cache reset");
     }
 
-    /// Number of blocks cached now.
+    /// Number of distinct block hashes cached now.
     pub fn cached_blocks(&self) -> usize {
-        self.cache.lock().cache.len()
+        self.cache.lock().len()
     }
 
     /// Blocks in use now (the numerator of `vllm:kv_cache_usage_perc`).
@@ -196,10 +203,6 @@ impl Engine {
 
     fn scaled(&self, seconds: f64) -> Duration {
         Duration::from_secs_f64((seconds * self.config.time_scale).max(0.0))
-    }
-
-    fn blocks_for(&self, tokens: usize) -> u64 {
-        tokens.div_ceil(self.config.block_size as usize) as u64
     }
 
     async fn run(self: Arc<Self>, request: GenerationRequest, tx: mpsc::Sender<GenerationEvent>) {
@@ -231,10 +234,9 @@ impl Engine {
             Err(Aborted) => FinishReason::Abort,
         };
         {
-            let mut kv = self.cache.lock();
-            kv.cache.release(&held.pinned);
-            kv.private -= held.private;
-            self.metrics.blocks_in_use.store(kv.in_use(), Ordering::Relaxed);
+            let mut pool = self.cache.lock();
+            pool.free(&held.blocks, held.missing);
+            self.metrics.blocks_in_use.store(pool.in_use(), Ordering::Relaxed);
         }
         self.metrics.running.fetch_sub(1, Ordering::Relaxed);
         if let Some(name) = &adapter {
@@ -274,69 +276,81 @@ impl Engine {
         keys.lora = request.lora.as_ref().map(|(_, name)| name.clone());
         let chain = self.hasher.chain(&request.prompt, &keys);
         let max_hit_blocks = prompt_len.saturating_sub(1) / bs;
+        // Scheduled: hits, blocks for the whole prompt, its full blocks cached (vLLM's
+        // `allocate_slots`, before the prefill runs).
         let hit_blocks = {
-            let mut kv = self.cache.lock();
-            let hit = kv.cache.match_prefix(&chain).min(max_hit_blocks);
-            held.pinned = kv.cache.pin(&chain[..hit]);
-            self.hold(&mut kv, held, prompt_len);
+            let mut pool = self.cache.lock();
+            let hit = pool.match_prefix(&chain).min(max_hit_blocks);
+            held.blocks = pool.touch(&chain[..hit]);
+            held.cached = hit;
+            self.grow(&mut pool, held, content(request, &keys, &chain, &request.prompt, bs));
             hit
         };
         let cached_tokens = hit_blocks * bs;
+        let created_cache_tokens = (held.cached * bs).min(prompt_len).saturating_sub(cached_tokens);
         self.metrics.record_prefix_lookup(prompt_len as u64, cached_tokens as u64);
 
         let uncached = (prompt_len - cached_tokens) as f64;
         self.sleep_or_abort(self.scaled(uncached * self.config.prefill_us_per_token / 1e6), tx).await?;
-        {
-            let mut kv = self.cache.lock();
-            let stored = kv.cache.store(&chain, hit_blocks, &request.prompt, bs, request.lora.as_ref(), &keys);
-            held.pinned.extend(stored.pinned);
-            self.hold(&mut kv, held, prompt_len);
-            self.events.send(stored.events);
-        }
         drop(prefill_permit);
         self.metrics.observe_ttft(arrived.elapsed().as_secs_f64());
 
         let mut all_tokens = request.prompt.clone();
         for index in 0..request.max_tokens {
             if index > 0 {
+                // This decode step computes the previous token's KV: it may start or fill a block.
+                let longer;
+                let chain = if all_tokens.len().is_multiple_of(bs) {
+                    longer = self.hasher.chain(&all_tokens, &keys);
+                    &longer
+                } else {
+                    &chain
+                };
+                self.grow(&mut self.cache.lock(), held, content(request, &keys, chain, &all_tokens, bs));
                 self.sleep_or_abort(self.scaled(self.config.decode_ms_per_token / 1e3), tx).await?;
             }
             let (id, text) = self.filler[index as usize % self.filler.len()].clone();
             all_tokens.push(id);
             self.metrics.record_generated_token();
-            if all_tokens.len() % bs == 1 || bs == 1 {
-                // A new block was started.
-                let mut kv = self.cache.lock();
-                self.hold(&mut kv, held, all_tokens.len());
-            }
             tx.send(GenerationEvent::Token { index, id, text }).await.map_err(|_| Aborted)?;
         }
 
-        let full_chain = self.hasher.chain(&all_tokens, &keys);
-        let prompt_blocks = chain.len();
-        {
-            let mut kv = self.cache.lock();
-            let stored = kv.cache.store(&full_chain, prompt_blocks, &all_tokens, bs, request.lora.as_ref(), &keys);
-            held.pinned.extend(stored.pinned);
-            self.hold(&mut kv, held, all_tokens.len());
-            self.events.send(stored.events);
-        }
         let finished = GenerationEvent::Finished {
             prompt_tokens: prompt_len as u32,
             cached_tokens: cached_tokens as u32,
+            created_cache_tokens: created_cache_tokens as u32,
             completion_tokens: request.max_tokens,
             reason: FinishReason::Length,
         };
         tx.send(finished).await.map_err(|_| Aborted)
     }
 
-    /// Sets the request's private block count for `tokens` tokens held (the blocks it needs minus
-    /// the cached ones it references) and republishes the usage gauge.
-    fn hold(&self, kv: &mut KvState, held: &mut Held, tokens: usize) {
-        let private = (self.blocks_for(tokens)).saturating_sub(held.pinned.len() as u64);
-        kv.private = kv.private - held.private + private;
-        held.private = private;
-        self.metrics.blocks_in_use.store(kv.in_use(), Ordering::Relaxed);
+    /// Makes the request hold blocks for the tokens of `content` (those whose KV is computed) and
+    /// caches the full ones, publishing the evictions and stores in order (under the pool's lock,
+    /// so events of concurrent requests keep the pool's order) and the usage gauge.
+    fn grow(&self, pool: &mut BlockPool, held: &mut Held, content: BlockContent<'_>) {
+        let bs = content.block_size;
+        let need = content.tokens.len().div_ceil(bs);
+        let have = held.blocks.len() + held.missing as usize;
+        let mut events = Vec::new();
+        if need > have {
+            if held.missing > 0 {
+                // Out of blocks once: the rest of the request stays over capacity, in order.
+                pool.add_missing((need - have) as u64);
+                held.missing += (need - have) as u64;
+            } else {
+                let got = pool.allocate(need - have, &mut events);
+                held.missing += (need - have - got.len()) as u64;
+                held.blocks.extend(got);
+            }
+        }
+        let full = (content.tokens.len() / bs).min(held.blocks.len());
+        if full > held.cached {
+            pool.cache(&held.blocks, held.cached, full, content, &mut events);
+            held.cached = full;
+        }
+        self.events.send(events);
+        self.metrics.blocks_in_use.store(pool.in_use(), Ordering::Relaxed);
     }
 
     async fn sleep_or_abort(&self, duration: Duration, tx: &mpsc::Sender<GenerationEvent>) -> Result<(), Aborted> {

@@ -3,13 +3,15 @@
 //! It speaks vLLM 0.33's formats: the OpenAI server (completions with prompt batches, chat, the
 //! Responses API, models, tokenize, LoRA load/unload), `/metrics` names and labels, and KV events
 //! over ZeroMQ PUB + ROUTER replay in msgpack, with `cache_salt` and images part of block
-//! identity. Behind them: a prefix cache of `--num-gpu-blocks` blocks with LRU eviction and opaque
+//! identity. Behind them: a KV cache of `--num-gpu-blocks` blocks with vLLM's LRU eviction and opaque
 //! chained engine hashes, a timing model (prefill ∝ uncached tokens, per-token decode, bounded
 //! running batch) scaled by `--time-scale`, and fault injection.
 //!
 //! Modules: [`config`] (flags), [`server`] + [`openai`] (HTTP), [`engine`] (scheduler, timing),
-//! [`cache`] (prefix cache), [`kv_events`] (ZeroMQ), [`metrics`], [`faults`].
+//! [`block_pool`] (KV blocks, as vLLM's block pool), [`cache`] (block hashes), [`kv_events`]
+//! (ZeroMQ), [`metrics`], [`faults`].
 
+pub mod block_pool;
 pub mod cache;
 pub mod config;
 pub mod engine;

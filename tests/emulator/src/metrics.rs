@@ -54,7 +54,7 @@ pub struct MetricsInfo {
     pub model_name: String,
     /// Tokens per block.
     pub block_size: u32,
-    /// Cache capacity in blocks.
+    /// KV blocks, vLLM's `num_gpu_blocks` (the null block included).
     pub num_gpu_blocks: u32,
     /// `Some(max_lora)` when LoRA is enabled.
     pub max_loras: Option<u32>,
@@ -69,7 +69,7 @@ pub struct Metrics {
     pub running: AtomicU64,
     /// Requests waiting for a slot now.
     pub waiting: AtomicU64,
-    /// Blocks held by running requests (for `kv_cache_usage_perc`).
+    /// Blocks held by running requests (for `kv_cache_usage_perc`, over `num_gpu_blocks − 1`).
     pub blocks_in_use: AtomicU64,
     prefix_queries: AtomicU64,
     prefix_hits: AtomicU64,
@@ -180,7 +180,9 @@ impl Metrics {
             "Number of requests waiting to be processed.",
             load(&self.waiting),
         );
-        let usage = (load(&self.blocks_in_use) / f64::from(self.info.num_gpu_blocks.max(1))).min(1.0);
+        // vLLM's `BlockPool.get_usage`: its null block is never usable, so held / (N − 1).
+        let usable = f64::from(self.info.num_gpu_blocks.saturating_sub(1));
+        let usage = if usable > 0.0 { (load(&self.blocks_in_use) / usable).min(1.0) } else { 0.0 };
         gauge(&mut out, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
 
         let counter = |out: &mut String, name: &str, help: &str, series: &[(String, f64)]| {
@@ -311,10 +313,11 @@ mod tests {
         let metrics = Metrics::new(MetricsInfo {
             model_name: "m".into(),
             block_size: 16,
-            num_gpu_blocks: 100,
+            num_gpu_blocks: 101,
             max_loras: Some(4),
         });
         metrics.running.store(2, Ordering::Relaxed);
+        // 25 of the 100 usable blocks (one of the 101 is vLLM's null block).
         metrics.blocks_in_use.store(25, Ordering::Relaxed);
         metrics.record_prefix_lookup(64, 32);
         metrics.observe_ttft(0.03);
@@ -349,7 +352,7 @@ mod tests {
         assert_eq!(lora.1["running_lora_adapters"], "sql-lora");
         assert!(lora.2 > 1.7e9, "value is a unix timestamp");
         let cache = ours.iter().find(|(n, _, _)| n == "vllm:cache_config_info").unwrap();
-        assert_eq!((cache.1["block_size"].as_str(), cache.1["num_gpu_blocks"].as_str()), ("16", "100"));
+        assert_eq!((cache.1["block_size"].as_str(), cache.1["num_gpu_blocks"].as_str()), ("16", "101"));
         let ttft_bucket_004 =
             ours.iter().find(|(n, l, _)| n == "vllm:time_to_first_token_seconds_bucket" && l["le"] == "0.04").unwrap();
         assert_eq!(ttft_bucket_004.2, 1.0);

@@ -233,7 +233,7 @@ pub enum Api {
 }
 
 /// Token counts for `usage`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: u32,
@@ -241,17 +241,36 @@ pub struct Usage {
     pub completion_tokens: u32,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: u32,
+    /// Prompt tokens written to the prefix cache (full prompt blocks that were not hits).
+    pub created_cache_tokens: u32,
 }
 
 impl Usage {
-    /// The `usage` object, always with `prompt_tokens_details` (vLLM with
-    /// `--enable-prompt-tokens-details`).
-    pub fn to_json(self) -> Value {
+    /// Adds another request's counts (a completions batch reports their sums).
+    pub fn add(&mut self, other: Usage) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.created_cache_tokens += other.created_cache_tokens;
+    }
+
+    /// The `usage` object of `api`, always with `prompt_tokens_details` (vLLM with
+    /// `--enable-prompt-tokens-details`); chat's also has `created_cache_tokens` (vLLM 0.32's
+    /// chat server; its completions server reports cached tokens only).
+    pub fn to_json(self, api: Api) -> Value {
+        let details = match api {
+            Api::Completions => json!({"cached_tokens": self.cached_tokens}),
+            Api::Chat | Api::Responses => json!({
+                "cached_tokens": self.cached_tokens,
+                "created_cache_tokens": self.created_cache_tokens,
+                "multimodal_tokens": null,
+            }),
+        };
         json!({
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "completion_tokens": self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         })
     }
 
@@ -259,7 +278,7 @@ impl Usage {
     pub fn to_responses_json(self) -> Value {
         json!({
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": self.created_cache_tokens},
             "output_tokens": self.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -311,7 +330,7 @@ impl ResponseMeta {
                 json!({
                     "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                     "choices": choices, "service_tier": null, "system_fingerprint": null,
-                    "usage": usage.to_json(), "kv_transfer_params": null,
+                    "usage": usage.to_json(self.api), "kv_transfer_params": null,
                 })
             }
             Api::Chat | Api::Responses => {
@@ -329,7 +348,7 @@ impl ResponseMeta {
                 json!({
                     "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                     "choices": choices, "service_tier": null, "system_fingerprint": null,
-                    "usage": usage.to_json(), "prompt_logprobs": null, "kv_transfer_params": null,
+                    "usage": usage.to_json(self.api), "prompt_logprobs": null, "kv_transfer_params": null,
                 })
             }
         }
@@ -365,7 +384,7 @@ impl ResponseMeta {
     /// The final usage chunk (`choices: []`), sent when `stream_options.include_usage` is true.
     pub fn usage_chunk(&self, usage: Usage) -> Value {
         let mut chunk = self.chunk(json!([]));
-        chunk["usage"] = usage.to_json();
+        chunk["usage"] = usage.to_json(self.api);
         chunk
     }
 
@@ -445,9 +464,15 @@ mod tests {
         let role = meta.role_chunk().unwrap();
         assert_eq!(role["object"], "chat.completion.chunk");
         assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
-        let usage = meta.usage_chunk(Usage { prompt_tokens: 5, completion_tokens: 2, cached_tokens: 0 });
+        let usage = meta.usage_chunk(Usage {
+            prompt_tokens: 5,
+            completion_tokens: 2,
+            cached_tokens: 0,
+            created_cache_tokens: 4,
+        });
         assert_eq!(usage["choices"], json!([]));
         assert_eq!(usage["usage"]["total_tokens"], 7);
+        assert_eq!(usage["usage"]["prompt_tokens_details"]["created_cache_tokens"], 4);
         assert_eq!(sse(&json!({"a": 1})), "data: {\"a\":1}\n\n");
         assert!(ResponseMeta::new(Api::Completions, "m".into()).role_chunk().is_none());
     }
@@ -486,7 +511,7 @@ mod tests {
     fn responses_objects_have_openai_shapes() {
         let meta = ResponseMeta::new(Api::Responses, "m".into());
         assert!(meta.id.starts_with("resp_"));
-        let usage = Usage { prompt_tokens: 5, completion_tokens: 2, cached_tokens: 4 };
+        let usage = Usage { prompt_tokens: 5, completion_tokens: 2, cached_tokens: 4, created_cache_tokens: 0 };
         let done = meta.response_object("msg_1", Some("hello"), Some(usage), 2);
         assert_eq!(done["object"], "response");
         assert_eq!(done["status"], "incomplete");
@@ -496,6 +521,7 @@ mod tests {
             json!({"type": "output_text", "text": "hello", "annotations": [], "logprobs": null})
         );
         assert_eq!(done["usage"]["input_tokens_details"]["cached_tokens"], 4);
+        assert_eq!(done["usage"]["input_tokens_details"]["cache_write_tokens"], 0);
         assert_eq!(done["usage"]["total_tokens"], 7);
         let event = responses_sse(json!({"type": "response.output_text.delta", "delta": "x"}), 3);
         assert!(event.starts_with("event: response.output_text.delta\ndata: {"), "{event}");

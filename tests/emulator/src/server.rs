@@ -502,8 +502,10 @@ async fn responses(State(state): Shared, body: Result<Bytes, BytesRejection>) ->
     while let Some(event) = events.recv().await {
         match event {
             GenerationEvent::Token { text: piece, .. } => text.push_str(&piece),
-            GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, .. } => {
-                let usage = Usage { prompt_tokens, completion_tokens, cached_tokens };
+            GenerationEvent::Finished {
+                prompt_tokens, cached_tokens, created_cache_tokens, completion_tokens, ..
+            } => {
+                let usage = Usage { prompt_tokens, completion_tokens, cached_tokens, created_cache_tokens };
                 let body = meta.response_object(&message_id, Some(&text), Some(usage), max_tokens);
                 return Ok(json_response(StatusCode::OK, &body));
             }
@@ -530,17 +532,21 @@ async fn serve(
         return Ok(([(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")], body).into_response());
     }
     let mut choices = Vec::with_capacity(receivers.len());
-    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 };
+    let mut usage = Usage::default();
     for mut events in receivers {
         let mut text = String::new();
         let mut finished = None;
         while let Some(event) = events.recv().await {
             match event {
                 GenerationEvent::Token { text: piece, .. } => text.push_str(&piece),
-                GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, reason } => {
-                    usage.prompt_tokens += prompt_tokens;
-                    usage.completion_tokens += completion_tokens;
-                    usage.cached_tokens += cached_tokens;
+                GenerationEvent::Finished {
+                    prompt_tokens,
+                    cached_tokens,
+                    created_cache_tokens,
+                    completion_tokens,
+                    reason,
+                } => {
+                    usage.add(Usage { prompt_tokens, completion_tokens, cached_tokens, created_cache_tokens });
                     finished = Some(reason);
                     break;
                 }
@@ -568,7 +574,7 @@ async fn pump(
     {
         return;
     }
-    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 };
+    let mut usage = Usage::default();
     for (choice, (mut events, max_tokens)) in receivers.into_iter().zip(budgets).enumerate() {
         let mut finished = false;
         while let Some(event) = events.recv().await {
@@ -587,10 +593,14 @@ async fn pump(
                         return;
                     }
                 }
-                GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, .. } => {
-                    usage.prompt_tokens += prompt_tokens;
-                    usage.completion_tokens += completion_tokens;
-                    usage.cached_tokens += cached_tokens;
+                GenerationEvent::Finished {
+                    prompt_tokens,
+                    cached_tokens,
+                    created_cache_tokens,
+                    completion_tokens,
+                    ..
+                } => {
+                    usage.add(Usage { prompt_tokens, completion_tokens, cached_tokens, created_cache_tokens });
                     finished = true;
                     break;
                 }
@@ -648,8 +658,10 @@ async fn pump_responses(
                     return;
                 }
             }
-            GenerationEvent::Finished { prompt_tokens, cached_tokens, completion_tokens, .. } => {
-                let usage = Usage { prompt_tokens, completion_tokens, cached_tokens };
+            GenerationEvent::Finished {
+                prompt_tokens, cached_tokens, created_cache_tokens, completion_tokens, ..
+            } => {
+                let usage = Usage { prompt_tokens, completion_tokens, cached_tokens, created_cache_tokens };
                 let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
                 let closing = [
                     json!({"type": "response.output_text.done", "item_id": message_id, "output_index": 0,

@@ -72,8 +72,12 @@ pub struct FleetSpec {
     pub time_scale: f64,
     pub prefill_us_per_token: u32,
     pub decode_ms_per_token: u32,
-    /// KV capacity of each engine, in 16-token blocks.
+    /// KV capacity of each emulated engine, in `emulator_block_size`-token blocks (vLLM's
+    /// `num_gpu_blocks`: one of them is the null block).
     pub num_gpu_blocks: u32,
+    /// Tokens per block of the emulated engines (`--block-size`; vLLM's is in [`VllmSpec`]).
+    /// Default 16.
+    pub emulator_block_size: u32,
     pub max_num_seqs: u32,
     /// Prefills each engine runs at once (emulator `--max-num-partial-prefills`); 0 = no limit.
     pub max_num_partial_prefills: u32,
@@ -130,6 +134,7 @@ impl Default for FleetSpec {
             prefill_us_per_token: 220,
             decode_ms_per_token: 20,
             num_gpu_blocks: 4096,
+            emulator_block_size: 16,
             max_num_seqs: 8,
             max_num_partial_prefills: 0,
             report_interval_ms: 500,
@@ -181,6 +186,16 @@ impl Engine {
     /// Whether the engine process is still owned (not killed by the test).
     pub fn is_running(&self) -> bool {
         self.process.is_some()
+    }
+
+    /// Starts one engine of `spec`'s kind alone, on fresh ports, as pod `pod` (`i` picks a
+    /// vLLM engine's core): no agent, picker or gateway, for tests that drive an engine directly.
+    /// Returns once it serves; its logs go to `work`. Dropping it kills it.
+    pub async fn start_alone(spec: &FleetSpec, pod: &str, i: usize, work: &Path) -> Result<Engine> {
+        let (port, kv_events_port, kv_replay_port) = (free_port()?, free_port()?, free_port()?);
+        let mut engine = Engine { pod: pod.to_owned(), port, kv_events_port, kv_replay_port, process: None };
+        engine.process = Some(start_engine(spec, &engine, i, pod, work).await?);
+        Ok(engine)
     }
 
     /// The same pod and ports, without the process.
@@ -767,7 +782,7 @@ fn emulator_args(spec: &FleetSpec, pod: &str, port: u16, kv: u16, replay: u16) -
     kv_pair("--port", port.to_string());
     kv_pair("--model", spec.model.clone());
     kv_pair("--tokenizer", path_arg(&paths::tokenizer_dir()));
-    kv_pair("--block-size", "16".into());
+    kv_pair("--block-size", spec.emulator_block_size.to_string());
     kv_pair("--num-gpu-blocks", spec.num_gpu_blocks.to_string());
     kv_pair("--max-num-seqs", spec.max_num_seqs.to_string());
     kv_pair("--max-num-partial-prefills", spec.max_num_partial_prefills.to_string());
