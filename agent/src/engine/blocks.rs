@@ -161,13 +161,24 @@ fn tier_of(m: MediumId) -> Option<usize> {
     }
 }
 
-/// What an engine block maps to: the kvroute hash of its last index block, and how many index
+/// What an engine block maps to: the kvroute hash of its last index block, how many index
 /// blocks it spans (each the parent of the next, so the others are found through the tier's
-/// parents).
+/// parents), and how many copies of it the engine holds. vLLM can hold two physical blocks with
+/// one hash (a fully cached prompt of whole blocks recomputes its last block into a second copy
+/// and stores it again) and sends a BlockRemoved for each it evicts: the block is gone only
+/// when the last copy is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct EngineEntry {
     last: BlockHash,
     index_blocks: u16,
+    copies: u16,
+}
+
+impl EngineEntry {
+    /// Same content (a second copy of the same engine block), whatever the copy counts.
+    fn same_block(&self, other: &EngineEntry) -> bool {
+        (self.last, self.index_blocks) == (other.last, other.index_blocks)
+    }
 }
 
 /// One engine's blocks. `model` is the base model id used as the hash root.
@@ -286,7 +297,14 @@ impl BlockRecord {
                     // A medium never stored on holds nothing to remove.
                     let Some(m) = self.find_medium(medium) else { continue };
                     for h in block_hashes {
-                        if let Some(entry) = self.engine_to_kv.remove(&(m, *h))
+                        let key = (m, *h);
+                        if let Some(entry) = self.engine_to_kv.get_mut(&key)
+                            && entry.copies > 1
+                        {
+                            entry.copies -= 1;
+                            continue;
+                        }
+                        if let Some(entry) = self.engine_to_kv.remove(&key)
                             && let Some(t) = tier_of(m)
                         {
                             self.tiers[t].unref_run(entry);
@@ -401,13 +419,18 @@ impl BlockRecord {
                 out.dropped_capacity += (placed - i) as u64;
                 break;
             }
-            let entry = EngineEntry { last: subs[subs.len() - 1], index_blocks: per };
+            let mut entry = EngineEntry { last: subs[subs.len() - 1], index_blocks: per, copies: 1 };
+            if let Some(old) = self.engine_to_kv.get(&key)
+                && old.same_block(&entry)
+            {
+                entry.copies = old.copies.saturating_add(1);
+            }
             let old = self.engine_to_kv.insert(key, entry);
             if let Some(t) = tier {
                 let tier = &mut self.tiers[t];
                 match old {
-                    // Re-store of a known engine block: nothing new in the tier.
-                    Some(old) if old == entry => {}
+                    // Another copy of a known engine block: nothing new in the tier.
+                    Some(old) if old.same_block(&entry) => {}
                     other => {
                         if let Some(old) = other {
                             tier.unref_run(old);

@@ -24,7 +24,7 @@
 //!   waiting, KV usage above 0 whenever a request runs, and the same peak KV usage to within a
 //!   block per running request.
 //!
-//! Differences that are inherent, not asserted (EMULATOR_DIFF_NOTES.md):
+//! Differences that are inherent, not asserted (docs/design.md §8 "The emulator against vLLM"):
 //! - generated tokens: vLLM's random-weight model samples its own, the emulator cycles a filler
 //!   sentence, so a block holding output tokens hashes differently. The stream asks for one token
 //!   (`max_tokens` 1): the last generated token's KV is never computed, so only prompt blocks are
@@ -220,7 +220,7 @@ async fn stream(http: &reqwest::Client, emulator: &Side) -> Vec<(String, Vec<Val
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_emulator_answers_as_vllm_does() {
+async fn real_vllm_and_the_emulator_answer_alike() {
     let started = Instant::now();
     let work = paths::work_dir("emulator-vs-vllm").expect("work dir");
     let common = FleetSpec { engines: 1, max_num_seqs: MAX_NUM_SEQS, ..Default::default() };

@@ -510,3 +510,27 @@ fn salt_on_a_larger_engine_block_goes_to_its_first_index_block() {
         "the first engine block is placed, the image's is not"
     );
 }
+
+/// vLLM holds two physical copies of one block hash when a fully cached prompt of whole blocks
+/// recomputes its last block, stores the copy again, and sends a BlockRemoved for each copy it
+/// evicts: the block stays recorded until its last copy goes.
+#[test]
+fn a_block_stored_twice_stays_until_both_copies_are_removed() {
+    let a: Vec<u32> = (5000..5032).collect();
+    let want = chain(None, &a);
+    let mut rec = BlockRecord::new(MODEL, 16);
+    rec.apply(&engine_run(1, &a, 32, vec![BlockExtra::Plain]));
+    let out = rec.apply(&engine_run(1, &a, 32, vec![BlockExtra::Plain]));
+    assert_eq!(out.stored_gpu, 0, "a second copy announces nothing new");
+    assert_eq!(stored_hashes(&rec.take_changes()), want.iter().map(|h| h.0).collect::<Vec<_>>());
+    rec.apply(&removed(&[1]));
+    assert!(!rec.has_changes(), "one copy is still cached");
+    assert_eq!(rec.gpu_len(), 2);
+    rec.apply(&removed(&[1]));
+    let mut gone = rec.take_changes().removed;
+    gone.sort_unstable();
+    let mut expect: Vec<u64> = want.iter().map(|h| h.0).collect();
+    expect.sort_unstable();
+    assert_eq!(gone, expect);
+    assert!(rec.is_empty());
+}
