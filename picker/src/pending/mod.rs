@@ -22,6 +22,9 @@
 //! taken by decisions inside the pool's selection lock (never the other way round) and by the
 //! replica stream when it applies a peer's event; never held across an await. Events are
 //! published under it, so a subscriber's snapshot and its live events neither overlap nor miss.
+//!
+//! Layering: on [`crate::pool`] only (its clock and the in-flight [`ReleaseHook`](crate::pool::ReleaseHook));
+//! the router and the replica stream build on this module, never the other way round.
 
 mod clock;
 mod table;
