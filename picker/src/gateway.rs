@@ -14,9 +14,10 @@ use kvroute_cluster::ModelTable;
 use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
 use crate::config::PoolSource;
-use crate::model::{ModelError, ModelRegistry, ResolvedModel};
+use crate::model::{ModelRegistry, ResolvedModel};
 use crate::pool::{InFlightSlot, Pool, Served};
 use crate::replicas::ReplicaIdentity;
+use crate::request::ModelError;
 use crate::score::Router;
 use crate::server::StartError;
 

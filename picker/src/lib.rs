@@ -23,6 +23,7 @@ pub mod model;
 pub mod pending;
 pub mod pool;
 pub mod replicas;
+pub mod request;
 pub mod score;
 pub mod server;
 

@@ -29,6 +29,7 @@ use serde_json::json;
 
 use crate::decision::{DecisionInput, Rejection, explain};
 use crate::gateway::Gateway;
+use crate::request::objective_header;
 
 /// The admin routes over `gateway`, `/explain` for loopback callers only.
 pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
@@ -163,14 +164,6 @@ fn explain_json(
         "candidates": candidates,
         "excluded": excluded,
     }))
-}
-
-/// The request's InferenceObjective name from `x-llm-d-inference-objective` (or its deprecated
-/// `x-gateway-inference-objective` spelling), as the llm-d router reads it; empty = none.
-pub fn objective_header(get: impl Fn(&str) -> Option<String>) -> Option<String> {
-    [kvroute_cluster::models::OBJECTIVE_HEADER, kvroute_cluster::models::LEGACY_OBJECTIVE_HEADER]
-        .into_iter()
-        .find_map(|k| get(k).filter(|v| !v.is_empty() && v.len() <= 253))
 }
 
 fn error(status: StatusCode, message: String) -> Response {

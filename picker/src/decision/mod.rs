@@ -23,7 +23,8 @@ use kvroute_common::{BlockHash, BlockKeys};
 
 use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::{Gateway, Resolution};
-use crate::model::{ImagePlacement, ModelError, PromptInput, ResolvedModel, chat_images, parse_body};
+use crate::model::{ImagePlacement, ResolvedModel};
+use crate::request::{ModelError, PromptInput, chat_images, needs_body, parse_body};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
 use observe::DecisionObserver;
 
@@ -226,7 +227,7 @@ fn prepare_cancellable(
             let parsed = parse_body(input.path, body)?;
             (parsed.model, parsed.prompt, parsed.cache_salt, parsed.image_uuids)
         }
-        None if crate::model::needs_body(input.path) => {
+        None if needs_body(input.path) => {
             return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
         }
         None => match &gw.default_model {
