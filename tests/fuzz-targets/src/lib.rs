@@ -169,7 +169,7 @@ pub fn kv_events(data: &[u8]) {
         _ => decode_batch(&payload).ok(),
     };
     let Some(batch) = batch else { return };
-    let mut rec = BlockRecord::new("m");
+    let mut rec = BlockRecord::new("m", kvroute_common::DEFAULT_BLOCK_SIZE as u32);
     rec.set_capacity(1024);
     rec.apply(&batch);
     rec.apply(&batch);
