@@ -11,9 +11,7 @@
 //! the token opens `/explain`).
 //!
 //! Concurrency: handlers only read the shared [`Gateway`]; a scrape refreshes the pool-derived
-//! gauges under the metrics' own scrape lock.
-
-pub mod metrics;
+//! gauges under the metrics' own scrape lock ([`Gateway::render_metrics`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -91,7 +89,7 @@ fn explain_allowed(req: &Request, token: Option<&str>) -> bool {
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
-    match gw.metrics.render_all(&gw.pool, gw.router.config(), gw.router.shared(), &gw.replica.counters) {
+    match gw.render_metrics() {
         Ok(text) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
             .into_response(),
         Err(e) => {
