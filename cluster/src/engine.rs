@@ -106,6 +106,8 @@ pub struct NodeView {
     pub generation: u64,
 }
 
+crate::watch::snapshot_impl!(NodeView);
+
 impl NodeView {
     /// An empty, unsynced view.
     pub fn empty(source: Source, node: &str) -> Self {
