@@ -10,7 +10,6 @@
 //! - pickers ([`PickerSource`]): `picker_service` (every replica behind the picker's headless
 //!   Service, from its EndpointSlices) or `pickers` (a static list).
 
-use crate::report::hub::MIN_DELTA_QUEUE;
 use kvroute_cluster::engine::{EngineSpec, GpuRef};
 use kvroute_cluster::pool::endpoint_name;
 use kvroute_cluster::{NodeView, PoolRef, Source};
@@ -101,6 +100,8 @@ pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 2000;
 pub const DEFAULT_KV_REPLAY_TIMEOUT_MS: u64 = 1000;
 /// Default `delta_queue`, in deltas.
 pub const DEFAULT_DELTA_QUEUE: usize = 4096;
+/// Smallest `delta_queue`, and the smallest broadcast backlog of deltas the hub makes.
+pub const MIN_DELTA_QUEUE: usize = 16;
 /// Default `metrics_header_timeout_ms`.
 pub const DEFAULT_METRICS_HEADER_TIMEOUT_MS: u64 = 10_000;
 /// Default `metrics_max_connections`.
