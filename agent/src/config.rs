@@ -10,14 +10,14 @@
 //! - pickers ([`PickerSource`]): `picker_service` (every replica behind the picker's headless
 //!   Service, from its EndpointSlices) or `pickers` (a static list).
 
-use crate::report::hub::MIN_DELTA_QUEUE;
 use kvroute_cluster::engine::{EngineSpec, GpuRef};
 use kvroute_cluster::pool::endpoint_name;
 use kvroute_cluster::{NodeView, PoolRef, Source};
-use kvroute_common::config::InvalidField;
+use kvroute_common::config::{InvalidField, YamlFileError, load_yaml};
 use serde::Deserialize;
 use std::fmt::Display;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,22 +25,10 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// Path given.
-        path: String,
-        /// I/O error.
-        source: std::io::Error,
-    },
-    /// The YAML did not match the schema (also: an unknown `gpu_source`).
-    #[error("invalid config {path}: {source}")]
-    Parse {
-        /// Path given.
-        path: String,
-        /// Parser error (names the field and position).
-        source: serde_norway::Error,
-    },
+    /// The file could not be read, or its YAML did not match the schema (also: an unknown
+    /// `gpu_source`).
+    #[error(transparent)]
+    File(#[from] YamlFileError),
     /// A value is out of range or inconsistent: which field, its value, what to do.
     #[error("invalid config: {0}")]
     Invalid(#[from] InvalidField),
@@ -101,6 +89,8 @@ pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 2000;
 pub const DEFAULT_KV_REPLAY_TIMEOUT_MS: u64 = 1000;
 /// Default `delta_queue`, in deltas.
 pub const DEFAULT_DELTA_QUEUE: usize = 4096;
+/// Smallest `delta_queue`, and the smallest broadcast backlog of deltas the hub makes.
+pub const MIN_DELTA_QUEUE: usize = 16;
 /// Default `metrics_header_timeout_ms`.
 pub const DEFAULT_METRICS_HEADER_TIMEOUT_MS: u64 = 10_000;
 /// Default `metrics_max_connections`.
@@ -407,9 +397,7 @@ impl AgentConfig {
 
     /// Reads a YAML file, applies `overrides` (command-line flags), then validates.
     pub fn load_with(path: &str, overrides: impl FnOnce(&mut Self)) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        let mut cfg: AgentConfig =
-            serde_norway::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        let mut cfg: AgentConfig = load_yaml("config", Path::new(path))?;
         overrides(&mut cfg);
         cfg.validate()?;
         Ok(cfg)

@@ -27,7 +27,7 @@ use crate::gpu::GpuRef;
 use crate::node::NodeSources;
 use crate::report::hub::Hub;
 use crate::report::sink::PodSink;
-use crate::scrape_loop::scrape_task;
+use crate::scrape_loop::{GpuBinding, scrape_task};
 use crate::telemetry::AgentMetrics;
 use kvroute_cluster::podresources::PodGpu;
 use kvroute_cluster::{EngineSpec, NodeGpus, NodeView, PodResourcesClient, Source};
@@ -40,16 +40,6 @@ use tokio::task::JoinHandle;
 
 /// How long a stopped engine's scrape task may take to end before it is aborted.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-
-/// The GPUs one engine's scrape task samples.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct GpuBinding {
-    /// GPUs by NVML index or UUID.
-    pub(crate) gpus: Vec<GpuRef>,
-    /// Why the engine's GPUs are not known (PodResources unreachable, or listing none for the
-    /// pod); `None` when `gpus` is the whole answer.
-    pub(crate) unknown: Option<String>,
-}
 
 /// Where engines' GPUs come from.
 pub(crate) enum GpuAssignment {

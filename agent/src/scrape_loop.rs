@@ -14,12 +14,14 @@
 //!
 //! Concurrency: one task per engine; it owns its loop state and writes only its own pod (under
 //! the pod's mutex). It ends when the agent's stop channel turns true.
+//!
+//! Layering: under the engine set (`engines.rs`), which starts one loop per engine and sends it
+//! its [`GpuBinding`]; this module knows nothing of the set.
 
 use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::metrics::EngineMetrics;
 use crate::engine::scrape::{EngineClient, ScrapeError};
-use crate::engines::GpuBinding;
-use crate::gpu::{GpuError, gpu_name};
+use crate::gpu::{GpuError, GpuRef, gpu_name};
 use crate::health::{GpuVisibility, HealthInputs, ProbeOutcome, health_score};
 use crate::node::NodeSources;
 use crate::report::hub::Pod;
@@ -32,6 +34,16 @@ use tokio::sync::watch;
 
 /// Window over which corrected ECC errors are counted into a per-minute rate.
 const ECC_RATE_WINDOW: Duration = Duration::from_secs(60);
+
+/// The GPUs one engine's scrape task samples.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct GpuBinding {
+    /// GPUs by NVML index or UUID.
+    pub(crate) gpus: Vec<GpuRef>,
+    /// Why the engine's GPUs are not known (PodResources unreachable, or listing none for the
+    /// pod); `None` when `gpus` is the whole answer.
+    pub(crate) unknown: Option<String>,
+}
 
 /// Age past which the engine's figures are stale: 5 scrape intervals, at least 1 s.
 pub(crate) fn stale_after(scrape_every: Duration) -> Duration {

@@ -106,6 +106,8 @@ pub struct NodeView {
     pub generation: u64,
 }
 
+crate::watch::snapshot_impl!(NodeView);
+
 impl NodeView {
     /// An empty, unsynced view.
     pub fn empty(source: Source, node: &str) -> Self {
@@ -431,6 +433,63 @@ fn container_argv(c: &Container) -> Vec<String> {
     c.command.iter().flatten().chain(c.args.iter().flatten()).cloned().collect()
 }
 
+/// The container serving `port`: the one declaring it, else the one whose vLLM listens on it,
+/// else the only one publishing KV events, else the first.
+fn port_owner(containers: &[Container], parsed: &[Result<VllmArgs, String>], port: u16) -> Option<usize> {
+    let by_port = containers.iter().position(|c| c.ports.iter().flatten().any(|p| p.container_port == i32::from(port)));
+    by_port
+        .or_else(|| {
+            parsed
+                .iter()
+                .position(|a| a.as_ref().is_ok_and(|a| a.port.or(a.is_vllm.then_some(VLLM_DEFAULT_PORT)) == Some(port)))
+        })
+        .or_else(|| {
+            let with_kv: Vec<usize> =
+                (0..parsed.len()).filter(|&i| parsed[i].as_ref().is_ok_and(|a| a.kv_events_config.is_some())).collect();
+            (with_kv.len() == 1).then(|| with_kv[0])
+        })
+        .or_else(|| (!containers.is_empty()).then_some(0))
+}
+
+/// The KV-event PUB and replay endpoints of the engine at `position` among the pod's ports (data
+/// parallel rank offset `offset`): from its `--kv-events-config` (`expand` fills the container's
+/// environment), then overridden by the pod's port annotations. What cannot be resolved is left
+/// out and said in `problems`.
+fn kv_endpoints(
+    kv: Option<&KvEventsConfig>,
+    pool_pod: &PoolPod,
+    ip: IpAddr,
+    position: usize,
+    offset: u32,
+    expand: impl Fn(&str) -> String,
+    problems: &mut Vec<String>,
+) -> (Option<String>, Option<String>) {
+    let mut kv_events = None;
+    let mut kv_replay = None;
+    if let Some(kv) = kv {
+        match resolve_endpoint(&expand(&kv.endpoint), KvSocket::Pub, ip, offset) {
+            Ok(e) => kv_events = Some(e),
+            Err(e) => problems.push(format!("kv events: {e}")),
+        }
+        if let Some(r) = &kv.replay_endpoint {
+            match resolve_endpoint(&expand(r), KvSocket::Replay, ip, offset) {
+                Ok(e) => kv_replay = Some(e),
+                Err(e) => problems.push(format!("kv replay: {e}")),
+            }
+        }
+    }
+    for (annotation, slot) in [(KV_EVENTS_PORT_ANNOTATION, &mut kv_events), (KV_REPLAY_PORT_ANNOTATION, &mut kv_replay)]
+    {
+        if let Some(v) = pool_pod.annotations.get(annotation) {
+            match override_port(v, position, offset) {
+                Ok(p) => *slot = p.map(|p| format!("tcp://{}", SocketAddr::new(ip, p))),
+                Err(e) => problems.push(format!("{annotation}: {e}")),
+            }
+        }
+    }
+    (kv_events, kv_replay)
+}
+
 /// The engines of one pod: one per served target port (`pool_pod.ports`), with the container
 /// that serves it and its vLLM settings. Pods without an IP have no engines yet.
 pub fn engines_of(pod: &Pod, pool_pod: &PoolPod) -> Vec<EngineSpec> {
@@ -438,25 +497,8 @@ pub fn engines_of(pod: &Pod, pool_pod: &PoolPod) -> Vec<EngineSpec> {
     let containers: &[Container] = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or(&[]);
     let parsed: Vec<Result<VllmArgs, String>> =
         containers.iter().map(|c| VllmArgs::parse(&container_argv(c))).collect();
-    // The container serving each port.
-    let owner = |port: u16| -> Option<usize> {
-        let by_port =
-            containers.iter().position(|c| c.ports.iter().flatten().any(|p| p.container_port == i32::from(port)));
-        by_port
-            .or_else(|| {
-                parsed.iter().position(|a| {
-                    a.as_ref().is_ok_and(|a| a.port.or(a.is_vllm.then_some(VLLM_DEFAULT_PORT)) == Some(port))
-                })
-            })
-            .or_else(|| {
-                let with_kv: Vec<usize> = (0..parsed.len())
-                    .filter(|&i| parsed[i].as_ref().is_ok_and(|a| a.kv_events_config.is_some()))
-                    .collect();
-                (with_kv.len() == 1).then(|| with_kv[0])
-            })
-            .or_else(|| (!containers.is_empty()).then_some(0))
-    };
-    let owners: Vec<Option<usize>> = pool_pod.ports.iter().map(|&(_, port)| owner(port)).collect();
+    let owners: Vec<Option<usize>> =
+        pool_pod.ports.iter().map(|&(_, port)| port_owner(containers, &parsed, port)).collect();
     let mut out = Vec::new();
     for (position, &(rank, port)) in pool_pod.ports.iter().enumerate() {
         let mut problems = Vec::new();
@@ -475,30 +517,7 @@ pub fn engines_of(pod: &Pod, pool_pod: &PoolPod) -> Vec<EngineSpec> {
         let container = ci.map(|i| &containers[i]);
         let expand = |s: &str| container.map_or_else(|| s.to_string(), |c| expand_env(s, c, Some(ip)));
         let kv = args.kv_events();
-        let mut kv_events = None;
-        let mut kv_replay = None;
-        if let Some(kv) = &kv {
-            match resolve_endpoint(&expand(&kv.endpoint), KvSocket::Pub, ip, offset) {
-                Ok(e) => kv_events = Some(e),
-                Err(e) => problems.push(format!("kv events: {e}")),
-            }
-            if let Some(r) = &kv.replay_endpoint {
-                match resolve_endpoint(&expand(r), KvSocket::Replay, ip, offset) {
-                    Ok(e) => kv_replay = Some(e),
-                    Err(e) => problems.push(format!("kv replay: {e}")),
-                }
-            }
-        }
-        for (annotation, slot) in
-            [(KV_EVENTS_PORT_ANNOTATION, &mut kv_events), (KV_REPLAY_PORT_ANNOTATION, &mut kv_replay)]
-        {
-            if let Some(v) = pool_pod.annotations.get(annotation) {
-                match override_port(v, position, offset) {
-                    Ok(p) => *slot = p.map(|p| format!("tcp://{}", SocketAddr::new(ip, p))),
-                    Err(e) => problems.push(format!("{annotation}: {e}")),
-                }
-            }
-        }
+        let (kv_events, kv_replay) = kv_endpoints(kv.as_ref(), pool_pod, ip, position, offset, expand, &mut problems);
         out.push(EngineSpec {
             endpoint: endpoint_name(&pool_pod.name, rank),
             pod: pool_pod.name.clone(),

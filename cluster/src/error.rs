@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use kvroute_common::config::YamlFileError;
+
 /// What went wrong reading the cluster (API, kubelet, or files).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -26,30 +28,9 @@ pub enum ClusterError {
     /// A PodResources call took longer than its deadline.
     #[error("kubelet PodResources List: no answer within {0:?}")]
     PodResourcesTimeout(std::time::Duration),
-    /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// Path.
-        path: PathBuf,
-        /// I/O error.
-        source: std::io::Error,
-    },
-    /// A file is larger than allowed.
-    #[error("{path} is larger than {limit} bytes")]
-    TooLarge {
-        /// Path.
-        path: PathBuf,
-        /// Limit in bytes.
-        limit: u64,
-    },
-    /// A file did not match its schema.
-    #[error("invalid {path}: {source}")]
-    Parse {
-        /// Path.
-        path: PathBuf,
-        /// Parser error (names the field and position).
-        source: serde_norway::Error,
-    },
+    /// A file could not be read, is larger than allowed, or did not match its schema.
+    #[error(transparent)]
+    File(#[from] YamlFileError),
     /// A value is out of range or inconsistent.
     #[error("invalid {path}: {message}")]
     Invalid {

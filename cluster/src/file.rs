@@ -49,6 +49,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use kvroute_common::config::{YamlFileError, parse_yaml};
+
 use crate::engine::{EngineSpec, GpuRef, NodeView};
 use crate::error::ClusterError;
 use crate::models::{MAX_TARGETS, MAX_WEIGHT, ModelRule, ModelTable, ModelTarget};
@@ -154,8 +156,7 @@ impl PoolFile {
     /// YAML that does not match the schema; duplicate pod or model names; a pod without ports;
     /// port 0; more than 8 ports; weights out of range.
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Self, ClusterError> {
-        let f: Self =
-            serde_norway::from_slice(bytes).map_err(|source| ClusterError::Parse { path: path.into(), source })?;
+        let f: Self = parse_yaml("", path, bytes)?;
         let mut names = HashSet::new();
         for p in &f.pods {
             if p.name.is_empty() || !names.insert(p.name.as_str()) {
@@ -288,8 +289,7 @@ impl EngineFile {
     /// YAML that does not match the schema; two entries with the same pod and rank; a KV
     /// endpoint that is not `tcp://host:port`.
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Self, ClusterError> {
-        let f: Self =
-            serde_norway::from_slice(bytes).map_err(|source| ClusterError::Parse { path: path.into(), source })?;
+        let f: Self = parse_yaml("", path, bytes)?;
         let mut seen = HashSet::new();
         for (pod, rank) in Self::ranks(&f.engines) {
             if !seen.insert((pod, rank)) {
@@ -363,18 +363,15 @@ impl EngineFile {
     }
 }
 
-/// Reads a file of at most [`MAX_FILE_BYTES`].
+/// Reads a file of at most [`MAX_FILE_BYTES`] on the blocking pool, as `tokio::fs` does.
 async fn read_bounded(path: &Path) -> Result<Vec<u8>, ClusterError> {
-    let read = |source| ClusterError::Read { path: path.into(), source };
-    let meta = tokio::fs::metadata(path).await.map_err(read)?;
-    if meta.len() > MAX_FILE_BYTES {
-        return Err(ClusterError::TooLarge { path: path.into(), limit: MAX_FILE_BYTES });
+    let p = path.to_path_buf();
+    let joined =
+        tokio::task::spawn_blocking(move || kvroute_common::config::read_bounded("", &p, MAX_FILE_BYTES)).await;
+    match joined {
+        Ok(read) => Ok(read?),
+        Err(e) => Err(YamlFileError::Read { what: "", path: path.into(), source: std::io::Error::other(e) }.into()),
     }
-    let bytes = tokio::fs::read(path).await.map_err(read)?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(ClusterError::TooLarge { path: path.into(), limit: MAX_FILE_BYTES });
-    }
-    Ok(bytes)
 }
 
 /// Polls `path`; calls `apply` with each new content; stops when `closed` resolves.

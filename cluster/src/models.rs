@@ -91,6 +91,8 @@ pub struct ModelTable {
     generic: Option<usize>,
 }
 
+crate::watch::snapshot_impl!(ModelTable);
+
 impl ModelTable {
     /// An empty, unsynced table.
     pub fn empty(source: Source) -> Self {

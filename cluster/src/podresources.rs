@@ -72,6 +72,8 @@ pub struct NodeGpus {
     pub generation: u64,
 }
 
+crate::watch::snapshot_impl!(NodeGpus);
+
 impl NodeGpus {
     /// From a `List` answer.
     pub fn from_list(resp: &proto::ListPodResourcesResponse) -> Self {

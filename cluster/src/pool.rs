@@ -202,6 +202,8 @@ pub struct PoolView {
     pub generation: u64,
 }
 
+crate::watch::snapshot_impl!(PoolView);
+
 impl PoolView {
     /// An empty, unsynced view.
     pub fn empty(source: Source) -> Self {

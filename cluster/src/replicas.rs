@@ -52,6 +52,8 @@ pub struct ReplicaView {
     pub generation: u64,
 }
 
+crate::watch::snapshot_impl!(ReplicaView);
+
 impl ReplicaView {
     /// Replicas worth connecting to: every one not terminating (ready or not: see the module doc).
     pub fn dialable(&self) -> impl Iterator<Item = &PickerReplica> {

@@ -1,6 +1,7 @@
 //! Types shared by the kvroute agent and picker.
 //!
-//! - [`config`]: the field-structured error of both binaries' config files.
+//! - [`config`]: the field-structured error of both binaries' config files, and (feature `yaml`)
+//!   the one way a YAML file is read and parsed.
 //! - [`hash`]: the kvroute block hash (docs/design.md §2). Agent and picker must compute identical chains, so
 //!   the one implementation lives here.
 //! - `image` (feature `image`): inline images as vLLM identifies and sizes them.

@@ -1,9 +1,10 @@
 //! Index benchmarks (docs/design.md §10, docs/index.md): hashing a 4096-token prompt; lookup of a 256-block
 //! request on ~1M (block, pod) entries over 64 pods (full hit, partial, miss, and hits over 600
 //! chains in turn, so the blocks are not in cache); ingest throughput with 2 concurrent readers;
-//! publish latency. Each measured for every snapshot design (design C over both snapshot layouts:
-//! `pooled3_hashbrown` the C-hb baseline, `pooled3_flat` in use) and the naive
-//! `std::collections::HashMap` model in the same run, so results read as ratios.
+//! publish latency. Each measured for the snapshot in use (design C over the flat table,
+//! `pooled3_flat`; `pooled4_flat` for ingest with a fourth copy) and the naive
+//! `std::collections::HashMap` model in the same run, so results read as ratios. The designs it
+//! was chosen over, and their figures, are in docs/decisions/0002-index-snapshot-design.md.
 //!
 //! Criterion reports medians of batched iterations; per-lookup p50/p99 come from the
 //! `percentiles` pass printed first (each lookup timed alone over 20,000 runs).
@@ -11,7 +12,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod designs;
 #[path = "../tests/workload/mod.rs"]
 mod workload;
 
@@ -23,8 +23,6 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use criterion::{BenchmarkId, Criterion, Throughput};
-use designs::pooled_hb::PooledHbBackend;
-use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
 use kvroute_common::{BlockHash, BlockHasher};
 use kvroute_index::{Backend, BlockPods, FlatSnapshot, MatchScratch, PodIdx, PooledBackend, Writer, match_prefix};
 use workload::{CHAIN_BLOCKS, SplitMix, Workload, build};
@@ -134,9 +132,6 @@ type PooledFlat = PooledBackend<3>;
 
 fn lookups(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
-    lookup_design::<ShardedBackend>(c, "sharded", &w);
-    lookup_design::<DoubleBackend>(c, "double", &w);
-    lookup_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w);
     lookup_design::<PooledFlat>(c, "pooled3_flat", &w);
     let naive = build_naive(&w);
     let mut g = c.benchmark_group("lookup");
@@ -229,18 +224,6 @@ where
     }
 }
 
-/// Design B with readers, also reporting how often readers held the old copy past
-/// `RECLAIM_WAIT` so the writer had to copy the map.
-fn ingest_double(c: &mut Criterion, w: &Workload, with_readers: bool) {
-    let (published, mut writer) = build::<DoubleBackend>(w);
-    let (rounds, reads) = run_ingest(c, w, "double/2_readers", &published, &mut writer, with_readers);
-    println!(
-        "ingest/double: {} publishes, {} map copies (readers held the old copy > RECLAIM_WAIT), readers did {reads} lookups",
-        2 * rounds,
-        writer.backend().clones()
-    );
-}
-
 /// Design C (flat, in use) with readers, also reporting how often readers held every spare
 /// copy (the pool grew, or the writer waited).
 fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
@@ -256,28 +239,8 @@ fn ingest_pooled<const MAX: usize>(c: &mut Criterion, w: &Workload) {
     );
 }
 
-/// Design C over hashbrown maps (C-hb, a baseline) with readers, same report.
-fn ingest_pooled_hb(c: &mut Criterion, w: &Workload) {
-    let (published, mut writer) = build::<PooledHashbrown>(w);
-    let (rounds, reads) = run_ingest(c, w, "pooled3_hashbrown/2_readers", &published, &mut writer, true);
-    let b: &PooledHbBackend = writer.backend();
-    println!(
-        "ingest/pooled3_hashbrown: {} publishes, {} map copies, {} waits (every spare held), {} copies held at the end, readers did {reads} lookups",
-        2 * rounds,
-        b.copies(),
-        b.waits(),
-        b.copies_held()
-    );
-}
-
 fn ingest(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
-    ingest_design::<ShardedBackend>(c, "sharded", &w, true);
-    ingest_design::<ShardedBackend>(c, "sharded", &w, false);
-    ingest_double(c, &w, true);
-    ingest_design::<DoubleBackend>(c, "double", &w, false);
-    ingest_pooled_hb(c, &w);
-    ingest_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w, false);
     ingest_pooled::<3>(c, &w);
     ingest_design::<PooledFlat>(c, "pooled3_flat", &w, false);
     ingest_pooled::<4>(c, &w);
@@ -345,9 +308,6 @@ where
 
 fn publish(c: &mut Criterion) {
     let w = Workload::new(ENTRIES, 1);
-    publish_design::<ShardedBackend>(c, "sharded", &w);
-    publish_design::<DoubleBackend>(c, "double", &w);
-    publish_design::<PooledHashbrown>(c, "pooled3_hashbrown", &w);
     publish_design::<PooledFlat>(c, "pooled3_flat", &w);
 }
 
@@ -412,15 +372,6 @@ fn percentiles(filter: &str) {
     let only = filter.split_once("percentiles/").map_or("", |(_, name)| name);
     let w = Workload::new(ENTRIES, 1);
     let wanted = |name: &str| name.contains(only);
-    if wanted("sharded") {
-        percentiles_design::<ShardedBackend>("sharded", &w);
-    }
-    if wanted("double") {
-        percentiles_design::<DoubleBackend>("double", &w);
-    }
-    if wanted("pooled3_hashbrown") {
-        percentiles_design::<PooledHashbrown>("pooled3_hashbrown", &w);
-    }
     if wanted("pooled3_flat") {
         percentiles_design::<PooledFlat>("pooled3_flat", &w);
     }

@@ -18,10 +18,9 @@
 //! copies, the backend in use).
 //!
 //! `docs/index.md` has this design's figures against the peers, and
-//! docs/decisions/0002-index-snapshot-design.md the benchmarks that chose it; the baselines it is
-//! measured against (designs A and B, and C over a hashbrown map) live with the benchmark
-//! (`benches/designs/`), outside the library. This crate has no tokio/tonic dependency so its
-//! tests and benches build fast.
+//! docs/decisions/0002-index-snapshot-design.md the benchmarks that chose it over designs A and B
+//! and C over a hashbrown map (their code is in the git history, not here). This crate has no
+//! tokio/tonic dependency so its tests and benches build fast.
 
 pub mod flat;
 mod hasher;

@@ -66,7 +66,7 @@ const LOG_KEEP: usize = 1 << 16;
 
 /// The writer's wait for readers to let go of a copy: [`RECLAIM_SPINS`] short spins, then
 /// [`RECLAIM_YIELDS`] yields, then naps of [`RECLAIM_NAP`], until [`RECLAIM_WAIT`] has passed
-/// since the first attempt. Public for the benchmark's baseline designs, which wait the same way.
+/// since the first attempt.
 #[derive(Debug)]
 pub struct ReclaimWait {
     start: Instant,

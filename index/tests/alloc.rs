@@ -1,7 +1,6 @@
 //! Allocation accounting with a counting global allocator (`stats_alloc`; the workspace forbids
 //! `unsafe`, so no hand-written one):
-//! - a warmed-up lookup allocates nothing (docs/design.md §3), on both designs, for hit, partial
-//!   and miss;
+//! - a warmed-up lookup allocates nothing (docs/design.md §3), for hit, partial and miss;
 //! - heap bytes per (block, pod) entry at 1M entries (10M with `--ignored`, in release) — the
 //!   figures recorded in `docs/index.md`;
 //! - the pooled design's copies are all freed on drop.
@@ -12,15 +11,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../benches/designs/mod.rs"]
-mod designs;
 mod workload;
 
 use std::alloc::System;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
-use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
 use kvroute_index::{Backend, BlockPods, MatchScratch, PooledBackend, Writer, mapped_bytes, match_prefix};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use workload::{SplitMix, Workload, build};
@@ -75,23 +71,8 @@ where
 }
 
 #[test]
-fn sharded_lookup_allocates_nothing() {
-    lookups_do_not_allocate::<ShardedBackend>();
-}
-
-#[test]
-fn double_buffered_lookup_allocates_nothing() {
-    lookups_do_not_allocate::<DoubleBackend>();
-}
-
-#[test]
 fn pooled_lookup_allocates_nothing() {
     lookups_do_not_allocate::<PooledBackend>();
-}
-
-#[test]
-fn pooled_hashbrown_lookup_allocates_nothing() {
-    lookups_do_not_allocate::<PooledHashbrown>();
 }
 
 /// Net heap bytes per (block, pod) entry of the writer plus everything it published.
@@ -125,14 +106,8 @@ where
 
 #[test]
 fn bytes_per_entry_at_1m_within_spec() {
-    for per in [
-        bytes_per_entry::<ShardedBackend>(1_000_000),
-        bytes_per_entry::<DoubleBackend>(1_000_000),
-        bytes_per_entry::<PooledHashbrown>(1_000_000),
-        bytes_per_entry::<PooledBackend>(1_000_000),
-    ] {
-        assert!(per <= 100.0, "{per:.1} B/entry over docs/design.md §10's 100");
-    }
+    let per = bytes_per_entry::<PooledBackend>(1_000_000);
+    assert!(per <= 100.0, "{per:.1} B/entry over docs/design.md §10's 100");
 }
 
 /// Four rounds of remove-publish-store-publish on `w`'s first chains while a reader keeps the two
@@ -200,12 +175,6 @@ fn pooled_copies_are_freed_on_drop() {
 #[test]
 #[ignore = "10M entries: run in release (`cargo test --release -p kvroute-index --test alloc -- --ignored --nocapture`)"]
 fn bytes_per_entry_at_10m() {
-    for per in [
-        bytes_per_entry::<ShardedBackend>(10_000_000),
-        bytes_per_entry::<DoubleBackend>(10_000_000),
-        bytes_per_entry::<PooledHashbrown>(10_000_000),
-        bytes_per_entry::<PooledBackend>(10_000_000),
-    ] {
-        assert!(per <= 100.0, "{per:.1} B/entry over docs/design.md §10's 100");
-    }
+    let per = bytes_per_entry::<PooledBackend>(10_000_000);
+    assert!(per <= 100.0, "{per:.1} B/entry over docs/design.md §10's 100");
 }

@@ -1,13 +1,9 @@
-//! Differential test: the index in use (design C over the flat table) and the benchmark's
-//! baseline designs (A, B, C over hashbrown maps: `benches/designs/`) against a naive
+//! Differential test: the index in use (design C over the flat table) against a naive
 //! `HashMap<BlockHash, BTreeSet<pod>>` model, on seeded random op streams (proptest), including
 //! the per-pod cap, snapshot immutability, and readers walking snapshots on other threads while
 //! the writer runs.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-
-#[path = "../benches/designs/mod.rs"]
-mod designs;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -16,7 +12,6 @@ use arc_swap::ArcSwap;
 use kvroute_common::BlockHash;
 use proptest::prelude::*;
 
-use designs::{DoubleBackend, PooledHashbrown, ShardedBackend};
 use kvroute_index::{
     Backend, BlockPods, IndexSnapshot, IndexStats, IndexWriter, MAX_COPIES, MatchScratch, PodIdx, PooledBackend,
     Writer, match_prefix,
@@ -106,19 +101,9 @@ fn check<S: BlockPods + Stats>(snap: &S, model: &Model, chains: &[Vec<BlockHash>
     }
 }
 
-/// Stats access common to both snapshot types (test-only).
+/// Stats of a published snapshot (`Backend` does not expose them; test-only).
 trait Stats {
     fn stats(&self) -> IndexStats;
-}
-impl Stats for designs::sharded::ShardedSnapshot {
-    fn stats(&self) -> IndexStats {
-        designs::sharded::ShardedSnapshot::stats(self)
-    }
-}
-impl Stats for designs::DoubleSnapshot {
-    fn stats(&self) -> IndexStats {
-        designs::DoubleSnapshot::stats(self)
-    }
 }
 impl Stats for kvroute_index::FlatSnapshot {
     fn stats(&self) -> IndexStats {
@@ -194,35 +179,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
 
     #[test]
-    fn sharded_index_matches_naive_model(
-        ops in prop::collection::vec(op(), 1..80),
-        chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
-    ) {
-        run_against_model::<ShardedBackend>(&ops, &chains)?;
-    }
-
-    #[test]
-    fn double_buffered_index_matches_naive_model(
-        ops in prop::collection::vec(op(), 1..80),
-        chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
-    ) {
-        run_against_model::<DoubleBackend>(&ops, &chains)?;
-    }
-
-    #[test]
     fn pooled_index_matches_naive_model(
         ops in prop::collection::vec(op(), 1..80),
         chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
     ) {
         run_against_model::<PooledBackend>(&ops, &chains)?;
-    }
-
-    #[test]
-    fn pooled_hashbrown_index_matches_naive_model(
-        ops in prop::collection::vec(op(), 1..80),
-        chains in prop::collection::vec(prop::collection::vec(block().prop_map(BlockHash), 0..8), 1..6),
-    ) {
-        run_against_model::<PooledHashbrown>(&ops, &chains)?;
     }
 }
 
@@ -401,30 +362,9 @@ where
 }
 
 #[test]
-fn sharded_concurrent_readers_see_whole_batches() {
-    for seed in [1, 2] {
-        concurrent_readers_see_whole_batches::<ShardedBackend>(seed);
-    }
-}
-
-#[test]
-fn double_buffered_concurrent_readers_see_whole_batches() {
-    for seed in [1, 2] {
-        concurrent_readers_see_whole_batches::<DoubleBackend>(seed);
-    }
-}
-
-#[test]
 fn pooled_concurrent_readers_see_whole_batches() {
     for seed in [1, 2] {
         concurrent_readers_see_whole_batches::<PooledBackend>(seed);
-    }
-}
-
-#[test]
-fn pooled_hashbrown_concurrent_readers_see_whole_batches() {
-    for seed in [1, 2] {
-        concurrent_readers_see_whole_batches::<PooledHashbrown>(seed);
     }
 }
 
@@ -498,25 +438,4 @@ fn long_chains_across_touch_stretches_match_the_model() {
         }
         assert_eq!(longest, want_longest);
     }
-}
-
-/// The baselines' inline pod set (designs A, B, C-hb).
-#[test]
-fn insert_remove_spill_and_shrink_keep_order() {
-    let mut s = designs::PodSet::default();
-    for p in [5u16, 1, 9, 3, 7, 2, 8, 6, 4, 0] {
-        assert!(s.insert(PodIdx(p)));
-    }
-    assert!(!s.insert(PodIdx(3)));
-    assert!(matches!(s, designs::PodSet::Heap(_)));
-    let got: Vec<u16> = s.as_slice().iter().map(|p| p.0).collect();
-    assert_eq!(got, (0..10).collect::<Vec<_>>());
-    for p in [0u16, 9, 5] {
-        assert!(s.remove(PodIdx(p)));
-    }
-    assert!(!s.remove(PodIdx(5)));
-    assert!(matches!(s, designs::PodSet::Inline { .. }));
-    let got: Vec<u16> = s.as_slice().iter().map(|p| p.0).collect();
-    assert_eq!(got, vec![1, 2, 3, 4, 6, 7, 8]);
-    assert_eq!(std::mem::size_of::<designs::PodSet>(), 16);
 }

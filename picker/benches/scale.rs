@@ -24,8 +24,8 @@ use kvroute_common::BlockHash;
 use kvroute_picker::Gateway;
 use kvroute_picker::config::PickerConfig;
 use kvroute_picker::decision::{DecisionInput, decide};
-use kvroute_picker::model::{PromptInput, parse_body};
 use kvroute_picker::pool::PoolUpdate;
+use kvroute_picker::request::{PromptInput, parse_body};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use kvroute_tokenize::ModelTokenizer;
 

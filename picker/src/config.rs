@@ -76,7 +76,7 @@ use std::fmt::Display;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
-use kvroute_common::config::InvalidField;
+use kvroute_common::config::{InvalidField, YamlFileError, load_yaml, parse_yaml_str};
 use kvroute_common::image::{MAX_IMAGE_PIXELS, SmartResize};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
@@ -92,22 +92,10 @@ use crate::score::{ScoringConfig, ScoringConfigError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// Path given.
-        path: PathBuf,
-        /// I/O error.
-        source: std::io::Error,
-    },
-    /// The YAML did not parse or had unknown/mistyped fields (or an unknown scoring preset).
-    #[error("invalid config file {path}: {source}")]
-    Parse {
-        /// Path given (empty for text).
-        path: PathBuf,
-        /// Parser error (names the field and position).
-        source: serde_norway::Error,
-    },
+    /// The file could not be read, or its YAML did not parse or had unknown/mistyped fields (or
+    /// an unknown scoring preset); the path is empty for text.
+    #[error(transparent)]
+    File(#[from] YamlFileError),
     /// A value is out of range or inconsistent: which field, its value, what to do.
     #[error("invalid config: {0}")]
     Invalid(#[from] InvalidField),
@@ -119,6 +107,9 @@ pub enum ConfigError {
         source: ScoringConfigError,
     },
 }
+
+/// What the picker's config file is called in its errors ("cannot read config file …").
+const CONFIG_FILE: &str = "config file";
 
 impl ConfigError {
     fn invalid(field: impl Into<String>, value: impl Display, fix: impl Into<String>) -> Self {
@@ -495,12 +486,7 @@ impl PickerConfig {
     /// Reads, parses and validates `path`; relative tokenizer paths are resolved against the
     /// file's directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        let mut config = Self::from_yaml(&text).map_err(|e| match e {
-            ConfigError::Parse { source, .. } => ConfigError::Parse { path: path.to_path_buf(), source },
-            other => other,
-        })?;
+        let mut config: Self = load_yaml(CONFIG_FILE, path)?;
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
         config.resolve_paths(&base);
         config.validate()?;
@@ -509,7 +495,7 @@ impl PickerConfig {
 
     /// Parses YAML text (no path resolution, no validation).
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        serde_norway::from_str(text).map_err(|source| ConfigError::Parse { path: PathBuf::new(), source })
+        Ok(parse_yaml_str(CONFIG_FILE, Path::new(""), text)?)
     }
 
     /// The pool source, if any: `pool_file`, else `pool` (namespace per the GIE EPP's rule).

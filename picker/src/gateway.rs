@@ -4,6 +4,10 @@
 //!
 //! Concurrency: immutable after start; the pool's own writer/reader model is described in
 //! [`crate::pool`].
+//!
+//! Layering: under the decision pipeline and the servers, on the router, the pool, the models
+//! and the pending view; it has its own build error ([`GatewayError`]), which the server's
+//! `StartError` wraps, so it needs nothing from the wiring above it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,14 +15,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use arc_swap::ArcSwapOption;
 use kvroute_cluster::ModelTable;
 
-use crate::admin::metrics::Metrics;
 use crate::config::PickerConfig;
 use crate::config::PoolSource;
-use crate::model::{ModelError, ModelRegistry, ResolvedModel};
+use crate::metrics::{Metrics, PodGauges, ReplicaCounts, RoutingCounts, Scrape};
+use crate::model::{ModelRegistry, ResolvedModel};
+use crate::pending::ReplicaIdentity;
 use crate::pool::{InFlightSlot, Pool, Served};
-use crate::replicas::ReplicaIdentity;
-use crate::score::Router;
-use crate::server::StartError;
+use crate::request::ModelError;
+use crate::score::{Router, ScoringConfigError};
+
+/// Why the request path's state could not be built from a validated config.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GatewayError {
+    /// The scoring section was rejected by the router.
+    #[error("invalid scoring config: {0}")]
+    Scoring(#[from] ScoringConfigError),
+}
 
 /// What the request path shares: read-only after start.
 #[derive(Debug)]
@@ -65,7 +78,7 @@ pub struct Resolution {
 
 impl Gateway {
     /// Builds the pool, router and models from a validated config.
-    pub fn new(config: &PickerConfig) -> Result<Self, StartError> {
+    pub fn new(config: &PickerConfig) -> Result<Self, GatewayError> {
         let pool = Pool::new(config.pool());
         let router = Router::new(pool.clone(), config.scoring.clone())?;
         let metrics = Metrics::new();
@@ -140,6 +153,68 @@ impl Gateway {
             Served::Adapter { base } => self.models.target(&base, Some(target)),
             Served::Base | Served::Unknown => self.models.target(target, None),
         }
+    }
+
+    /// `/metrics`: what the metrics count themselves, and what the pool, the router and the
+    /// replica stream hold now, in the OpenMetrics text format. A pod counts as routable as the
+    /// router's filter decides (docs/design.md §4): ready, health at or above
+    /// `health_exclusion_threshold` (NaN is unhealthy), reachable, queue below `max_queue`.
+    pub fn render_metrics(&self) -> Result<String, std::fmt::Error> {
+        self.metrics.render(|| {
+            let scoring = self.router.config();
+            let max_queue = scoring.max_queue;
+            let pods = self
+                .pool
+                .pods()
+                .into_iter()
+                .map(|p| {
+                    let healthy = p.health_score >= scoring.health_exclusion_threshold;
+                    PodGauges {
+                        routable: p.ready && healthy && !p.unreachable && p.queue_depth < max_queue,
+                        name: p.name,
+                        queue_depth: p.queue_depth,
+                        health_score: p.health_score,
+                        unreachable: p.unreachable,
+                        ready: p.ready,
+                        kv_cache_usage: p.kv_cache_usage,
+                    }
+                })
+                .collect();
+            let index = self.pool.index_stats();
+            let shared = self.router.shared();
+            let credit = &shared.credit;
+            let (pending, pending_entries) = {
+                let st = shared.lock();
+                (st.pending.counts(), st.pending.size().0)
+            };
+            let counters = &self.replica.counters;
+            Scrape {
+                max_queue,
+                pods,
+                index_nodes: index.nodes,
+                index_entries: index.entries,
+                index_bytes: index.bytes_estimate,
+                routing: RoutingCounts {
+                    indexed_blocks: credit.indexed_blocks.load(Ordering::Relaxed),
+                    pending_blocks: credit.pending_blocks.load(Ordering::Relaxed),
+                    pile_redirects: credit.pile_redirects.load(Ordering::Relaxed),
+                    pending_withheld: credit.pending_withheld.load(Ordering::Relaxed),
+                    recorded_local: pending.recorded_local,
+                    recorded_peer: pending.recorded_peer,
+                    confirmed: pending.confirmed,
+                    expired: pending.expired,
+                    evicted: pending.evicted,
+                    pending_entries,
+                },
+                replica: ReplicaCounts {
+                    applied: counters.applied.load(Ordering::Relaxed),
+                    refused: counters.refused.load(Ordering::Relaxed),
+                    connected: counters.connected.load(Ordering::Relaxed),
+                    disconnects: counters.disconnects.load(Ordering::Relaxed),
+                    lagged: counters.lagged.load(Ordering::Relaxed),
+                },
+            }
+        })
     }
 
     /// The priority of the request's InferenceObjective (header `x-llm-d-inference-objective`):

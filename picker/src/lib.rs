@@ -10,6 +10,17 @@
 //! path shares ([`Gateway`]: pool, router, models, metrics; immutable after start, shared by
 //! `Arc`). The pool's own writer/reader model is described in [`pool`]. Shutdown is cooperative
 //! through [`RunningPicker::shutdown`].
+//!
+//! Layers (imports point down only; `scripts/check-imports` fails on a cycle):
+//! - [`server`] wires everything below;
+//! - [`ext_proc`], [`admin`] and [`replicas`] carry requests, scrapes and peer events in and out;
+//! - [`decision`], the pipeline shared by routing and `/explain`, sits on
+//! - [`gateway`], the shared state, which sits on [`model`] (resolution, tokenization), [`score`]
+//!   (the router) and [`pending`]; [`config`] gathers the sections that [`approx`], [`ingest`],
+//!   [`limits`], [`pool`] and [`score`] define;
+//! - [`score`] sits on [`pending`], which sits on [`pool`]; [`ingest`] and [`limits`] on [`pool`];
+//! - leaves: [`request`] (what the request says, before any state), [`metrics`] (fed plain
+//!   numbers at scrape time) and [`pool`].
 
 pub mod admin;
 pub mod approx;
@@ -19,10 +30,12 @@ pub mod ext_proc;
 pub mod gateway;
 pub mod ingest;
 pub mod limits;
+pub mod metrics;
 pub mod model;
 pub mod pending;
 pub mod pool;
 pub mod replicas;
+pub mod request;
 pub mod score;
 pub mod server;
 

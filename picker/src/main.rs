@@ -115,7 +115,7 @@ async fn main() -> ExitCode {
             return match e {
                 // Files named in the config that cannot be read (pool file, TLS material, the
                 // /explain token) are config errors too.
-                kvroute_picker::server::StartError::Scoring(_)
+                kvroute_picker::server::StartError::Gateway(_)
                 | kvroute_picker::server::StartError::Pool(_)
                 | kvroute_picker::server::StartError::Tls { .. }
                 | kvroute_picker::server::StartError::ExplainToken { .. } => Exit::Usage.into(),

@@ -21,11 +21,12 @@ use crate::admin;
 use crate::config::{PickerConfig, PoolSource};
 use crate::ext_proc::ExtProcService;
 use crate::gateway::Gateway;
+use crate::gateway::GatewayError;
 use crate::ingest::guard::{Claims, Limits};
 use crate::ingest::tls::{self, ReloadingTls};
 use crate::ingest::{IngestService, Refusals, Trust};
-use crate::replicas::{ReplicaIdentity, ReplicaService};
-use crate::score::ScoringConfigError;
+use crate::pending::ReplicaIdentity;
+use crate::replicas::ReplicaService;
 
 /// Largest gRPC message the ext_proc server accepts, in bytes, at least: 32 MiB. tonic's 4 MiB
 /// default fails the stream on large prompts (docs/design.md §11); Envoy's buffer limit in deploy/ is 16 MiB,
@@ -37,9 +38,9 @@ pub const MIN_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
-    /// The scoring section was rejected by the router.
-    #[error("invalid scoring config: {0}")]
-    Scoring(#[from] ScoringConfigError),
+    /// The request path's state could not be built (the router rejected the scoring section).
+    #[error(transparent)]
+    Gateway(#[from] GatewayError),
     /// A listener could not be bound.
     #[error("cannot listen for {what} on {addr}: {source}")]
     Bind {

@@ -660,7 +660,7 @@ async fn engine_admin_paths_are_refused_through_real_envoy() {
             .gateway
             .metrics
             .routing_decisions
-            .get_or_create(&kvroute_picker::admin::metrics::ModelLabel { model: MODEL.into() })
+            .get_or_create(&kvroute_picker::metrics::ModelLabel { model: MODEL.into() })
             .get()
     };
     for gw in [gw, gw_fd, gw_open] {

@@ -81,10 +81,7 @@ const GIB: u64 = 1 << 30;
 impl MockGpuSource {
     /// Loads a scenario file; the clock starts now.
     pub fn from_file(path: &str) -> Result<Self, GpuError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| GpuError::ScenarioRead { path: path.into(), source })?;
-        let scenario: Scenario =
-            serde_norway::from_str(&text).map_err(|source| GpuError::ScenarioParse { path: path.into(), source })?;
+        let scenario: Scenario = kvroute_common::config::load_yaml("mock GPU scenario", std::path::Path::new(path))?;
         Ok(Self::new(scenario))
     }
 

@@ -44,22 +44,9 @@ pub enum GpuError {
         /// The GPU (index or UUID) asked for.
         gpu: String,
     },
-    /// The mock scenario file is unreadable.
-    #[error("cannot read mock GPU scenario {path}: {source}")]
-    ScenarioRead {
-        /// Scenario path.
-        path: String,
-        /// I/O error.
-        source: std::io::Error,
-    },
-    /// The mock scenario file is not a scenario.
-    #[error("invalid mock GPU scenario {path}: {source}")]
-    ScenarioParse {
-        /// Scenario path.
-        path: String,
-        /// Parser error (names the field and position).
-        source: serde_norway::Error,
-    },
+    /// The mock scenario file is unreadable or not a scenario.
+    #[error(transparent)]
+    Scenario(#[from] kvroute_common::config::YamlFileError),
 }
 
 /// One GPU's state at one instant.

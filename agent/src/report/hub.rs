@@ -12,6 +12,7 @@
 //! on the same broadcast channel by [`Outgoing::Members`], so a stream sees a pod's farewell delta
 //! before the change that drops it, and a new pod's `Members` before any of its deltas.
 
+use crate::config::MIN_DELTA_QUEUE;
 use crate::engine::blocks::{ApplyOutcome, BlockRecord};
 use crate::engine::kv_events::KvEventBatch;
 use crate::health::band;
@@ -20,9 +21,6 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::broadcast;
-
-/// Smallest broadcast backlog of deltas (config `delta_queue` is at least this).
-pub const MIN_DELTA_QUEUE: usize = 16;
 
 /// Queue jump (requests waiting) that triggers an immediate stats delta.
 pub const QUEUE_JUMP: u32 = 5;

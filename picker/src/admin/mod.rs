@@ -11,9 +11,7 @@
 //! the token opens `/explain`).
 //!
 //! Concurrency: handlers only read the shared [`Gateway`]; a scrape refreshes the pool-derived
-//! gauges under the metrics' own scrape lock.
-
-pub mod metrics;
+//! gauges under the metrics' own scrape lock ([`Gateway::render_metrics`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,6 +27,7 @@ use serde_json::json;
 
 use crate::decision::{DecisionInput, Rejection, explain};
 use crate::gateway::Gateway;
+use crate::request::objective_header;
 
 /// The admin routes over `gateway`, `/explain` for loopback callers only.
 pub fn router(gateway: Arc<Gateway>) -> HttpRouter {
@@ -90,7 +89,7 @@ fn explain_allowed(req: &Request, token: Option<&str>) -> bool {
 }
 
 async fn metrics_handler(State(gw): State<Arc<Gateway>>) -> Response {
-    match gw.metrics.render_all(&gw.pool, gw.router.config(), gw.router.shared(), &gw.replica.counters) {
+    match gw.render_metrics() {
         Ok(text) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
             .into_response(),
         Err(e) => {
@@ -163,14 +162,6 @@ fn explain_json(
         "candidates": candidates,
         "excluded": excluded,
     }))
-}
-
-/// The request's InferenceObjective name from `x-llm-d-inference-objective` (or its deprecated
-/// `x-gateway-inference-objective` spelling), as the llm-d router reads it; empty = none.
-pub fn objective_header(get: impl Fn(&str) -> Option<String>) -> Option<String> {
-    [kvroute_cluster::models::OBJECTIVE_HEADER, kvroute_cluster::models::LEGACY_OBJECTIVE_HEADER]
-        .into_iter()
-        .find_map(|k| get(k).filter(|v| !v.is_empty() && v.len() <= 253))
 }
 
 fn error(status: StatusCode, message: String) -> Response {

@@ -10,7 +10,7 @@ use kvroute_common::BlockHash;
 use kvroute_common::hash::{hash_block, root_hash};
 use serde_json::Value;
 
-use crate::model::PromptInput;
+use crate::request::PromptInput;
 
 /// Domain tag hashed under the root so a text chain never equals a token chain ("TEXT").
 const TEXT_DOMAIN: u32 = 0x5445_5854;

@@ -19,11 +19,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use kvroute_common::{BlockHash, BlockKeys};
+use kvroute_common::{BlockHash, BlockKeys, MmItem};
 
 use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::{Gateway, Resolution};
-use crate::model::{ImagePlacement, ModelError, PromptInput, ResolvedModel, chat_images, parse_body};
+use crate::model::{ImagePlacement, ResolvedModel};
+use crate::request::{ModelError, ParsedBody, PromptInput, chat_images, needs_body, parse_body};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
 use observe::DecisionObserver;
 
@@ -213,7 +214,8 @@ pub fn prepare(gw: &Gateway, input: &DecisionInput<'_>) -> Result<PreparedReques
 }
 
 /// [`prepare`] whose tokenization stops once `cancel` is set: a 499 rejection (client closed
-/// request, nginx's code), counted in `epp_tokenizations_cancelled_total`.
+/// request, nginx's code), counted in `epp_tokenizations_cancelled_total`. Its steps, each a
+/// function: read the body, resolve the model, tokenize, place images, hash the chain.
 fn prepare_cancellable(
     gw: &Gateway,
     input: &DecisionInput<'_>,
@@ -221,19 +223,7 @@ fn prepare_cancellable(
 ) -> Result<PreparedRequest, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
-    let (model_name, prompt, cache_salt, image_uuids) = match input.body {
-        Some(body) => {
-            let parsed = parse_body(input.path, body)?;
-            (parsed.model, parsed.prompt, parsed.cache_salt, parsed.image_uuids)
-        }
-        None if crate::model::needs_body(input.path) => {
-            return Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into());
-        }
-        None => match &gw.default_model {
-            Some(m) => (m.clone(), PromptInput::None("request without body"), None, false),
-            None => return Err(Rejection::new(503, "service_unavailable", "no model configured")),
-        },
-    };
+    let ParsedBody { model: model_name, prompt, cache_salt, image_uuids } = read_body(gw, input)?;
     let Resolution { model, rewrite: model_rewrite } =
         gw.resolve(&model_name).map_err(|_| ModelError::UnknownModel(echo_name(&model_name)))?;
     drop(parse_span);
@@ -241,35 +231,9 @@ fn prepare_cancellable(
     let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };
     let mut tokens = match mode {
         RoutingMode::Approximate => Vec::new(),
-        RoutingMode::Precise => {
-            let tokens = tracing::info_span!("epp.tokenize")
-                .in_scope(|| model.tokens_cancellable(&prompt, input.request_id, cancel));
-            tokens.map_err(|_| {
-                gw.metrics.tokenizations_cancelled.inc();
-                tracing::info!(request_id = input.request_id, "tokenization cancelled: the ext_proc stream ended");
-                Rejection::new(499, "request_cancelled", "the request was abandoned while it was tokenized")
-            })?
-        }
+        RoutingMode::Precise => tokenize(gw, &model, &prompt, input.request_id, cancel)?,
     };
-    // Images (docs/design.md §2): expanded and keyed as the engine does where the picker can,
-    // otherwise no block is claimed from the first image on.
-    let placement = match (&prompt, mode) {
-        (PromptInput::Chat(chat), RoutingMode::Precise) if !tokens.is_empty() => {
-            chat_images(&chat.messages).and_then(|mut images| {
-                if !image_uuids {
-                    // mm_processor_kwargs enter every image's identifier on the engine (and may
-                    // change its size): no image is reproducible.
-                    images.iter_mut().for_each(|image| *image = Default::default());
-                }
-                model.place_images(&images, &mut tokens)
-            })
-        }
-        _ => Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() }),
-    };
-    let (items, claimable, image_reason) = match placement {
-        Ok(p) => (p.items, p.claimable, ""),
-        Err(why) => (Vec::new(), 0, why),
-    };
+    let (items, claimable, image_reason) = place_images(&model, &prompt, mode, image_uuids, &mut tokens);
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
         // Text chains carry no salt: a salted prompt must not match another tenant's text.
@@ -278,27 +242,7 @@ fn prepare_cancellable(
         _ if !image_reason.is_empty() => image_reason,
         _ => "",
     };
-    let mut hashes = HashBuf::take();
-    tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
-        if cache_salt.is_some() && mode == RoutingMode::Approximate {
-            hashes.0.clear();
-        } else if mode == RoutingMode::Precise {
-            // vLLM folds the salt into the first block's hash, so the whole chain is the tenant's
-            // own, and each image's identifier into the blocks its placeholders cover
-            // (docs/design.md §2); the agent re-hashes the engine's blocks the same way. Without
-            // keys this is the plain chain.
-            let keys = BlockKeys { cache_salt, items };
-            model.hasher.hash_prompt_keyed(&tokens[..claimable], &keys, &mut hashes.0);
-        } else {
-            // Approximate mode: the model has its text hasher, so the chain is always written.
-            let written = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
-                Ok(mut cp) => model.approx_chain(&prompt, &mut cp, &mut hashes.0),
-                Err(_) => model.approx_chain(&prompt, &mut Vec::new(), &mut hashes.0),
-            });
-            debug_assert!(written, "approximate mode without an approximate model");
-        }
-        tracing::Span::current().record("blocks", hashes.0.len());
-    });
+    let hashes = hash_chain(&model, mode, &prompt, &tokens[..claimable], cache_salt, items);
     let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes.0));
     let priority = gw.priority(input.objective);
     Ok(PreparedRequest {
@@ -312,6 +256,106 @@ fn prepare_cancellable(
         hashes,
         approx_matches,
     })
+}
+
+/// The body's model and prompt; a request without a body is empty (400) on an inference path,
+/// else for the default model (503 without one), unmatched.
+fn read_body(gw: &Gateway, input: &DecisionInput<'_>) -> Result<ParsedBody, Rejection> {
+    match input.body {
+        Some(body) => Ok(parse_body(input.path, body)?),
+        None if needs_body(input.path) => {
+            Err(ModelError::EmptyBody(input.path.split('?').next().unwrap_or_default().to_owned()).into())
+        }
+        None => match &gw.default_model {
+            Some(m) => Ok(ParsedBody {
+                model: m.clone(),
+                prompt: PromptInput::None("request without body"),
+                cache_salt: None,
+                image_uuids: false,
+            }),
+            None => Err(Rejection::new(503, "service_unavailable", "no model configured")),
+        },
+    }
+}
+
+/// The prompt's token ids (precise mode), or 499 once `cancel` is set.
+fn tokenize(
+    gw: &Gateway,
+    model: &ResolvedModel,
+    prompt: &PromptInput,
+    request_id: &str,
+    cancel: &AtomicBool,
+) -> Result<Vec<u32>, Rejection> {
+    let tokens = tracing::info_span!("epp.tokenize").in_scope(|| model.tokens_cancellable(prompt, request_id, cancel));
+    tokens.map_err(|_| {
+        gw.metrics.tokenizations_cancelled.inc();
+        tracing::info!(request_id, "tokenization cancelled: the ext_proc stream ended");
+        Rejection::new(499, "request_cancelled", "the request was abandoned while it was tokenized")
+    })
+}
+
+/// Images (docs/design.md §2): expanded in `tokens` and keyed as the engine does where the picker
+/// can. Returns the reproduced images, how many leading tokens may be claimed, and why none
+/// could be from the first image on ("" when every image was placed).
+fn place_images(
+    model: &ResolvedModel,
+    prompt: &PromptInput,
+    mode: RoutingMode,
+    image_uuids: bool,
+    tokens: &mut Vec<u32>,
+) -> (Vec<MmItem>, usize, &'static str) {
+    let placement = match (prompt, mode) {
+        (PromptInput::Chat(chat), RoutingMode::Precise) if !tokens.is_empty() => {
+            chat_images(&chat.messages).and_then(|mut images| {
+                if !image_uuids {
+                    // mm_processor_kwargs enter every image's identifier on the engine (and may
+                    // change its size): no image is reproducible.
+                    images.iter_mut().for_each(|image| *image = Default::default());
+                }
+                model.place_images(&images, tokens)
+            })
+        }
+        _ => Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() }),
+    };
+    match placement {
+        Ok(p) => (p.items, p.claimable, ""),
+        Err(why) => (Vec::new(), 0, why),
+    }
+}
+
+/// The request's block chain into a reused buffer: token blocks keyed with the salt and the
+/// images (precise mode), text blocks (approximate mode), nothing for a salted prompt in
+/// approximate mode.
+fn hash_chain(
+    model: &ResolvedModel,
+    mode: RoutingMode,
+    prompt: &PromptInput,
+    claimable: &[u32],
+    cache_salt: Option<String>,
+    items: Vec<MmItem>,
+) -> HashBuf {
+    let mut hashes = HashBuf::take();
+    tracing::info_span!("epp.hash", blocks = tracing::field::Empty).in_scope(|| {
+        if cache_salt.is_some() && mode == RoutingMode::Approximate {
+            hashes.0.clear();
+        } else if mode == RoutingMode::Precise {
+            // vLLM folds the salt into the first block's hash, so the whole chain is the tenant's
+            // own, and each image's identifier into the blocks its placeholders cover
+            // (docs/design.md §2); the agent re-hashes the engine's blocks the same way. Without
+            // keys this is the plain chain.
+            let keys = BlockKeys { cache_salt, items };
+            model.hasher.hash_prompt_keyed(claimable, &keys, &mut hashes.0);
+        } else {
+            // Approximate mode: the model has its text hasher, so the chain is always written.
+            let written = CODEPOINTS.with(|cp| match cp.try_borrow_mut() {
+                Ok(mut cp) => model.approx_chain(prompt, &mut cp, &mut hashes.0),
+                Err(_) => model.approx_chain(prompt, &mut Vec::new(), &mut hashes.0),
+            });
+            debug_assert!(written, "approximate mode without an approximate model");
+        }
+        tracing::Span::current().record("blocks", hashes.0.len());
+    });
+    hashes
 }
 
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.

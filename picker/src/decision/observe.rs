@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use super::{PreparedRequest, Rejection};
-use crate::admin::metrics::{AdapterLabel, Metrics, ModelLabel, ObjectiveLabel};
+use crate::metrics::{AdapterLabel, Metrics, ModelLabel, ObjectiveLabel, PriorityLabel};
 use crate::score::{CandidateScore, Decision, RouteError};
 
 /// Reports one decision, from its start (for the decision-latency metric).
@@ -108,7 +108,7 @@ impl<'a> DecisionObserver<'a> {
         );
         let m = self.metrics;
         m.routing_decisions.get_or_create(&ModelLabel { model: p.model_name.clone() }).inc();
-        m.requests_by_priority.get_or_create(&crate::admin::metrics::PriorityLabel { priority: p.priority }).inc();
+        m.requests_by_priority.get_or_create(&PriorityLabel { priority: p.priority }).inc();
         m.objective_requests
             .get_or_create(&ObjectiveLabel {
                 model_name: p.model_name.clone(),

@@ -305,7 +305,7 @@ async fn rewrite_targets_resolve_through_models_and_the_engines_reports() {
     let ex = explain(&gw, &input).unwrap();
     assert_eq!(ex.explanation.candidates[0].adapter, 1.0, "the pod runs the adapter");
     let rewritten: serde_json::Value =
-        serde_json::from_slice(&crate::model::rewrite_model(body, "sql-lora").unwrap()).unwrap();
+        serde_json::from_slice(&crate::request::rewrite_model(body, "sql-lora").unwrap()).unwrap();
     assert_eq!(rewritten, serde_json::json!({"model": "sql-lora", "prompt": "hello", "max_tokens": 3}));
     let unknown = decide(&gw, &DecisionInput { body: Some(br#"{"model":"nope","prompt":"x"}"#), ..input }).unwrap_err();
     assert_eq!((unknown.status, unknown.message.as_str()), (404, "model `nope` does not exist"));

@@ -219,7 +219,7 @@ async fn on_request_headers(
 ) {
     let headers = h.headers.unwrap_or_default();
     st.path = header(&headers, ":path").unwrap_or_default();
-    st.objective = crate::admin::objective_header(|k| header(&headers, k));
+    st.objective = crate::request::objective_header(|k| header(&headers, k));
     for key in ["traceparent", "tracestate"] {
         if let Some(v) = header(&headers, key) {
             st.trace_headers.insert(key.to_owned(), v);
@@ -441,7 +441,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
             }
             st.slot = Some(decision.slot);
             let (body, rewritten) = match (body, rewrite) {
-                (Some(b), Some(model)) => match crate::model::rewrite_model(&b, &model) {
+                (Some(b), Some(model)) => match crate::request::rewrite_model(&b, &model) {
                     Some(new) => (Some(new), true),
                     None => (Some(b), false),
                 },

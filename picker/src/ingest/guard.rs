@@ -31,12 +31,12 @@ use std::time::{Duration, Instant};
 use kvroute_cluster::{PoolView, Watched};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 use parking_lot::Mutex;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use rustls_pki_types::{CertificateDer, ServerName};
 use tracing::warn;
 
+use crate::metrics::ReasonLabel;
 use crate::pool::StreamId;
 
 /// Suffix of the DNS SAN that names an agent's node: `<node>.agent.kvroute`.
@@ -107,13 +107,6 @@ impl Refusal {
             Refusal::NotAReplica => "not_a_replica",
         }
     }
-}
-
-/// `{reason}` label of `epp_ingest_refusals_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabel {
-    /// [`Refusal::as_str`].
-    pub reason: &'static str,
 }
 
 /// Counts refusals by reason and logs each cause (reason, who) once, with the first pod it

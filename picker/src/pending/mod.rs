@@ -22,6 +22,11 @@
 //! taken by decisions inside the pool's selection lock (never the other way round) and by the
 //! replica stream when it applies a peer's event; never held across an await. Events are
 //! published under it, so a subscriber's snapshot and its live events neither overlap nor miss.
+//!
+//! Layering: on [`crate::pool`] only (its clock and the in-flight [`ReleaseHook`](crate::pool::ReleaseHook));
+//! the router, the gateway and the replica stream build on this module, never the other way
+//! round. What both the gateway and the replica transport need of a replica, its id and the
+//! stream's counters ([`ReplicaIdentity`]), lives here for that reason.
 
 mod clock;
 mod table;
@@ -79,6 +84,37 @@ pub enum ReplicaEvent {
         /// Pod name.
         pod: Arc<str>,
     },
+}
+
+/// Counters of the replica stream ([`crate::replicas`]), for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ReplicaCounters {
+    /// Peer events applied.
+    pub applied: AtomicU64,
+    /// Peer events refused: over a bound, or naming a pod this replica does not know.
+    pub refused: AtomicU64,
+    /// Subscriptions to peers that ended (error, peer restart, lag).
+    pub disconnects: AtomicU64,
+    /// Peers currently subscribed to.
+    pub connected: AtomicU64,
+    /// Subscribers cut off for falling behind.
+    pub lagged: AtomicU64,
+}
+
+/// This replica's identity and counters on the replica stream.
+#[derive(Debug)]
+pub struct ReplicaIdentity {
+    /// Random per process.
+    pub id: String,
+    /// What the stream did.
+    pub counters: ReplicaCounters,
+}
+
+impl ReplicaIdentity {
+    /// A fresh random identity.
+    pub fn new() -> Arc<Self> {
+        Arc::new(ReplicaIdentity { id: uuid::Uuid::new_v4().to_string(), counters: ReplicaCounters::default() })
+    }
 }
 
 /// Peer replicas' in-flight requests per pod (docs/design.md §4 queueDepth across replicas).

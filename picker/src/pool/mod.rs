@@ -16,7 +16,12 @@
 //! Invariants: a pod's [`PodIdx`] is unique among live pods; a freed index is reused only after all
 //! 65 536 fresh ones were handed out (so a reader holding an old index snapshot cannot attribute a
 //! dropped pod's blocks to a new pod); the writer stops when the last [`Pool`] handle is dropped.
+//!
+//! Layering: the pool sits under scoring, pending chains and the request path and imports none
+//! of them; what it parses from a pod (annotations, the price) is its own (`annotations.rs`), and
+//! what happens when an in-flight slot is released is a [`ReleaseHook`] its users install.
 
+mod annotations;
 mod inflight;
 mod writer;
 
@@ -33,6 +38,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
+pub use annotations::COST_ANNOTATION;
 pub(crate) use inflight::InFlight;
 pub use inflight::{InFlightSlot, ReleaseHook};
 
@@ -201,22 +207,6 @@ pub(crate) enum Membership {
     PoolReady,
     /// An endpoint of the pool view whose pod is not Ready (or terminating): never a candidate.
     PoolUnready,
-}
-
-/// The sorted annotations of `info` and its parsed price (docs/design.md §4 cost awareness). An invalid
-/// price is logged and ignored (the pod then counts as unpriced).
-pub(crate) fn annotations_of(info: &PodInfo) -> (Vec<(String, String)>, Option<f64>) {
-    let mut annotations: Vec<(String, String)> = info.annotations.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    annotations.sort();
-    let cost = info.annotations.get(crate::score::COST_ANNOTATION).and_then(|v| match v.trim().parse::<f64>() {
-        Ok(c) if c.is_finite() && c > 0.0 => Some(c),
-        _ => {
-            tracing::warn!(pod = %info.pod, value = %v, annotation = crate::score::COST_ANNOTATION,
-                "pod price is not a positive number of $/hour: ignored");
-            None
-        }
-    });
-    (annotations, cost)
 }
 
 /// A live pod: immutable identity plus the cells readers load.

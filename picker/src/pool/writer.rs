@@ -18,6 +18,7 @@ use tracing::{debug, error, info, warn};
 
 use kvroute_cluster::PoolView;
 
+use super::annotations::{annotations_of, merge, merged_annotations, priced};
 use super::{InFlight, Membership, PodRecord, PodStatus, PodTable, PoolConfig, PoolUpdate, StreamId, WriterMsg};
 use crate::index::{IndexSnapshot, IndexWriter, PodIdx};
 
@@ -204,7 +205,7 @@ impl Writer {
                 }
                 p.status.block_size = info.block_size;
                 p.status.index_mismatch = index_mismatch(info, self.config.block_size);
-                (p.status.annotations, p.status.cost_per_hour) = super::annotations_of(info);
+                (p.status.annotations, p.status.cost_per_hour) = annotations_of(info);
                 p.status.connected = true;
                 p.status.disconnected_at = None;
                 p.owner = stream;
@@ -216,7 +217,7 @@ impl Writer {
             error!(pod = %info.pod, "pool full (65536 pods): pod ignored");
             return None;
         };
-        let (annotations, cost_per_hour) = super::annotations_of(info);
+        let (annotations, cost_per_hour) = annotations_of(info);
         let status = PodStatus {
             annotations,
             cost_per_hour,
@@ -476,30 +477,6 @@ fn index_mismatch(info: &PodInfo, block_size: usize) -> bool {
             "the agent hashes blocks of another size than the picker's index: the pod's blocks are not indexed (set the agent's index_block_size to the picker's block_size)");
     }
     mismatch
-}
-
-/// `info`'s annotations merged under the pool's (`pool` wins on a shared key), sorted, and the
-/// parsed price.
-fn merged_annotations(info: &PodInfo, pool: &[(String, String)]) -> (Vec<(String, String)>, Option<f64>) {
-    let (agent, _) = super::annotations_of(info);
-    priced(&info.pod, merge(&agent, pool))
-}
-
-/// `base` with `over`'s entries added or replacing, sorted by key.
-fn merge(base: &[(String, String)], over: &[(String, String)]) -> Vec<(String, String)> {
-    let mut map: std::collections::BTreeMap<&str, &str> = base.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    for (k, v) in over {
-        map.insert(k, v);
-    }
-    map.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-}
-
-/// Sorted annotations and their parsed price (docs/design.md §4 cost awareness).
-fn priced(pod: &str, annotations: Vec<(String, String)>) -> (Vec<(String, String)>, Option<f64>) {
-    let info =
-        PodInfo { pod: pod.to_string(), annotations: annotations.iter().cloned().collect(), ..PodInfo::default() };
-    let (_, cost) = super::annotations_of(&info);
-    (annotations, cost)
 }
 
 /// docs/design.md §4 loadRatio: a report's GPU utilization per running request, when it has

@@ -33,7 +33,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
@@ -54,7 +54,7 @@ use crate::gateway::Gateway;
 use crate::ingest::guard::{REPLICA_SAN, certificate_names_replica};
 use crate::ingest::tls::TlsFiles;
 use crate::ingest::{Refusal, Refusals};
-use crate::pending::{Origin, ReplicaEvent};
+use crate::pending::{Origin, ReplicaCounters, ReplicaEvent, ReplicaIdentity};
 
 /// Protocol version spoken (`SubscribeRequest.protocol_version`, `Hello.protocol_version`).
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -68,37 +68,6 @@ pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 pub const MIN_BACKOFF: Duration = Duration::from_millis(100);
 /// Longest reconnection delay.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
-
-/// Counters of the replica stream, for `/metrics`.
-#[derive(Debug, Default)]
-pub struct ReplicaCounters {
-    /// Peer events applied.
-    pub applied: AtomicU64,
-    /// Peer events refused: over a bound, or naming a pod this replica does not know.
-    pub refused: AtomicU64,
-    /// Subscriptions to peers that ended (error, peer restart, lag).
-    pub disconnects: AtomicU64,
-    /// Peers currently subscribed to.
-    pub connected: AtomicU64,
-    /// Subscribers cut off for falling behind.
-    pub lagged: AtomicU64,
-}
-
-/// This replica's identity and counters on the replica stream.
-#[derive(Debug)]
-pub struct ReplicaIdentity {
-    /// Random per process.
-    pub id: String,
-    /// What the stream did.
-    pub counters: ReplicaCounters,
-}
-
-impl ReplicaIdentity {
-    /// A fresh random identity.
-    pub fn new() -> Arc<Self> {
-        Arc::new(ReplicaIdentity { id: uuid::Uuid::new_v4().to_string(), counters: ReplicaCounters::default() })
-    }
-}
 
 /// Converts an event to its wire message.
 pub fn to_message(ev: &ReplicaEvent) -> ReplicaMessage {

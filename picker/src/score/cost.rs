@@ -17,9 +17,7 @@
 //! cheap pod behind by up to 0.20 wins (0.135 > 0.10) when other factors are equal.
 
 use super::{PodFacts, Prepared, ScoreContext, Scorer};
-
-/// Annotation carrying a pod's price in $/hour.
-pub const COST_ANNOTATION: &str = "kvroute.io/cost-per-hour";
+use crate::pool::COST_ANNOTATION;
 
 /// Default cache-match margin (docs/design.md §4: "under 20 percentage points").
 pub const DEFAULT_MARGIN: f64 = 0.20;

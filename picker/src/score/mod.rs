@@ -30,7 +30,7 @@ mod select;
 
 pub use adapter::AdapterAffinityScorer;
 pub use cache::{PrefixCacheScorer, cache_credit};
-pub use cost::{COST_ANNOTATION, CostAwareScorer};
+pub use cost::CostAwareScorer;
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
 pub use queue::QueueDepthScorer;

@@ -1,4 +1,16 @@
-//! [`Router`]: one routing decision end to end (prefix walk → filter → score → select → reserve).
+//! [`Router`]: one routing decision end to end. Its stages, one method each, in order:
+//!
+//! 1. `prefilter`: the prefix walk and the static filters (lock-free) make the rows;
+//! 2. `overlay_precise` (precise mode): pending chains and the CPU tier added to each row's match;
+//! 3. `overlay_load`: queue depth, load, GPU utilization and prefill left, under the lock;
+//! 4. `spill`: rows at `max_queue` leave (or the decision is shed);
+//! 5. `cap_pending`: pending credit withheld from rows queued far above the least queued;
+//! 6. `compose`: the factors and the composite S of every row;
+//! 7. `tie_keys`: the keys after S (cold prefill left, a seeded random key);
+//! 8. `choose`: the best row by S and the tie rules (`select.rs`);
+//! 9. `pile_guard`: the least loaded row instead, when the choice carries far more requests;
+//! 10. `route_in` (routing only): the chain recorded pending, the event published to peers and an
+//!     in-flight slot reserved on the chosen pod.
 //!
 //! Concurrency: the prefix walk and the static filters read arc-swap snapshots without locks; the
 //! queue-depth read, spill, scoring, choice and reservation run under the pool's selection lock
@@ -144,6 +156,18 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
 fn recycle<'b>(mut v: Vec<PodFacts<'_>>) -> Vec<PodFacts<'b>> {
     v.clear();
     v.into_iter().filter_map(|_| None).collect()
+}
+
+/// The best of rows `among` by [`select::better`] (the first of equals); `None` when empty.
+fn choose(scored: &[Scored], among: impl Iterator<Item = usize>) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for i in among {
+        best = match best {
+            Some(b) if select::better(&scored[i].ranked, &scored[b].ranked) != std::cmp::Ordering::Less => Some(b),
+            _ => Some(i),
+        };
+    }
+    best
 }
 
 /// Whether `a` ranks before `b` (see [`select::better`]).
@@ -470,8 +494,9 @@ impl Router {
         model_pods.len() + unreported.len()
     }
 
-    /// Queue depths, spill, factor scores, composite and choice (an index into `sc.rows`); call
-    /// under the selection lock when reserving.
+    /// The stages that run under the selection lock (see the module docs): queue and load,
+    /// spill, the pending cap, composition, tie keys, the choice (an index into `sc.rows`) and
+    /// the pile guard. Call under the selection lock when reserving.
     fn score(
         &self,
         sc: &mut Scratch,
@@ -481,7 +506,29 @@ impl Router {
         tick: u64,
         shared: &SharedState,
     ) -> Result<Option<usize>, RouteError> {
-        let (now, max_age) = (Instant::now(), self.pool.report_max_age());
+        // One instant for the whole decision: a report is stale for every stage or for none.
+        let now = Instant::now();
+        self.overlay_load(sc, table, shared, now);
+        self.spill(sc)?;
+        self.cap_pending(&mut sc.rows);
+        self.compose(sc, table, req, total_blocks, now);
+        self.tie_keys(sc, table, tick);
+        let mut choice = choose(&sc.scored, 0..sc.rows.len());
+        if let Some(c) = choice
+            && let Some(least) = self.pile_guard(sc, c)
+        {
+            choice = Some(least);
+            self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(choice)
+    }
+
+    /// Every row's live figures, read under the selection lock: queue depth (peers' in-flight
+    /// requests and the reported-running requests still prefilling included), load, GPU
+    /// utilization (brought forward with `load_forecast`) and, with `prefill_tie_break`, the
+    /// prefill its pod has left.
+    fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, now: Instant) {
+        let max_age = self.pool.report_max_age();
         for row in &mut sc.rows {
             let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
             let peers = match &status.stats {
@@ -516,14 +563,18 @@ impl Router {
                 row.prefill = prefill_left(&sc.prefilling, rec.idx);
             }
         }
+    }
+
+    /// docs/design.md §4 spill: when some rows are below `max_queue`, the others leave the
+    /// candidates (into `sc.excluded`); when none is, the decision is shed (429) with
+    /// `shed_when_saturated`, else every row stays.
+    fn spill(&self, sc: &mut Scratch) -> Result<(), RouteError> {
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
-            Spill::AllSaturated if self.config.shed_when_saturated => {
-                return Err(RouteError::Shed {
-                    reason: format!("all {} candidate pods have queue depth >= max_queue {max_queue}", sc.rows.len()),
-                });
-            }
-            Spill::AllSaturated => {}
+            Spill::AllSaturated if self.config.shed_when_saturated => Err(RouteError::Shed {
+                reason: format!("all {} candidate pods have queue depth >= max_queue {max_queue}", sc.rows.len()),
+            }),
+            Spill::AllSaturated => Ok(()),
             Spill::KeepBelow => {
                 let excluded = &mut sc.excluded;
                 sc.rows.retain(|r| {
@@ -532,9 +583,16 @@ impl Router {
                     }
                     r.depth < max_queue
                 });
+                Ok(())
             }
         }
-        self.cap_pending(&mut sc.rows);
+    }
+
+    /// Every row's factors (clamped to [0,1]) and composite S, into `sc.scored` (with its tie
+    /// keys still 0) and `sc.custom`: the rows become [`PodFacts`], each scorer prepares once
+    /// and scores the whole column.
+    fn compose(&self, sc: &mut Scratch, table: &PodTable, req: &RouteRequest<'_>, total_blocks: u32, now: Instant) {
+        let max_age = self.pool.report_max_age();
         let mut facts = recycle(std::mem::take(&mut sc.facts));
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
@@ -564,7 +622,6 @@ impl Router {
         let block_size = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
         let ctx =
             ScoreContext { adapter: req.adapter, total_blocks, block_size, config: &self.config, candidates: &facts };
-        let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
         sc.preps.clear();
         sc.preps.extend(self.scorers.iter().map(|(s, _)| s.prepare(&ctx)));
         // Factor columns: scorer j's factors for every row at `columns[j·n ..][..n]`.
@@ -580,12 +637,7 @@ impl Router {
             }
         }
         let n_custom = self.scorers.len().saturating_sub(BUILTINS);
-        // docs/design.md §4 ties: for a request no candidate holds a block of, S differs only
-        // by load and queue, and pods that read the same there may be at the start or the end
-        // of a cold prefill; the one with less prefill left goes first.
-        let cold = self.config.prefill_tie_break && sc.rows.iter().all(|r| r.credited() == 0 && r.offloaded == 0);
-        let mut choice: Option<usize> = None;
-        for (i, (row, f)) in sc.rows.iter().zip(&facts).enumerate() {
+        for (i, f) in facts.iter().enumerate() {
             let score = self.weighted(|j| sc.columns[j * n + i]);
             let factors: [f64; BUILTINS] = std::array::from_fn(|j| sc.columns[j * n + i]);
             sc.custom.extend((0..n_custom).map(|c| sc.columns[(BUILTINS + c) * n + i]));
@@ -596,25 +648,25 @@ impl Router {
                     score,
                     load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),
                     queue_depth: f.queue_depth,
-                    prefill: if cold { row.prefill } else { 0 },
-                    tie_key: select::splitmix64(salt ^ u64::from(table.pods[row.pod as usize].idx.0)),
+                    prefill: 0,
+                    tie_key: 0,
                 },
             });
-            choice = match choice {
-                Some(b) if select::better(&sc.scored[i].ranked, &sc.scored[b].ranked) != std::cmp::Ordering::Less => {
-                    Some(b)
-                }
-                _ => Some(i),
-            };
         }
         sc.facts = recycle(facts);
-        if let Some(c) = choice
-            && let Some(least) = self.pile_guard(sc, c)
-        {
-            choice = Some(least);
-            self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// docs/design.md §4 ties, the keys after S, loadRatio and queue depth: for a request no
+    /// candidate holds a block of, S differs only by load and queue, and pods that read the same
+    /// there may be at the start or the end of a cold prefill, so the one with less prefill left
+    /// goes first (`prefill_tie_break`); last, a seeded random key per pod and decision (`tick`).
+    fn tie_keys(&self, sc: &mut Scratch, table: &PodTable, tick: u64) {
+        let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
+        let cold = self.config.prefill_tie_break && sc.rows.iter().all(|r| r.credited() == 0 && r.offloaded == 0);
+        for (row, s) in sc.rows.iter().zip(&mut sc.scored) {
+            s.ranked.prefill = if cold { row.prefill } else { 0 };
+            s.ranked.tie_key = select::splitmix64(salt ^ u64::from(table.pods[row.pod as usize].idx.0));
         }
-        Ok(choice)
     }
 
     /// Precise mode's additions to the index walk, for [`Router::score`]: the requests still
@@ -671,19 +723,7 @@ impl Router {
         if !filter::piled(sc.rows[choice].load, least, margin, factor) {
             return None;
         }
-        let mut alt: Option<usize> = None;
-        for (i, r) in sc.rows.iter().enumerate() {
-            if r.load != least {
-                continue;
-            }
-            alt = match alt {
-                Some(b) if select::better(&sc.scored[i].ranked, &sc.scored[b].ranked) != std::cmp::Ordering::Less => {
-                    Some(b)
-                }
-                _ => Some(i),
-            };
-        }
-        alt
+        choose(&sc.scored, (0..sc.rows.len()).filter(|&i| sc.rows[i].load == least))
     }
 
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).

@@ -10,11 +10,11 @@ use proptest::prelude::*;
 
 use super::tests::{facts, req, router};
 use super::{
-    COST_ANNOTATION, CostAwareScorer, CustomScorerConfig, PodFacts, Prepared, RouteRequest, Router, ScoreContext,
-    Scorer, ScoringConfig, ScoringConfigError, Weights,
+    CostAwareScorer, CustomScorerConfig, PodFacts, Prepared, RouteRequest, Router, ScoreContext, Scorer, ScoringConfig,
+    ScoringConfigError, Weights,
 };
 use crate::pool::tests::{chain, info, put, stats};
-use crate::pool::{Pool, PoolConfig, PoolUpdate};
+use crate::pool::{COST_ANNOTATION, Pool, PoolConfig, PoolUpdate};
 
 /// S under default weights for (cache ratio over 100 blocks, gpu, queue, health, adapter running).
 fn s_default(r: &Router, cache_pct: u32, gpu: f64, queue: u32, health: f64, adapter: bool) -> f64 {

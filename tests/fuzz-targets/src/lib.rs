@@ -28,8 +28,9 @@ use kvroute_agent::engine::blocks::BlockRecord;
 use kvroute_agent::engine::kv_events::{ReplayFrame, decode_batch, decode_message, decode_replay};
 use kvroute_agent::engine::metrics::{parse_engine_metrics, parse_samples};
 use kvroute_picker::config::ModelConfig;
-use kvroute_picker::model::{ModelRegistry, PromptInput, parse_body};
+use kvroute_picker::model::ModelRegistry;
 use kvroute_picker::pool::{Pool, PoolConfig};
+use kvroute_picker::request::{PromptInput, parse_body};
 use kvroute_proto::agent::v1::AgentMessage;
 use kvroute_tokenize::{ChatRequest, ModelTokenizer};
 
@@ -110,7 +111,7 @@ pub fn ext_proc_body(data: &[u8]) {
     // Images (docs/design.md §2): placed items lie inside the expanded prompt, before what may
     // be claimed, in order; the keyed chain covers the claimable prefix's full blocks.
     if let PromptInput::Chat(chat) = &parsed.prompt
-        && let Ok(images) = kvroute_picker::model::chat_images(&chat.messages)
+        && let Ok(images) = kvroute_picker::request::chat_images(&chat.messages)
     {
         let mut expanded = tokens.clone();
         if let Ok(p) = model.place_images(&images, &mut expanded) {

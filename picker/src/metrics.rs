@@ -2,8 +2,14 @@
 //!
 //! Request-path metrics are updated by the ext_proc tasks through handles created once at start
 //! (atomics; no allocation except a label set's first use). Pod metrics (`epp_queue_depth`,
-//! `epp_pod_health_score`) and index size are computed at scrape time from `Pool::pods()` and
-//! `Pool::index_stats()`, so a pod that left the pool also leaves the scrape.
+//! `epp_pod_health_score`), index size and the counters other parts keep (pending chains, cache
+//! credit, the replica stream) are set at scrape time from a [`Scrape`] of plain numbers that the
+//! caller reads from the pool, the router and the replica stream, so a pod that left the pool
+//! also leaves the scrape.
+//!
+//! Layering: a leaf. It imports nothing else in the picker: what it shows arrives as numbers
+//! ([`Scrape`]) or through the handles below, so every module can count into it and none is
+//! tied to another through it.
 //!
 //! prometheus-client appends `_total` to counter names itself: counters are registered without it.
 //!
@@ -30,13 +36,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-use std::sync::atomic::Ordering;
-
-use crate::pending::SharedView;
-use crate::pool::Pool;
-use crate::replicas::ReplicaCounters;
-use crate::score::ScoringConfig;
 
 /// The `name` label of the `inference_pool_*` families until [`Metrics::set_pool_name`] names the
 /// InferencePool (a picker fed by a static pool file has no pool object).
@@ -134,6 +133,14 @@ pub struct ResultLabel {
     pub result: &'static str,
 }
 
+/// `{reason}` label of `epp_ingest_refusals_total`: why ingest refused an agent's connection or
+/// report (`ingest::Refusal::as_str`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// The refusal's name.
+    pub reason: &'static str,
+}
+
 /// `{code}` label: HTTP status the picker answered itself.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {
@@ -193,7 +200,7 @@ pub struct Metrics {
     pub request_errors: Family<CodeLabel, Counter>,
     /// `epp_ingest_refusals_total{reason}`: agent connections and reports refused
     /// (docs/design.md §14 "Trust"; reasons in `ingest::Refusal`).
-    pub ingest_refusals: Family<crate::ingest::guard::ReasonLabel, Counter>,
+    pub ingest_refusals: Family<ReasonLabel, Counter>,
     /// GIE `inference_objective_request_total{model_name,target_model_name}`: requests routed.
     pub objective_requests: Family<ObjectiveLabel, Counter>,
     /// GIE `inference_objective_request_error_total{…,error_code}`: requests answered with an error.
@@ -260,7 +267,7 @@ impl Metrics {
         let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
         let request_errors = Family::<CodeLabel, Counter>::default();
         let queue_depth = Family::<PodLabel, Gauge>::default();
-        let ingest_refusals = Family::<crate::ingest::guard::ReasonLabel, Counter>::default();
+        let ingest_refusals = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "epp_ingest_refusals",
             "Agent connections and reports refused (identity, scope, ownership, caps, ranges), by reason",
@@ -526,13 +533,49 @@ impl Metrics {
             .inc();
     }
 
-    /// Refreshes the pool-derived metrics from `pool` and the scoring settings (`max_queue`,
-    /// `health_exclusion_threshold` decide "routable", as the router's filter does: docs/design.md
-    /// §4), and encodes everything in the OpenMetrics text format.
-    pub fn render(&self, pool: &Pool, scoring: &ScoringConfig) -> Result<String, std::fmt::Error> {
+    /// Sets the scrape-time metrics from `read()` (called under the scrape lock, so concurrent
+    /// scrapes read and apply one after the other) and encodes everything in the OpenMetrics
+    /// text format. Counters mirror the monotonic counts of [`Scrape`]: each grows by what its
+    /// count grew since the last scrape.
+    pub fn render(&self, read: impl FnOnce() -> Scrape) -> Result<String, std::fmt::Error> {
         let _one_scrape_at_a_time = self.scrape.lock();
-        let max_queue = scoring.max_queue;
-        self.max_queue.set(i64::from(max_queue));
+        let scrape = read();
+        self.mirror_counts(&scrape.routing, &scrape.replica);
+        self.set_pool_gauges(&scrape);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+
+    /// The router's and the replica stream's counts (pending chains, cache credit, pile guard).
+    fn mirror_counts(&self, routing: &RoutingCounts, replica: &ReplicaCounts) {
+        let mirror = |c: &Counter, v: u64| {
+            c.inc_by(v.saturating_sub(c.get()));
+        };
+        mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "index" }), routing.indexed_blocks);
+        mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }), routing.pending_blocks);
+        mirror(&self.pile_guard_redirects, routing.pile_redirects);
+        mirror(&self.pending_withheld, routing.pending_withheld);
+        for (outcome, v) in [
+            ("recorded", routing.recorded_local),
+            ("recorded_from_peer", routing.recorded_peer),
+            ("confirmed", routing.confirmed),
+            ("expired", routing.expired),
+            ("evicted", routing.evicted),
+        ] {
+            mirror(&self.pending_chains.get_or_create(&OutcomeLabel { outcome }), v);
+        }
+        self.pending_entries.set(i64::try_from(routing.pending_entries).unwrap_or(i64::MAX));
+        mirror(&self.replica_events.get_or_create(&ResultLabel { result: "applied" }), replica.applied);
+        mirror(&self.replica_events.get_or_create(&ResultLabel { result: "refused" }), replica.refused);
+        self.replica_peers.set(i64::try_from(replica.connected).unwrap_or(0));
+        mirror(&self.replica_disconnects, replica.disconnects);
+        mirror(&self.replica_lagged, replica.lagged);
+    }
+
+    /// The per-pod, pool and index gauges.
+    fn set_pool_gauges(&self, scrape: &Scrape) {
+        self.max_queue.set(i64::from(scrape.max_queue));
         self.queue_depth.clear();
         self.pod_health_score.clear();
         self.gie_pod_queue.clear();
@@ -541,9 +584,9 @@ impl Metrics {
         self.gie_avg_kv_cache.clear();
         self.gie_avg_queue.clear();
         let pool_name = self.pool_name.read().clone();
-        let pods = pool.pods();
+        let pods = &scrape.pods;
         let (mut ready, mut routable, mut kv_sum, mut queue_sum) = (0_i64, 0_i64, 0.0_f64, 0_u64);
-        for p in &pods {
+        for p in pods {
             let label = PodLabel { model_server_pod: p.name.clone() };
             self.queue_depth.get_or_create(&label).set(i64::from(p.queue_depth));
             self.pod_health_score.get_or_create(&label).set(p.health_score);
@@ -553,9 +596,7 @@ impl Metrics {
                 .set(i64::from(p.queue_depth));
             if p.ready {
                 ready += 1;
-                // NaN health is unhealthy, as in the router's filter.
-                let healthy = p.health_score >= scoring.health_exclusion_threshold;
-                if healthy && !p.unreachable && p.queue_depth < max_queue {
+                if p.routable {
                     routable += 1;
                 }
             }
@@ -572,69 +613,91 @@ impl Metrics {
         let n = pods.len().max(1) as f64;
         self.gie_avg_kv_cache.get_or_create(&pool_label).set(kv_sum / n);
         self.gie_avg_queue.get_or_create(&pool_label).set(queue_sum as f64 / n);
-        let stats = pool.index_stats();
-        self.prefix_tree_nodes.set(i64::try_from(stats.nodes).unwrap_or(i64::MAX));
-        self.prefix_index_entries.set(i64::try_from(stats.entries).unwrap_or(i64::MAX));
-        self.prefix_index_bytes.set(i64::try_from(stats.bytes_estimate).unwrap_or(i64::MAX));
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
-        Ok(out)
+        self.prefix_tree_nodes.set(i64::try_from(scrape.index_nodes).unwrap_or(i64::MAX));
+        self.prefix_index_entries.set(i64::try_from(scrape.index_entries).unwrap_or(i64::MAX));
+        self.prefix_index_bytes.set(i64::try_from(scrape.index_bytes).unwrap_or(i64::MAX));
     }
+}
 
-    /// Refreshes the routing metrics kept by the router (pending chains, cache credit, pile
-    /// guard) and the replica stream's, then renders like [`Metrics::render`].
-    pub fn render_all(
-        &self,
-        pool: &Pool,
-        scoring: &ScoringConfig,
-        shared: &SharedView,
-        replica: &ReplicaCounters,
-    ) -> Result<String, std::fmt::Error> {
-        {
-            let _one_scrape_at_a_time = self.scrape.lock();
-            // Counters mirror monotonic atomics: add what they grew by since the last scrape.
-            let mirror = |c: &Counter, v: u64| {
-                c.inc_by(v.saturating_sub(c.get()));
-            };
-            let credit = &shared.credit;
-            mirror(
-                &self.cache_credit_blocks.get_or_create(&SourceLabel { source: "index" }),
-                credit.indexed_blocks.load(Ordering::Relaxed),
-            );
-            mirror(
-                &self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }),
-                credit.pending_blocks.load(Ordering::Relaxed),
-            );
-            mirror(&self.pile_guard_redirects, credit.pile_redirects.load(Ordering::Relaxed));
-            mirror(&self.pending_withheld, credit.pending_withheld.load(Ordering::Relaxed));
-            let (counts, entries) = {
-                let st = shared.lock();
-                (st.pending.counts(), st.pending.size().0)
-            };
-            for (outcome, v) in [
-                ("recorded", counts.recorded_local),
-                ("recorded_from_peer", counts.recorded_peer),
-                ("confirmed", counts.confirmed),
-                ("expired", counts.expired),
-                ("evicted", counts.evicted),
-            ] {
-                mirror(&self.pending_chains.get_or_create(&OutcomeLabel { outcome }), v);
-            }
-            self.pending_entries.set(i64::try_from(entries).unwrap_or(i64::MAX));
-            mirror(
-                &self.replica_events.get_or_create(&ResultLabel { result: "applied" }),
-                replica.applied.load(Ordering::Relaxed),
-            );
-            mirror(
-                &self.replica_events.get_or_create(&ResultLabel { result: "refused" }),
-                replica.refused.load(Ordering::Relaxed),
-            );
-            self.replica_peers.set(i64::try_from(replica.connected.load(Ordering::Relaxed)).unwrap_or(0));
-            mirror(&self.replica_disconnects, replica.disconnects.load(Ordering::Relaxed));
-            mirror(&self.replica_lagged, replica.lagged.load(Ordering::Relaxed));
-        }
-        self.render(pool, scoring)
-    }
+/// What a scrape shows that the metrics do not count themselves, read from the rest of the
+/// picker as plain numbers ([`Metrics::render`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scrape {
+    /// Configured `max_queue` (`epp_max_queue`).
+    pub max_queue: u32,
+    /// The pool's pods.
+    pub pods: Vec<PodGauges>,
+    /// Distinct blocks in the prefix index.
+    pub index_nodes: u64,
+    /// (block, pod) entries in the prefix index.
+    pub index_entries: u64,
+    /// Estimated prefix index memory, bytes.
+    pub index_bytes: u64,
+    /// The router's counts.
+    pub routing: RoutingCounts,
+    /// The replica stream's counts.
+    pub replica: ReplicaCounts,
+}
+
+/// One pod's figures at scrape time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PodGauges {
+    /// Pod name (the `model_server_pod` label).
+    pub name: String,
+    /// Queue depth (waiting + routed since the report).
+    pub queue_depth: u32,
+    /// Health score in [0,1].
+    pub health_score: f64,
+    /// Held unreachable (Envoy's last connection failed, no probe connected since).
+    pub unreachable: bool,
+    /// The engine reported ready.
+    pub ready: bool,
+    /// A candidate now, as the router's filter decides: ready, healthy enough, reachable, queue
+    /// below `max_queue`.
+    pub routable: bool,
+    /// KV-cache usage in [0,1].
+    pub kv_cache_usage: f64,
+}
+
+/// The router's monotonic counts (docs/design.md §3 pending entries, §4 pile guard) and the
+/// pending table's size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoutingCounts {
+    /// Blocks credited to chosen pods by the KV-event index.
+    pub indexed_blocks: u64,
+    /// Blocks credited to chosen pods only because they were pending.
+    pub pending_blocks: u64,
+    /// Decisions the pile guard sent to the least loaded candidate.
+    pub pile_redirects: u64,
+    /// Candidates scored without their pending credit.
+    pub pending_withheld: u64,
+    /// Pending chains recorded by this replica's decisions.
+    pub recorded_local: u64,
+    /// Pending chains recorded from peer replicas.
+    pub recorded_peer: u64,
+    /// Pending chains confirmed by the pod's events.
+    pub confirmed: u64,
+    /// Pending chains that expired unconfirmed.
+    pub expired: u64,
+    /// Pending chains evicted because the table was full.
+    pub evicted: u64,
+    /// (block, pod) pending entries held now.
+    pub pending_entries: usize,
+}
+
+/// The replica stream's counts (docs/design.md §4 "One view across replicas").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaCounts {
+    /// Peer events applied.
+    pub applied: u64,
+    /// Peer events refused.
+    pub refused: u64,
+    /// Peers subscribed to now.
+    pub connected: u64,
+    /// Subscriptions to peers that ended.
+    pub disconnects: u64,
+    /// Subscribers cut off for falling behind.
+    pub lagged: u64,
 }
 
 #[cfg(test)]
