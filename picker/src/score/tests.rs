@@ -682,3 +682,20 @@ async fn engines_of_16_32_and_64_token_blocks_share_one_index() {
     assert_eq!(credited("e64"), Some((8, 4)));
     drop(held);
 }
+
+/// docs/design.md §4 pile guard, an operator's choice (`pile_guard_margin`, `pile_guard_factor`):
+/// a cache-hot pod carrying 40 requests against a cold one carrying 1 keeps the request below the
+/// margin or the factor, gives it up above both, and keeps it when the guard is off (margin 0).
+#[tokio::test]
+async fn the_pile_guard_moves_a_request_off_a_piled_hot_pod_as_configured() {
+    let c = chain(1300, 10);
+    let running = |n| kvroute_proto::agent::v1::PodStats { num_requests_running: n, ..stats(0.0, 0, 1.0) };
+    for (margin, factor, want) in [(24, 2.0, "cold"), (48, 2.0, "hot"), (24, 100.0, "hot"), (0, 2.0, "hot")] {
+        let (pool, r) =
+            router(ScoringConfig { pile_guard_margin: margin, pile_guard_factor: factor, ..ScoringConfig::default() });
+        put(&pool, "hot", "m", running(40), &c).await;
+        put(&pool, "cold", "m", running(1), &[]).await;
+        let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+        assert_eq!(d.pod, want, "margin {margin}, factor {factor}: {:?}", d.candidates);
+    }
+}
