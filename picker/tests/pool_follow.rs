@@ -685,8 +685,11 @@ async fn model_rewrites_follow_the_api_while_traffic_flows() {
     let got = targets_seen(&seen, from);
     assert_eq!(got.len(), N, "every request reached an engine under a target name");
     let a = got.iter().filter(|m| *m == "target-a").count() as f64 / N as f64;
-    // Binomial(300, 0.8): σ ≈ 0.023; ±0.08 is about 3.5σ.
-    assert!((0.72..=0.88).contains(&a), "target-a share {a:.3}, want 0.80 ± 0.08");
+    // Binomial(300, 0.8): σ ≈ 0.023. The draw itself is unbiased (the χ² test of
+    // `ModelRule::pick` in kvroute-cluster); ±0.12 is about 5σ, so a fair draw fails this about
+    // once in two million runs while a lost weight (an even split, or target-b never drawn)
+    // still fails at once.
+    assert!((0.68..=0.92).contains(&a), "target-a share {a:.3}, want 0.80 ± 0.12");
 
     // Updated: chat → target-c only.
     let t0 = Instant::now();
