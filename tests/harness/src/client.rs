@@ -154,3 +154,16 @@ fn read_usage(v: &Value, out: &mut ChatOutcome) {
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
+
+/// POSTs `body` as JSON to `url` and returns the JSON answer. Errors: the request failed, the
+/// answer was not JSON, or its status was not a success (the error names the URL, the status and
+/// the answer).
+pub async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> Result<Value> {
+    let r = http.post(url).json(body).send().await.with_context(|| format!("POST {url}"))?;
+    let status = r.status();
+    let v: Value = r.json().await.with_context(|| format!("POST {url}: body"))?;
+    if !status.is_success() {
+        bail!("POST {url} answered {status}: {v}");
+    }
+    Ok(v)
+}

@@ -43,7 +43,9 @@
 use kvroute_agent::engine::blocks::BlockRecord;
 use kvroute_agent::engine::kv_events::{KvMessage, decode_message};
 use kvroute_agent::engine::metrics::{Sample, parse_engine_metrics, parse_samples};
+use kvroute_harness::client::post_json;
 use kvroute_harness::fleet::Engine;
+use kvroute_harness::workload::seeded_words;
 use kvroute_harness::{DEFAULT_MODEL, EngineKind, FleetSpec, VllmSpec, Workload, paths};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -125,29 +127,8 @@ fn subscribe(port: u16, stop: Arc<AtomicBool>) -> mpsc::Receiver<KvMessage> {
     rx
 }
 
-/// Words from a seeded generator: distinct text at about 1.5 tokens a word.
-fn words(seed: u64, n: usize) -> String {
-    let vocab = ["river", "stone", "cloud", "amber", "signal", "harbor", "lattice", "meadow", "copper", "orbit"];
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            format!("{}{}", vocab[(x >> 33) as usize % vocab.len()], (x >> 40) % 97)
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 fn user(text: &str) -> Value {
     json!({"role": "user", "content": text})
-}
-
-async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> Value {
-    let r = http.post(url).json(body).send().await.unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = r.status();
-    let v: Value = r.json().await.unwrap_or_else(|e| panic!("POST {url}: body: {e}"));
-    assert!(status.is_success(), "POST {url} answered {status}: {v}");
-    v
 }
 
 async fn metrics_page(http: &reqwest::Client, side: &Side) -> String {
@@ -193,9 +174,10 @@ async fn stream(http: &reqwest::Client, emulator: &Side) -> Vec<(String, Vec<Val
     // A user message whose chat prompt is a whole number of blocks (found with /tokenize).
     let mut whole = None;
     for n in 60..120 {
-        let m = vec![user(&words(7, n))];
-        let count = post_json(http, &emulator.url("/tokenize"), &json!({"model": DEFAULT_MODEL, "messages": m})).await
-            ["count"]
+        let m = vec![user(&seeded_words(7, n))];
+        let count = post_json(http, &emulator.url("/tokenize"), &json!({"model": DEFAULT_MODEL, "messages": m}))
+            .await
+            .expect("POST answered")["count"]
             .as_u64()
             .expect("tokenize count");
         if count % u64::from(ENGINE_BLOCK) == 0 {
@@ -207,7 +189,8 @@ async fn stream(http: &reqwest::Client, emulator: &Side) -> Vec<(String, Vec<Val
     out.push(("whole blocks".into(), whole.clone()));
     out.push(("whole blocks again".into(), whole));
     // About 900 tokens (29 blocks) each: two fit beside the conversations, the third does not.
-    let docs: Vec<Vec<Value>> = (0..3).map(|d| vec![user(&format!("Document {d}. {}", words(100 + d, 290)))]).collect();
+    let docs: Vec<Vec<Value>> =
+        (0..3).map(|d| vec![user(&format!("Document {d}. {}", seeded_words(100 + d, 290)))]).collect();
     for round in 0..2 {
         for (d, m) in docs.iter().enumerate() {
             out.push((format!("document {d} round {round}"), m.clone()));
@@ -283,6 +266,7 @@ async fn real_vllm_and_the_emulator_answer_alike() {
         let body = chat_body(messages);
         let urls = sides.each_ref().map(|s| s.url("/v1/chat/completions"));
         let (a, b) = tokio::join!(post_json(&http, &urls[0], &body), post_json(&http, &urls[1], &body));
+        let (a, b) = (a.expect("POST answered"), b.expect("POST answered"));
         let usage = |v: &Value| {
             let details = &v["usage"]["prompt_tokens_details"];
             (
@@ -355,12 +339,12 @@ async fn real_vllm_and_the_emulator_answer_alike() {
             .map(|k| {
                 let body = json!({
                     "model": DEFAULT_MODEL,
-                    "messages": [user(&format!("Burst request {k}. {}", words(500 + k as u64, 60)))],
+                    "messages": [user(&format!("Burst request {k}. {}", seeded_words(500 + k as u64, 60)))],
                     "max_tokens": 48,
                     "ignore_eos": true,
                 });
                 let (http, url) = (http.clone(), url.clone());
-                tokio::spawn(async move { post_json(&http, &url, &body).await })
+                tokio::spawn(async move { post_json(&http, &url, &body).await.expect("POST answered") })
             })
             .collect();
         runs.push(requests);

@@ -12,7 +12,9 @@
 //! picker logged is the one the engine's answer is measured against.
 #![allow(clippy::expect_used)]
 
+use kvroute_harness::client::post_json;
 use kvroute_harness::fleet::metric_value;
+use kvroute_harness::workload::seeded_words;
 use kvroute_harness::{
     ChatOutcome, EngineKind, Fleet, FleetSpec, GatewayClient, Pacing, RunSummary, VllmSpec, Workload, run_chat_workload,
 };
@@ -39,35 +41,16 @@ fn vllm_fleet(label: &str, engines: usize, v: VllmSpec) -> FleetSpec {
     }
 }
 
-/// Words from a seeded generator: distinct prompts that tokenize to about 1.3 tokens a word.
-fn words(seed: u64, n: usize) -> String {
-    let vocab = ["river", "stone", "cloud", "amber", "signal", "harbor", "lattice", "meadow", "copper", "orbit"];
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            format!("{}{}", vocab[(x >> 33) as usize % vocab.len()], (x >> 40) % 97)
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> Value {
-    let r = http.post(url).json(body).send().await.unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = r.status();
-    let v: Value = r.json().await.unwrap_or_else(|e| panic!("POST {url}: body: {e}"));
-    assert!(status.is_success(), "POST {url} answered {status}: {v}");
-    v
-}
-
 /// vLLM's own token count for a body (`POST /tokenize`).
 async fn vllm_count(http: &reqwest::Client, engine: &str, body: &Value) -> u64 {
-    post_json(http, &format!("{engine}/tokenize"), body).await["count"].as_u64().expect("tokenize count")
+    post_json(http, &format!("{engine}/tokenize"), body).await.expect("POST answered")["count"]
+        .as_u64()
+        .expect("tokenize count")
 }
 
 /// The picker's `/explain` of `body` for `path`.
 async fn explain(http: &reqwest::Client, fleet: &Fleet, path: &str, body: &Value) -> Value {
-    post_json(http, &format!("{}/explain?path={path}", fleet.picker_admin), body).await
+    post_json(http, &format!("{}/explain?path={path}", fleet.picker_admin), body).await.expect("POST answered")
 }
 
 /// Matched blocks of `pod` in an explanation (0 when it is not a candidate).
@@ -128,6 +111,19 @@ async fn chat_claimed(fleet: &Fleet, client: &GatewayClient, model: &str, messag
     (out, blocks * INDEX_BLOCK)
 }
 
+/// Asserts that `claim` (tokens) is within one engine block of what vLLM served `out` from cache;
+/// true when vLLM cached less than claimed by more than a block, a request the picker must count
+/// as stale routing.
+fn judge_claim(what: &str, claim: u32, out: &ChatOutcome) -> bool {
+    let cached = out.cached_tokens;
+    assert!(
+        claim.abs_diff(cached) <= ENGINE_BLOCK,
+        "{what}: claimed {claim} cached tokens, vLLM served {cached} of {} from cache",
+        out.prompt_tokens
+    );
+    cached + ENGINE_BLOCK < claim
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
     let _serial = SERIAL.lock().await;
@@ -147,7 +143,7 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
     let engine0 = fleet.engines[0].url();
 
     // Token counts: the picker's input tokens equal vLLM's /tokenize and its usage.
-    let system = json!({"role": "system", "content": format!("You are a careful assistant. {}", words(1, 60))});
+    let system = json!({"role": "system", "content": format!("You are a careful assistant. {}", seeded_words(1, 60))});
     let user = |t: &str| json!({"role": "user", "content": t});
     let tools = json!([{"type": "function", "function": {
         "name": "get_weather", "description": "Weather of a city",
@@ -155,8 +151,8 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
     let cases: Vec<(&str, Value, Value)> = vec![
         (
             "completions",
-            json!({"model": model, "prompt": words(2, 80)}),
-            json!({"model": model, "prompt": words(2, 80)}),
+            json!({"model": model, "prompt": seeded_words(2, 80)}),
+            json!({"model": model, "prompt": seeded_words(2, 80)}),
         ),
         (
             "chat",
@@ -181,14 +177,13 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
         assert_eq!(picker, vllm, "{name}: picker counts {picker} tokens, vLLM's /tokenize {vllm}");
         let mut req = body.clone();
         req["max_tokens"] = json!(1);
-        let served = post_json(&http, &format!("{}{path}", fleet.gateway), &req).await;
+        let served = post_json(&http, &format!("{}{path}", fleet.gateway), &req).await.expect("POST answered");
         assert_eq!(Some(picker), served["usage"]["prompt_tokens"].as_u64(), "{name}: usage.prompt_tokens");
     }
-    let responses =
-        json!({"model": model, "instructions": "Answer briefly.", "input": words(3, 50), "max_output_tokens": 1});
+    let responses = json!({"model": model, "instructions": "Answer briefly.", "input": seeded_words(3, 50), "max_output_tokens": 1});
     let picker =
         explain(&http, &fleet, "/v1/responses", &responses).await["input_tokens"].as_u64().expect("input_tokens");
-    let served = post_json(&http, &format!("{}/v1/responses", fleet.gateway), &responses).await;
+    let served = post_json(&http, &format!("{}/v1/responses", fleet.gateway), &responses).await.expect("POST answered");
     assert_eq!(Some(picker), served["usage"]["input_tokens"].as_u64(), "/v1/responses: usage.input_tokens vs picker");
 
     // Every request's claim equals vLLM's cached tokens to within one engine block, and no
@@ -204,15 +199,7 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
         for turn in 0..c.user_messages.len() {
             let messages = workload.messages(c, turn, &replies);
             let (out, claim) = chat_claimed(&fleet, &client, &model, &messages).await;
-            let cached = out.cached_tokens;
-            assert!(
-                claim.abs_diff(cached) <= ENGINE_BLOCK,
-                "conversation {} turn {turn}: claimed {claim} cached tokens, vLLM served {cached} from cache",
-                c.id
-            );
-            if cached + ENGINE_BLOCK < claim {
-                stale_expected += 1;
-            }
+            stale_expected += u64::from(judge_claim(&format!("conversation {} turn {turn}", c.id), claim, &out));
             claimed += u64::from(claim);
             checked += 1;
             replies.push(out.text.clone());
@@ -252,9 +239,11 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
     assert!(rates[0] > rates[1] + 0.05, "kvroute hit rate {:.3} vs round robin {:.3}", rates[0], rates[1]);
 
     // cache_salt: a tenant's blocks are credited to that tenant only, and vLLM agrees.
-    let prompt = format!("Shared tenant document. {}", words(5, 300));
+    let prompt = format!("Shared tenant document. {}", seeded_words(5, 300));
     let salted = |salt: &str| json!({"model": model, "messages": [{"role": "user", "content": prompt}], "cache_salt": salt, "max_tokens": 1});
-    let a1 = post_json(&http, &format!("{}/v1/chat/completions", fleet.gateway), &salted("tenant-a")).await;
+    let a1 = post_json(&http, &format!("{}/v1/chat/completions", fleet.gateway), &salted("tenant-a"))
+        .await
+        .expect("POST answered");
     assert_eq!(a1["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0), "a fresh prompt");
     settle().await;
     let ex_a = explain(&http, &fleet, "/v1/chat/completions", &salted("tenant-a")).await;
@@ -266,7 +255,9 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
         assert_eq!(matched_on(&ex_b, &e.name()), 0, "tenant-b credited tenant-a's blocks on {}", e.name());
     }
     for e in &fleet.engines {
-        let b = post_json(&http, &format!("{}/v1/chat/completions", e.url()), &salted("tenant-b-direct")).await;
+        let b = post_json(&http, &format!("{}/v1/chat/completions", e.url()), &salted("tenant-b-direct"))
+            .await
+            .expect("POST answered");
         assert_eq!(
             b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
             Some(0),
@@ -277,7 +268,8 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
 
     // A LoRA adapter: its blocks are its own, claimed as vLLM caches them.
     let lora_body = json!({"model": "adapter-1", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1});
-    let first = post_json(&http, &format!("{}/v1/chat/completions", fleet.gateway), &lora_body).await;
+    let first =
+        post_json(&http, &format!("{}/v1/chat/completions", fleet.gateway), &lora_body).await.expect("POST answered");
     assert_eq!(
         first["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
         Some(0),
@@ -287,7 +279,8 @@ async fn real_vllm_agrees_with_the_picker_on_tokens_claims_and_hits() {
     let ex = explain(&http, &fleet, "/v1/chat/completions", &lora_body).await;
     assert_eq!(ex["adapter"], "adapter-1", "{ex}");
     let claim: u32 = fleet.engines.iter().map(|e| matched_on(&ex, &e.name())).max().unwrap_or(0) * INDEX_BLOCK;
-    let again = post_json(&http, &format!("{}/v1/chat/completions", fleet.gateway), &lora_body).await;
+    let again =
+        post_json(&http, &format!("{}/v1/chat/completions", fleet.gateway), &lora_body).await.expect("POST answered");
     let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as u32;
     assert!(cached > 0, "the adapter's repeat was served from cache");
     assert!(claim.abs_diff(cached) <= ENGINE_BLOCK, "adapter: claimed {claim}, vLLM cached {cached}");
@@ -327,7 +320,7 @@ async fn real_vllm_evictions_and_restart_keep_the_index_right() {
     let client = fleet.client(&fleet.gateway).expect("client");
     let pod = fleet.engines[0].name();
     let prompts: Vec<Vec<Value>> = (0..3)
-        .map(|i| vec![json!({"role": "user", "content": format!("Document {i}. {}", words(100 + i, 250))})])
+        .map(|i| vec![json!({"role": "user", "content": format!("Document {i}. {}", seeded_words(100 + i, 250))})])
         .collect();
 
     // Rotate through prompts that evict each other: before each request the index's claim is
@@ -341,14 +334,7 @@ async fn real_vllm_evictions_and_restart_keep_the_index_right() {
             let (out, claim) = chat_claimed(&fleet, &client, &model, messages).await;
             assert_eq!(before, claim, "round {round} prompt {i}: /explain and routing claim the same");
             let cached = out.cached_tokens;
-            assert!(
-                claim.abs_diff(cached) <= ENGINE_BLOCK,
-                "round {round} prompt {i}: claimed {claim}, vLLM served {cached} of {} from cache",
-                out.prompt_tokens
-            );
-            if cached + ENGINE_BLOCK < claim {
-                stale_expected += 1;
-            }
+            stale_expected += u64::from(judge_claim(&format!("round {round} prompt {i}"), claim, &out));
             eprintln!("round {round} prompt {i}: claimed {claim}, cached {cached} of {}", out.prompt_tokens);
             match cached {
                 0 => none += 1,
