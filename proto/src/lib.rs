@@ -6,6 +6,15 @@
 pub mod agent {
     pub mod v1 {
         tonic::include_proto!("kvroute.agent.v1");
+
+        impl PodInfo {
+            /// Tokens per block of the kvroute hashes the agent sends for this pod: its
+            /// `index_block_size`, or, from an agent that does not send one (0), the engine's
+            /// `block_size`; `None` when neither is known.
+            pub fn hashed_block_size(&self) -> Option<u32> {
+                [self.index_block_size, self.block_size].into_iter().find(|&b| b != 0)
+            }
+        }
     }
 }
 

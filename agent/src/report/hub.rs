@@ -228,10 +228,7 @@ impl Pod {
 /// Tokens per kvroute block for `info`'s record: its `index_block_size`, else (unset) the engine's
 /// block size, else the default.
 fn index_granularity(info: &PodInfo) -> u32 {
-    [info.index_block_size, info.block_size]
-        .into_iter()
-        .find(|&b| b != 0)
-        .unwrap_or(kvroute_common::DEFAULT_BLOCK_SIZE as u32)
+    info.hashed_block_size().unwrap_or(kvroute_common::DEFAULT_BLOCK_SIZE as u32)
 }
 
 /// All pods of this agent and the broadcast channel of their deltas.

@@ -469,8 +469,8 @@ impl Writer {
 /// (tokens): the agent's `index_block_size`, or, from an agent that does not send it, the engine's
 /// block size. Logged, since no block of the pod can then match a request.
 fn index_mismatch(info: &PodInfo, block_size: usize) -> bool {
-    let granularity = if info.index_block_size != 0 { info.index_block_size } else { info.block_size };
-    let mismatch = granularity != 0 && granularity as usize != block_size;
+    let Some(granularity) = info.hashed_block_size() else { return false };
+    let mismatch = granularity as usize != block_size;
     if mismatch {
         warn!(pod = %info.pod, agent_index_block_size = granularity, engine_block_size = info.block_size,
             picker_block_size = block_size,
