@@ -107,10 +107,24 @@ struct Args {
     /// unreachable marks. What one view across replicas buys (with `--pickers` ≥ 2).
     #[arg(long)]
     independent_pickers: bool,
+    /// Background stream beside the chat: unrelated single-message prompts (nothing shared with
+    /// each other or with the chat) at this Poisson rate, requests per second, over the chat
+    /// stream's span. 0: none. Reported apart from the chat requests.
+    #[arg(long, default_value_t = 0.0)]
+    background_rate: f64,
+    /// Words per background prompt (≈ 3 Qwen2.5 tokens per word: 2000 words ≈ 6k tokens).
+    #[arg(long, default_value_t = 2000)]
+    background_words: usize,
+    /// Another kvroute run on a fresh fleet whose picker config sets these top-level keys:
+    /// `LABEL=JSON`, e.g. `--variant 'ttft={"scoring":{"preset":"ttft"}}'`. Repeatable.
+    #[arg(long)]
+    variant: Vec<String>,
 }
 
 /// One request's result.
 struct Sample {
+    /// A background request (not part of the chat stream).
+    background: bool,
     group: usize,
     turn: usize,
     ttft_ms: Option<f64>,
@@ -131,8 +145,32 @@ async fn drive(clients: Vec<GatewayClient>, model: &str, w: &Workload, a: &Args)
     for s in w.open_loop_schedule(a.seed, a.rate) {
         per_conversation.entry(s.conversation).or_default().push((s.at_s, s.turn));
     }
+    let span = per_conversation.values().flatten().map(|&(at, _)| at).fold(0.0, f64::max);
     let start = Instant::now();
     let mut tasks = Vec::new();
+    for (i, at) in background_schedule(a.seed, a.background_rate, span).into_iter().enumerate() {
+        let (clients, next, model, max_tokens) = (clients.clone(), next.clone(), model.to_string(), a.max_tokens);
+        let prompt = kvroute_harness::workload::seeded_words(
+            a.seed.wrapping_mul(1_000_003).wrapping_add(i as u64 + 1),
+            a.background_words,
+        );
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+            let client = &clients[next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % clients.len()];
+            let messages = [serde_json::json!({"role": "user", "content": format!("Background job {i}: {prompt}")})];
+            let o = client.chat(&model, &messages, max_tokens).await.unwrap_or_default();
+            vec![Sample {
+                background: true,
+                group: usize::MAX,
+                turn: 0,
+                ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1000.0),
+                status: o.status,
+                prompt_tokens: o.prompt_tokens,
+                cached_tokens: o.cached_tokens,
+                served_by: o.served_by,
+            }]
+        }));
+    }
     for (c, turns) in per_conversation {
         let conversation = w.conversations[c].clone();
         let bodies: Vec<_> = turns.iter().map(|&(at, t)| (at, t, w.messages(&conversation, t, &replies[c]))).collect();
@@ -144,6 +182,7 @@ async fn drive(clients: Vec<GatewayClient>, model: &str, w: &Workload, a: &Args)
                 let client = &clients[next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % clients.len()];
                 let o = client.chat(&model, &messages, max_tokens).await.unwrap_or_default();
                 out.push(Sample {
+                    background: false,
                     group: conversation.system_prompt,
                     turn,
                     ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1000.0),
@@ -163,6 +202,25 @@ async fn drive(clients: Vec<GatewayClient>, model: &str, w: &Workload, a: &Args)
     Ok(out)
 }
 
+/// Arrival times (s) of the background stream: Poisson at `rate` per second over `[0, span_s]`,
+/// seeded apart from the chat stream's clock. Empty when `rate` is not positive.
+fn background_schedule(seed: u64, rate: f64, span_s: f64) -> Vec<f64> {
+    use rand::{Rng, SeedableRng};
+    if !(rate.is_finite() && rate > 0.0) {
+        return Vec::new();
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x6261_636b_6772_6e64);
+    let mut out = Vec::new();
+    let mut at = 0.0;
+    loop {
+        at -= rng.random_range(f64::EPSILON..1.0f64).ln() / rate;
+        if at > span_s {
+            return out;
+        }
+        out.push(at);
+    }
+}
+
 /// TTFT percentiles (ms) and cache hit rate (%) of one layout's samples.
 struct Summary {
     requests: usize,
@@ -173,7 +231,7 @@ struct Summary {
     p99: f64,
 }
 
-fn summarize(s: &[Sample]) -> Summary {
+fn summarize(s: &[&Sample]) -> Summary {
     let mut t: Vec<f64> = s.iter().filter(|x| x.status == 200).filter_map(|x| x.ttft_ms).collect();
     t.sort_by(f64::total_cmp);
     let pct = |q: f64| kvroute_harness::stats::percentile(&t, q).unwrap_or(f64::NAN);
@@ -191,7 +249,7 @@ fn summarize(s: &[Sample]) -> Summary {
 
 /// Where a layout put each group: requests per engine, engines per group, and the share of a
 /// group's requests on its most-used engine (what "keeping each group on one engine" means).
-fn placement(name: &str, s: &[Sample]) {
+fn placement(name: &str, s: &[&Sample]) {
     let mut per_engine: BTreeMap<&str, usize> = BTreeMap::new();
     let mut per_group: BTreeMap<usize, BTreeMap<&str, usize>> = BTreeMap::new();
     for x in s.iter().filter(|x| x.status == 200) {
@@ -216,7 +274,7 @@ fn placement(name: &str, s: &[Sample]) {
     let turns = s.iter().map(|x| x.turn + 1).max().unwrap_or(0);
     let by_turn: Vec<String> = (0..turns)
         .map(|t| {
-            let of: Vec<Sample> = s.iter().filter(|x| x.turn == t).map(|x| Sample { served_by: None, ..*x }).collect();
+            let of: Vec<&Sample> = s.iter().copied().filter(|x| x.turn == t).collect();
             let m = summarize(&of);
             format!("turn {t}: hit {:.1} %, p50 {:.0}, p90 {:.0}, p99 {:.0} ms", m.hit, m.p50, m.p90, m.p99)
         })
@@ -385,6 +443,15 @@ async fn main() -> Result<()> {
         ));
         fleet.shutdown().await;
     }
+    for v in &a.variant {
+        let (label, overrides) = parse_variant(v)?;
+        eprintln!("starting a fleet for variant {label} ...");
+        let spec = FleetSpec { picker_overrides: Some(overrides), ..fleet_spec(&a, "chat-bench-variant") };
+        let fleet = Fleet::start(spec).await?;
+        let name: &'static str = Box::leak(format!("Envoy + kvroute, {label}").into_boxed_str());
+        runs.push((name, drive(vec![fleet.client(&fleet.gateway)?], &model, &w, &a).await?));
+        fleet.shutdown().await;
+    }
     if a.independent_pickers {
         eprintln!("starting a fleet whose picker replicas do not follow each other ...");
         let spec = FleetSpec {
@@ -426,18 +493,29 @@ async fn main() -> Result<()> {
     );
     println!("| router | requests | errors | cache hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    let sums: Vec<Summary> = runs.iter().map(|(_, s)| summarize(s)).collect();
-    for ((name, _), s) in runs.iter().zip(&sums) {
+    let chat: Vec<(&str, Vec<&Sample>)> =
+        runs.iter().map(|(n, s)| (*n, s.iter().filter(|x| !x.background).collect())).collect();
+    let background: Vec<(&str, Vec<&Sample>)> =
+        runs.iter().map(|(n, s)| (*n, s.iter().filter(|x| x.background).collect())).collect();
+    let sums: Vec<Summary> = chat.iter().map(|(_, s)| summarize(s)).collect();
+    let bg_sums: Vec<Summary> = background.iter().map(|(_, s)| summarize(s)).collect();
+    for (((name, _), s), b) in runs.iter().zip(&sums).zip(&bg_sums) {
         println!(
             "| {name} | {} | {} | {:.1} % | {:.1} | {:.1} | {:.1} |",
             s.requests, s.errors, s.hit, s.p50, s.p90, s.p99
         );
+        if b.requests > 0 {
+            println!(
+                "| {name}, background | {} | {} | {:.1} % | {:.1} | {:.1} | {:.1} |",
+                b.requests, b.errors, b.hit, b.p50, b.p90, b.p99
+            );
+        }
     }
     println!();
     if let Some((k, others)) = sums.split_first() {
         for ((name, _), o) in runs.iter().skip(1).zip(others) {
             println!(
-                "{name} ÷ kvroute: TTFT p50 {:.2}×, p90 {:.2}×, p99 {:.2}×",
+                "{name} ÷ kvroute (chat): TTFT p50 {:.2}×, p90 {:.2}×, p99 {:.2}×",
                 o.p50 / k.p50,
                 o.p90 / k.p90,
                 o.p99 / k.p99
@@ -445,7 +523,7 @@ async fn main() -> Result<()> {
         }
     }
     println!();
-    for (name, s) in &runs {
+    for (name, s) in &chat {
         placement(name, s);
     }
     for (name, share) in &shares {
@@ -454,6 +532,17 @@ async fn main() -> Result<()> {
         println!("{name}: prompt tokens per engine, by the engines' own counters: {}", per.join(", "));
     }
     Ok(())
+}
+
+/// `LABEL=JSON` of `--variant`: the label and the top-level picker config keys (a JSON object).
+fn parse_variant(v: &str) -> Result<(String, serde_json::Value)> {
+    let (label, json) = v.split_once('=').with_context(|| format!("--variant {v:?}: want LABEL=JSON"))?;
+    let overrides: serde_json::Value =
+        serde_json::from_str(json).with_context(|| format!("--variant {label}: the JSON does not parse"))?;
+    if !overrides.is_object() || label.is_empty() {
+        bail!("--variant {v:?}: want a non-empty label and a JSON object of picker config keys");
+    }
+    Ok((label.to_owned(), overrides))
 }
 
 /// Every engine's `vllm:prompt_tokens_total` (0 where it cannot be read).
