@@ -719,6 +719,11 @@ impl Fleet {
         self.pickers.get(r).and_then(Option::as_ref).and_then(ManagedProcess::pid)
     }
 
+    /// OS process id of the no-op ext_proc server (`noop_ext_proc_gateway`), if running.
+    pub fn noop_ext_proc_pid(&self) -> Option<u32> {
+        self.noop_ext_proc.as_ref().and_then(ManagedProcess::pid)
+    }
+
     /// The tail of agent `a`'s log, for failure messages.
     pub fn agent_log_tail(&self, a: usize, n: usize) -> String {
         self.agents.get(a).map(|p| p.log_tail(n)).unwrap_or_default()

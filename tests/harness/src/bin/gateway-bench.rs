@@ -67,6 +67,11 @@ struct Args {
     /// root, e.g. deploy/envoy/envoy-full-duplex.yaml); repeatable.
     #[arg(long)]
     also: Vec<PathBuf>,
+    /// Leave the round-robin gateway out of the request stream (its Envoy still starts): at high
+    /// rates every request it takes is CPU the ext_proc servers being compared do not get. The
+    /// added-latency lines are then judged against the no-op only.
+    #[arg(long)]
+    no_round_robin: bool,
 }
 
 fn prompt(group: usize, i: usize, words: usize) -> String {
@@ -145,21 +150,23 @@ async fn main() -> Result<()> {
     // Its CPU with no request first (agent streams, index, probes): subtracted, so what remains
     // is what the decisions cost.
     let picker_pid = fleet.picker_pid(0);
+    let servers = [("picker", picker_pid), ("no-op ext_proc", fleet.noop_ext_proc_pid())];
     const IDLE: Duration = Duration::from_secs(5);
-    let idle_before = picker_pid.and_then(cpu_seconds);
+    let idle_before = servers.map(|(_, pid)| pid.and_then(cpu_seconds));
     tokio::time::sleep(IDLE).await;
-    let idle_cpu_per_s = match (idle_before, picker_pid.and_then(cpu_seconds)) {
-        (Some(a), Some(b)) => Some((b - a) / IDLE.as_secs_f64()),
-        _ => None,
-    };
-    let cpu_before = picker_pid.and_then(cpu_seconds);
+    let idle_cpu_per_s: [Option<f64>; 2] = std::array::from_fn(|k| {
+        let after = servers[k].1.and_then(cpu_seconds);
+        Some((after? - idle_before[k]?) / IDLE.as_secs_f64())
+    });
+    let cpu_before = servers.map(|(_, pid)| pid.and_then(cpu_seconds));
     let decisions_before = sample(&fleet.picker_metrics().await?, "epp_decision_latency_us_count");
 
     let per_round = (args.rate * args.duration_s as f64).round() as usize;
     let rounds = usize::try_from(args.rounds).unwrap_or(1);
     let total = args.warmup + per_round * rounds;
     let period = Duration::from_secs_f64(1.0 / args.rate);
-    let mut tick = tokio::time::interval(period / n as u32);
+    let sending = if args.no_round_robin { n - 1 } else { n };
+    let mut tick = tokio::time::interval(period / sending as u32);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lat: Vec<Histogram<u64>> = (0..n).map(|_| histogram()).collect::<Result<_>>()?;
     let mut errors = vec![0usize; n];
@@ -181,6 +188,9 @@ async fn main() -> Result<()> {
             // Rotate which gateway goes first so none always gets the same slot of the period.
             for k in 0..n {
                 let g = (i + k) % n;
+                if args.no_round_robin && g == 1 {
+                    continue;
+                }
                 tick.tick().await;
                 let client = gateways[g].1.clone();
                 let body = body.clone();
@@ -212,6 +222,7 @@ async fn main() -> Result<()> {
         }
     }
     let wall = started.elapsed();
+    let cpu_after = servers.map(|(_, pid)| pid.and_then(cpu_seconds));
     println!(
         "{} requests per gateway at {} req/s each ({} warm-up not counted), prompts ≈ {} tokens, {} engines, {:.1} s; {}",
         total,
@@ -239,7 +250,7 @@ async fn main() -> Result<()> {
             p[g][2]
         );
     }
-    for g in (0..n).filter(|&g| g != 1) {
+    for g in (0..n).filter(|&g| g != 1 && !args.no_round_robin) {
         let who = match g {
             0 => "added by the picker".to_owned(),
             2 => "added by the no-op ext_proc".to_owned(),
@@ -302,21 +313,43 @@ async fn main() -> Result<()> {
         let v: Vec<String> = m.iter().map(|x| x.map_or("-".to_owned(), |x| format!("{x:.0}"))).collect();
         println!("  {label:<30} {} (n={count}){over}", v.join(" / "));
     }
-    // Attribution: the picker's own decision time (parse + tokenize + hash + score), mean over the run.
+    // CPU per request of each ext_proc server over the same requests, idle CPU subtracted: what
+    // one routed request costs the picker against what the bare ext_proc exchange costs.
     let metrics = fleet.picker_metrics().await?;
+    let wall_s = wall.as_secs_f64();
+    let counted = |g: usize| (lat[g].len() as usize + errors[g] + args.warmup) as f64;
+    let per_request: [Option<f64>; 2] = std::array::from_fn(|k| {
+        let used = cpu_after[k]? - cpu_before[k]?;
+        let marginal = (used - idle_cpu_per_s[k]? * wall_s).max(0.0);
+        println!(
+            "{} CPU: {used:.2} s over {wall_s:.1} s ({:.1} % of a core idle before the load), {:.0} µs per request above idle",
+            servers[k].0,
+            idle_cpu_per_s[k]? * 100.0,
+            marginal / counted(if k == 0 { 0 } else { 2 }) * 1e6
+        );
+        Some(marginal / counted(if k == 0 { 0 } else { 2 }))
+    });
+    if let [Some(picker), Some(noop)] = per_request {
+        println!(
+            "CPU per request: picker {:.0} µs, no-op {:.0} µs, ratio {:.2} (target ≤ 1.5); {:.0} decisions per picker core-second",
+            picker * 1e6,
+            noop * 1e6,
+            picker / noop,
+            if picker > 0.0 { 1.0 / picker } else { f64::INFINITY }
+        );
+    }
     if let (Some(before), Some(after), Some(d0), Some(d1), Some(idle)) = (
-        cpu_before,
-        picker_pid.and_then(cpu_seconds),
+        cpu_before[0],
+        cpu_after[0],
         decisions_before,
         sample(&metrics, "epp_decision_latency_us_count"),
-        idle_cpu_per_s,
+        idle_cpu_per_s[0],
     ) && d1 > d0
     {
-        let (cpu, made, secs) = (after - before, d1 - d0, wall.as_secs_f64());
+        let (cpu, made, secs) = (after - before, d1 - d0, wall_s);
         let marginal = (cpu - idle * secs).max(0.0);
         println!(
-            "picker CPU: {cpu:.2} s over {secs:.1} s for {made:.0} decisions ({:.1} % of a core idle before the load): {:.0} µs of CPU per decision above idle, so one core sustains ≈ {:.0} decisions/s",
-            idle * 100.0,
+            "picker decisions: {made:.0}, {:.0} µs of CPU per decision above idle, so one core sustains ≈ {:.0} decisions/s",
             marginal / made * 1e6,
             if marginal > 0.0 { made / marginal } else { f64::INFINITY },
         );
