@@ -8,12 +8,14 @@
 //! container ports, ConfigMap/PVC/ServiceAccount references, probe ports, the picker and agent configs
 //! inside their ConfigMaps (through the binaries' own `validate()`), the agents' picker lists against
 //! the picker StatefulSet, the InferencePool's Endpoint Picker reference, and the Envoy config against
-//! `deploy/envoy/envoy.yaml`.
+//! `deploy/envoy/envoy.yaml`; the NetworkPolicies against the connections the design needs (a model
+//! of their semantics in [`netpol`]); and agent pods on a fleet of nodes that no manifest lists.
 //!
 //! Everything is synchronous and single-threaded; the only outside process is `kubectl`.
 
 pub mod checks;
 pub mod crd;
+pub mod netpol;
 pub mod objects;
 pub mod render;
 

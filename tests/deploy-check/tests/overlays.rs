@@ -20,6 +20,41 @@ fn rendered(overlay: &str) -> Rendered {
     parse_all(&split_documents(&text).unwrap()).unwrap_or_else(|e| panic!("{overlay}: {e}"))
 }
 
+/// Renders a kustomization written to `target/deploy-check-<name>/` (two levels below the
+/// repository root: kustomize wants relative paths, so `../../deploy/k8s/…`), with `files` beside it.
+fn rendered_custom(name: &str, kustomization: &str, files: &[(&str, &str)]) -> Rendered {
+    let dir = repo_root().join(format!("target/deploy-check-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("kustomization.yaml"), kustomization).unwrap();
+    for (file, text) in files {
+        std::fs::write(dir.join(file), text).unwrap();
+    }
+    let text = render(&dir).unwrap_or_else(|e| panic!("{e}"));
+    parse_all(&split_documents(&text).unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// An overlay plus components, rendered as an operator would add them.
+fn with_components(overlay: &str, components: &[&str]) -> Rendered {
+    let list: Vec<String> = components.iter().map(|c| format!("../../deploy/k8s/components/{c}")).collect();
+    rendered_custom(
+        &format!("{overlay}-{}", components.join("-")),
+        &format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: kvroute\nresources: [../../deploy/k8s/overlays/{overlay}]\ncomponents: [{}]\n",
+            list.join(", ")
+        ),
+        &[],
+    )
+}
+
+fn broken_in(mut r: Rendered, edit: impl FnOnce(&mut Rendered), needle: &str) {
+    edit(&mut r);
+    let problems = check_all(&r, &ctx());
+    assert!(
+        problems.iter().any(|p| p.to_string().contains(needle)),
+        "expected a problem containing {needle:?}, got {problems:#?}"
+    );
+}
+
 fn ctx() -> CheckContext {
     CheckContext::new(repo_root())
 }
@@ -173,9 +208,11 @@ fn gateway_api_renders_and_checks_clean() {
     let r = rendered("gateway-api");
     assert_clean("gateway-api", &r);
     let ids = kinds(&r);
-    for want in ["InferencePool/vllm-qwen2-5-7b", "HTTPRoute/kvroute-inference", "Gateway/kvroute-inference"] {
+    for want in ["HTTPRoute/kvroute-inference", "Gateway/kvroute-inference"] {
         assert!(ids.iter().any(|i| i == want), "{want} missing from {ids:?}");
     }
+    // The pool is the operator's: the HTTPRoute sends to the pool the picker follows.
+    assert!(!ids.iter().any(|i| i.starts_with("InferencePool/")), "the pool is not kvroute's to create or delete");
     assert!(!ids.iter().any(|i| i == "Deployment/kvroute-envoy"), "no standalone Envoy with a Gateway");
     assert_eq!(r.workload("kvroute-picker").unwrap().replicas, Some(3));
 }
@@ -255,14 +292,16 @@ fn objects_outside_the_pools_namespace_fail() {
                 }
             }
         },
-        "namespace default ≠ the InferencePool's kvroute",
+        "namespace default ≠ the picker's kvroute",
     );
 }
 
 #[test]
 fn routed_pool_without_endpoint_picker_and_wrong_pool_name_fail() {
-    broken(
-        "gateway-api",
+    let gateway_with_pool = with_components("gateway-api", &["inferencepool"]);
+    assert_clean("gateway-api + inferencepool", &gateway_with_pool);
+    broken_in(
+        gateway_with_pool,
         |r| {
             for o in &mut r.objects {
                 if let Object::InferencePool(p) = o {
@@ -272,17 +311,28 @@ fn routed_pool_without_endpoint_picker_and_wrong_pool_name_fail() {
         },
         "endpointPickerRef is missing",
     );
+    let agent_pool = |r: &mut Rendered| {
+        let c = &mut agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+        for e in c.env.as_mut().unwrap() {
+            if e.name == "POOL_NAME" {
+                e.value = Some("other-pool".into());
+            }
+        }
+    };
+    // With the pool rendered (fail-open creates it) the name must be that pool's …
+    broken("fail-open", agent_pool, "--pool-name \"other-pool\" names no InferencePool");
+    // … and without it, picker and agents must still follow the same one.
+    broken("standalone", agent_pool, "agent --pool-name \"other-pool\" ≠ the picker's \"vllm-qwen2-5-7b\"");
     broken(
-        "standalone",
+        "gateway-api",
         |r| {
-            let c = &mut agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
-            for e in c.env.as_mut().unwrap() {
-                if e.name == "POOL_NAME" {
-                    e.value = Some("other-pool".into());
+            for o in &mut r.objects {
+                if let Object::HttpRoute(h) = o {
+                    h.spec.rules[0].backend_refs[0].name = "another-pool".into();
                 }
             }
         },
-        "--pool-name \"other-pool\" names no InferencePool",
+        "backendRef InferencePool another-pool is neither rendered nor the pool the picker follows",
     );
 }
 
@@ -329,7 +379,7 @@ fn loopback_listener_and_port_mismatch_fail() {
         "standalone",
         |r| {
             let data = config_map_data(r, "kvroute-picker-config");
-            let text = data.get("picker.yaml").unwrap().replace("0.0.0.0:9003", "127.0.0.1:9013");
+            let text = data.get("picker.yaml").unwrap().replace("0.0.0.0:9004", "127.0.0.1:9013");
             data.insert("picker.yaml".into(), text);
         },
         "ingest_addr 127.0.0.1:9013 binds one interface only",
@@ -338,8 +388,8 @@ fn loopback_listener_and_port_mismatch_fail() {
 
 #[test]
 fn tokenizer_outside_a_volume_fails() {
-    broken(
-        "standalone",
+    broken_in(
+        with_components("standalone", &["tokenizers"]),
         |r| {
             let data = config_map_data(r, "kvroute-picker-config");
             let text = data.get("picker.yaml").unwrap().replace("/models/tokenizers/", "/opt/tok/");
@@ -412,7 +462,7 @@ fn agent_without_gpu_scheduling_or_security_fails() {
 #[test]
 fn inference_pool_pointing_at_the_wrong_port_fails() {
     broken(
-        "gateway-api",
+        "fail-open",
         |r| {
             for o in &mut r.objects {
                 if let Object::InferencePool(p) = o {

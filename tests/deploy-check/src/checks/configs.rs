@@ -1,7 +1,8 @@
 //! The picker and agent config files inside their ConfigMaps, checked with the binaries' own parsers
 //! and `validate()`, and against the manifests: listen ports equal the declared container ports,
 //! listeners bind all interfaces, tokenizer directories live on a mounted volume; picker and agents
-//! name an InferencePool of the deployment with `--pool-name` (docs/design.md §14); the agents' one
+//! follow one pool, `--pool-name` (docs/design.md §14; the InferencePool when the deployment
+//! renders it, else the operator's own); the agents' one
 //! config finds the pickers through the picker's headless Service (`publishNotReadyAddresses`)
 //! and reads the PodResources socket from a read-only mount.
 //!
@@ -160,6 +161,12 @@ pub(super) fn agent(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
     };
     let pool = flag_value(c, "--pool-name");
     check_pool_name(&mut sink, r, pool.as_deref());
+    let picker_pool = picker_pool_name(r, ctx);
+    if let (Some(mine), Some(theirs)) = (&pool, &picker_pool)
+        && mine != theirs
+    {
+        sink.push(format!("agent --pool-name {mine:?} ≠ the picker's {theirs:?}: agents would report pods the picker does not route to"));
+    }
     if let Some(name) = pool {
         config.pool = Some(kvroute_agent::config::PoolConfig { name, namespace: None });
     }
@@ -269,13 +276,22 @@ fn flag_value(c: &Container, flag: &str) -> Option<String> {
     })
 }
 
-/// `--pool-name` must name an InferencePool of the rendered overlay.
+/// `--pool-name` must be set; when the deployment renders InferencePools (components/inferencepool)
+/// it must name one of them, otherwise the pool is the operator's and exists outside the render.
 fn check_pool_name(sink: &mut Sink<'_>, r: &Rendered, pool: Option<&str>) {
+    let rendered_pools = r.objects.iter().any(|o| matches!(o, Object::InferencePool(_)));
     match pool {
         None => sink.push("no --pool-name: the pool's pods are the only engines and candidates (docs/design.md §14)"),
-        Some(p) if !r.has("InferencePool", p) => {
+        Some("") => sink.push("--pool-name is empty: set poolName in the install's kvroute-install ConfigMap"),
+        Some(p) if rendered_pools && !r.has("InferencePool", p) => {
             sink.push(format!("--pool-name {p:?} names no InferencePool of this deployment"))
         }
         Some(_) => {}
     }
+}
+
+/// The picker's `--pool-name` (its `$(VAR)` resolved), if the picker renders.
+pub(super) fn picker_pool_name(r: &Rendered, ctx: &CheckContext) -> Option<String> {
+    let w = r.workload(&ctx.picker)?;
+    containers(w.template).iter().find(|c| config_arg(c).is_some()).and_then(|c| flag_value(c, "--pool-name"))
 }

@@ -3,12 +3,13 @@
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::{Problem, Sink, containers, named_port, resolve_port, selects};
+use super::{CheckContext, Problem, Sink, configs, containers, named_port, resolve_port, selects};
 use crate::objects::{Object, Rendered};
 
 const POOL_GROUP: &str = "inference.networking.k8s.io";
 
-pub(super) fn check(r: &Rendered, out: &mut Vec<Problem>) {
+pub(super) fn check(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
+    let followed_pool = configs::picker_pool_name(r, ctx);
     for o in &r.objects {
         match o {
             Object::InferencePool(pool) => {
@@ -82,8 +83,15 @@ pub(super) fn check(r: &Rendered, out: &mut Vec<Problem>) {
                     }
                     for b in &rule.backend_refs {
                         match (b.group.as_deref().unwrap_or(""), b.kind.as_deref().unwrap_or("Service")) {
-                            (POOL_GROUP, "InferencePool") if !r.has("InferencePool", &b.name) => {
-                                sink.push(format!("backendRef InferencePool {} does not exist", b.name));
+                            // The operator's pool (not rendered) is the one the picker follows.
+                            (POOL_GROUP, "InferencePool")
+                                if !r.has("InferencePool", &b.name)
+                                    && followed_pool.as_deref() != Some(b.name.as_str()) =>
+                            {
+                                sink.push(format!(
+                                    "backendRef InferencePool {} is neither rendered nor the pool the picker follows ({:?})",
+                                    b.name, followed_pool
+                                ));
                             }
                             ("", "Service") if !r.has("Service", &b.name) => {
                                 sink.push(format!("backendRef Service {} does not exist", b.name));
@@ -111,21 +119,30 @@ fn routed_to(r: &Rendered, pool: &str) -> bool {
     })
 }
 
-/// Every namespaced object in one namespace, the InferencePool's (docs/design.md §14): the pool's
-/// `endpointPickerRef` and HTTPRoute `backendRefs` resolve in their own namespace, the picker and
-/// agents watch the pool's namespace, and their Roles grant only that one.
-pub(super) fn namespaces(r: &Rendered, out: &mut Vec<Problem>) {
-    let pool_ns = r.objects.iter().find_map(|o| match o {
-        Object::InferencePool(p) => Some(p.metadata.namespace.clone()),
+/// Every namespaced object in one namespace, the pool's, which is the picker's (docs/design.md
+/// §14): the pool's `endpointPickerRef` and HTTPRoute `backendRefs` resolve in their own namespace,
+/// the picker and agents watch their own namespace (`--pool-namespace` from the downward API), and
+/// their Roles grant only that one. The namespace is the InferencePool's when rendered, else the
+/// picker StatefulSet's.
+pub(super) fn namespaces(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
+    let (source, ns) = match r.objects.iter().find_map(|o| match o {
+        Object::InferencePool(p) => Some(("InferencePool", p.metadata.namespace.clone())),
         _ => None,
-    });
-    let Some(pool_ns) = pool_ns else {
-        return Sink::new(out, "InferencePool/*".to_string())
-            .push("no InferencePool: the picker has no pool to route to");
+    }) {
+        Some(found) => found,
+        None => match r.objects.iter().find_map(|o| match o {
+            Object::StatefulSet(s) if s.metadata.name.as_deref() == Some(ctx.picker.as_str()) => {
+                Some(("picker", s.metadata.namespace.clone()))
+            }
+            _ => None,
+        }) {
+            Some(found) => found,
+            None => return,
+        },
     };
-    let Some(pool_ns) = pool_ns else {
-        return Sink::new(out, "InferencePool/*".to_string())
-            .push("the InferencePool has no namespace; set `namespace:` in the overlay's kustomization");
+    let Some(pool_ns) = ns else {
+        return Sink::new(out, format!("{source}/*"))
+            .push("has no namespace; set `namespace:` in the install's kustomization");
     };
     for o in &r.objects {
         let (kind, meta) = o.kind_meta();
@@ -135,11 +152,24 @@ pub(super) fn namespaces(r: &Rendered, out: &mut Vec<Problem>) {
         match meta.namespace.as_deref() {
             None => Sink::new(out, o.id()).push(format!(
                 "has no namespace: it would land in the client's current one, not the pool's ({pool_ns}); \
-                 set `namespace: {pool_ns}` in the overlay's kustomization"
+                 set `namespace: {pool_ns}` in the install's kustomization"
             )),
             Some(ns) if ns != pool_ns => Sink::new(out, o.id())
-                .push(format!("namespace {ns} ≠ the InferencePool's {pool_ns}: every object lives in the pool's")),
+                .push(format!("namespace {ns} ≠ the {source}'s {pool_ns}: every object lives in the pool's")),
             Some(_) => {}
+        }
+    }
+    // The cluster-scoped grant binds the picker's ServiceAccount in that namespace.
+    for o in &r.objects {
+        if let Object::ClusterRoleBinding(b) = o {
+            for s in b.subjects.as_deref().unwrap_or(&[]) {
+                if s.kind == "ServiceAccount" && s.namespace.as_deref() != Some(pool_ns.as_str()) {
+                    Sink::new(out, o.id()).push(format!(
+                        "binds ServiceAccount {} in namespace {:?}, not the pool's {pool_ns}",
+                        s.name, s.namespace
+                    ));
+                }
+            }
         }
     }
 }

@@ -4,6 +4,8 @@
 mod configs;
 mod envoy;
 mod gateway;
+pub mod network;
+pub mod nodes;
 mod ports;
 mod refs;
 
@@ -73,10 +75,21 @@ pub fn check_all(r: &Rendered, ctx: &CheckContext) -> Vec<Problem> {
     refs::security(r, &mut out);
     configs::picker(r, ctx, &mut out);
     configs::agent(r, ctx, &mut out);
-    gateway::check(r, &mut out);
-    gateway::namespaces(r, &mut out);
+    gateway::check(r, ctx, &mut out);
+    gateway::namespaces(r, ctx, &mut out);
     envoy::check(r, ctx, &mut out);
+    network::check(r, &ctx.picker, &ctx.agent, &ctx.envoy, &mut out);
+    nodes::agent_pods_on(r, &ctx.agent, &fleet(FLEET_NODES), &mut out);
     out
+}
+
+/// How many nodes [`check_all`] places the agent DaemonSet on (the largest fleet deploy-check
+/// models; [`nodes::agent_pods_on`] takes any list).
+pub const FLEET_NODES: usize = 50;
+
+/// `n` node names that no manifest could list in advance (`gpu-7f3a-1`, …).
+pub fn fleet(n: usize) -> Vec<String> {
+    (1..=n).map(|i| format!("gpu-7f3a-{i}")).collect()
 }
 
 pub(crate) struct Sink<'a> {

@@ -1,6 +1,12 @@
 //! References between objects (ConfigMaps, PVCs, ServiceAccounts) and the pod security baseline
 //! every workload here meets (read-only root filesystem, non-root, no privilege escalation,
-//! resource requests, an API token only for a ServiceAccount bound to a read-only Role).
+//! resource requests, an API token only for a ServiceAccount bound to a read-only Role). Two
+//! exceptions, each held to its narrowest form: a pod may run as uid 0 only to reach the kubelet's
+//! root-only PodResources socket ([`root_for_pod_resources`]), and the one cluster-wide grant is
+//! `create` on TokenReviews ([`tokenreview_only`]), with which the picker checks agents' tokens.
+
+use k8s_openapi::api::core::v1::PodSpec;
+use k8s_openapi::api::rbac::v1::PolicyRule;
 
 use super::{Problem, Sink, containers, workload_id};
 use crate::objects::{Object, Rendered};
@@ -83,6 +89,16 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
             ));
         }
         let pod_non_root = spec.security_context.as_ref().and_then(|s| s.run_as_non_root) == Some(true);
+        let root_exception = match root_for_pod_resources(spec) {
+            Ok(()) => true,
+            Err(why) => {
+                if !pod_non_root && spec.security_context.as_ref().and_then(|s| s.run_as_user) == Some(0) {
+                    sink.push(format!("runs as uid 0 beyond the PodResources exception: {why}"));
+                }
+                false
+            }
+        };
+        let pod_non_root = pod_non_root || root_exception;
         for c in containers(w.template) {
             let sc = c.security_context.as_ref();
             if sc.and_then(|s| s.read_only_root_filesystem) != Some(true) {
@@ -110,8 +126,27 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
             {
                 Sink::new(out, o.id()).push("automountServiceAccountToken must be false (no read-only Role binds it)");
             }
-            Object::ClusterRole(_) | Object::ClusterRoleBinding(_) => {
-                Sink::new(out, o.id()).push("kvroute needs no cluster-wide permissions");
+            Object::ClusterRole(cr) if !tokenreview_only(cr.rules.as_deref().unwrap_or(&[])) => {
+                Sink::new(out, o.id())
+                    .push("the one cluster-wide grant kvroute needs is create on authentication.k8s.io tokenreviews");
+            }
+            Object::ClusterRoleBinding(b) => {
+                let granted = r.objects.iter().any(|o| match o {
+                    Object::ClusterRole(cr) => {
+                        cr.metadata.name.as_deref() == Some(b.role_ref.name.as_str())
+                            && tokenreview_only(cr.rules.as_deref().unwrap_or(&[]))
+                    }
+                    _ => false,
+                });
+                if b.role_ref.kind != "ClusterRole" || !granted {
+                    Sink::new(out, o.id()).push(format!(
+                        "binds {} {}: kvroute binds cluster-wide only its TokenReview ClusterRole",
+                        b.role_ref.kind, b.role_ref.name
+                    ));
+                }
+                if b.subjects.as_deref().unwrap_or(&[]).iter().any(|s| s.kind != "ServiceAccount") {
+                    Sink::new(out, o.id()).push("binds a user or group: only kvroute's ServiceAccounts");
+                }
             }
             Object::Role(role) => {
                 for rule in role.rules.as_deref().unwrap_or(&[]) {
@@ -128,6 +163,66 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
             _ => {}
         }
     }
+}
+
+/// Whether `rules` grant exactly `create` on `authentication.k8s.io` `tokenreviews` and nothing else.
+fn tokenreview_only(rules: &[PolicyRule]) -> bool {
+    let only = |v: &Option<Vec<String>>, want: &str| v.as_deref().is_some_and(|v| v.len() == 1 && v[0] == want);
+    !rules.is_empty()
+        && rules.iter().all(|rule| {
+            only(&rule.api_groups, "authentication.k8s.io")
+                && only(&rule.resources, "tokenreviews")
+                && rule.verbs.len() == 1
+                && rule.verbs[0] == "create"
+                && rule.resource_names.is_none()
+                && rule.non_resource_urls.is_none()
+        })
+}
+
+/// The host path whose socket is root-only on most nodes (the kubelet's PodResources API).
+const POD_RESOURCES_DIR: &str = "/var/lib/kubelet/pod-resources";
+
+/// Whether a pod that runs as uid 0 does so with the least privilege that reaches the kubelet's
+/// PodResources socket: no host namespaces; the only hostPath is that directory, mounted read-only;
+/// every container privileged false, no privilege escalation, all capabilities dropped and none
+/// added, read-only root filesystem; seccomp RuntimeDefault (pod or container). Err says what breaks it.
+fn root_for_pod_resources(spec: &PodSpec) -> Result<(), String> {
+    if spec.host_network == Some(true) || spec.host_pid == Some(true) || spec.host_ipc == Some(true) {
+        return Err("shares a host namespace".into());
+    }
+    let volumes = spec.volumes.as_deref().unwrap_or(&[]);
+    let host_paths: Vec<&str> = volumes.iter().filter_map(|v| v.host_path.as_ref()).map(|h| h.path.as_str()).collect();
+    if host_paths != [POD_RESOURCES_DIR] {
+        return Err(format!("its hostPath volumes are {host_paths:?}, not only {POD_RESOURCES_DIR}"));
+    }
+    let pod_seccomp = spec.security_context.as_ref().and_then(|s| s.seccomp_profile.as_ref()).map(|p| p.type_.as_str());
+    for c in &spec.containers {
+        let sc = c.security_context.clone().unwrap_or_default();
+        let caps = sc.capabilities.clone().unwrap_or_default();
+        let drops_all = caps.drop.as_deref().unwrap_or(&[]).iter().any(|d| d == "ALL");
+        if sc.privileged == Some(true)
+            || sc.allow_privilege_escalation != Some(false)
+            || !drops_all
+            || caps.add.as_ref().is_some_and(|a| !a.is_empty())
+            || sc.read_only_root_filesystem != Some(true)
+        {
+            return Err(format!(
+                "container {} must drop ALL capabilities, add none, forbid privilege escalation and keep a read-only root filesystem",
+                c.name
+            ));
+        }
+        let seccomp = sc.seccomp_profile.as_ref().map(|p| p.type_.as_str()).or(pod_seccomp);
+        if seccomp != Some("RuntimeDefault") {
+            return Err(format!("container {} needs seccomp RuntimeDefault", c.name));
+        }
+        for m in c.volume_mounts.as_deref().unwrap_or(&[]) {
+            let host = volumes.iter().any(|v| v.name == m.name && v.host_path.is_some());
+            if host && m.read_only != Some(true) {
+                return Err(format!("container {} mounts {} writable", c.name, m.mount_path));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The verbs kvroute's Roles may grant: it only reads the cluster.
