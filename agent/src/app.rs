@@ -132,7 +132,9 @@ pub async fn start_with(
     config.validate()?;
     match &config.picker_tls {
         Some(tls) => {
-            for path in [&tls.ca_file, &tls.cert_file, &tls.key_file] {
+            let token = config.picker_token.as_ref().map(|t| &t.token_file);
+            for path in [Some(&tls.ca_file), tls.cert_file.as_ref(), tls.key_file.as_ref(), token].into_iter().flatten()
+            {
                 std::fs::metadata(path).map_err(|source| AgentError::TlsFile { path: path.clone(), source })?;
             }
         }
@@ -261,6 +263,7 @@ pub async fn start_with(
         agent_id: format!("{node_name}-{}", std::process::id()),
         node_name,
         tls: config.picker_tls.clone().map(Arc::new),
+        token: config.picker_token.clone().map(Arc::new),
     };
     tasks.spawn(run_picker_set(replicas, hub.clone(), id, metrics.clone(), stop_rx.clone()));
     tracing::info!(%metrics_addr, "agent started");
