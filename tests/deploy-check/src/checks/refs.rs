@@ -1,6 +1,8 @@
 //! References between objects (ConfigMaps, PVCs, ServiceAccounts) and the pod security baseline
 //! every workload here meets (read-only root filesystem, non-root, no privilege escalation,
-//! resource requests, an API token only for a ServiceAccount bound to a read-only Role).
+//! resource requests, an API token only for a ServiceAccount bound to a read-only Role). The one
+//! cluster-wide grant allowed is TokenReview's `create` (the picker verifies agents' tokens,
+//! docs/design.md §14), bound to ServiceAccounts only.
 
 use super::{Problem, Sink, containers, workload_id};
 use crate::objects::{Object, Rendered};
@@ -110,8 +112,18 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
             {
                 Sink::new(out, o.id()).push("automountServiceAccountToken must be false (no read-only Role binds it)");
             }
+            Object::ClusterRole(role) if token_review_only(role) => {}
+            Object::ClusterRoleBinding(b)
+                if b.role_ref.kind == "ClusterRole"
+                    && token_review_role(r, &b.role_ref.name)
+                    && b.subjects
+                        .as_deref()
+                        .is_some_and(|s| !s.is_empty() && s.iter().all(|s| s.kind == "ServiceAccount")) => {}
             Object::ClusterRole(_) | Object::ClusterRoleBinding(_) => {
-                Sink::new(out, o.id()).push("kvroute needs no cluster-wide permissions");
+                Sink::new(out, o.id()).push(
+                    "kvroute needs no cluster-wide permissions but TokenReview create (authentication.k8s.io \
+                     tokenreviews), bound to ServiceAccounts",
+                );
             }
             Object::Role(role) => {
                 for rule in role.rules.as_deref().unwrap_or(&[]) {
@@ -128,6 +140,27 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
             _ => {}
         }
     }
+}
+
+/// Whether `role` grants exactly `create` on `authentication.k8s.io` `tokenreviews`.
+fn token_review_only(role: &k8s_openapi::api::rbac::v1::ClusterRole) -> bool {
+    let rules = role.rules.as_deref().unwrap_or(&[]);
+    !rules.is_empty()
+        && role.aggregation_rule.is_none()
+        && rules.iter().all(|rule| {
+            rule.api_groups.as_deref() == Some(&["authentication.k8s.io".to_string()][..])
+                && rule.resources.as_deref() == Some(&["tokenreviews".to_string()][..])
+                && rule.verbs == ["create"]
+                && rule.resource_names.is_none()
+                && rule.non_resource_urls.is_none()
+        })
+}
+
+/// Whether the render holds ClusterRole `name`, granting TokenReview `create` only.
+pub(super) fn token_review_role(r: &Rendered, name: &str) -> bool {
+    r.objects.iter().any(
+        |o| matches!(o, Object::ClusterRole(c) if c.metadata.name.as_deref() == Some(name) && token_review_only(c)),
+    )
 }
 
 /// The verbs kvroute's Roles may grant: it only reads the cluster.
