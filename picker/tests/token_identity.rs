@@ -430,12 +430,7 @@ async fn connected(agent: &kvroute_agent::app::RunningAgent, n: i64) -> bool {
 }
 
 /// A real agent with token identity, trusting the CA bundle in `ca_file`, reporting to `picker`.
-async fn agent(
-    c: &Cluster,
-    picker: &RunningPicker,
-    ca_file: &Path,
-    token_file: &Path,
-) -> kvroute_agent::app::RunningAgent {
+async fn agent(picker: &RunningPicker, ca_file: &Path, token_file: &Path) -> kvroute_agent::app::RunningAgent {
     let yaml = format!(
         "node_name: node-a\npickers: [\"https://{}\"]\nmetrics_addr: 127.0.0.1:0\n\
          picker_tls: {{ca_file: {}}}\npicker_token: {{token_file: {}}}\n\
@@ -447,7 +442,6 @@ async fn agent(
     let config: kvroute_agent::config::AgentConfig = serde_norway::from_str(&yaml).unwrap();
     let scenario = format!("{}/../agent/scenarios/healthy.yaml", env!("CARGO_MANIFEST_DIR"));
     let gpu = Arc::new(kvroute_agent::gpu::mock::MockGpuSource::from_file(&scenario).unwrap());
-    let _ = c;
     kvroute_agent::app::start(config, gpu).await.unwrap()
 }
 
@@ -467,7 +461,7 @@ async fn the_picker_ca_rotates_with_a_trust_bundle_overlap() {
     // 1. Old+new bundle, picker certificate from the old CA.
     let picker = c.picker(old, "127.0.0.1:0").await;
     let addr = picker.ingest_addr.to_string();
-    let a1 = agent(&c, &picker, &bundle, &token_file).await;
+    let a1 = agent(&picker, &bundle, &token_file).await;
     assert!(connected(&a1, 1).await, "the bundle does not admit the old CA's picker");
     a1.shutdown().await;
 
@@ -478,18 +472,109 @@ async fn the_picker_ca_rotates_with_a_trust_bundle_overlap() {
     let old_token = std::fs::read_to_string(&token_file).unwrap();
     std::fs::write(&token_file, c.token("agent-a", "node-a")).unwrap();
     c.api.revoke_token(&old_token);
-    let a2 = agent(&c, &picker, &bundle, &token_file).await;
+    let a2 = agent(&picker, &bundle, &token_file).await;
     assert!(connected(&a2, 1).await, "the bundle does not admit the new CA's picker");
     a2.shutdown().await;
 
     // 3. The old CA leaves the bundle: new-only agents connect; an agent still trusting only the
     //    old CA does not accept the picker's certificate any more.
     std::fs::write(&bundle, new.cert_pem()).unwrap();
-    let a3 = agent(&c, &picker, &bundle, &token_file).await;
+    let a3 = agent(&picker, &bundle, &token_file).await;
     assert!(connected(&a3, 1).await, "the new CA alone does not admit the picker");
     a3.shutdown().await;
     let token = std::fs::read_to_string(&token_file).unwrap();
     assert!(open_with(&picker, &old.cert_pem(), Some(&token), None).await.is_err());
     assert_eq!(picker.ingest_addr.to_string(), addr);
     picker.shutdown();
+}
+
+/// The binary as deployed: `--pool-name` (a Kubernetes pool, so token identity by default),
+/// `--ingest-tls-dir` holding the Secret's three files, the client from a kubeconfig naming the
+/// stand-in, which also answers the TokenReviews. A token-less stream is refused and counted in
+/// `/metrics`; the agent pod's token opens one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_binary_defaults_to_token_identity_on_kubernetes() {
+    use kvroute_cluster::crd::{InferencePool, InferencePoolSpec, PoolPort, PoolSelector};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let c = Cluster::new().await;
+    c.api.register::<InferencePool>();
+    let mut pool = InferencePool::new(
+        "qwen",
+        InferencePoolSpec {
+            selector: PoolSelector { match_labels: [("app".to_string(), "vllm".to_string())].into() },
+            target_ports: vec![PoolPort { number: 8000 }],
+            app_protocol: None,
+            endpoint_picker_ref: None,
+        },
+    );
+    pool.metadata.namespace = Some(NS.into());
+    c.api.create(&pool).unwrap();
+    let tls_dir = c.path().join("ingest-tls");
+    std::fs::create_dir_all(&tls_dir).unwrap();
+    let picker_pem = c.ca.picker().unwrap();
+    std::fs::write(tls_dir.join("ca.crt"), c.ca.cert_pem()).unwrap();
+    std::fs::write(tls_dir.join("tls.crt"), &picker_pem.cert).unwrap();
+    std::fs::write(tls_dir.join("tls.key"), &picker_pem.key).unwrap();
+    let kubeconfig = c.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, c.api.kubeconfig(NS)).unwrap();
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (ext_proc, ingest, admin) = (port(), port(), port());
+    let config = c.path().join("picker.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "ext_proc_addr: 127.0.0.1:{ext_proc}\ningest_addr: 127.0.0.1:{ingest}\nadmin_addr: 127.0.0.1:{admin}\n"
+        ),
+    )
+    .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-picker"))
+        .arg("--config")
+        .arg(&config)
+        .args(["--pool-name", "qwen", "--pool-namespace", NS, "--ingest-tls-dir"])
+        .arg(&tls_dir)
+        .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(c.path().join("picker.log")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.expect("READY in time");
+    assert_eq!(ready.unwrap().as_deref(), Some("READY"));
+
+    let open_plain = |token: Option<String>| {
+        let ca = c.ca.cert_pem();
+        async move {
+            let config =
+                ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name(tls::PICKER_SERVER_NAME);
+            let channel = Endpoint::from_shared(format!("https://127.0.0.1:{ingest}"))
+                .unwrap()
+                .tls_config(config)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let (tx, rx) = mpsc::channel::<AgentMessage>(4);
+            let mut request = tonic::Request::new(ReceiverStream::new(rx));
+            if let Some(t) = token {
+                request.metadata_mut().insert("authorization", format!("Bearer {t}").parse().unwrap());
+            }
+            AgentIngestClient::new(channel).report(request).await.map(|r| (tx, r.into_inner()))
+        }
+    };
+    let refused = open_plain(None).await.err().map(|s| s.code());
+    assert_eq!(refused, Some(tonic::Code::Unauthenticated));
+    let accepted = open_plain(Some(c.token("agent-a", "node-a"))).await;
+    assert!(accepted.is_ok(), "{:?}", accepted.err());
+    let metrics = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", admin)).await?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        std::io::Result::Ok(out)
+    };
+    let text = metrics.await.unwrap();
+    assert!(text.lines().any(|l| l == "epp_ingest_refusals_total{reason=\"no_token\"} 1"), "{text}");
+    assert!(c.api.token_reviews() >= 1);
 }
