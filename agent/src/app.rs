@@ -63,12 +63,13 @@ pub enum AgentError {
     Kubernetes(#[source] ClusterError),
     /// Neither `picker_tls` nor `insecure_ingest` was configured.
     #[error(
-        "reports to the pickers are not secured: set picker_tls (ca_file, cert_file, key_file) for mTLS, or pass \
-         --insecure-ingest (config insecure_ingest: true) for plaintext"
+        "reports to the pickers are not secured: set picker_tls (ca_file) with picker_token (a projected \
+         ServiceAccount token) or with cert_file and key_file, or pass --insecure-ingest (config insecure_ingest: \
+         true) for plaintext"
     )]
     InsecureIngest,
-    /// A `picker_tls` file cannot be read.
-    #[error("picker_tls: cannot read {path}: {source}")]
+    /// A `picker_tls` or `picker_token` file cannot be read.
+    #[error("picker_tls/picker_token: cannot read {path}: {source}")]
     TlsFile {
         /// The file.
         path: String,
