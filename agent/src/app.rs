@@ -63,12 +63,13 @@ pub enum AgentError {
     Kubernetes(#[source] ClusterError),
     /// Neither `picker_tls` nor `insecure_ingest` was configured.
     #[error(
-        "reports to the pickers are not secured: set picker_tls (ca_file, cert_file, key_file) for mTLS, or pass \
-         --insecure-ingest (config insecure_ingest: true) for plaintext"
+        "reports to the pickers are not secured: set picker_tls (ca_file) with picker_token (a projected \
+         ServiceAccount token) or with cert_file and key_file, or pass --insecure-ingest (config insecure_ingest: \
+         true) for plaintext"
     )]
     InsecureIngest,
-    /// A `picker_tls` file cannot be read.
-    #[error("picker_tls: cannot read {path}: {source}")]
+    /// A `picker_tls` or `picker_token` file cannot be read.
+    #[error("picker_tls/picker_token: cannot read {path}: {source}")]
     TlsFile {
         /// The file.
         path: String,
@@ -132,7 +133,9 @@ pub async fn start_with(
     config.validate()?;
     match &config.picker_tls {
         Some(tls) => {
-            for path in [&tls.ca_file, &tls.cert_file, &tls.key_file] {
+            let token = config.picker_token.as_ref().map(|t| &t.token_file);
+            for path in [Some(&tls.ca_file), tls.cert_file.as_ref(), tls.key_file.as_ref(), token].into_iter().flatten()
+            {
                 std::fs::metadata(path).map_err(|source| AgentError::TlsFile { path: path.clone(), source })?;
             }
         }
@@ -261,6 +264,7 @@ pub async fn start_with(
         agent_id: format!("{node_name}-{}", std::process::id()),
         node_name,
         tls: config.picker_tls.clone().map(Arc::new),
+        token: config.picker_token.clone().map(Arc::new),
     };
     tasks.spawn(run_picker_set(replicas, hub.clone(), id, metrics.clone(), stop_rx.clone()));
     tracing::info!(%metrics_addr, "agent started");

@@ -186,9 +186,12 @@ pub struct AgentConfig {
     /// Kubernetes: how often PodResources is listed, ms (also at once when a pod appears).
     /// Default [`DEFAULT_POD_RESOURCES_POLL_MS`] (2000).
     pub pod_resources_poll_ms: u64,
-    /// mTLS to the pickers (docs/design.md §14): the agent presents its node's certificate and
-    /// verifies the picker's. One of this and `insecure_ingest` is required to start. Default none.
+    /// TLS to the pickers (docs/design.md §14): the agent verifies the picker's certificate and
+    /// proves its node with `picker_token`, or with its own certificate (`cert_file`,
+    /// `key_file`). One of this and `insecure_ingest` is required to start. Default none.
     pub picker_tls: Option<PickerTlsConfig>,
+    /// Token identity towards the pickers (needs `picker_tls`). Default none.
+    pub picker_token: Option<PickerTokenConfig>,
     /// Report to the pickers in plaintext (the local demo); logged as a warning. Also
     /// `--insecure-ingest`. Default false.
     pub insecure_ingest: bool,
@@ -198,20 +201,44 @@ pub struct AgentConfig {
 pub const DEFAULT_PICKER_SERVER_NAME: &str = "picker.kvroute";
 
 /// The agent's TLS files (PEM, as a Kubernetes Secret mounts them), read again for every new
-/// connection, so a rotated certificate is used from the next (re)connect on.
+/// connection, so a rotated certificate, or a CA bundle with a CA added or removed, is used from
+/// the next (re)connect on.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PickerTlsConfig {
-    /// CA bundle the picker's certificate must chain to (`ca.crt`).
+    /// CA bundle the picker's certificate must chain to (`ca.crt`): one or more PEM
+    /// certificates (during a CA rotation, the old and the new CA; docs/operations.md).
     pub ca_file: String,
     /// This agent's certificate chain (`tls.crt`), naming the node as DNS SAN
-    /// `<node>.agent.kvroute`.
-    pub cert_file: String,
-    /// Its private key (`tls.key`).
-    pub key_file: String,
+    /// `<node>.agent.kvroute`: certificate identity. Leave out with `picker_token`.
+    #[serde(default)]
+    pub cert_file: Option<String>,
+    /// Its private key (`tls.key`); with `cert_file`.
+    #[serde(default)]
+    pub key_file: Option<String>,
     /// The name the picker's certificate must carry. Default [`DEFAULT_PICKER_SERVER_NAME`].
     #[serde(default = "default_picker_server_name")]
     pub server_name: String,
+}
+
+/// Default `picker_token.token_file`: where the DaemonSet's projected token volume puts it.
+pub const DEFAULT_PICKER_TOKEN_FILE: &str = "/var/run/secrets/kvroute/token";
+/// Longest token file read, in bytes.
+pub const MAX_PICKER_TOKEN_BYTES: u64 = 16 * 1024;
+
+/// Token identity towards the pickers (docs/design.md §14): the pod's projected, audience-bound
+/// ServiceAccount token, sent as `authorization: Bearer <token>` when a stream opens. The file is
+/// read again for every new connection (the kubelet rewrites it before it expires).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PickerTokenConfig {
+    /// The token file. Default [`DEFAULT_PICKER_TOKEN_FILE`].
+    #[serde(default = "default_picker_token_file")]
+    pub token_file: String,
+}
+
+fn default_picker_token_file() -> String {
+    DEFAULT_PICKER_TOKEN_FILE.into()
 }
 
 fn default_picker_server_name() -> String {
@@ -306,6 +333,7 @@ impl Default for AgentConfig {
             pod_resources_socket: DEFAULT_POD_RESOURCES_SOCKET.into(),
             pod_resources_poll_ms: DEFAULT_POD_RESOURCES_POLL_MS,
             picker_tls: None,
+            picker_token: None,
             insecure_ingest: false,
         }
     }
@@ -407,6 +435,24 @@ impl AgentConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |field: &str, value: &dyn Display, fix: &str| Err(ConfigError::invalid(field, value, fix));
         self.picker_source()?;
+        if let Some(tls) = &self.picker_tls {
+            match (&tls.cert_file, &tls.key_file, &self.picker_token) {
+                (Some(_), None, _) | (None, Some(_), _) => {
+                    return bad("picker_tls", &"cert_file/key_file", "give both cert_file and key_file, or neither");
+                }
+                (None, None, None) => {
+                    return bad(
+                        "picker_tls",
+                        &"(no identity)",
+                        "set picker_token (a projected ServiceAccount token) or cert_file and key_file",
+                    );
+                }
+                _ => {}
+            }
+        }
+        if self.picker_token.is_some() && self.picker_tls.is_none() {
+            return bad("picker_token", &"set", "needs picker_tls (ca_file): the token travels only over TLS");
+        }
         if self.picker_tls.is_some() && self.insecure_ingest {
             return bad("insecure_ingest", &true, "picker_tls is set too; choose mTLS or plaintext, not both");
         }
@@ -661,6 +707,10 @@ mod tests {
             "picker_service: {name: s}\npool: {name: p}\npod_resources_poll_ms: 0\n",
             // An endpoint Envoy cannot dial as given.
             "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"vllm.local:80\"}]\n",
+            // TLS without an identity, half a certificate, or a token without TLS.
+            "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\npicker_tls: {ca_file: ca}\n",
+            "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\npicker_tls: {ca_file: ca, cert_file: c}\n",
+            "pickers: [\"http://x:1\"]\nengines: [{pod: p, endpoint: \"1.2.3.4:80\"}]\npicker_token: {}\n",
         ] {
             let cfg: AgentConfig = serde_norway::from_str(yaml).expect("parses");
             match cfg.validate() {

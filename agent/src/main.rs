@@ -34,10 +34,15 @@ struct Cli {
     /// `insecure_ingest: true`; without it, or `picker_tls`, the agent refuses to start.
     #[arg(long)]
     insecure_ingest: bool,
-    /// mTLS to the pickers from a directory holding `ca.crt`, `tls.crt` and `tls.key` (a
-    /// cert-manager csi-driver volume or a mounted Secret); sets the config's `picker_tls`.
+    /// TLS to the pickers from a directory holding `ca.crt` (the CA bundle the picker's
+    /// certificate must chain to) and, without a token, the agent's `tls.crt` and `tls.key`
+    /// (certificate identity); sets the config's `picker_tls`.
     #[arg(long, conflicts_with = "insecure_ingest")]
     picker_tls_dir: Option<String>,
+    /// Token identity: the projected ServiceAccount token file sent to the pickers (re-read for
+    /// every connection); sets the config's `picker_token`.
+    #[arg(long)]
+    picker_token_file: Option<String>,
     /// Load and validate the config and its GPU source, print `config OK` and exit.
     #[arg(long)]
     check_config: bool,
@@ -102,13 +107,18 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         if cli.insecure_ingest {
             config.insecure_ingest = true;
         }
+        if let Some(path) = &cli.picker_token_file {
+            config.picker_token = Some(kvroute_agent::config::PickerTokenConfig { token_file: path.clone() });
+        }
         if let Some(dir) = &cli.picker_tls_dir {
             let file = |name: &str| std::path::Path::new(dir).join(name).display().to_string();
             let server_name = config.picker_tls.as_ref().map(|t| t.server_name.clone());
+            // With a token the directory holds only the CA bundle (the picker Secret's ca.crt).
+            let own = config.picker_token.is_none();
             config.picker_tls = Some(kvroute_agent::config::PickerTlsConfig {
                 ca_file: file("ca.crt"),
-                cert_file: file("tls.crt"),
-                key_file: file("tls.key"),
+                cert_file: own.then(|| file("tls.crt")),
+                key_file: own.then(|| file("tls.key")),
                 server_name: server_name.unwrap_or_else(|| kvroute_agent::config::DEFAULT_PICKER_SERVER_NAME.into()),
             });
         }

@@ -17,6 +17,14 @@
 //!   cert_file: /etc/kvroute/ingest-tls/tls.crt    # the picker's (DNS SAN picker.kvroute)
 //!   key_file: /etc/kvroute/ingest-tls/tls.key     # files re-read when they rotate
 //! # insecure_ingest: true           # plaintext ingest instead (local demo only; logged as a warning)
+//! agent_auth: token                 # agents' identity: token (default with a Kubernetes pool) | certificate
+//! agent_token:                      # agent_auth: token (picker/src/ingest/token.rs)
+//!   audience: kvroute-picker        # the agents' projected token volume's audience
+//!   service_account: kvroute-agent  # the agents' ServiceAccount, in the pool's namespace unless
+//!   # service_account_namespace: ops
+//!   cache_ttl_ms: 60000             # positive reviews reused (never past the token's exp)
+//!   cache_entries: 4096
+//!   review_timeout_ms: 5000
 //! max_pods_per_stream: 256          # pods one agent stream may hold
 //! max_pods: 16384                   # pods all agent streams may hold
 //! # ext_proc_tls: {cert_file: .., key_file: ..}   # TLS on ext_proc (GIE's --secure-serving)
@@ -84,6 +92,7 @@ use serde::{Deserialize, Deserializer};
 use crate::approx::{ApproxConfig, RoutingMode};
 use crate::ingest::guard::{DEFAULT_MAX_PODS, DEFAULT_MAX_PODS_PER_STREAM};
 use crate::ingest::tls::TlsFiles;
+use crate::ingest::token::{AgentAuth, AgentTokenConfig};
 use crate::limits::Limits;
 use crate::pool::{DEFAULT_MAX_BLOCKS_PER_POD, DEFAULT_POD_GRACE_TTL_MS, PoolConfig};
 use crate::score::{ScoringConfig, ScoringConfigError};
@@ -235,6 +244,13 @@ pub struct PickerConfig {
     /// interface (`Authorization: Bearer <token>`). Without it `/explain` answers loopback
     /// callers only (e.g. `kubectl port-forward`). Default none.
     pub explain_token_file: Option<PathBuf>,
+    /// How agents prove their node on the TLS ingest (docs/design.md §14): `token` (a projected
+    /// ServiceAccount token verified with TokenReview) or `certificate` (a client certificate
+    /// per node). Default: `token` with a Kubernetes pool source, else `certificate`; see
+    /// [`PickerConfig::agent_auth`].
+    pub agent_auth: Option<AgentAuth>,
+    /// Settings of `agent_auth: token` (audience, agents' ServiceAccount, review cache).
+    pub agent_token: AgentTokenConfig,
 }
 
 /// Server-only TLS files (PEM): the listener's certificate chain and key.
@@ -304,6 +320,8 @@ impl Default for PickerConfig {
             max_pods: DEFAULT_MAX_PODS,
             ext_proc_tls: None,
             explain_token_file: None,
+            agent_auth: None,
+            agent_token: AgentTokenConfig::default(),
             shutdown_drain_ms: DEFAULT_SHUTDOWN_DRAIN_MS,
             limits: Limits::default(),
         }
@@ -511,6 +529,17 @@ impl PickerConfig {
         })
     }
 
+    /// How agents prove their node: `agent_auth` if set, else [`AgentAuth::Token`] with a
+    /// Kubernetes pool source and [`AgentAuth::Certificate`] without. Only applies with
+    /// `ingest_tls` (plaintext ingest takes the `Hello` on trust).
+    pub fn agent_auth(&self) -> AgentAuth {
+        match (self.agent_auth, self.pool_source()) {
+            (Some(mode), _) => mode,
+            (None, Some(PoolSource::Kubernetes(_))) => AgentAuth::Token,
+            (None, _) => AgentAuth::Certificate,
+        }
+    }
+
     /// Fails unless a pool source is set: the picker binary routes only to the pool's pods.
     pub fn require_pool_source(&self) -> Result<(), ConfigError> {
         if self.pool_source().is_none() {
@@ -637,6 +666,23 @@ impl PickerConfig {
                     "needs a Kubernetes pool (pool / --pool-name); with pool_file list replicas.peers",
                 ));
             }
+        }
+        if self.agent_auth == Some(AgentAuth::Token) && self.ingest_tls.is_none() {
+            return Err(ConfigError::invalid(
+                "agent_auth",
+                "token",
+                "needs ingest_tls: the agents' tokens travel only over TLS (ca_file, cert_file, key_file)",
+            ));
+        }
+        if self.agent_token.audience.is_empty() || self.agent_token.service_account.is_empty() {
+            return Err(ConfigError::invalid(
+                "agent_token",
+                format!(
+                    "{{audience: {:?}, service_account: {:?}}}",
+                    self.agent_token.audience, self.agent_token.service_account
+                ),
+                "name the audience of the agents' projected tokens and the agents' ServiceAccount",
+            ));
         }
         if self.ingest_tls.is_some() && self.insecure_ingest {
             return Err(ConfigError::invalid(
@@ -902,6 +948,24 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
             let err = PickerConfig::from_yaml(yaml).unwrap().validate().unwrap_err().to_string();
             assert!(err.contains(needle), "{yaml}: {err}");
         }
+    }
+
+    #[test]
+    fn agent_auth_defaults_to_tokens_on_kubernetes() {
+        use crate::ingest::token::AgentAuth;
+        let tls = "ingest_tls: {ca_file: ca, cert_file: c, key_file: k}\n";
+        let k8s = PickerConfig::from_yaml(&format!("{tls}pool: {{name: p}}\n")).unwrap();
+        assert_eq!(k8s.agent_auth(), AgentAuth::Token);
+        let file = PickerConfig::from_yaml(&format!("{tls}pool_file: pool.yaml\n")).unwrap();
+        assert_eq!(file.agent_auth(), AgentAuth::Certificate);
+        let pinned = PickerConfig::from_yaml(&format!("{tls}pool: {{name: p}}\nagent_auth: certificate\n")).unwrap();
+        assert_eq!(pinned.agent_auth(), AgentAuth::Certificate);
+        assert!(pinned.validate().is_ok());
+        // Tokens travel only over TLS; the token settings must name something.
+        assert!(PickerConfig::from_yaml("insecure_ingest: true\nagent_auth: token\n").unwrap().validate().is_err());
+        let empty = PickerConfig::from_yaml(&format!("{tls}agent_token: {{audience: \"\"}}\n")).unwrap();
+        assert!(empty.validate().is_err());
+        assert!(PickerConfig::from_yaml("agent_auth: tokens\n").is_err());
     }
 
     #[test]

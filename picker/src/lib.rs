@@ -44,5 +44,6 @@ pub use kvroute_index as index;
 
 pub use gateway::Gateway;
 pub use server::{
-    DrainHandle, MIN_GRPC_MESSAGE_BYTES, RunningPicker, ShutdownHandle, StartError, start, start_with_scope,
+    DrainHandle, MIN_GRPC_MESSAGE_BYTES, RunningPicker, ShutdownHandle, StartError, start, start_with_kube,
+    start_with_scope,
 };

@@ -24,6 +24,7 @@ use crate::gateway::Gateway;
 use crate::gateway::GatewayError;
 use crate::ingest::guard::{Claims, Limits};
 use crate::ingest::tls::{self, ReloadingTls};
+use crate::ingest::token::{AgentAuth, KubeReviewApi, TokenVerifier};
 use crate::ingest::{IngestService, Refusals, Trust};
 use crate::pending::ReplicaIdentity;
 use crate::replicas::ReplicaService;
@@ -209,9 +210,22 @@ pub async fn start_with_scope(
     config: &PickerConfig,
     scope: Option<Arc<dyn crate::ingest::ReportScope>>,
 ) -> Result<RunningPicker, StartError> {
+    start_with_kube(config, scope, None).await
+}
+
+/// [`start_with_scope`], with `client` as the Kubernetes client for the agents' TokenReviews
+/// (`agent_auth: token`; tests: the API stand-in). Without one, the pool watch's client is used,
+/// else one from the environment.
+pub async fn start_with_kube(
+    config: &PickerConfig,
+    scope: Option<Arc<dyn crate::ingest::ReportScope>>,
+    client: Option<kube::Client>,
+) -> Result<RunningPicker, StartError> {
+    let token_auth = config.ingest_tls.is_some() && config.agent_auth() == AgentAuth::Token;
     let ingest_tls = match (&config.ingest_tls, config.insecure_ingest) {
         (Some(files), _) => {
-            Some(Arc::new(ReloadingTls::mutual(files).map_err(|source| StartError::Tls { what: "ingest", source })?))
+            let tls = if token_auth { ReloadingTls::optional_client(files) } else { ReloadingTls::mutual(files) };
+            Some(Arc::new(tls.map_err(|source| StartError::Tls { what: "ingest", source })?))
         }
         (None, true) => {
             tracing::warn!(ingest_addr = %config.ingest_addr,
@@ -255,6 +269,21 @@ pub async fn start_with_scope(
     let (sources, kube) = match sources {
         Some((pool_view, models, kube)) => (Some((pool_view, models)), kube),
         None => (None, None),
+    };
+    let tokens = if token_auth {
+        let client = match client.or_else(|| kube.clone()) {
+            Some(c) => c,
+            None => kvroute_cluster::client_from_env().await?,
+        };
+        let namespace = match config.pool_source() {
+            Some(PoolSource::Kubernetes(pool)) => pool.namespace,
+            _ => kvroute_cluster::pool_namespace(None),
+        };
+        let verifier = TokenVerifier::new(Arc::new(KubeReviewApi(client)), &config.agent_token, &namespace);
+        tracing::info!(?verifier, "agent identity: ServiceAccount tokens (TokenReview)");
+        Some(Arc::new(verifier))
+    } else {
+        None
     };
     let ext_l = bind("ext_proc", config.ext_proc_addr).await?;
     let ingest_l = bind("ingest", config.ingest_addr).await?;
@@ -308,7 +337,8 @@ pub async fn start_with_scope(
 
     let refusals = Refusals::new(gateway.metrics.ingest_refusals.clone());
     let trust = Trust {
-        mtls: ingest_tls.is_some(),
+        mtls: ingest_tls.is_some() && tokens.is_none(),
+        tokens,
         scope,
         claims: Arc::new(Claims::new(Limits {
             max_pods_per_stream: config.max_pods_per_stream,
@@ -318,8 +348,10 @@ pub async fn start_with_scope(
         refusals: refusals.clone(),
     };
     let ingest = IngestService::with_trust(gateway.pool.clone(), trust).into_server();
-    // ReplicaSync shares the ingest listener: its port, its mTLS handshake and its refusal
-    // counters. Under mTLS a subscriber must present a picker certificate (docs/design.md §14).
+    // ReplicaSync shares the ingest listener: its port, its TLS handshake and its refusal
+    // counters. Under TLS a subscriber must present a picker certificate (docs/design.md §14),
+    // with token identity for agents too (there client certificates are optional at the
+    // handshake and required here).
     let replica = gateway.replica.clone();
     let replica_sync =
         ReplicaService::with_trust(gateway.clone(), replica.clone(), ingest_tls.is_some(), refusals.clone())

@@ -46,7 +46,16 @@ pub enum ReportError {
     /// The picker closed the stream.
     #[error("picker {0} closed the stream")]
     Closed(String),
-    /// The TLS files could not be read.
+    /// The token file holds no token (empty, or over [`crate::config::MAX_PICKER_TOKEN_BYTES`],
+    /// or not ASCII).
+    #[error("token file {path}: {what}")]
+    Token {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        what: String,
+    },
+    /// The TLS or token files could not be read.
     #[error("TLS file {path}: {source}")]
     TlsFile {
         /// The file.
@@ -63,8 +72,10 @@ pub struct AgentIdentity {
     pub agent_id: String,
     /// Node name.
     pub node_name: String,
-    /// mTLS material to present to the pickers (`None`: plaintext, `insecure_ingest`).
+    /// TLS towards the pickers (`None`: plaintext, `insecure_ingest`).
     pub tls: Option<Arc<crate::config::PickerTlsConfig>>,
+    /// The ServiceAccount token sent when a stream opens (token identity).
+    pub token: Option<Arc<crate::config::PickerTokenConfig>>,
 }
 
 /// HTTP/2 keepalive PING interval on a picker connection, idle or not.
@@ -183,8 +194,37 @@ fn membership_msgs(hub: &Hub, id: &AgentIdentity, sent: &mut Sent) -> Vec<AgentM
     out
 }
 
-/// A client of `endpoint`: plaintext, or mTLS with `tls` (files read now, so a rotated
-/// certificate is used from this connection on; the scheme becomes `https`).
+/// The token in `token.token_file`, read now (the kubelet rewrites it before it expires), as the
+/// value of gRPC metadata `authorization`.
+fn bearer(
+    token: &crate::config::PickerTokenConfig,
+) -> Result<tonic::metadata::MetadataValue<tonic::metadata::Ascii>, ReportError> {
+    use std::io::Read as _;
+    let path = &token.token_file;
+    let io = |source| ReportError::TlsFile { path: path.clone(), source };
+    let what = |what: String| ReportError::Token { path: path.clone(), what };
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(crate::config::MAX_PICKER_TOKEN_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > crate::config::MAX_PICKER_TOKEN_BYTES {
+        return Err(what(format!("over {} bytes", crate::config::MAX_PICKER_TOKEN_BYTES)));
+    }
+    let text = text.trim();
+    if text.is_empty() {
+        return Err(what("empty".into()));
+    }
+    if !text.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(what("not a printable ASCII token".into()));
+    }
+    format!("Bearer {text}").parse().map_err(|_| what("not a printable ASCII token".into()))
+}
+
+/// A client of `endpoint`: plaintext, or TLS with `tls` (files read now, so a rotated
+/// certificate or CA bundle is used from this connection on; the scheme becomes `https`),
+/// presenting the agent's certificate when `tls` names one.
 async fn connect(
     endpoint: &str,
     tls: Option<&crate::config::PickerTlsConfig>,
@@ -196,17 +236,31 @@ async fn connect(
         return Ok(AgentIngestClient::new(channel));
     };
     let read = |path: &str| std::fs::read(path).map_err(|source| ReportError::TlsFile { path: path.into(), source });
-    let (ca, cert, key) = (read(&tls.ca_file)?, read(&tls.cert_file)?, read(&tls.key_file)?);
-    let config = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(ca))
-        .identity(Identity::from_pem(cert, key))
+    // A bundle of several CAs (a rotation's overlap) adds each of them.
+    let mut config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(&tls.ca_file)?))
         .domain_name(tls.server_name.clone());
+    if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+        config = config.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
     let url = match endpoint.strip_prefix("http://") {
         Some(rest) => format!("https://{rest}"),
         None => endpoint.to_string(),
     };
     let channel = picker_endpoint(&url).map_err(err)?.tls_config(config).map_err(err)?.connect().await.map_err(err)?;
     Ok(AgentIngestClient::new(channel))
+}
+
+/// The `Report` request over `messages`, carrying `authorization` when set.
+fn report_request<T>(
+    messages: T,
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(messages);
+    if let Some(value) = authorization {
+        request.metadata_mut().insert("authorization", value);
+    }
+    request
 }
 
 async fn stream_once(
@@ -216,6 +270,7 @@ async fn stream_once(
     metrics: &AgentMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), ReportError> {
+    let authorization = id.token.as_deref().map(bearer).transpose()?;
     let connect = connect(endpoint, id.tls.as_deref());
     let mut client = tokio::select! {
         c = connect => c?,
@@ -233,7 +288,7 @@ async fn stream_once(
     }
     let rpc = |source| ReportError::Rpc { endpoint: endpoint.into(), source };
     let mut inbound = tokio::select! {
-        r = client.report(ReceiverStream::new(out_rx)) => r.map_err(rpc)?.into_inner(),
+        r = client.report(report_request(ReceiverStream::new(out_rx), authorization)) => r.map_err(rpc)?.into_inner(),
         () = stopped(&mut shutdown) => return Ok(()),
     };
     tracing::info!(picker = %endpoint, pods = sent.len(), "picker stream open, snapshots sent");
@@ -320,4 +375,29 @@ async fn stream_once(
 /// Resolves once shutdown is requested (or its sender is gone); holds no guard across awaits.
 async fn stopped(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::{MAX_PICKER_TOKEN_BYTES, PickerTokenConfig};
+
+    #[test]
+    fn the_token_file_is_read_again_for_every_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        let config = PickerTokenConfig { token_file: path.display().to_string() };
+        std::fs::write(&path, "first.token\n").unwrap();
+        assert_eq!(bearer(&config).unwrap(), "Bearer first.token");
+        // The kubelet rewrites the file before the token expires.
+        std::fs::write(&path, "second.token").unwrap();
+        assert_eq!(bearer(&config).unwrap(), "Bearer second.token");
+        for bad in ["".to_string(), " \n".into(), "x".repeat(MAX_PICKER_TOKEN_BYTES as usize + 1), "é".into()] {
+            std::fs::write(&path, &bad).unwrap();
+            assert!(matches!(bearer(&config), Err(ReportError::Token { .. })), "{bad:?}");
+        }
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(bearer(&config), Err(ReportError::TlsFile { .. })));
+    }
 }

@@ -3,10 +3,13 @@
 //! refused is counted by reason (`epp_ingest_refusals_total{reason}`) and logged once per cause
 //! (reason, node or peer).
 //!
-//! - **Identity.** With mTLS, the stream's node is the `node_name` of its `Hello`, accepted only
-//!   when the client certificate names it: a DNS SAN `<node>.agent.kvroute`
-//!   ([`AGENT_SAN_SUFFIX`]), and no wildcard covering it. Without TLS (`--insecure-ingest`) the
-//!   `Hello`'s node is taken on trust. Reports before an accepted `Hello` are refused.
+//! - **Identity.** The stream's node is the `node_name` of its `Hello`, accepted only when the
+//!   agent proved it: with token identity (`agent_auth: token`, [`super::token`]) the node of the
+//!   pod its ServiceAccount token is bound to, verified with TokenReview when the stream opens; with
+//!   certificate identity (mTLS) a client certificate naming it as DNS SAN
+//!   `<node>.agent.kvroute` ([`AGENT_SAN_SUFFIX`]), and no wildcard covering it. Without TLS
+//!   (`--insecure-ingest`) the `Hello`'s node is taken on trust. Reports before an accepted
+//!   `Hello` are refused.
 //! - **Scope.** A pod is accepted from a stream only when the [`ReportScope`] admits it for the
 //!   stream's node: with the pool view, the pod is in the InferencePool and `spec.nodeName` is
 //!   that node ([`kvroute_cluster::PoolView::admits_report`]).
@@ -86,6 +89,22 @@ pub enum Refusal {
     /// A `ReplicaSync` subscriber whose client certificate is not a picker's (DNS SAN
     /// [`REPLICA_SAN`]).
     NotAReplica,
+    /// Token identity: a stream opened without `authorization: Bearer <token>`.
+    NoToken,
+    /// Token identity: TokenReview did not authenticate the token for the picker's audience
+    /// (unknown, expired, another audience, its pod gone), or it is malformed.
+    TokenRejected,
+    /// Token identity: the token is another ServiceAccount's than the agents'.
+    WrongServiceAccount,
+    /// Token identity: the token is not bound to a (scheduled) pod.
+    TokenNotPodBound,
+    /// Token identity: the token's pod-uid is not the uid of the pod of that name.
+    PodUidMismatch,
+    /// Token identity: the API server did not answer the TokenReview (or the pod read) in time;
+    /// the new stream is refused, open ones go on.
+    TokenReviewUnavailable,
+    /// Token identity: the `Hello`'s node is not the node of the token's pod.
+    NodeNotInToken,
 }
 
 impl Refusal {
@@ -105,6 +124,13 @@ impl Refusal {
             Refusal::InvalidStats => "invalid_stats",
             Refusal::InvalidPodInfo => "invalid_pod_info",
             Refusal::NotAReplica => "not_a_replica",
+            Refusal::NoToken => "no_token",
+            Refusal::TokenRejected => "token_rejected",
+            Refusal::WrongServiceAccount => "wrong_service_account",
+            Refusal::TokenNotPodBound => "token_not_pod_bound",
+            Refusal::PodUidMismatch => "pod_uid_mismatch",
+            Refusal::TokenReviewUnavailable => "token_review_unavailable",
+            Refusal::NodeNotInToken => "node_not_in_token",
         }
     }
 }
@@ -356,6 +382,9 @@ pub fn check_info(info: &PodInfo) -> Result<(), String> {
 pub struct Trust {
     /// Whether streams arrive over mTLS (a `Hello`'s node must then be in the certificate).
     pub mtls: bool,
+    /// Token identity: streams must carry a ServiceAccount token this verifies, and their
+    /// `Hello`'s node must be its pod's (takes the place of `mtls`).
+    pub tokens: Option<Arc<super::token::TokenVerifier>>,
     /// Which pods a node may report.
     pub scope: Arc<dyn ReportScope>,
     /// Ownership and caps.
@@ -366,7 +395,11 @@ pub struct Trust {
 
 impl std::fmt::Debug for Trust {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Trust").field("mtls", &self.mtls).field("claims", &self.claims).finish_non_exhaustive()
+        f.debug_struct("Trust")
+            .field("mtls", &self.mtls)
+            .field("tokens", &self.tokens)
+            .field("claims", &self.claims)
+            .finish_non_exhaustive()
     }
 }
 
@@ -375,6 +408,7 @@ impl Trust {
     pub fn insecure(counts: Family<ReasonLabel, Counter>) -> Self {
         Self {
             mtls: false,
+            tokens: None,
             scope: Arc::new(AnyPod),
             claims: Arc::new(Claims::new(Limits::default())),
             refusals: Refusals::new(counts),

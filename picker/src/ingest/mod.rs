@@ -15,8 +15,9 @@
 //! Acks ("applied up to seq") are sent every [`ACK_EVERY`] messages or [`ACK_INTERVAL`], after a
 //! pool barrier, for the pods whose seq advanced.
 //!
-//! Trust (docs/design.md §14, [`guard`]): a stream's reports count only after a `Hello` whose node
-//! its client certificate names (mTLS, [`tls`]); each pod must be in that node's scope and not held
+//! Trust (docs/design.md §14, [`guard`]): a stream's reports count only after a `Hello` naming the
+//! node the stream proved: the node of the pod whose ServiceAccount token opened it ([`token`]), or
+//! the node its client certificate names (mTLS, [`tls`]); each pod must be in that node's scope and not held
 //! by another live stream, within the caps; stats must be in range. Refused parts are counted and
 //! dropped (the rest of the message applies); a delta for a pod the stream does not hold claims it
 //! and asks for a resync.
@@ -43,6 +44,7 @@ use crate::pool::{Pool, PoolUpdate, StreamId};
 
 pub mod guard;
 pub mod tls;
+pub mod token;
 
 pub use guard::{Refusal, Refusals, ReportScope, Trust};
 
@@ -98,6 +100,32 @@ impl AgentIngest for IngestService {
         let peer = request.remote_addr().map(|a| a.to_string()).unwrap_or_default();
         let request_ip = request.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default();
         let leaf = request.peer_certs().and_then(|c| c.first().cloned());
+        let token_node = match &self.trust.tokens {
+            Some(verifier) => {
+                let refuse = |reason: Refusal, detail: &dyn std::fmt::Display| {
+                    self.trust.refusals.refuse(reason, &request_ip, "", detail);
+                };
+                let Some(token) = token::bearer(request.metadata()) else {
+                    refuse(Refusal::NoToken, &"stream without authorization: Bearer <ServiceAccount token>");
+                    return Err(Status::unauthenticated("a ServiceAccount token (authorization: Bearer) is required"));
+                };
+                match verifier.verify(token).await {
+                    Ok(pod) => {
+                        debug!(pod = %pod.pod, node = %pod.node, "agent token verified");
+                        Some(pod.node)
+                    }
+                    Err(e) => {
+                        refuse(e.reason, &e.detail);
+                        return Err(if e.reason == Refusal::TokenReviewUnavailable {
+                            Status::unavailable("the agent's token cannot be verified now; retry")
+                        } else {
+                            Status::unauthenticated(format!("agent token refused: {}", e.reason.as_str()))
+                        });
+                    }
+                }
+            }
+            None => None,
+        };
         if self.trust.mtls && leaf.is_none() {
             // Unreachable through the mTLS listener (the handshake requires a certificate).
             self.trust.refusals.refuse(
@@ -114,6 +142,7 @@ impl AgentIngest for IngestService {
         let mut session = Session::new(self.pool.clone(), stream, tx);
         session.trust = Some(self.trust.clone());
         session.leaf = leaf;
+        session.token_node = token_node;
         // Refusals are logged once per (reason, peer IP), not per connection.
         session.peer = request_ip;
         tokio::spawn(session.run(inbound, peer));
@@ -145,6 +174,8 @@ struct Session {
     trust: Option<Trust>,
     /// The client certificate (mTLS).
     leaf: Option<rustls_pki_types::CertificateDer<'static>>,
+    /// The node of the pod whose token opened the stream (token identity).
+    token_node: Option<String>,
     /// The node of the accepted `Hello`.
     node: Option<String>,
     peer: String,
@@ -161,6 +192,7 @@ impl Session {
             last_ack: Instant::now(),
             trust: None,
             leaf: None,
+            token_node: None,
             node: None,
             peer: String::new(),
         }
@@ -360,15 +392,28 @@ impl Session {
         }
     }
 
-    /// Takes the `Hello`'s `node` as this stream's identity if the client certificate names it
-    /// (mTLS) or on trust (plaintext). Otherwise the stream has no identity: its reports are
+    /// Takes the `Hello`'s `node` as this stream's identity if it is the node of the stream's
+    /// token (token identity), the client certificate names it (mTLS), or on trust (plaintext). Otherwise the stream has no identity: its reports are
     /// refused and the pods it held are released.
     fn accept_node(&mut self, node: &str) -> bool {
         let Some(t) = &self.trust else {
             self.node = Some(node.to_string());
             return true;
         };
-        if t.mtls && !self.leaf.as_ref().is_some_and(|leaf| guard::certificate_names_node(leaf, node)) {
+        if t.tokens.is_some() && self.token_node.as_deref() != Some(node) {
+            let detail = format!(
+                "Hello names node {node:?}; the stream's ServiceAccount token is of a pod on {:?}",
+                self.token_node.as_deref().unwrap_or("")
+            );
+            t.refusals.refuse(Refusal::NodeNotInToken, &self.peer, "", &detail);
+            self.node = None;
+            self.release_unlisted(&std::collections::HashSet::new());
+            return false;
+        }
+        if t.tokens.is_none()
+            && t.mtls
+            && !self.leaf.as_ref().is_some_and(|leaf| guard::certificate_names_node(leaf, node))
+        {
             let detail = format!(
                 "Hello names node {node:?}; the certificate does not (DNS SAN <node>{})",
                 guard::AGENT_SAN_SUFFIX

@@ -2,7 +2,9 @@
 //!
 //! The picker presents `cert_file`/`key_file` and requires every agent to present a client
 //! certificate chained to `ca_file` (rustls' WebPKI client verifier: no certificate, or one that
-//! does not chain to the CA, fails the handshake; nothing reaches the gRPC service). The files are
+//! does not chain to the CA, fails the handshake; nothing reaches the gRPC service). With token
+//! identity ([`ReloadingTls::optional_client`]) a client certificate is optional, and checked
+//! against `ca_file` when presented (picker replicas present theirs for ReplicaSync). The files are
 //! the ones a Kubernetes Secret mounts (`tls.crt`, `tls.key`, `ca.crt`); they are re-read at most
 //! every [`RELOAD_CHECK`] when a connection arrives, and when their bytes changed the next
 //! connections use the new material (open streams keep theirs). A rotation that leaves the files
@@ -79,10 +81,12 @@ pub enum TlsError {
 /// The file contents a configuration was built from (CA empty: no client authentication).
 type Material = [Vec<u8>; 3];
 
-/// The files of one listener: with a CA, clients must present a certificate chained to it.
+/// The files of one listener: with a CA, clients must present a certificate chained to it
+/// (or may, when `optional_client`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Files {
     ca_file: Option<PathBuf>,
+    optional_client: bool,
     cert_file: PathBuf,
     key_file: PathBuf,
 }
@@ -120,9 +124,11 @@ fn build(files: &Files, material: &Material) -> Result<Arc<ServerConfig>, TlsErr
             if roots.is_empty() {
                 return Err(pem_err(ca_file, "no CA certificate"));
             }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-                .build()
-                .map_err(|e| TlsError::Config(e.to_string()))?;
+            let mut verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            if files.optional_client {
+                verifier = verifier.allow_unauthenticated();
+            }
+            let verifier = verifier.build().map_err(|e| TlsError::Config(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
@@ -164,6 +170,19 @@ impl ReloadingTls {
     pub fn mutual(files: &TlsFiles) -> Result<Self, TlsError> {
         Self::load(Files {
             ca_file: Some(files.ca_file.clone()),
+            optional_client: false,
+            cert_file: files.cert_file.clone(),
+            key_file: files.key_file.clone(),
+        })
+    }
+
+    /// TLS where a client certificate is optional but, when presented, must chain to
+    /// `files.ca_file` (token identity: agents authenticate with a token, picker replicas with
+    /// their certificate). Loads the files once; an error here refuses the start.
+    pub fn optional_client(files: &TlsFiles) -> Result<Self, TlsError> {
+        Self::load(Files {
+            ca_file: Some(files.ca_file.clone()),
+            optional_client: true,
             cert_file: files.cert_file.clone(),
             key_file: files.key_file.clone(),
         })
@@ -171,7 +190,12 @@ impl ReloadingTls {
 
     /// Server-only TLS (no client certificate asked), e.g. ext_proc's `--secure-serving`.
     pub fn server_only(cert_file: &Path, key_file: &Path) -> Result<Self, TlsError> {
-        Self::load(Files { ca_file: None, cert_file: cert_file.to_path_buf(), key_file: key_file.to_path_buf() })
+        Self::load(Files {
+            ca_file: None,
+            optional_client: false,
+            cert_file: cert_file.to_path_buf(),
+            key_file: key_file.to_path_buf(),
+        })
     }
 
     fn load(files: Files) -> Result<Self, TlsError> {

@@ -601,3 +601,61 @@ fn replica_peers_need_the_service_pod_ip_and_endpointslice_rbac() {
         "may list and watch discovery.k8s.io endpointslices",
     );
 }
+
+/// Agents prove their node with a projected ServiceAccount token (docs/design.md §14): the picker
+/// may create TokenReviews (and nothing else cluster-wide) and get pods, the agent mounts a token
+/// for the picker's audience where `--picker-token-file` points; each broken piece is a problem.
+#[test]
+fn token_identity_needs_tokenreview_rbac_and_the_agents_projected_token() {
+    fn agent_spec(r: &mut Rendered) -> &mut k8s_openapi::api::core::v1::PodSpec {
+        agent_ds(r).spec.as_mut().unwrap().template.spec.as_mut().unwrap()
+    }
+    let rendered_clean = rendered("standalone");
+    assert!(
+        !kinds(&rendered_clean).iter().any(|k| k.starts_with("Certificate/kvroute-agent")),
+        "no Certificate per node: {:?}",
+        kinds(&rendered_clean)
+    );
+    broken(
+        "standalone",
+        |r| r.objects.retain(|o| !matches!(o, Object::ClusterRoleBinding(_))),
+        "bound (ClusterRoleBinding) to a ClusterRole granting authentication.k8s.io tokenreviews create",
+    );
+    broken(
+        "standalone",
+        |r| {
+            for o in &mut r.objects {
+                if let Object::ClusterRole(c) = o {
+                    c.rules.as_mut().unwrap()[0].resources = Some(vec!["tokenreviews".into(), "secrets".into()]);
+                }
+            }
+        },
+        "the one cluster-wide grant kvroute needs is create on authentication.k8s.io tokenreviews",
+    );
+    broken(
+        "standalone",
+        move |r| {
+            for v in agent_spec(r).volumes.as_mut().unwrap() {
+                for s in v.projected.as_mut().and_then(|p| p.sources.as_mut()).into_iter().flatten() {
+                    if let Some(t) = s.service_account_token.as_mut() {
+                        t.audience = Some("https://kubernetes.default.svc".into());
+                    }
+                }
+            }
+        },
+        "is not a mounted serviceAccountToken for audience kvroute-picker",
+    );
+    broken(
+        "standalone",
+        move |r| {
+            let c = &mut agent_spec(r).containers[0];
+            c.args.as_mut().unwrap().retain(|a| !a.starts_with("--picker-token-file"));
+        },
+        "the agent needs --picker-token-file",
+    );
+    broken(
+        "standalone",
+        move |r| agent_spec(r).service_account_name = Some("default".into()),
+        "agent_token.service_account kvroute-agent is not the agent DaemonSet's serviceAccountName",
+    );
+}

@@ -12,5 +12,5 @@ pub mod apiserver;
 pub mod kubelet;
 pub mod objects;
 
-pub use apiserver::{ApiError, ApiServer, Options, ResourceType, Store};
+pub use apiserver::{ApiError, ApiServer, BoundPod, Options, ResourceType, Store, TokenSpec};
 pub use objects::endpoint_slice;

@@ -99,3 +99,37 @@ async fn bookmarks_keep_a_quiet_watch_resumable() {
     let without = quiet_watch_then_drop(false).await;
     assert!(without.expired >= 1 && without.lists >= 2, "without bookmarks the version expired: {without:?}");
 }
+
+/// TokenReview through kube-rs' typed client: the request and the answer (de)serialise as
+/// `authentication.k8s.io/v1` types, for a pod-bound token and a refused one.
+#[tokio::test]
+async fn token_reviews_round_trip_through_kube_rs() {
+    use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+    use kube::api::PostParams;
+    use kvroute_kube_stand_in::TokenSpec;
+    let server = ApiServer::start().await.unwrap();
+    let agent = server.create(&pod("agent-x")).unwrap();
+    let uid = agent.metadata.uid.unwrap();
+    let token = server.issue_token(TokenSpec::pod_bound("ns", "agent", "kvroute-picker", "agent-x", &uid, "n1"));
+    let api: Api<TokenReview> = Api::all(server.client("ns").unwrap());
+    let review = |token: &str, aud: &str| TokenReview {
+        spec: TokenReviewSpec { token: Some(token.into()), audiences: Some(vec![aud.into()]) },
+        ..Default::default()
+    };
+    let ok = api.create(&PostParams::default(), &review(&token, "kvroute-picker")).await.unwrap().status.unwrap();
+    assert_eq!(ok.authenticated, Some(true));
+    assert_eq!(ok.audiences.as_deref(), Some(&["kvroute-picker".to_string()][..]));
+    let user = ok.user.unwrap();
+    assert_eq!(user.username.as_deref(), Some("system:serviceaccount:ns:agent"));
+    let extra = user.extra.unwrap();
+    assert_eq!(extra["authentication.kubernetes.io/pod-uid"], [uid]);
+    assert_eq!(extra["authentication.kubernetes.io/node-name"], ["n1"]);
+    let refused = api.create(&PostParams::default(), &review(&token, "api")).await.unwrap().status.unwrap();
+    assert_eq!(refused.authenticated, None);
+    assert!(refused.error.unwrap().contains("invalid for the target audiences"));
+    // Once the pod is gone, so is its token.
+    server.delete::<Pod>("ns", "agent-x").unwrap();
+    let gone = api.create(&PostParams::default(), &review(&token, "kvroute-picker")).await.unwrap().status.unwrap();
+    assert_eq!(gone.authenticated, None);
+    assert_eq!(server.token_reviews(), 3);
+}

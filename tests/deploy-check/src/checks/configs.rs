@@ -75,6 +75,9 @@ pub(super) fn picker(r: &Rendered, ctx: &CheckContext, out: &mut Vec<Problem>) {
     let pool = flag_value(c, "--pool-name");
     check_pool_name(&mut sink, r, pool.as_deref());
     config.apply_pool_flags(pool.as_deref(), None);
+    if config.agent_auth() == kvroute_picker::ingest::token::AgentAuth::Token {
+        check_token_identity(&mut sink, r, ctx, sa, &config);
+    }
     if let Err(e) = config.validate().and_then(|()| config.require_pool_source()) {
         sink.push(format!("ConfigMap {cm} key {key} fails the picker's validation: {e}"));
     }
@@ -236,6 +239,96 @@ fn check_replica_peers(
             "replicas.service needs ServiceAccount {sa} bound to a Role that may list and watch discovery.k8s.io endpointslices"
         ));
     }
+}
+
+/// Token identity (docs/design.md §14): the picker's ServiceAccount may create TokenReviews and
+/// get pods; the agents run as `agent_token.service_account` and send a projected token for
+/// `agent_token.audience` from the file `--picker-token-file` names.
+fn check_token_identity(sink: &mut Sink<'_>, r: &Rendered, ctx: &CheckContext, sa: &str, config: &PickerConfig) {
+    let reviews = r.objects.iter().any(|o| match o {
+        Object::ClusterRoleBinding(b) => {
+            b.role_ref.kind == "ClusterRole"
+                && super::refs::token_review_role(r, &b.role_ref.name)
+                && b.subjects.as_deref().unwrap_or(&[]).iter().any(|s| s.kind == "ServiceAccount" && s.name == sa)
+        }
+        _ => false,
+    });
+    if !reviews {
+        sink.push(format!(
+            "agent_auth token needs ServiceAccount {sa} bound (ClusterRoleBinding) to a ClusterRole granting \
+             authentication.k8s.io tokenreviews create"
+        ));
+    }
+    if !role_grants(r, sa, "", "pods", &["get"]) {
+        sink.push(format!("agent_auth token needs ServiceAccount {sa} bound to a Role that may get pods"));
+    }
+    let Some(agent) = r.workload(&ctx.agent) else { return };
+    let Some(spec) = agent.template.spec.as_ref() else { return };
+    let want = &config.agent_token;
+    if spec.service_account_name.as_deref() != Some(want.service_account.as_str()) {
+        sink.push(format!(
+            "agent_token.service_account {} is not the agent DaemonSet's serviceAccountName {:?}",
+            want.service_account, spec.service_account_name
+        ));
+    }
+    // Where the agent's projected token for the picker's audience is mounted.
+    let mut token_paths = Vec::new();
+    for v in spec.volumes.as_deref().unwrap_or(&[]) {
+        for src in v.projected.as_ref().and_then(|p| p.sources.as_deref()).unwrap_or(&[]) {
+            let Some(t) = &src.service_account_token else { continue };
+            if t.audience.as_deref() != Some(want.audience.as_str()) {
+                continue;
+            }
+            for c in &spec.containers {
+                for m in c.volume_mounts.as_deref().unwrap_or(&[]).iter().filter(|m| m.name == v.name) {
+                    token_paths.push(format!("{}/{}", m.mount_path.trim_end_matches('/'), t.path));
+                }
+            }
+        }
+    }
+    let flag = spec
+        .containers
+        .iter()
+        .flat_map(|c| c.args.as_deref().unwrap_or(&[]))
+        .find_map(|a| a.strip_prefix("--picker-token-file=").map(str::to_string));
+    match flag {
+        Some(f) if token_paths.contains(&f) => {}
+        Some(f) => sink.push(format!(
+            "agent --picker-token-file={f} is not a mounted serviceAccountToken for audience {} (mounted: {token_paths:?})",
+            want.audience
+        )),
+        None => sink.push(format!(
+            "agent_auth token: the agent needs --picker-token-file=<a projected serviceAccountToken for audience {}>",
+            want.audience
+        )),
+    }
+}
+
+/// Whether a RoleBinding binds ServiceAccount `sa` to a Role granting `verbs` on `resources` of
+/// API group `group`.
+fn role_grants(r: &Rendered, sa: &str, group: &str, resource: &str, verbs: &[&str]) -> bool {
+    let grants = |role: &str| {
+        r.objects.iter().any(|o| match o {
+            Object::Role(ro) if ro.metadata.name.as_deref() == Some(role) => {
+                ro.rules.as_deref().unwrap_or(&[]).iter().any(|rule| {
+                    let has =
+                        |v: &Option<Vec<String>>, want: &str| v.as_deref().unwrap_or(&[]).iter().any(|x| x == want);
+                    has(&rule.api_groups, group)
+                        && has(&rule.resources, resource)
+                        && verbs.iter().all(|v| rule.verbs.iter().any(|x| x == v))
+                })
+            }
+            _ => false,
+        })
+    };
+    r.objects.iter().any(|o| match o {
+        Object::RoleBinding(b) => {
+            b.role_ref.kind == "Role"
+                && b.subjects.as_deref().unwrap_or(&[]).iter().any(|s| s.kind == "ServiceAccount" && s.name == sa)
+                && grants(&b.role_ref.name)
+        }
+        _ => false,
+    })
 }
 
 /// Whether a RoleBinding binds ServiceAccount `sa` to a Role granting `list` and `watch` on

@@ -165,6 +165,16 @@ pub(super) fn security(r: &Rendered, out: &mut Vec<Problem>) {
     }
 }
 
+/// Whether ClusterRole `name` exists and grants only `create` on TokenReviews.
+pub(super) fn token_review_role(r: &Rendered, name: &str) -> bool {
+    r.objects.iter().any(|o| match o {
+        Object::ClusterRole(c) => {
+            c.metadata.name.as_deref() == Some(name) && tokenreview_only(c.rules.as_deref().unwrap_or(&[]))
+        }
+        _ => false,
+    })
+}
+
 /// Whether `rules` grant exactly `create` on `authentication.k8s.io` `tokenreviews` and nothing else.
 fn tokenreview_only(rules: &[PolicyRule]) -> bool {
     let only = |v: &Option<Vec<String>>, want: &str| v.as_deref().is_some_and(|v| v.len() == 1 && v[0] == want);

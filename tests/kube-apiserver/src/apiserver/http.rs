@@ -92,7 +92,26 @@ async fn read_body(body: Body) -> Result<Value, ApiError> {
     serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_request(&format!("invalid JSON body: {e}")))
 }
 
+/// The path of TokenReview's create (docs: `tokens.rs`).
+const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
+
 async fn route(app: &App, method: &Method, uri: &Uri, body: Body) -> Result<Response, ApiError> {
+    if uri.path().trim_end_matches('/') == TOKEN_REVIEWS {
+        if method != Method::POST {
+            return Err(ApiError {
+                code: 405,
+                reason: "MethodNotAllowed",
+                message: format!("{method} is not supported here"),
+            });
+        }
+        let review = read_body(body).await?;
+        let pods = ResourceType::of::<k8s_openapi::api::core::v1::Pod>();
+        let pod_uid = |ns: &str, name: &str| {
+            app.store.get(&pods, ns, name).and_then(|p| p["metadata"]["uid"].as_str().map(str::to_string))
+        };
+        let answer = app.store.tokens.review(&review, pod_uid)?;
+        return Ok(json_response(StatusCode::CREATED, &answer));
+    }
     let target = parse_path(&app.store, uri.path())?;
     let query: HashMap<String, String> = Query::try_from_uri(uri).map(|q| q.0).unwrap_or_default();
     let Target { res, namespace, name } = target;

@@ -17,13 +17,16 @@
 //! - `labelSelector` (`=`, `==`, `!=`, `in`, `notin`, exists, `!`), `fieldSelector` with the
 //!   resource's supported fields (pods: `spec.nodeName`, `status.phase`, …; unsupported = 400).
 //! - `GET`, `POST`, `PUT` (also `/status`), `DELETE` of one object.
+//! - `POST /apis/authentication.k8s.io/v1/tokenreviews` for ServiceAccount tokens it issued
+//!   ([`ApiServer::issue_token`]) or a test registered ([`tokens`]).
 //!
-//! Not implemented: authentication, discovery, PATCH, admission/defaulting, graceful deletion
+//! Not implemented: authentication of its own callers, discovery, PATCH, admission/defaulting, graceful deletion
 //! (set `metadata.deletionTimestamp` with a modify, then delete, to play it).
 
 mod http;
 pub mod selector;
 mod store;
+pub mod tokens;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,6 +37,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 pub use store::{EventType, RequestCounts, ResourceType, Store};
+pub use tokens::{BoundPod, TokenSpec};
 
 /// An API error, rendered as a `Status` object with its HTTP code.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -241,6 +245,27 @@ impl ApiServer {
     /// 404 if absent.
     pub fn delete<K: kube::Resource<DynamicType = ()>>(&self, namespace: &str, name: &str) -> Result<(), ApiError> {
         self.store.delete(&ResourceType::of::<K>(), namespace, name).map(|_| ())
+    }
+
+    /// Issues a ServiceAccount token for `spec` (JWT-shaped, see [`tokens`]) that TokenReview
+    /// authenticates until `spec.expires_at`, while its bound pod exists with its uid.
+    pub fn issue_token(&self, spec: TokenSpec) -> String {
+        self.store.tokens.issue(spec)
+    }
+
+    /// Makes `token` (any string) stand for `spec` in TokenReview.
+    pub fn register_token(&self, token: &str, spec: TokenSpec) {
+        self.store.tokens.register(token, spec);
+    }
+
+    /// Forgets `token`: later reviews answer unauthenticated.
+    pub fn revoke_token(&self, token: &str) {
+        self.store.tokens.revoke(token);
+    }
+
+    /// TokenReviews answered so far.
+    pub fn token_reviews(&self) -> u64 {
+        self.store.tokens.reviews()
     }
 
     /// Requests served for `K`'s resource.

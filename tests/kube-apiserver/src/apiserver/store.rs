@@ -214,6 +214,8 @@ pub struct Store {
     pub(crate) drop_epoch: watch::Sender<u64>,
     /// While true, requests wait (the server is unreachable).
     pub(crate) paused: watch::Sender<bool>,
+    /// ServiceAccount tokens for TokenReview.
+    pub(crate) tokens: super::tokens::Tokens,
 }
 
 impl Store {
@@ -236,6 +238,7 @@ impl Store {
             events,
             drop_epoch,
             paused,
+            tokens: super::tokens::Tokens::default(),
         }
     }
 
