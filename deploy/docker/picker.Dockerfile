@@ -15,7 +15,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/kvroute-picker /usr/local/bin/kvroute-picker
 USER 65532:65532
-# 9002 ext_proc gRPC + grpc.health.v1, 9003 agent ingest gRPC, 9090 /metrics /healthz /explain
-EXPOSE 9002 9003 9090
+# 9002 ext_proc gRPC + grpc.health.v1, 9003 grpc.health.v1 (GIE probes), 9004 agent ingest gRPC, 9090 /metrics /healthz /explain
+EXPOSE 9002 9003 9004 9090
 ENTRYPOINT ["/usr/local/bin/kvroute-picker"]
 CMD ["--config", "/etc/kvroute/picker.yaml"]

@@ -110,7 +110,7 @@ fn check_config_version_and_exit_codes() {
     let good = write_config(
         "check",
         &format!(
-            "ext_proc_addr: 127.0.0.1:{port}\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+            "ext_proc_addr: 127.0.0.1:{port}\nhealth_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
              insecure_ingest: true\npool_file: pool.yaml\nmodels: [{{name: m, tokenizer: {}}}]\n",
             tokenizer_dir()
         ),

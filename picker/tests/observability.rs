@@ -44,7 +44,7 @@ fn repo() -> PathBuf {
 
 fn config_yaml(ext_proc: &str, ingest: &str, admin: &str) -> String {
     format!(
-        "ext_proc_addr: {ext_proc}\ningest_addr: {ingest}\ninsecure_ingest: true\nadmin_addr: {admin}\nblock_size: 16\n\
+        "ext_proc_addr: {ext_proc}\nhealth_addr: 127.0.0.1:0\ningest_addr: {ingest}\ninsecure_ingest: true\nadmin_addr: {admin}\nblock_size: 16\n\
          models:\n  - name: {MODEL}\n    target_model: {MODEL}\n    tokenizer: {tok}\n\
            \x20 - name: sql\n    target_model: {MODEL}\n    adapter: sql-lora\n\
          scoring: {{ max_queue: 20, health_exclusion_threshold: 0.3 }}\n",
