@@ -357,7 +357,9 @@ pub struct ModelConfig {
     pub adapter: Option<String>,
     /// HuggingFace tokenizer directory (`tokenizer.json`, `tokenizer_config.json`). Relative
     /// paths resolve against the config file's directory. Without one the model routes in
-    /// approximate mode (unless `mode: precise`, then by load only).
+    /// approximate mode (unless `mode: precise`, then by load only). A directory without
+    /// `tokenizer.json` (a volume not mounted or not filled yet) counts as none: approximate mode,
+    /// logged once at start; with `mode: precise` it is a config error.
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
     /// `precise` (token blocks against the KV-event index) or `approximate` (text blocks against
@@ -791,13 +793,17 @@ impl PickerConfig {
                     "is empty; use null for the base model",
                 ));
             }
+            // Without `mode: precise` an absent tokenizer means approximate mode (logged at
+            // start, `ModelRegistry::load`): the picker starts before the tokenizer is mounted.
             if let Some(dir) = &m.tokenizer
+                && m.mode == Some(RoutingMode::Precise)
                 && !dir.join("tokenizer.json").is_file()
             {
                 return Err(ConfigError::invalid(
                     field("tokenizer"),
                     dir.display(),
-                    "this directory has no tokenizer.json; point it at a HuggingFace tokenizer directory",
+                    "mode precise and this directory has no tokenizer.json; point it at a HuggingFace tokenizer \
+                     directory, or drop mode for approximate mode until it is there",
                 ));
             }
         }
@@ -1042,8 +1048,11 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
     }
 
     #[test]
-    fn missing_tokenizer_dir_rejected() {
+    fn missing_tokenizer_dir_is_approximate_mode_unless_precise_is_asked() {
         let c = PickerConfig::from_yaml("models: [{name: m, tokenizer: /nonexistent/dir}]").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.models[0].effective_mode(false), RoutingMode::Approximate);
+        let c = PickerConfig::from_yaml("models: [{name: m, tokenizer: /nonexistent/dir, mode: precise}]").unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("tokenizer.json"));
     }
 
