@@ -507,6 +507,27 @@ async fn pool_members_route_by_load_before_reports_and_unready_ones_never() {
     drop((d, d2));
 }
 
+/// A pod whose agent cannot tell its GPU assignment (health 0.7, "GPU assignment unknown") is
+/// not ranked below a pod no agent reports on: both GPU states are unknown.
+#[tokio::test]
+async fn a_pod_of_unknown_gpus_is_not_ranked_below_a_pod_without_an_agent() {
+    use crate::pool::tests::view;
+    let (pool, r) = router(ScoringConfig::default());
+    assert!(pool.set_membership(view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", true)])).await.is_ok());
+    let mut unknown = stats(0.0, 0, kvroute_common::UNKNOWN_GPU_HEALTH);
+    unknown.health_reason = "GPU assignment unknown".into();
+    put(&pool, "a-rank-0", "m", unknown, &[]).await;
+    let e = r.explain(&req(&[]));
+    let score = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| (c.health, c.score));
+    let (Some((ha, sa)), Some((hb, sb))) = (score("a-rank-0"), score("b-rank-0")) else { panic!("{e:?}") };
+    assert_eq!((ha, hb), (kvroute_common::UNKNOWN_GPU_HEALTH, crate::pool::NO_REPORT_HEALTH));
+    assert!(sa >= sb, "unknown GPUs {sa} ranked below no agent {sb}");
+    // A healthy reporting pod still ranks above both unknowns.
+    put(&pool, "a-rank-0", "m", stats(0.0, 0, 1.0), &[]).await;
+    let e = r.explain(&req(&[]));
+    assert_eq!(e.choice.as_deref(), Some("a-rank-0"), "{e:?}");
+}
+
 #[tokio::test]
 async fn an_unreachable_pod_is_not_a_candidate_and_a_stale_one_loses_its_perfect_health() {
     let pool = Pool::new(PoolConfig { max_report_age_ms: 100, ..PoolConfig::default() });
