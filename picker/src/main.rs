@@ -71,6 +71,13 @@ struct Cli {
     /// GIE's log encoder flag: kvroute logs JSON lines either way.
     #[arg(long, value_parser = ["json", "console"])]
     zap_encoder: Option<String>,
+    /// GIE's log level flag (`debug`, `info`, `error`, ...); overrides `--log-level`.
+    #[arg(long)]
+    zap_log_level: Option<String>,
+    /// GIE's log verbosity (`-v N`): up to 2 is `info`, 3 and 4 `debug`, 5 and more `trace`;
+    /// overrides `--log-level`, not `--zap-log-level`.
+    #[arg(short = 'v', long = "v")]
+    verbosity: Option<u8>,
     /// GIE's engine-metric flags (its chart passes them for Triton): kvroute's agents read the
     /// engines, so they are accepted and not applied.
     #[arg(long, hide = true)]
@@ -91,6 +98,20 @@ struct Cli {
     /// and exit without serving.
     #[arg(long)]
     check_config: bool,
+}
+
+/// The log filter: `--zap-log-level`, else GIE's `-v` verbosity (GIE's levels: 2 default, 4
+/// debug, 5 trace), else `--log-level`.
+fn log_level(cli: &Cli) -> String {
+    if let Some(level) = &cli.zap_log_level {
+        return level.clone();
+    }
+    match cli.verbosity {
+        Some(0..=2) => "info".into(),
+        Some(3..=4) => "debug".into(),
+        Some(_) => "trace".into(),
+        None => cli.log_level.clone(),
+    }
 }
 
 /// The only InferencePool group kvroute watches (`inference.networking.k8s.io/v1`).
@@ -154,7 +175,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let telemetry = match kvroute_common::telemetry::init(
         "kvroute-picker",
-        &cli.log_level,
+        &log_level(&cli),
         &kvroute_common::telemetry::TelemetryConfig::from_env(),
     ) {
         Ok(t) => t,

@@ -117,6 +117,53 @@ fn kvroute_settings_ride_in_the_plugins_config_or_in_config_not_both() {
     assert_eq!(c.pool_file.as_deref(), Some(dir.path().join("pool.yaml").as_path()));
 }
 
+/// GIE's flags as its chart and users pass them: accepted with GIE's meaning, bad values refused
+/// with exit code 2 naming the flag.
+#[test]
+fn gie_flags_are_accepted_and_checked() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvroute-picker")).args(args).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    };
+    let config = fixture("default-plugins.yaml");
+    let config = config.to_str().unwrap();
+    let ok = [
+        "--pool-name",
+        "p",
+        "--pool-namespace",
+        "ns",
+        "--config-file",
+        config,
+        "--zap-encoder",
+        "json",
+        "--zap-log-level",
+        "error",
+        "-v",
+        "3",
+        "--grpc-port",
+        "19002",
+        "--grpc-health-port",
+        "19003",
+        "--metrics-port",
+        "19090",
+        "--secure-serving=false",
+        "--check-config",
+    ];
+    let (code, out) = run(&ok);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("config OK"), "{out}");
+    for (bad, needle) in [
+        (&["--pool-name", "p", "--pool-group", "inference.networking.x-k8s.io", "--check-config"][..], "--pool-group"),
+        (&["--pool-name", "p", "--grpc-port", "9002", "--grpc-health-port", "9002", "--check-config"], "health_addr"),
+        (&["--pool-name", "p", "--zap-encoder", "xml", "--check-config"], "zap-encoder"),
+        (&["--check-config"], "--pool-name"),
+    ] {
+        let (code, out) = run(bad);
+        assert_eq!(code, Some(2), "{bad:?}: {out}");
+        assert!(out.contains(needle), "{bad:?}: {out}");
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
