@@ -486,6 +486,10 @@ impl Pool {
                     if stale {
                         stats.health_reason = reason.to_owned();
                     }
+                } else if st.member == Membership::PoolReady {
+                    // As scoring counts it (`epp_pod_health_score`, `/explain`): unknown, not 0.
+                    stats.health_score = NO_REPORT_HEALTH;
+                    stats.health_reason = NO_REPORT_REASON.to_owned();
                 }
                 PodView {
                     name: rec.name.to_string(),
