@@ -57,8 +57,9 @@ pub enum GpuVisibility {
     Unknown,
 }
 
-/// Soft penalty for GPUs the agent cannot see.
-pub const GPU_UNSEEN_PENALTY: f64 = 0.3;
+/// Soft penalty for GPUs the agent cannot see (shared with the picker, which counts a pod no
+/// agent reports on as this unknown too).
+pub use kvroute_common::GPU_UNSEEN_PENALTY;
 
 /// Everything the score depends on, for one pod.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -215,6 +216,16 @@ mod tests {
         assert_eq!(band(h.score), 4);
         let h = with(|i| i.probe = ProbeOutcome::Ok { latency_ms: 30.0 });
         assert_eq!(h.score, 1.0);
+    }
+
+    /// A pod whose GPUs are unknown scores what the picker counts for a pod with no agent, so
+    /// neither ranks below the other.
+    #[test]
+    fn unknown_gpus_score_the_pickers_no_report_health() {
+        for gpus in [GpuVisibility::Unknown, GpuVisibility::NotFound] {
+            let h = with(|i| i.gpus = gpus);
+            assert!((h.score - kvroute_common::UNKNOWN_GPU_HEALTH).abs() < 1e-12, "{gpus:?}: {h:?}");
+        }
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //!
 //! Recovery is kube-runtime's: a dropped watch resumes from the last resourceVersion; `410 Gone`
 //! (an expired resourceVersion) relists, and the relist replaces the local copy whole; other
-//! errors are retried with [`crate::watch::WatchBackoff`]. The pod watch is restarted with the new
-//! label selector whenever the pool's selector changes.
+//! errors are retried with [`crate::watch::WatchBackoff`] (slowly, every
+//! [`crate::watch::SLOW_RETRY`] at most, for a resource the API answers 404 or 403 for) and
+//! logged once per run of identical errors, naming the resource. The pod watch is restarted with
+//! the new label selector whenever the pool's selector changes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,7 +24,9 @@ use crate::engine::{NodeView, build_node_view};
 use crate::error::ClusterError;
 use crate::models::ModelTable;
 use crate::pool::{PoolPod, PoolSpecView, PoolView, Source};
-use crate::watch::{Cache, Publisher, Snapshot, WatchStats, Watched, slim, watch_stream};
+use crate::watch::{
+    Cache, Publisher, SLOW_RETRY, Snapshot, WatchStats, Watched, refused, resource_name, slim, watch_stream,
+};
 
 /// The pool namespace as the GIE EPP chooses it: `--pool-namespace`, else `$NAMESPACE`, else
 /// `default`.
@@ -111,12 +115,14 @@ async fn run_pool<T: Snapshot>(
     project: impl Fn(Option<&PoolSpecView>, &BTreeMap<String, Pod>, bool) -> T + Send + 'static,
 ) {
     let stats: Arc<WatchStats> = publisher.stats().clone();
+    let (pool_what, pod_what) =
+        (resource_name::<InferencePool>(&pool.namespace), resource_name::<Pod>(&pool.namespace));
     let pools: Api<InferencePool> = Api::namespaced(client.clone(), &pool.namespace);
     let mut pool_events =
         watch_stream(pools, watcher::Config::default().fields(&format!("metadata.name={}", pool.name))).boxed();
-    let mut pool_cache: Cache<InferencePool> = Cache::default();
+    let mut pool_cache: Cache<InferencePool> = Cache::of(pool_what.clone());
     let mut spec: Option<PoolSpecView> = None;
-    let mut pods: Cache<Pod> = Cache::default();
+    let mut pods: Cache<Pod> = Cache::of(pod_what.clone());
     let mut pod_events: Option<PodStream> = None;
     let mut was_synced = false;
     loop {
@@ -128,7 +134,7 @@ async fn run_pool<T: Snapshot>(
                         let next = pool_cache.live.get(&pool.name).map(|p| PoolSpecView::from_spec(&p.spec));
                         let selector_changed = next.as_ref().map(|s| &s.selector) != spec.as_ref().map(|s| &s.selector);
                         if selector_changed {
-                            pods = Cache::default();
+                            pods = Cache::of(pod_what.clone());
                             pod_events = next.as_ref().map(|s| pod_stream(&client, &pool.namespace, s, node.as_deref()));
                         }
                         spec = next;
@@ -138,7 +144,7 @@ async fn run_pool<T: Snapshot>(
                     }
                 }
                 Some(Err(e)) => {
-                    stats.error("InferencePool", &e);
+                    stats.error(&pool_what, &e);
                     false
                 }
                 None => return,
@@ -146,7 +152,7 @@ async fn run_pool<T: Snapshot>(
             ev = next_pod_event(&mut pod_events) => match ev {
                 Some(Ok(ev)) => pods.apply(ev.modify(slim), &stats),
                 Some(Err(e)) => {
-                    stats.error("Pod", &e);
+                    stats.error(&pod_what, &e);
                     false
                 }
                 None => false,
@@ -165,13 +171,16 @@ async fn run_pool<T: Snapshot>(
 }
 
 /// Watches the pool's InferenceObjective and InferenceModelRewrite objects (`llm-d.ai/v1alpha2`,
-/// in the pool's namespace). Where a CRD is not installed (the list answers 404) it counts as
-/// synced and empty, and is retried with backoff.
+/// in the pool's namespace). Where a CRD is not installed (the list answers 404) or may not be
+/// read (403) it counts as synced and empty: one WARN says so, and the list is tried again on
+/// the slow timer ([`SLOW_RETRY`]) until it succeeds.
 pub fn watch_models(client: Client, pool: PoolRef) -> Watched<ModelTable> {
     let source = pool.source();
     let (publisher, watched) = Publisher::new(ModelTable::empty(source.clone()));
     tokio::spawn(async move {
         let stats = publisher.stats().clone();
+        let objectives_what = resource_name::<InferenceObjective>(&pool.namespace);
+        let rewrites_what = resource_name::<InferenceModelRewrite>(&pool.namespace);
         let mut objectives_events = watch_stream(
             Api::<InferenceObjective>::namespaced(client.clone(), &pool.namespace),
             watcher::Config::default(),
@@ -182,19 +191,19 @@ pub fn watch_models(client: Client, pool: PoolRef) -> Watched<ModelTable> {
             watcher::Config::default(),
         )
         .boxed();
-        let mut objectives: Cache<InferenceObjective> = Cache::default();
-        let mut rewrites: Cache<InferenceModelRewrite> = Cache::default();
+        let mut objectives: Cache<InferenceObjective> = Cache::of(objectives_what.clone());
+        let mut rewrites: Cache<InferenceModelRewrite> = Cache::of(rewrites_what.clone());
         loop {
             let changed = tokio::select! {
                 () = publisher.closed() => return,
                 ev = objectives_events.next() => match ev {
                     Some(Ok(ev)) => objectives.apply(ev.modify(slim), &stats),
-                    Some(Err(e)) => not_installed(&e, &mut objectives, &stats, "InferenceObjective"),
+                    Some(Err(e)) => not_installed(&e, &mut objectives, &stats, &objectives_what),
                     None => return,
                 },
                 ev = rewrites_events.next() => match ev {
                     Some(Ok(ev)) => rewrites.apply(ev.modify(slim), &stats),
-                    Some(Err(e)) => not_installed(&e, &mut rewrites, &stats, "InferenceModelRewrite"),
+                    Some(Err(e)) => not_installed(&e, &mut rewrites, &stats, &rewrites_what),
                     None => return,
                 },
             };
@@ -209,12 +218,18 @@ pub fn watch_models(client: Client, pool: PoolRef) -> Watched<ModelTable> {
     watched
 }
 
-/// Records a watch error; a 404 on the initial list (CRD not installed) makes the cache listed
-/// and empty. Returns whether the cache changed.
+/// Records a watch error; a 404 or 403 (the CRD is not installed, or not readable) makes the
+/// cache listed and empty. Returns whether the cache changed.
 fn not_installed<K: kube::Resource>(e: &watcher::Error, cache: &mut Cache<K>, stats: &WatchStats, what: &str) -> bool {
-    stats.error(what, e);
-    let missing = matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(s)) if s.code == 404);
-    if missing && (!cache.listed || !cache.live.is_empty()) {
+    match refused(e) {
+        Some(code) => {
+            let why = if code == 404 { "not installed (404)" } else { "not readable by this service account (403)" };
+            let note = format!("{what} is {why}: routing without it; checking again every {} s", SLOW_RETRY.as_secs());
+            stats.error_noted(what, e, &note);
+        }
+        None => stats.error(what, e),
+    }
+    if refused(e).is_some() && (!cache.listed || !cache.live.is_empty()) {
         cache.live.clear();
         cache.listed = true;
         return true;

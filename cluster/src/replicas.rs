@@ -125,19 +125,20 @@ pub fn watch_picker_replicas(
     let empty = ReplicaView { service: service.into(), replicas: Vec::new(), synced: false, generation: 0 };
     let (publisher, watched) = Publisher::new(empty);
     let api: Api<EndpointSlice> = Api::namespaced(client, namespace);
+    let what = crate::watch::resource_name::<EndpointSlice>(namespace);
     let config = watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={service}"));
     let (service, port_name) = (service.to_string(), port_name.map(str::to_string));
     tokio::spawn(async move {
         let stats = publisher.stats().clone();
         let mut events = watch_stream(api, config).boxed();
-        let mut cache: Cache<EndpointSlice> = Cache::default();
+        let mut cache: Cache<EndpointSlice> = Cache::of(what.clone());
         loop {
             let changed = tokio::select! {
                 () = publisher.closed() => return,
                 ev = events.next() => match ev {
                     Some(Ok(ev)) => cache.apply(ev.modify(slim), &stats),
                     Some(Err(e)) => {
-                        stats.error("EndpointSlice", &e);
+                        stats.error(&what, &e);
                         false
                     }
                     None => return,

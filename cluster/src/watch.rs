@@ -1,6 +1,12 @@
 //! Shared machinery of the watchers: a local copy of one kube-runtime `watcher` stream (a
 //! reflector store that swaps its contents whole when a relist completes), the retry backoff,
 //! counters, and publication of immutable snapshots through a `tokio::sync::watch` channel.
+//!
+//! Errors are logged once: the first error of a run of identical ones is a WARN naming the
+//! resource (kind, group/version, namespace), repeats go to DEBUG, and the first progress after
+//! errors is an INFO "recovered". A resource the API refuses as not installed (404) or not
+//! permitted (403) is retried on the slow timer ([`SLOW_RETRY`]): only an operator's action
+//! brings it back.
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -8,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use kube::Resource;
 use kube::runtime::utils::Backoff;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -26,7 +32,11 @@ pub struct WatchStats {
     pub lists: AtomicU64,
     /// Snapshots published.
     pub published: AtomicU64,
+    /// Log lines at WARN this watcher wrote (one per run of identical errors of a resource).
+    pub warnings: AtomicU64,
     last_error: Mutex<Option<String>>,
+    /// Resources whose last outcome was an error → that error (a watcher may follow several).
+    failing: Mutex<BTreeMap<String, String>>,
 }
 
 impl WatchStats {
@@ -35,11 +45,45 @@ impl WatchStats {
         self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    pub(crate) fn error(&self, what: &str, e: &dyn std::fmt::Display) {
+    /// Counts an error of the watch of `what` (the resource, named for the log) and logs it at
+    /// WARN with `note` unless it repeats the previous error with no progress in between.
+    pub(crate) fn error_noted(&self, what: &str, e: &dyn std::fmt::Display, note: &str) {
         self.errors.fetch_add(1, Ordering::Relaxed);
         let msg = format!("{what}: {e}");
-        tracing::warn!(watch = what, error = %e, "watch error; retrying");
+        let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let repeat = failing.insert(what.to_owned(), msg.clone()).is_some_and(|m| m == msg);
+        drop(failing);
+        if repeat {
+            tracing::debug!(resource = what, error = %e, "watch error again");
+        } else {
+            self.warnings.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(resource = what, error = %e, "{note}");
+        }
         *self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(msg);
+    }
+
+    /// [`WatchStats::error_noted`] with the usual note (retried with backoff).
+    pub(crate) fn error(&self, what: &str, e: &dyn std::fmt::Display) {
+        self.error_noted(what, e, "watch error; retrying with backoff (repeats are logged at debug)");
+    }
+
+    /// The watch of `what` delivered data: after errors, logs that it recovered.
+    pub(crate) fn progressed(&self, what: &str) {
+        let was = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(what);
+        if let Some(last_error) = was {
+            tracing::info!(resource = what, last_error, "watch recovered");
+        }
+    }
+}
+
+/// How a watcher names its resource in logs and errors: `Kind group/version in namespace ns`
+/// (`Pod v1 in namespace ns` for the core group).
+pub(crate) fn resource_name<K: Resource<DynamicType = ()>>(namespace: &str) -> String {
+    let (kind, group, version) = (K::kind(&()), K::group(&()), K::version(&()));
+    if group.is_empty() {
+        format!("{kind} {version} in namespace {namespace}")
+    } else {
+        format!("{kind} {group}/{version} in namespace {namespace}")
     }
 }
 
@@ -159,46 +203,112 @@ impl<T: Snapshot> Publisher<T> {
     }
 }
 
-/// The retry backoff of the watchers: exponential from 200 ms to 30 s, factor 2, each delay drawn
-/// uniformly from its upper half; reset by any successful event. (kube's default starts at 800 ms;
-/// a relist after `410 Gone` is routine, and routing should follow the pool within about a second.)
-pub struct WatchBackoff {
+/// The retry backoff of the watchers: exponential from 200 ms, factor 2, each delay drawn
+/// uniformly from its upper half, capped at 30 s, or at [`SLOW_RETRY`] while the API answers
+/// 404 (resource not installed) or 403 (not permitted); reset by data (listed objects, changes),
+/// never by the `Init` marker kube-runtime emits before each list attempt (a reset there kept a
+/// failing list at the first step: about 6 lists a second, for ever). kube's default starts at
+/// 800 ms; a relist after `410 Gone` is routine, and routing should follow the pool within about
+/// a second.
+///
+/// Cloning shares the state: [`watch_stream`] resets and caps it from the events it sees.
+#[derive(Clone)]
+pub struct WatchBackoff(Arc<Mutex<BackoffState>>);
+
+struct BackoffState {
     next: Duration,
+    cap: Duration,
     seed: u64,
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Longest wait between lists of a resource the API refuses as not installed (404) or not
+/// permitted (403): 5 minutes. Installing the CRD or granting RBAC takes effect within it.
+pub const SLOW_RETRY: Duration = Duration::from_secs(300);
 
 impl Default for WatchBackoff {
     fn default() -> Self {
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1;
-        Self { next: BACKOFF_MIN, seed }
+        Self(Arc::new(Mutex::new(BackoffState { next: BACKOFF_MIN, cap: BACKOFF_MAX, seed })))
+    }
+}
+
+impl WatchBackoff {
+    fn state(&self) -> std::sync::MutexGuard<'_, BackoffState> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Back to the first step and the usual cap.
+    pub fn restart(&self) {
+        let mut s = self.state();
+        s.next = BACKOFF_MIN;
+        s.cap = BACKOFF_MAX;
+    }
+
+    /// Caps the delays at [`SLOW_RETRY`] (`slow`) or 30 s.
+    pub fn set_slow(&self, slow: bool) {
+        self.state().cap = if slow { SLOW_RETRY } else { BACKOFF_MAX };
+    }
+}
+
+impl std::fmt::Debug for WatchBackoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.state();
+        f.debug_struct("WatchBackoff").field("next", &s.next).field("cap", &s.cap).finish()
     }
 }
 
 impl Iterator for WatchBackoff {
     type Item = Duration;
     fn next(&mut self) -> Option<Duration> {
+        let mut s = self.state();
         // xorshift64: jitter only, no need for a cryptographic source.
-        self.seed ^= self.seed << 13;
-        self.seed ^= self.seed >> 7;
-        self.seed ^= self.seed << 17;
-        let upper = self.next;
-        let frac = 0.5 + (self.seed % 1000) as f64 / 2000.0;
-        self.next = (self.next * 2).min(BACKOFF_MAX);
+        s.seed ^= s.seed << 13;
+        s.seed ^= s.seed >> 7;
+        s.seed ^= s.seed << 17;
+        let upper = s.next.min(s.cap);
+        let frac = 0.5 + (s.seed % 1000) as f64 / 2000.0;
+        s.next = (upper * 2).min(s.cap);
         Some(upper.mul_f64(frac))
     }
 }
 
-impl Backoff for WatchBackoff {
-    fn reset(&mut self) {
-        self.next = BACKOFF_MIN;
+/// The backoff as `StreamBackoff` drives it: its `reset` (called on every `Ok` item, the `Init`
+/// marker included) does nothing; [`watch_stream`] resets on data instead.
+struct ResetOnData(WatchBackoff);
+
+impl Iterator for ResetOnData {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        self.0.next()
     }
 }
 
-/// A kube-runtime watcher stream with the watchers' backoff.
+impl Backoff for ResetOnData {
+    fn reset(&mut self) {}
+}
+
+impl Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.restart();
+    }
+}
+
+/// Whether the API refused the resource itself: 404 (its type is not installed) or 403 (this
+/// service account may not read it), answers that only an operator's action changes.
+pub(crate) fn refused(e: &watcher::Error) -> Option<u16> {
+    let code = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code,
+        watcher::Error::WatchError(s) => s.code,
+        _ => return None,
+    };
+    matches!(code, 403 | 404).then_some(code)
+}
+
+/// A kube-runtime watcher stream with the watchers' backoff (see [`WatchBackoff`]).
 pub(crate) fn watch_stream<K>(
     api: kube::Api<K>,
     config: watcher::Config,
@@ -206,7 +316,15 @@ pub(crate) fn watch_stream<K>(
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    watcher(api, config).backoff(WatchBackoff::default())
+    let backoff = WatchBackoff::default();
+    let control = backoff.clone();
+    watcher(api, config)
+        .inspect(move |ev| match ev {
+            Ok(watcher::Event::Init) => {}
+            Ok(_) => control.restart(),
+            Err(e) => control.set_slow(refused(e).is_some()),
+        })
+        .backoff(ResetOnData(backoff))
 }
 
 /// A local copy of one watch: objects by name; a relist fills a buffer that replaces the copy
@@ -217,11 +335,20 @@ pub(crate) struct Cache<K> {
     filling: Option<BTreeMap<String, K>>,
     /// A list has completed at least once.
     pub(crate) listed: bool,
+    /// The resource, as [`WatchStats`] names it in its logs.
+    resource: String,
 }
 
 impl<K> Default for Cache<K> {
     fn default() -> Self {
-        Self { live: BTreeMap::new(), filling: None, listed: false }
+        Self::of(String::new())
+    }
+}
+
+impl<K> Cache<K> {
+    /// An empty copy of the watch of `resource` (its name in logs, [`resource_name`]).
+    pub(crate) fn of(resource: String) -> Self {
+        Self { live: BTreeMap::new(), filling: None, listed: false, resource }
     }
 }
 
@@ -229,6 +356,9 @@ impl<K: Resource> Cache<K> {
     /// Applies one watcher event; returns whether `live` or `listed` may have changed.
     pub(crate) fn apply(&mut self, event: watcher::Event<K>, stats: &WatchStats) -> bool {
         stats.events.fetch_add(1, Ordering::Relaxed);
+        if !matches!(event, watcher::Event::Init) {
+            stats.progressed(&self.resource);
+        }
         let name = |o: &K| o.meta().name.clone().unwrap_or_default();
         match event {
             watcher::Event::Init => {
@@ -307,5 +437,40 @@ mod tests {
         assert!(late >= BACKOFF_MAX / 2 && late <= BACKOFF_MAX, "{late:?}");
         b.reset();
         assert!(b.next().unwrap() <= BACKOFF_MIN);
+    }
+
+    #[test]
+    fn slow_backoff_climbs_to_the_slow_timer_and_only_data_resets_it() {
+        let b = WatchBackoff::default();
+        b.set_slow(true);
+        let mut driven = ResetOnData(b.clone());
+        let late = (0..30).filter_map(|_| driven.next()).last().unwrap();
+        assert!(late >= SLOW_RETRY / 2 && late <= SLOW_RETRY, "{late:?}");
+        // StreamBackoff resets on every Ok item, kube-runtime's Init marker included: no effect.
+        driven.reset();
+        assert!(driven.next().unwrap() >= SLOW_RETRY / 2);
+        b.restart();
+        assert!(driven.next().unwrap() <= BACKOFF_MIN);
+    }
+
+    #[test]
+    fn repeated_errors_warn_once_until_progress() {
+        let stats = WatchStats::default();
+        for _ in 0..5 {
+            stats.error("Thing x/v1 in namespace ns", &"404 not found");
+        }
+        assert_eq!((stats.errors.load(Ordering::Relaxed), stats.warnings.load(Ordering::Relaxed)), (5, 1));
+        stats.error("Thing x/v1 in namespace ns", &"500 other");
+        assert_eq!(stats.warnings.load(Ordering::Relaxed), 2, "a different error is logged");
+        stats.progressed("Thing x/v1 in namespace ns");
+        stats.error("Thing x/v1 in namespace ns", &"500 other");
+        assert_eq!(stats.warnings.load(Ordering::Relaxed), 3, "the same error after a recovery is logged");
+        assert!(stats.last_error().unwrap().contains("Thing x/v1 in namespace ns"));
+        // Two resources failing in turn (one watcher, two CRDs) are each logged once.
+        for _ in 0..4 {
+            stats.error("A", &"404");
+            stats.error("B", &"404");
+        }
+        assert_eq!(stats.warnings.load(Ordering::Relaxed), 5);
     }
 }

@@ -96,3 +96,31 @@ async fn without_the_crds_the_table_is_synced_and_empty() {
     assert!(t.rules.is_empty() && t.objectives.is_empty());
     assert!(table.stats().errors.load(std::sync::atomic::Ordering::Relaxed) >= 2, "both 404s counted");
 }
+
+/// A GIE-only cluster (no llm-d CRDs) stays quiet: the 404 lists back off exponentially towards
+/// the slow timer instead of repeating about 6 times a second each, and each missing CRD is
+/// logged once, naming it.
+#[tokio::test]
+async fn without_the_crds_lists_back_off_and_log_once() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let server = ApiServer::start().await.unwrap();
+    let table = watch_models(server.client(NS).unwrap(), PoolRef { namespace: NS.into(), name: "llama".into() });
+    table.wait_for(BOUND, |t| t.synced).await.expect("synced although absent");
+    // Over 5 s the delays (each drawn from the upper half of 0.2, 0.4, 0.8, 1.6, 3.2 s) allow at
+    // most 7 lists per CRD; without the backoff it was about 30.
+    const WINDOW: std::time::Duration = std::time::Duration::from_secs(5);
+    tokio::time::sleep(WINDOW).await;
+    let requests = server.store().requests();
+    let lists = |plural: &str| {
+        requests.iter().filter(|r| r.starts_with("GET ") && r.contains(plural) && !r.contains("watch=true")).count()
+    };
+    for plural in ["/inferenceobjectives", "/inferencemodelrewrites"] {
+        let n = lists(plural);
+        assert!((1..=8).contains(&n), "{plural}: {n} lists in {WINDOW:?}: {requests:?}");
+    }
+    let stats = table.stats();
+    assert_eq!(stats.warnings.load(Relaxed), 2, "one WARN per missing CRD, {} errors", stats.errors.load(Relaxed));
+    let last = stats.last_error().unwrap();
+    assert!(last.contains("llm-d.ai/") && last.contains("in namespace inference"), "names the resource: {last}");
+    assert!(table.current().synced && table.current().rules.is_empty());
+}

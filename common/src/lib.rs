@@ -19,5 +19,14 @@ pub mod listener;
 #[cfg(feature = "telemetry")]
 pub mod telemetry;
 
+/// Health-score penalty for a pod whose GPUs cannot be seen (docs/design.md §7): the agent
+/// subtracts it when NVML has no such GPU or the pod's GPU assignment is unknown.
+pub const GPU_UNSEEN_PENALTY: f64 = 0.3;
+
+/// The health score of a pod whose GPU state is unknown, `1 − GPU_UNSEEN_PENALTY` = 0.7: what
+/// the agent reports for a pod it cannot see the GPUs of, and what the picker counts for a Ready
+/// pod no agent reports on, so that neither unknown ranks above the other.
+pub const UNKNOWN_GPU_HEALTH: f64 = 1.0 - GPU_UNSEEN_PENALTY;
+
 pub use hash::{BlockHasher, BlockKeys, DEFAULT_BLOCK_SIZE, ExtraKey, MmItem};
 pub use ids::{BlockHash, EngineBlockHash};

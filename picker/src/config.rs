@@ -7,7 +7,8 @@
 //!
 //! ```yaml
 //! ext_proc_addr: 127.0.0.1:9002     # Envoy ext_proc gRPC (+ grpc.health.v1)
-//! ingest_addr: 127.0.0.1:9003       # agents' AgentIngest gRPC
+//! health_addr: 127.0.0.1:9003       # grpc.health.v1 alone (GIE's --grpc-health-port, probes)
+//! ingest_addr: 127.0.0.1:9004       # agents' AgentIngest gRPC (+ ReplicaSync)
 //! admin_addr: 127.0.0.1:9090        # /metrics, /healthz, /explain
 //! block_size: 16
 //! body_limit_bytes: 8388608         # 8 MiB → 413 above it
@@ -49,7 +50,7 @@
 //! scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0.05},
 //!            max_queue: 20, max_utilization: 1.0, health_exclusion_threshold: 0.3, seed: 0 }
 //! # or a preset (README "Tuning guide") with overrides and custom scorers:
-//! # replicas: { peers: [10.0.0.11:9003, 10.0.0.12:9003] }   # share pending chains and in-flight counts
+//! # replicas: { peers: [10.0.0.11:9004, 10.0.0.12:9004] }   # share pending chains and in-flight counts
 //! # replicas: { service: { name: kvroute-picker-peers } }     # ... with the Service's endpoints (Kubernetes)
 //! # scoring:
 //! #   preset: latency-api
@@ -128,8 +129,12 @@ impl ConfigError {
 
 /// Default `ext_proc_addr`: Envoy's ext_proc gRPC.
 pub const DEFAULT_EXT_PROC_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9002));
-/// Default `ingest_addr`: the agents' AgentIngest gRPC.
-pub const DEFAULT_INGEST_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9003));
+/// Default `health_addr`: `grpc.health.v1` alone, the port GIE's EPP serves its health on
+/// (`--grpc-health-port`, 9003) and its Helm chart's probes call.
+pub const DEFAULT_HEALTH_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9003));
+/// Default `ingest_addr`: the agents' AgentIngest gRPC (and ReplicaSync), on 9004, a port GIE's
+/// EPP and llm-d's router leave free.
+pub const DEFAULT_INGEST_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9004));
 /// Default `admin_addr`: `/metrics`, `/healthz`, `/explain`.
 pub const DEFAULT_ADMIN_ADDR: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090));
 /// Default `body_limit_bytes`: 8 MiB.
@@ -173,7 +178,12 @@ pub struct PickerConfig {
     /// Envoy ext_proc gRPC listen address (also serves `grpc.health.v1`). Default
     /// [`DEFAULT_EXT_PROC_ADDR`] (`127.0.0.1:9002`).
     pub ext_proc_addr: SocketAddr,
-    /// Agents' `AgentIngest` gRPC listen address. Default [`DEFAULT_INGEST_ADDR`] (`127.0.0.1:9003`).
+    /// `grpc.health.v1` listen address, the health service alone (GIE's `--grpc-health-port`:
+    /// Kubernetes probes and gateways that check health apart from ext_proc). Default: the
+    /// ext_proc address's interface on port 9003 ([`DEFAULT_HEALTH_ADDR`]'s), or on a free port
+    /// when `ext_proc_addr` asks for one (port 0); see [`PickerConfig::health_addr`].
+    pub health_addr: Option<SocketAddr>,
+    /// Agents' `AgentIngest` gRPC listen address. Default [`DEFAULT_INGEST_ADDR`] (`127.0.0.1:9004`).
     pub ingest_addr: SocketAddr,
     /// Admin HTTP listen address (`/metrics`, `/healthz`, `/explain`). Default
     /// [`DEFAULT_ADMIN_ADDR`] (`127.0.0.1:9090`).
@@ -301,6 +311,7 @@ impl Default for PickerConfig {
     fn default() -> Self {
         Self {
             ext_proc_addr: DEFAULT_EXT_PROC_ADDR,
+            health_addr: None,
             ingest_addr: DEFAULT_INGEST_ADDR,
             admin_addr: DEFAULT_ADMIN_ADDR,
             block_size: kvroute_common::DEFAULT_BLOCK_SIZE,
@@ -364,7 +375,9 @@ pub struct ModelConfig {
     pub adapter: Option<String>,
     /// HuggingFace tokenizer directory (`tokenizer.json`, `tokenizer_config.json`). Relative
     /// paths resolve against the config file's directory. Without one the model routes in
-    /// approximate mode (unless `mode: precise`, then by load only).
+    /// approximate mode (unless `mode: precise`, then by load only). A directory without
+    /// `tokenizer.json` (a volume not mounted or not filled yet) counts as none: approximate mode,
+    /// logged once at start; with `mode: precise` it is a config error.
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
     /// `precise` (token blocks against the KV-event index) or `approximate` (text blocks against
@@ -569,6 +582,40 @@ impl PickerConfig {
         }
     }
 
+    /// Applies GIE's EPP port flags (`--grpc-port`, `--grpc-health-port`, `--metrics-port`): each
+    /// sets its listener to that port on all interfaces (`0.0.0.0`), as GIE's EPP listens.
+    pub fn apply_port_flags(&mut self, grpc: Option<u16>, grpc_health: Option<u16>, metrics: Option<u16>) {
+        let any = |port| SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port));
+        if let Some(p) = grpc {
+            self.ext_proc_addr = any(p);
+        }
+        if let Some(p) = grpc_health {
+            self.health_addr = Some(any(p));
+        }
+        if let Some(p) = metrics {
+            self.admin_addr = any(p);
+        }
+    }
+
+    /// The configuration a picker started GIE's way (no kvroute config file: flags and an
+    /// `EndpointPickerConfig` only) starts from: the defaults, with every listener on all
+    /// interfaces as GIE's EPP (`:9002`, `:9003`, `:9090`, and the ingest on `:9004`).
+    pub fn gie_defaults() -> Self {
+        let mut c = Self::default();
+        c.apply_port_flags(Some(c.ext_proc_addr.port()), Some(DEFAULT_HEALTH_ADDR.port()), Some(c.admin_addr.port()));
+        c.ingest_addr.set_ip(Ipv4Addr::UNSPECIFIED.into());
+        c
+    }
+
+    /// The gRPC health listener's address: `health_addr`, else `ext_proc_addr`'s IP on port 9003
+    /// (port 0 when `ext_proc_addr`'s port is 0: tests and embedders that take free ports).
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health_addr.unwrap_or_else(|| {
+            let port = if self.ext_proc_addr.port() == 0 { 0 } else { DEFAULT_HEALTH_ADDR.port() };
+            SocketAddr::new(self.ext_proc_addr.ip(), port)
+        })
+    }
+
     /// Makes relative tokenizer directories, the pool file and TLS/token files relative to `base` (the config
     /// file's directory).
     pub fn resolve_paths(&mut self, base: &Path) {
@@ -691,8 +738,12 @@ impl PickerConfig {
                 "ingest_tls is set too; choose mTLS (ingest_tls) or plaintext (insecure_ingest), not both",
             ));
         }
-        let addrs =
-            [("ext_proc_addr", self.ext_proc_addr), ("ingest_addr", self.ingest_addr), ("admin_addr", self.admin_addr)];
+        let addrs = [
+            ("ext_proc_addr", self.ext_proc_addr),
+            ("health_addr", self.health_addr()),
+            ("ingest_addr", self.ingest_addr),
+            ("admin_addr", self.admin_addr),
+        ];
         for (i, (na, a)) in addrs.iter().enumerate() {
             for (nb, b) in &addrs[i + 1..] {
                 if a.port() != 0 && a == b {
@@ -788,13 +839,17 @@ impl PickerConfig {
                     "is empty; use null for the base model",
                 ));
             }
+            // Without `mode: precise` an absent tokenizer means approximate mode (logged at
+            // start, `ModelRegistry::load`): the picker starts before the tokenizer is mounted.
             if let Some(dir) = &m.tokenizer
+                && m.mode == Some(RoutingMode::Precise)
                 && !dir.join("tokenizer.json").is_file()
             {
                 return Err(ConfigError::invalid(
                     field("tokenizer"),
                     dir.display(),
-                    "this directory has no tokenizer.json; point it at a HuggingFace tokenizer directory",
+                    "mode precise and this directory has no tokenizer.json; point it at a HuggingFace tokenizer \
+                     directory, or drop mode for approximate mode until it is there",
                 ));
             }
         }
@@ -836,7 +891,8 @@ mod tests {
 
     const EXAMPLE: &str = r#"
 ext_proc_addr: 127.0.0.1:9002
-ingest_addr: 127.0.0.1:9003
+health_addr: 127.0.0.1:9003
+ingest_addr: 127.0.0.1:9004
 admin_addr: 127.0.0.1:9090
 block_size: 16
 body_limit_bytes: 8388608
@@ -867,7 +923,11 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
     #[test]
     fn defaults_apply() {
         let c = PickerConfig::from_yaml("models: []").unwrap();
-        assert_eq!(c.ext_proc_addr.port(), 9002);
+        assert_eq!(
+            [c.ext_proc_addr.port(), c.health_addr().port(), c.ingest_addr.port(), c.admin_addr.port()],
+            [9002, 9003, 9004, 9090],
+            "GIE's ports (ext_proc, gRPC health, metrics) and the ingest beside them"
+        );
         assert_eq!(c.block_size, 16);
         assert_eq!(c.pod_grace_ttl_ms, 10_000);
         c.validate().unwrap();
@@ -941,7 +1001,7 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert_eq!((s.name.as_str(), s.port.as_str()), ("peers", DEFAULT_REPLICA_PORT_NAME));
         c.validate().unwrap();
         for (yaml, needle) in [
-            ("pool: {name: p}\nreplicas: {service: {name: s}, peers: [10.0.0.1:9003]}", "choose one"),
+            ("pool: {name: p}\nreplicas: {service: {name: s}, peers: [10.0.0.1:9004]}", "choose one"),
             ("pool: {name: p}\nreplicas: {service: {name: \"\"}}", "replicas.service"),
             ("pool_file: pool.yaml\nreplicas: {service: {name: s}}", "needs a Kubernetes pool"),
         ] {
@@ -988,6 +1048,31 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
     }
 
     #[test]
+    fn gie_port_flags_bind_all_interfaces_and_must_differ() {
+        let mut c = PickerConfig::from_yaml("ext_proc_addr: 127.0.0.1:9100").unwrap();
+        c.apply_port_flags(Some(9102), Some(9103), None);
+        assert_eq!(c.ext_proc_addr, "0.0.0.0:9102".parse().unwrap());
+        assert_eq!(c.health_addr(), "0.0.0.0:9103".parse().unwrap());
+        assert_eq!(c.admin_addr, DEFAULT_ADMIN_ADDR, "no flag: unchanged");
+        c.validate().unwrap();
+        let g = PickerConfig::gie_defaults();
+        assert!(
+            [g.ext_proc_addr, g.health_addr(), g.ingest_addr, g.admin_addr].iter().all(|a| a.ip().is_unspecified())
+        );
+        assert_eq!((g.ext_proc_addr.port(), g.health_addr().port(), g.admin_addr.port()), (9002, 9003, 9090));
+        // Without health_addr: the ext_proc interface, port 9003, or a free port beside port 0.
+        let c = PickerConfig::from_yaml("ext_proc_addr: 0.0.0.0:9002").unwrap();
+        assert_eq!(c.health_addr(), "0.0.0.0:9003".parse().unwrap());
+        let c = PickerConfig::from_yaml("ext_proc_addr: 127.0.0.1:0").unwrap();
+        assert_eq!(c.health_addr(), "127.0.0.1:0".parse().unwrap());
+        let mut clash = PickerConfig::default();
+        clash.apply_port_flags(None, Some(9004), None);
+        clash.ingest_addr = "0.0.0.0:9004".parse().unwrap();
+        let err = clash.validate().unwrap_err().to_string();
+        assert!(err.contains("ingest_addr") && err.contains("health_addr"), "{err}");
+    }
+
+    #[test]
     fn unknown_field_rejected() {
         let err = PickerConfig::from_yaml("bogus: 1").unwrap_err();
         assert!(err.to_string().contains("bogus"), "{err}");
@@ -1027,8 +1112,11 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
     }
 
     #[test]
-    fn missing_tokenizer_dir_rejected() {
+    fn missing_tokenizer_dir_is_approximate_mode_unless_precise_is_asked() {
         let c = PickerConfig::from_yaml("models: [{name: m, tokenizer: /nonexistent/dir}]").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.models[0].effective_mode(false), RoutingMode::Approximate);
+        let c = PickerConfig::from_yaml("models: [{name: m, tokenizer: /nonexistent/dir, mode: precise}]").unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("tokenizer.json"));
     }
 

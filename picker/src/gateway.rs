@@ -156,26 +156,31 @@ impl Gateway {
     }
 
     /// `/metrics`: what the metrics count themselves, and what the pool, the router and the
-    /// replica stream hold now, in the OpenMetrics text format. A pod counts as routable as the
-    /// router's filter decides (docs/design.md §4): ready, health at or above
-    /// `health_exclusion_threshold` (NaN is unhealthy), reachable, queue below `max_queue`.
+    /// replica stream hold now, in the OpenMetrics text format. Ready and routable are the
+    /// router's own filter's judgement ([`crate::score::pod_routing`], docs/design.md §4): a Ready
+    /// endpoint no agent reports on is ready and routable (it routes by load), one an agent
+    /// reports unready is neither; routable adds health at or above
+    /// `health_exclusion_threshold`, reachable and queue below `max_queue`.
     pub fn render_metrics(&self) -> Result<String, std::fmt::Error> {
         self.metrics.render(|| {
             let scoring = self.router.config();
             let max_queue = scoring.max_queue;
+            let routing: std::collections::HashMap<_, _> =
+                crate::score::pod_routing(&self.pool, scoring).into_iter().map(|r| (r.name.to_string(), r)).collect();
             let pods = self
                 .pool
                 .pods()
                 .into_iter()
                 .map(|p| {
-                    let healthy = p.health_score >= scoring.health_exclusion_threshold;
+                    let r = routing.get(&p.name);
                     PodGauges {
-                        routable: p.ready && healthy && !p.unreachable && p.queue_depth < max_queue,
+                        ready: r.is_some_and(|r| r.ready),
+                        routable: r.is_some_and(|r| r.routable),
+                        reported: r.is_some_and(|r| r.reported),
                         name: p.name,
                         queue_depth: p.queue_depth,
                         health_score: p.health_score,
                         unreachable: p.unreachable,
-                        ready: p.ready,
                         kv_cache_usage: p.kv_cache_usage,
                     }
                 })

@@ -1,7 +1,8 @@
 //! kvroute picker: KV-cache-aware Envoy ext_proc endpoint picker (docs/design.md §1, §3–§5, §9).
 //!
-//! Three listeners, all started by [`start`]:
+//! Four listeners, all started by [`start`]:
 //! - ext_proc gRPC ([`ext_proc`]): Envoy asks, per request, which pod serves it ([`decision`]);
+//! - gRPC health alone (GIE's `--grpc-health-port`), the probes' port;
 //! - AgentIngest gRPC ([`ingest`]): agents stream pod state and KV blocks into the [`pool`];
 //! - admin HTTP ([`admin`]): `/metrics`, `/healthz`, `/explain` (the same [`decision`] pipeline,
 //!   scored without routing).
@@ -17,7 +18,8 @@
 //! - [`decision`], the pipeline shared by routing and `/explain`, sits on
 //! - [`gateway`], the shared state, which sits on [`model`] (resolution, tokenization), [`score`]
 //!   (the router) and [`pending`]; [`config`] gathers the sections that [`approx`], [`ingest`],
-//!   [`limits`], [`pool`] and [`score`] define;
+//!   [`limits`], [`pool`] and [`score`] define, and [`gie`] reads GIE's `EndpointPickerConfig`
+//!   onto it;
 //! - [`score`] sits on [`pending`], which sits on [`pool`]; [`ingest`] and [`limits`] on [`pool`];
 //! - leaves: [`request`] (what the request says, before any state), [`metrics`] (fed plain
 //!   numbers at scrape time) and [`pool`].
@@ -28,6 +30,7 @@ pub mod config;
 pub mod decision;
 pub mod ext_proc;
 pub mod gateway;
+pub mod gie;
 pub mod ingest;
 pub mod limits;
 pub mod metrics;

@@ -20,8 +20,18 @@
 //! `inference_pool_average_queue_size{name}`, `inference_pool_per_pod_queue_size{name,
 //! model_server_pod}`, `inference_objective_request_total{model_name,target_model_name}`,
 //! `inference_objective_request_error_total{model_name,target_model_name,error_code}`,
-//! `inference_extension_scheduler_e2e_duration_seconds` and `inference_extension_info{commit,
-//! build_ref}`. `name` is the InferencePool's name ([`Metrics::set_pool_name`]).
+//! `inference_objective_running_requests{model_name}`, `inference_objective_request_duration_seconds`,
+//! `inference_objective_request_sizes`, `inference_objective_response_sizes`,
+//! `inference_objective_input_tokens`, `inference_objective_output_tokens` (each
+//! `{model_name,target_model_name}`, GIE's buckets), `inference_extension_scheduler_e2e_duration_seconds`
+//! and `inference_extension_info{commit, build_ref}`. `name` is the InferencePool's name
+//! ([`Metrics::set_pool_name`]).
+//!
+//! Pool gauges count what the router can route to (docs/operations.md "Metrics"):
+//! `epp_pool_ready_pods` (= `inference_pool_ready_pods`) the endpoints Ready in the pool and not
+//! reported unready, `epp_pool_routable_pods` those the router's filter passes now,
+//! `epp_pool_reported_pods` those an agent reports on. A pool without agents reads its Ready
+//! endpoints in the first two and 0 in the third.
 //!
 //! Per-pod label: `model_server_pod` (GIE's name for the model-server pod), never `pod`: a
 //! Prometheus Operator scrape sets its own `pod` target label (the picker's pod) and renames a
@@ -36,6 +46,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::time::Instant;
 
 /// The `name` label of the `inference_pool_*` families until [`Metrics::set_pool_name`] names the
 /// InferencePool (a picker fed by a static pool file has no pool object).
@@ -233,6 +244,10 @@ pub struct Metrics {
     gie_avg_queue: Family<PoolLabel, Gauge<f64, AtomicU64>>,
     gie_pod_queue: Family<PoolPodLabel, Gauge>,
     info: Family<InfoLabel, Gauge>,
+    /// GIE's per-request families (`inference_objective_running_requests`, request duration,
+    /// sizes and token counts): see [`RequestFamilies`].
+    pub requests: RequestFamilies,
+    pool_reported_pods: Gauge,
     pool_name: RwLock<String>,
     scrape: Mutex<()>,
 }
@@ -406,10 +421,16 @@ impl Metrics {
             "Pods the picker knows (reported by an agent, connected or within the grace period)",
             pool_pods.clone(),
         );
-        registry.register("epp_pool_ready_pods", "Pods whose engine reported ready", pool_ready_pods.clone());
+        registry.register(
+            "epp_pool_ready_pods",
+            "Endpoints the router counts as ready: Ready in the pool and not reported unready by an agent \
+             (an endpoint no agent reports on routes by load)",
+            pool_ready_pods.clone(),
+        );
         registry.register(
             "epp_pool_routable_pods",
-            "Pods that would be candidates now: ready, healthy enough, queue below maxQueue",
+            "Endpoints that are candidates now, as the router's filter decides: ready, healthy enough, \
+             reachable, queue below maxQueue",
             pool_routable_pods.clone(),
         );
         registry.register(
@@ -448,6 +469,13 @@ impl Metrics {
             gie_pod_queue.clone(),
         );
         registry.register("inference_extension_info", "General information of the current build", info.clone());
+        let requests = RequestFamilies::register(&mut registry);
+        let pool_reported_pods = Gauge::default();
+        registry.register(
+            "epp_pool_reported_pods",
+            "Endpoints of the pool with an agent report (connected or within the grace period)",
+            pool_reported_pods.clone(),
+        );
         Self {
             requests_by_priority,
             registry,
@@ -462,6 +490,8 @@ impl Metrics {
             gie_avg_queue,
             gie_pod_queue,
             info,
+            requests,
+            pool_reported_pods,
             pool_name: RwLock::new(DEFAULT_POOL_LABEL.to_owned()),
             routing_decisions,
             cache_match_ratio,
@@ -585,7 +615,7 @@ impl Metrics {
         self.gie_avg_queue.clear();
         let pool_name = self.pool_name.read().clone();
         let pods = &scrape.pods;
-        let (mut ready, mut routable, mut kv_sum, mut queue_sum) = (0_i64, 0_i64, 0.0_f64, 0_u64);
+        let (mut ready, mut routable, mut reported, mut kv_sum, mut queue_sum) = (0_i64, 0_i64, 0_i64, 0.0_f64, 0_u64);
         for p in pods {
             let label = PodLabel { model_server_pod: p.name.clone() };
             self.queue_depth.get_or_create(&label).set(i64::from(p.queue_depth));
@@ -594,12 +624,9 @@ impl Metrics {
             self.gie_pod_queue
                 .get_or_create(&PoolPodLabel { name: pool_name.clone(), model_server_pod: p.name.clone() })
                 .set(i64::from(p.queue_depth));
-            if p.ready {
-                ready += 1;
-                if p.routable {
-                    routable += 1;
-                }
-            }
+            ready += i64::from(p.ready);
+            routable += i64::from(p.routable);
+            reported += i64::from(p.reported);
             kv_sum += p.kv_cache_usage;
             queue_sum += u64::from(p.queue_depth);
         }
@@ -607,6 +634,7 @@ impl Metrics {
         self.pool_pods.set(total);
         self.pool_ready_pods.set(ready);
         self.pool_routable_pods.set(routable);
+        self.pool_reported_pods.set(reported);
         let pool_label = PoolLabel { name: pool_name };
         self.gie_ready_pods.get_or_create(&pool_label).set(ready);
         // GIE averages over the pool's pods; an empty pool reads 0, not NaN.
@@ -650,11 +678,14 @@ pub struct PodGauges {
     pub health_score: f64,
     /// Held unreachable (Envoy's last connection failed, no probe connected since).
     pub unreachable: bool,
-    /// The engine reported ready.
+    /// Ready as the router counts it: Ready in the pool and not reported unready by its agent
+    /// (a pod no agent reports on routes by load, so it counts).
     pub ready: bool,
     /// A candidate now, as the router's filter decides: ready, healthy enough, reachable, queue
     /// below `max_queue`.
     pub routable: bool,
+    /// An agent reports on it (connected, or within the grace period).
+    pub reported: bool,
     /// KV-cache usage in [0,1].
     pub kv_cache_usage: f64,
 }
@@ -705,11 +736,237 @@ mod tests {
     use super::*;
 
     #[test]
+    fn request_records_count_running_and_observe_on_finish_only() {
+        let m = Metrics::new();
+        let text = |m: &Metrics| m.render(Scrape::default).unwrap();
+        let running = |t: &str| {
+            t.lines()
+                .find(|l| l.starts_with("inference_objective_running_requests{model_name=\"chat\"}"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<i64>().ok())
+        };
+        let a = m.requests.start("chat", "base", Instant::now(), 300, 40);
+        let mut b = m.requests.start("chat", "lora-1", Instant::now(), 5000, 0);
+        assert_eq!(running(&text(&m)), Some(2));
+        drop(a);
+        assert_eq!(running(&text(&m)), Some(1), "a stream that ended leaves the running count");
+        b.response_bytes(700);
+        b.response_bytes(300);
+        b.finish(Some(12));
+        let t = text(&m);
+        assert_eq!(running(&t), Some(0));
+        let line = |prefix: &str| t.lines().find(|l| l.starts_with(prefix)).map(str::to_owned);
+        let lora = "{model_name=\"chat\",target_model_name=\"lora-1\"}";
+        let base = "{model_name=\"chat\",target_model_name=\"base\"}";
+        assert_eq!(
+            line(&format!("inference_objective_request_duration_seconds_count{lora}")).as_deref(),
+            Some(&*format!("inference_objective_request_duration_seconds_count{lora} 1"))
+        );
+        assert_eq!(
+            line(&format!("inference_objective_request_duration_seconds_count{base}")).as_deref(),
+            Some(&*format!("inference_objective_request_duration_seconds_count{base} 0")),
+            "a never finished: no duration"
+        );
+        assert!(line(&format!("inference_objective_response_sizes_sum{lora} 1000")).is_some(), "{t}");
+        assert!(line(&format!("inference_objective_output_tokens_sum{lora} 12")).is_some(), "{t}");
+        assert!(line(&format!("inference_objective_input_tokens_sum{base} 40")).is_some(), "{t}");
+        assert_eq!(line(&format!("inference_objective_input_tokens_count{lora}")), None, "0 tokens: not observed");
+        assert!(line(&format!("inference_objective_request_sizes_sum{lora} 5000")).is_some(), "{t}");
+    }
+
+    #[test]
+    fn pool_gauges_count_ready_routable_and_reported_apart() {
+        let m = Metrics::new();
+        let pod = |name: &str, ready, routable, reported| PodGauges {
+            name: name.into(),
+            ready,
+            routable,
+            reported,
+            ..PodGauges::default()
+        };
+        // Three Ready pods and no agent (GIE-only): ready and routable, none reported.
+        let pods = vec![pod("a", true, true, false), pod("b", true, true, false), pod("c", true, false, true)];
+        let t = m.render(|| Scrape { pods, ..Scrape::default() }).unwrap();
+        for (name, want) in [
+            ("epp_pool_ready_pods", 3),
+            ("epp_pool_routable_pods", 2),
+            ("epp_pool_reported_pods", 1),
+            ("inference_pool_ready_pods{name=\"kvroute\"}", 3),
+        ] {
+            let got = t.lines().find(|l| l.starts_with(&format!("{name} "))).and_then(|l| l.rsplit(' ').next());
+            assert_eq!(got, Some(&*want.to_string()), "{name}: {t}");
+        }
+    }
+
+    #[test]
     fn latency_buckets_hit_the_seed_thresholds() {
         let b = one_two_five_buckets(1.0, 100_000.0);
         assert_eq!(&b[..4], &[1.0, 2.0, 5.0, 10.0]);
         assert!(b.contains(&1000.0) && b.contains(&5000.0));
         assert_eq!(b.last(), Some(&100_000.0));
         assert!(b.windows(2).all(|w| w[0] < w[1]));
+    }
+}
+
+/// `{model_name}` label of `inference_objective_running_requests`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelNameLabel {
+    /// Client-facing model name.
+    pub model_name: String,
+}
+
+/// A histogram family with fixed buckets.
+type HistogramFamily = Family<ObjectiveLabel, Histogram, fn() -> Histogram>;
+
+/// GIE's `inference_objective_request_duration_seconds` buckets (seconds).
+const DURATION_BUCKETS: [f64; 35] = [
+    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0,
+    45.0, 60.0, 120.0, 180.0, 240.0, 300.0, 360.0, 480.0, 600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0,
+];
+/// GIE's token-count buckets (input; output stops at 8192).
+const TOKEN_BUCKETS: [f64; 19] = [
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32778.0, 65536.0,
+    131072.0, 262144.0, 524288.0, 1048576.0,
+];
+/// GIE's `inference_objective_response_sizes` buckets (bytes).
+const RESPONSE_SIZE_BUCKETS: [f64; 15] =
+    [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32778.0, 65536.0];
+
+fn duration_histogram() -> Histogram {
+    Histogram::new(DURATION_BUCKETS)
+}
+fn request_size_histogram() -> Histogram {
+    // GIE: 64 B to 64 KiB by doubling, then up to 1 GiB.
+    Histogram::new((6..=30).map(|e| f64::from(1_u32 << e)))
+}
+fn response_size_histogram() -> Histogram {
+    Histogram::new(RESPONSE_SIZE_BUCKETS)
+}
+fn input_token_histogram() -> Histogram {
+    Histogram::new(TOKEN_BUCKETS)
+}
+fn output_token_histogram() -> Histogram {
+    Histogram::new(TOKEN_BUCKETS[..12].iter().copied())
+}
+
+/// GIE's per-request families (GIE `pkg/epp/metrics`: names, labels and buckets as there).
+#[derive(Debug, Clone)]
+pub struct RequestFamilies {
+    running: Family<ModelNameLabel, Gauge>,
+    duration: HistogramFamily,
+    request_sizes: HistogramFamily,
+    response_sizes: HistogramFamily,
+    input_tokens: HistogramFamily,
+    output_tokens: HistogramFamily,
+}
+
+impl RequestFamilies {
+    fn register(registry: &mut Registry) -> Self {
+        let family = |f: fn() -> Histogram| HistogramFamily::new_with_constructor(f);
+        let s = Self {
+            running: Family::default(),
+            duration: family(duration_histogram),
+            request_sizes: family(request_size_histogram),
+            response_sizes: family(response_size_histogram),
+            input_tokens: family(input_token_histogram),
+            output_tokens: family(output_token_histogram),
+        };
+        registry.register(
+            "inference_objective_running_requests",
+            "Inference objective number of running requests in each model",
+            s.running.clone(),
+        );
+        registry.register(
+            "inference_objective_request_duration_seconds",
+            "Inference objective response latency distribution in seconds for each model and target model",
+            s.duration.clone(),
+        );
+        registry.register(
+            "inference_objective_request_sizes",
+            "Inference objective requests size distribution in bytes for each model and target model",
+            s.request_sizes.clone(),
+        );
+        registry.register(
+            "inference_objective_response_sizes",
+            "Inference objective responses size distribution in bytes for each model and target model",
+            s.response_sizes.clone(),
+        );
+        registry.register(
+            "inference_objective_input_tokens",
+            "Inference objective input token count distribution for requests in each model",
+            s.input_tokens.clone(),
+        );
+        registry.register(
+            "inference_objective_output_tokens",
+            "Inference objective output token count distribution for requests in each model",
+            s.output_tokens.clone(),
+        );
+        s
+    }
+
+    /// A request routed for `model_name` (client name) served as `target_model_name` (the target
+    /// model, or its adapter), received at `received`, `request_bytes` long, of `input_tokens`
+    /// tokens (0 when not tokenized: not observed, as GIE): observes its size and tokens and
+    /// counts it running until the returned record is dropped.
+    pub fn start(
+        &self,
+        model_name: &str,
+        target_model_name: &str,
+        received: Instant,
+        request_bytes: usize,
+        input_tokens: usize,
+    ) -> RequestRecord {
+        let label =
+            ObjectiveLabel { model_name: model_name.to_owned(), target_model_name: target_model_name.to_owned() };
+        self.request_sizes.get_or_create(&label).observe(request_bytes as f64);
+        if input_tokens > 0 {
+            self.input_tokens.get_or_create(&label).observe(input_tokens as f64);
+        }
+        let running = self.running.get_or_create(&ModelNameLabel { model_name: model_name.to_owned() }).clone();
+        running.inc();
+        RequestRecord {
+            running,
+            duration: self.duration.get_or_create(&label).clone(),
+            response_sizes: self.response_sizes.get_or_create(&label).clone(),
+            output_tokens: self.output_tokens.get_or_create(&label).clone(),
+            received,
+            response_bytes: 0,
+        }
+    }
+}
+
+/// One routed request on GIE's per-request families: counted in
+/// `inference_objective_running_requests` while alive; [`RequestRecord::finish`] (the response
+/// ended) observes its duration, response size and output tokens. Dropped without `finish` (the
+/// stream ended first) it only leaves the running count.
+#[derive(Debug)]
+pub struct RequestRecord {
+    running: Gauge,
+    duration: Histogram,
+    response_sizes: Histogram,
+    output_tokens: Histogram,
+    received: Instant,
+    response_bytes: u64,
+}
+
+impl RequestRecord {
+    /// Adds `n` bytes of response body.
+    pub fn response_bytes(&mut self, n: usize) {
+        self.response_bytes = self.response_bytes.saturating_add(n as u64);
+    }
+
+    /// The response ended: observes the time since the request was received, the response's
+    /// size and, when the engine reported it (`usage.completion_tokens`), its output tokens.
+    pub fn finish(self, output_tokens: Option<u32>) {
+        self.duration.observe(self.received.elapsed().as_secs_f64());
+        self.response_sizes.observe(self.response_bytes as f64);
+        if let Some(n) = output_tokens.filter(|n| *n > 0) {
+            self.output_tokens.observe(f64::from(n));
+        }
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        self.running.dec();
     }
 }

@@ -130,8 +130,11 @@ pub struct ModelRegistry {
 type TargetKey = (String, Option<String>);
 
 impl ModelRegistry {
-    /// Builds every model of the config. A tokenizer that fails to load is logged and the model
-    /// routes by load only (the tokenizer crate may not be complete yet).
+    /// Builds every model of the config. A tokenizer directory without `tokenizer.json` (the
+    /// volume not mounted, or not filled yet) is logged once, in one line naming the models'
+    /// mode, and its models route in approximate mode (unless `mode: precise`, which validation
+    /// refuses for it); mounting the tokenizer there and restarting turns precise mode on. A
+    /// tokenizer that is there but fails to load is logged too, with the same fallback.
     pub fn load(models: &[ModelConfig], block_size: usize) -> Self {
         let mut tokenizers: HashMap<PathBuf, Option<Arc<ModelTokenizer>>> = HashMap::new();
         let mut out = HashMap::new();
@@ -141,12 +144,20 @@ impl ModelRegistry {
             let tokenizer = m.tokenizer.as_ref().and_then(|dir| {
                 tokenizers
                     .entry(dir.clone())
-                    .or_insert_with(|| match ModelTokenizer::from_dir(dir) {
-                        Ok(t) => Some(Arc::new(t)),
-                        Err(e) => {
-                            tracing::warn!(model = %m.name, dir = %dir.display(), error = %e,
-                                "tokenizer failed to load; this model routes by load only");
-                            None
+                    .or_insert_with(|| {
+                        if !dir.join("tokenizer.json").is_file() {
+                            tracing::warn!(model = %m.name, dir = %dir.display(),
+                                "no tokenizer at this path: routing in approximate mode (text blocks, \
+                                 docs/design.md §6); put the tokenizer there and restart for precise mode");
+                            return None;
+                        }
+                        match ModelTokenizer::from_dir(dir) {
+                            Ok(t) => Some(Arc::new(t)),
+                            Err(e) => {
+                                tracing::warn!(model = %m.name, dir = %dir.display(), error = %e,
+                                    "tokenizer failed to load: routing in approximate mode");
+                                None
+                            }
                         }
                     })
                     .clone()
@@ -439,6 +450,21 @@ mod tests {
         // No tokenizer: text prompts give no tokens, token prompts pass through.
         assert!(a.tokens(&PromptInput::Text("x".into()), "r").is_empty());
         assert_eq!(a.tokens(&PromptInput::Tokens(vec![7; 3]), "r"), vec![7; 3]);
+    }
+
+    #[test]
+    fn an_absent_tokenizer_source_means_approximate_mode_and_a_present_one_precise() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("not-mounted");
+        let cfg =
+            |tok: &std::path::Path| vec![ModelConfig { tokenizer: Some(tok.to_path_buf()), ..ModelConfig::named("m") }];
+        let r = ModelRegistry::load(&cfg(&missing), 16);
+        let m = r.resolve("m").unwrap();
+        assert!(m.tokenizer.is_none() && m.approx.is_some(), "no tokenizer there: approximate mode");
+        let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer-qwen2.5");
+        let r = ModelRegistry::load(&cfg(&fixture), 16);
+        let m = r.resolve("m").unwrap();
+        assert!(m.tokenizer.is_some() && m.approx.is_none(), "the tokenizer added: precise mode");
     }
 
     #[test]

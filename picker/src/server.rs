@@ -1,4 +1,4 @@
-//! Wiring: binds the three listeners (ext_proc, AgentIngest + ReplicaSync, admin), follows the
+//! Wiring: binds the four listeners (ext_proc, gRPC health, AgentIngest + ReplicaSync, admin), follows the
 //! peer replicas, serves until asked to stop, and reports the first failure ([`start`],
 //! [`RunningPicker`]).
 //!
@@ -101,6 +101,8 @@ pub enum StartError {
 pub struct RunningPicker {
     /// Bound ext_proc address (the real port when the config said 0).
     pub ext_proc_addr: SocketAddr,
+    /// Bound gRPC health address (`grpc.health.v1` alone, GIE's `--grpc-health-port`).
+    pub health_addr: SocketAddr,
     /// Bound AgentIngest address.
     pub ingest_addr: SocketAddr,
     /// Bound admin HTTP address.
@@ -136,8 +138,7 @@ impl DrainHandle {
     /// [`ShutdownHandle::shutdown`] closes them (docs/design.md §14, readiness).
     pub async fn drain(&self) {
         self.gateway.draining.store(true, Ordering::Release);
-        self.health.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
-        self.health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        set_readiness(&self.health, false).await;
         tracing::info!("draining: NOT_SERVING");
     }
 }
@@ -193,11 +194,32 @@ impl RunningPicker {
     }
 }
 
+/// The `grpc.health.v1` service names that report readiness: `""` (the server), the ext_proc
+/// service, and the names GIE's Helm chart probes (`inference-extension`, and `readiness` with
+/// leader election). `liveness` stays SERVING while the process runs.
+pub const READINESS_SERVICES: [&str; 3] = ["", GIE_HEALTH_SERVICE, "readiness"];
+
+/// The service GIE's Helm chart names in its gRPC liveness and readiness probes.
+pub const GIE_HEALTH_SERVICE: &str = "inference-extension";
+
+/// Sets every readiness service (see [`READINESS_SERVICES`]) SERVING or NOT_SERVING.
+async fn set_readiness(health: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
+    if serving {
+        health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+    } else {
+        health.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+    }
+    for name in READINESS_SERVICES {
+        health.set_service_status(name, status).await;
+    }
+}
+
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
     TcpListener::bind(addr).await.map_err(|source| StartError::Bind { what, addr, source })
 }
 
-/// Binds all three listeners (port 0 picks a free port) and starts serving. When this returns,
+/// Binds all four listeners (port 0 picks a free port) and starts serving. When this returns,
 /// every listener accepts connections.
 pub async fn start(config: &PickerConfig) -> Result<RunningPicker, StartError> {
     start_with_scope(config, None).await
@@ -286,10 +308,12 @@ pub async fn start_with_kube(
         None
     };
     let ext_l = bind("ext_proc", config.ext_proc_addr).await?;
+    let health_l = bind("health", config.health_addr()).await?;
     let ingest_l = bind("ingest", config.ingest_addr).await?;
     let admin_l = bind("admin", config.admin_addr).await?;
     let local = |l: &TcpListener, what, addr| l.local_addr().map_err(|source| StartError::Bind { what, addr, source });
     let ext_proc_addr = local(&ext_l, "ext_proc", config.ext_proc_addr)?;
+    let health_addr = local(&health_l, "health", config.health_addr())?;
     let ingest_addr = local(&ingest_l, "ingest", config.ingest_addr)?;
     let admin_addr = local(&admin_l, "admin", config.admin_addr)?;
 
@@ -303,14 +327,18 @@ pub async fn start_with_kube(
     let admin_limits = limits.admin_listener();
     let max_msg = MIN_GRPC_MESSAGE_BYTES.max(config.body_limit_bytes.saturating_mul(2));
     let ext = ExtProcService::new(gateway.clone()).into_server(max_msg);
-    // grpc.health.v1 on the ext_proc port, for Envoy's cluster health checks and Kubernetes probes.
+    // grpc.health.v1 on the ext_proc port (Envoy's cluster health checks) and alone on the
+    // health port (GIE's `--grpc-health-port`, which its chart's probes call).
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    if gateway.is_ready() {
-        health_reporter.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
-    } else {
-        health_reporter.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
-        health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-    }
+    set_readiness(&health_reporter, gateway.is_ready()).await;
+    health_reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
+    let (health_only, health_stop) = (health.clone(), stop(rx.clone()));
+    tasks.spawn(async move {
+        let incoming = tonic::transport::server::TcpIncoming::from(health_l).with_nodelay(Some(true));
+        let served =
+            limits.grpc_server().add_service(health_only).serve_with_incoming_shutdown(incoming, health_stop).await;
+        served.map_err(|e| StartError::Serve { what: "health", source: e.into() }).map(|()| "health")
+    });
     let ext_stop = stop(rx.clone());
     tasks.spawn(async move {
         // HTTP/2 keepalive finds a vanished Envoy; the stream cap bounds one connection's requests.
@@ -440,9 +468,10 @@ pub async fn start_with_kube(
         });
     }
 
-    tracing::info!(%ext_proc_addr, %ingest_addr, %admin_addr, models = gateway.models.len(), "picker listening");
+    tracing::info!(%ext_proc_addr, %health_addr, %ingest_addr, %admin_addr, models = gateway.models.len(), "picker listening");
     Ok(RunningPicker {
         ext_proc_addr,
+        health_addr,
         ingest_addr,
         admin_addr,
         gateway,
@@ -529,8 +558,7 @@ async fn become_ready(
             if gw.draining.load(Ordering::Acquire) {
                 return;
             }
-            health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
-            health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+            set_readiness(&health, true).await;
             tracing::info!(
                 coverage = c.share(),
                 ready_endpoints = c.ready_endpoints,

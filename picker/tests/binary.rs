@@ -70,7 +70,7 @@ fn invalid_config_exits_non_zero_with_message() {
             "scoring",
         ),
         ("unknown", "ext_proc_adr: 127.0.0.1:1\n", "ext_proc_adr"),
-        ("tokenizer", "models: [{name: m, tokenizer: no-such-dir}]\n", "tokenizer.json"),
+        ("tokenizer", "models: [{name: m, tokenizer: no-such-dir, mode: precise}]\n", "tokenizer.json"),
         // The pool is the only source of candidates: no pool source, no start.
         ("no-pool", "models: [{name: m}]\n", "--pool-name"),
         ("missing-pool-file", "insecure_ingest: true\npool_file: no-such-pool.yaml\n", "no-such-pool.yaml"),
@@ -110,7 +110,7 @@ fn check_config_version_and_exit_codes() {
     let good = write_config(
         "check",
         &format!(
-            "ext_proc_addr: 127.0.0.1:{port}\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+            "ext_proc_addr: 127.0.0.1:{port}\nhealth_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
              insecure_ingest: true\npool_file: pool.yaml\nmodels: [{{name: m, tokenizer: {}}}]\n",
             tokenizer_dir()
         ),

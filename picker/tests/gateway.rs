@@ -253,11 +253,13 @@ async fn prefix_holder_wins_and_envoy_contract_holds() {
     let Some(Response::ResponseHeaders(h)) = &r.response else { panic!("{r:?}") };
     assert_eq!(header_value(h.response.as_ref().unwrap(), "x-request-id").as_deref(), Some("req-123"));
     let sse = "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":84,\
-               \"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\ndata: [DONE]\n\n";
+               \"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\ndata: [DONE]\n\n";
     let (first, second) = sse.as_bytes().split_at(60);
     envoy.send(response_body(first, false)).await;
     assert!(matches!(envoy.recv().await.response, Some(Response::ResponseBody(_))));
     assert_eq!(in_flight(&picker, "pod-b"), 1, "slot must be held until usage or end of response");
+    let running = format!("inference_objective_running_requests{{model_name=\"{MODEL}\"}}");
+    assert!(metrics_text(&picker).await.contains(&format!("{running} 1")), "GIE's running count while it streams");
     envoy.send(response_body(second, false)).await;
     assert!(matches!(envoy.recv().await.response, Some(Response::ResponseBody(_))));
     // Usage seen (64 cached = predicted 4 blocks): slot released before the end of stream, not stale.
@@ -267,6 +269,18 @@ async fn prefix_holder_wins_and_envoy_contract_holds() {
 
     let metrics = metrics_text(&picker).await;
     assert!(metrics.contains(&format!("epp_routing_decisions_total{{model=\"{MODEL}\"}} 1")), "{metrics}");
+    // GIE's per-request families once the response ended: running 0, one duration, the response's
+    // bytes, the engine's completion tokens, the prompt's tokens.
+    let labels = format!("{{model_name=\"{MODEL}\",target_model_name=\"{MODEL}\"}}");
+    for needle in [
+        format!("{running} 0"),
+        format!("inference_objective_request_duration_seconds_count{labels} 1"),
+        format!("inference_objective_response_sizes_sum{labels} {}.0", sse.len()),
+        format!("inference_objective_output_tokens_sum{labels} 4.0"),
+        format!("inference_objective_input_tokens_sum{labels} 84.0"),
+    ] {
+        assert!(metrics.contains(&needle), "no `{needle}` in {metrics}");
+    }
     assert!(metrics.contains("epp_stale_cache_routing_total 0"), "{metrics}");
     assert!(metrics.contains("epp_queue_depth{model_server_pod=\"pod-b\"}"), "{metrics}");
     assert!(metrics.contains("epp_pod_health_score{model_server_pod=\"pod-a\"} 1"), "{metrics}");

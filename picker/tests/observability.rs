@@ -44,7 +44,7 @@ fn repo() -> PathBuf {
 
 fn config_yaml(ext_proc: &str, ingest: &str, admin: &str) -> String {
     format!(
-        "ext_proc_addr: {ext_proc}\ningest_addr: {ingest}\ninsecure_ingest: true\nadmin_addr: {admin}\nblock_size: 16\n\
+        "ext_proc_addr: {ext_proc}\nhealth_addr: 127.0.0.1:0\ningest_addr: {ingest}\ninsecure_ingest: true\nadmin_addr: {admin}\nblock_size: 16\n\
          models:\n  - name: {MODEL}\n    target_model: {MODEL}\n    tokenizer: {tok}\n\
            \x20 - name: sql\n    target_model: {MODEL}\n    adapter: sql-lora\n\
          scoring: {{ max_queue: 20, health_exclusion_threshold: 0.3 }}\n",
@@ -356,6 +356,12 @@ async fn metrics_page_passes_promtool_check_metrics() {
         "inference_extension_info{commit=\"0123456789ab\",build_ref=\"0.1.0\"} 1",
         "inference_extension_scheduler_e2e_duration_seconds_count 1",
         "epp_request_errors_total{code=\"503\"} 0",
+        "epp_pool_reported_pods 3",
+        // GIE's per-request families: the routed request's size; running while its stream is
+        // open (this stream ends without a response: no duration).
+        "inference_objective_request_sizes_count{model_name=\"sql\",target_model_name=\"sql-lora\"} 1",
+        "inference_objective_running_requests{model_name=\"sql\"} ",
+        "inference_objective_request_duration_seconds_count{model_name=\"sql\",target_model_name=\"sql-lora\"} 0",
     ] {
         assert!(text.contains(needle), "no `{needle}` in {text}");
     }

@@ -265,7 +265,7 @@ async fn start_k8s_picker(dir: &std::path::Path, server: &ApiServer, extra: &str
     std::fs::write(
         &config,
         format!(
-            "ext_proc_addr: 127.0.0.1:{ext_proc}\ningest_addr: 127.0.0.1:{ingest}\nadmin_addr: 127.0.0.1:{admin}\n\
+            "ext_proc_addr: 127.0.0.1:{ext_proc}\nhealth_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:{ingest}\nadmin_addr: 127.0.0.1:{admin}\n\
              insecure_ingest: true\nmodels: [{{name: {MODEL}}}]\n{extra}"
         ),
     )
@@ -472,7 +472,7 @@ async fn rolling_restart(graceful: bool, ips: [&str; 2], replicas_n: usize) -> (
         std::fs::write(
             &config,
             format!(
-                "ext_proc_addr: 127.0.0.1:{}\ningest_addr: 127.0.0.1:{}\nadmin_addr: 127.0.0.1:{}\n\
+                "ext_proc_addr: 127.0.0.1:{}\nhealth_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:{}\nadmin_addr: 127.0.0.1:{}\n\
                  insecure_ingest: true\nmodels: [{{name: {MODEL}}}]\npool_file: pool.yaml\nready_timeout_ms: 500\n{}",
                 ports[0],
                 ports[1],

@@ -23,6 +23,7 @@ use kvroute_common::{BlockHash, BlockKeys, MmItem};
 
 use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::{Gateway, Resolution};
+use crate::metrics::RequestRecord;
 use crate::model::{ImagePlacement, ResolvedModel};
 use crate::request::{ModelError, ParsedBody, PromptInput, chat_images, needs_body, parse_body};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
@@ -361,18 +362,20 @@ fn hash_chain(
 /// Routes one request. On success the returned decision holds the pod's in-flight slot.
 pub fn decide(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Decision, Rejection> {
     static NEVER: AtomicBool = AtomicBool::new(false);
-    decide_cancellable(gw, input, &NEVER).map(|(d, _)| d)
+    decide_cancellable(gw, input, &NEVER).map(|(d, _, _)| d)
 }
 
 /// Routes one request like [`decide`], giving up once `cancel` is set (checked between
 /// tokenization chunks: the request's ext_proc stream ended, so nobody waits for the answer), and
 /// returns with the decision the model id the body's `model` must be rewritten to, when a rewrite
-/// rule changed it (docs/design.md §14).
+/// rule changed it (docs/design.md §14), and the request's record on GIE's per-request metrics
+/// (running while it is held: keep it until the response ends, then `finish` it).
 pub fn decide_cancellable(
     gw: &Gateway,
     input: &DecisionInput<'_>,
     cancel: &AtomicBool,
-) -> Result<(Decision, Option<String>), Rejection> {
+) -> Result<(Decision, Option<String>, RequestRecord), Rejection> {
+    let received = Instant::now();
     let observer = DecisionObserver::start(&gw.metrics, input.request_id);
     let prepared = prepare_cancellable(gw, input, cancel)?;
     observer.received(&prepared);
@@ -388,7 +391,15 @@ pub fn decide_cancellable(
                 a.store.record(&decision.pod, prepared.block_hashes());
             }
             observer.routed(&prepared, &decision, route_elapsed);
-            Ok((decision, prepared.model_rewrite))
+            let target = prepared.model.adapter.as_ref().unwrap_or(&prepared.model.target_model);
+            let record = gw.metrics.requests.start(
+                &prepared.model_name,
+                target,
+                received,
+                input.body.map_or(0, <[u8]>::len),
+                prepared.tokens.len(),
+            );
+            Ok((decision, prepared.model_rewrite, record))
         }
         Err(e) => {
             observer.no_pod(&prepared, &e);

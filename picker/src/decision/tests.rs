@@ -300,7 +300,7 @@ async fn rewrite_targets_resolve_through_models_and_the_engines_reports() {
     let body = br#"{"model":"chat","prompt":"hello","max_tokens":3}"#;
     let input =
         DecisionInput { request_id: "t", path: "/v1/completions", body: Some(body), subset: None, objective: None };
-    let (decision, rewrite) = decide_cancellable(&gw, &input, &AtomicBool::new(false)).unwrap();
+    let (decision, rewrite, _record) = decide_cancellable(&gw, &input, &AtomicBool::new(false)).unwrap();
     assert_eq!((decision.pod.as_str(), rewrite.as_deref()), ("p", Some("sql-lora")));
     let ex = explain(&gw, &input).unwrap();
     assert_eq!(ex.explanation.candidates[0].adapter, 1.0, "the pod runs the adapter");

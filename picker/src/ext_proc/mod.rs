@@ -46,6 +46,7 @@ use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status, Streaming}
 
 use crate::decision::{DecisionInput, Rejection, decide_cancellable, observe};
 use crate::gateway::Gateway;
+use crate::metrics::RequestRecord;
 use crate::pool::InFlightSlot;
 use usage::UsageScanner;
 
@@ -161,6 +162,8 @@ struct StreamState {
     /// headers answer is held until the decision and the body is sent back in streamed chunks.
     full_duplex: bool,
     slot: Option<InFlightSlot>,
+    /// The request on GIE's per-request metrics, from its routing to the end of its response.
+    record: Option<RequestRecord>,
     usage: Option<UsageScanner>,
     response_status: Option<u16>,
     /// When the request body must have ended (set by request headers without `end_of_stream`).
@@ -238,6 +241,7 @@ async fn on_request_headers(
                 // count in the pod's queue depth, nor hold a slot for as long as its stream stays
                 // open (otherwise 100 such streams push queue depth past maxQueue).
                 st.slot = None;
+                st.record = None;
                 out.push(reply::with_request_headers(reply::routed(&endpoint, &st.request_id, true), &trace));
             }
             Routing::Rejected(r) => out.push(*r),
@@ -383,7 +387,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         let _entered = span.enter();
         let result = decide_cancellable(gw, input, cancel);
         match &result {
-            Ok((d, _)) => span.record("pod", d.pod.as_str()),
+            Ok((d, _, _)) => span.record("pod", d.pod.as_str()),
             Err(_) => span.record("otel.status_code", "ERROR"),
         };
         result.map(|d| (d, kvroute_common::telemetry::inject(&span)))
@@ -435,11 +439,12 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         })
     };
     match result {
-        Ok(((decision, rewrite), trace)) => {
+        Ok(((decision, rewrite, record), trace)) => {
             if let Some(tp) = trace.get("traceparent") {
                 tracing::debug!(request_id = %st.request_id, traceparent = %tp, "trace context passed upstream");
             }
             st.slot = Some(decision.slot);
+            st.record = Some(record);
             let (body, rewritten) = match (body, rewrite) {
                 (Some(b), Some(model)) => match crate::request::rewrite_model(&b, &model) {
                     Some(new) => (Some(new), true),
@@ -468,6 +473,9 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
     st.usage = Some(UsageScanner::new(event_stream));
     if h.end_of_stream {
         st.slot = None;
+        if let Some(r) = st.record.take() {
+            r.finish(None);
+        }
     }
     reply::response_headers(&st.request_id)
 }
@@ -489,8 +497,11 @@ fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> Process
         gw.metrics.upstream_connect_failures.inc();
         tracing::info!(request_id = %st.request_id, pod = slot.pod(), "Envoy could not connect to the routed endpoint");
     }
+    if let Some(r) = &mut st.record {
+        r.response_bytes(b.body.len());
+    }
     let ok = st.response_status.is_none_or(|s| s < 400);
-    if ok && st.slot.is_some() {
+    if ok && (st.slot.is_some() || st.record.is_some()) {
         let scanner = st.usage.get_or_insert_with(|| UsageScanner::new(None));
         scanner.push(&b.body);
         // Judge as soon as the usage is seen: the final SSE chunk may precede end of stream.
@@ -508,6 +519,9 @@ fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> Process
     }
     if b.end_of_stream {
         st.slot = None;
+        if let Some(r) = st.record.take() {
+            r.finish(st.usage.as_ref().and_then(UsageScanner::completion_tokens));
+        }
         st.usage = None;
     }
     reply::continue_response_body()

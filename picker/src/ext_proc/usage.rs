@@ -1,5 +1,6 @@
-//! Finds `usage.prompt_tokens_details.cached_tokens` in a response body that streams past in
-//! chunks of any size (docs/design.md §5), without holding the body.
+//! Finds `usage.prompt_tokens_details.cached_tokens` (and `usage.completion_tokens`, for GIE's
+//! output-token metric) in a response body that streams past in chunks of any size
+//! (docs/design.md §5), without holding the body.
 //!
 //! Two shapes: a non-streaming JSON completion (usage at the top level, near the end), and an SSE
 //! stream of `data: {...}` lines where the final chunk carries `usage` (when the client asked for
@@ -24,6 +25,7 @@ pub struct UsageScanner {
     buf: Vec<u8>,
     overflowed: bool,
     found: Option<u32>,
+    completion: Option<u32>,
 }
 
 impl UsageScanner {
@@ -35,6 +37,11 @@ impl UsageScanner {
     /// The cached-token count once seen.
     pub fn found(&self) -> Option<u32> {
         self.found
+    }
+
+    /// `usage.completion_tokens` once seen (in the same usage object as the cached tokens).
+    pub fn completion_tokens(&self) -> Option<u32> {
+        self.completion
     }
 
     /// Feeds one chunk of the response body.
@@ -56,9 +63,10 @@ impl UsageScanner {
                 let line = std::mem::take(&mut self.buf);
                 self.sse_line(&line);
             } else if self.overflowed {
-                self.found = scan_text(&self.buf);
+                self.found = scan_text(&self.buf, b"\"cached_tokens\"");
+                self.completion = scan_text(&self.buf, b"\"completion_tokens\"");
             } else if !self.buf.is_empty() {
-                self.found = cached_tokens(&self.buf);
+                (self.found, self.completion) = usage_counts(&self.buf);
             }
         }
         self.buf = Vec::new();
@@ -101,7 +109,9 @@ impl UsageScanner {
         if data.first() != Some(&b'{') || memfind(data, b"\"usage\"").is_none() {
             return;
         }
-        self.found = cached_tokens(data);
+        let (cached, completion) = usage_counts(data);
+        self.found = cached;
+        self.completion = completion.or(self.completion);
     }
 
     fn push_json(&mut self, chunk: &[u8]) {
@@ -129,6 +139,8 @@ struct WithUsage {
 struct Usage {
     #[serde(default)]
     prompt_tokens_details: Option<PromptTokensDetails>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -137,16 +149,19 @@ struct PromptTokensDetails {
     cached_tokens: Option<u64>,
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a JSON response object; `None` when the text is
-/// not such an object, a level is missing or null, or the count is not a `u32`.
-fn cached_tokens(json: &[u8]) -> Option<u32> {
-    let v: WithUsage = serde_json::from_slice(json).ok()?;
-    v.usage?.prompt_tokens_details?.cached_tokens.and_then(|n| u32::try_from(n).ok())
+/// `usage.prompt_tokens_details.cached_tokens` and `usage.completion_tokens` of a JSON response
+/// object; each `None` when the text is not such an object, a level is missing or null, or the
+/// count is not a `u32`.
+fn usage_counts(json: &[u8]) -> (Option<u32>, Option<u32>) {
+    let Some(usage) = serde_json::from_slice::<WithUsage>(json).ok().and_then(|v| v.usage) else {
+        return (None, None);
+    };
+    let count = |n: Option<u64>| n.and_then(|n| u32::try_from(n).ok());
+    (count(usage.prompt_tokens_details.and_then(|d| d.cached_tokens)), count(usage.completion_tokens))
 }
 
-/// Last `"cached_tokens": N` in `text`.
-fn scan_text(text: &[u8]) -> Option<u32> {
-    let key = b"\"cached_tokens\"";
+/// Last `key: N` in `text` (`key` with its quotes).
+fn scan_text(text: &[u8], key: &[u8]) -> Option<u32> {
     let pos = text.windows(key.len()).rposition(|w| w == key)?;
     let rest = text[pos + key.len()..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
@@ -173,6 +188,7 @@ mod tests {
             s.push(&stream.as_bytes()[..cut]);
             s.push(&stream.as_bytes()[cut..]);
             assert_eq!(s.finish(), Some(32), "cut at {cut}");
+            assert_eq!(s.completion_tokens(), Some(3), "cut at {cut}");
         }
     }
 
@@ -193,7 +209,7 @@ mod tests {
         assert_eq!(s.finish(), Some(16));
 
         let big = format!(
-            r#"{{"choices":[{{"text":"{}"}}],"usage":{{"prompt_tokens_details":{{"cached_tokens": 48}}}}}}"#,
+            r#"{{"choices":[{{"text":"{}"}}],"usage":{{"completion_tokens": 7,"prompt_tokens_details":{{"cached_tokens": 48}}}}}}"#,
             "a".repeat(3 * MAX_JSON_BYTES)
         );
         let mut s = UsageScanner::new(None);
@@ -201,6 +217,7 @@ mod tests {
             s.push(c);
         }
         assert_eq!(s.finish(), Some(48));
+        assert_eq!(s.completion_tokens(), Some(7), "from the kept tail");
     }
 
     #[test]

@@ -60,6 +60,12 @@ pub const DEFAULT_MAX_REPORT_AGE_MS: u64 = 10_000;
 pub const STALE_REPORT_HEALTH: f64 = 0.5;
 /// The health reason of a pod whose agent's stats are older than the report-age limit.
 pub const STALE_REPORT_REASON: &str = "agent report stale";
+/// The health score of a Ready pod of the pool that no agent reports on: its GPUs' state is
+/// unknown, as for a pod whose agent cannot see its GPUs
+/// ([`kvroute_common::UNKNOWN_GPU_HEALTH`], 0.7), so neither ranks below the other.
+pub const NO_REPORT_HEALTH: f64 = kvroute_common::UNKNOWN_GPU_HEALTH;
+/// Its health reason.
+pub const NO_REPORT_REASON: &str = "no agent report: GPU state unknown";
 
 /// Pool settings. The picker builds them from its config file (`PickerConfig::pool`).
 #[derive(Clone, Debug, PartialEq)]
@@ -480,6 +486,10 @@ impl Pool {
                     if stale {
                         stats.health_reason = reason.to_owned();
                     }
+                } else if st.member == Membership::PoolReady {
+                    // As scoring counts it (`epp_pod_health_score`, `/explain`): unknown, not 0.
+                    stats.health_score = NO_REPORT_HEALTH;
+                    stats.health_reason = NO_REPORT_REASON.to_owned();
                 }
                 PodView {
                     name: rec.name.to_string(),

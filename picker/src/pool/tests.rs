@@ -209,6 +209,10 @@ async fn expired_agent_state_of_a_member_is_dropped_but_the_member_stays() {
     let pods = pool.pods();
     assert_eq!(pods.len(), 1, "still in the pool");
     assert_eq!((pods[0].blocks, pods[0].connected, pods[0].ready), (0, false, false));
+    assert_eq!(
+        (pods[0].health_score, pods[0].health_reason.as_str()),
+        (super::NO_REPORT_HEALTH, super::NO_REPORT_REASON)
+    );
     assert_eq!(pool.agent_coverage().map(|c| (c.share(), c.ready_endpoints)), Some((0.0, 1)));
 }
 

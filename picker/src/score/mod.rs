@@ -25,6 +25,7 @@ mod filter;
 mod health;
 mod load;
 mod queue;
+mod routability;
 mod router;
 mod select;
 
@@ -34,6 +35,7 @@ pub use cost::CostAwareScorer;
 pub use health::HealthScorer;
 pub use load::{LoadScorer, load_ratio};
 pub use queue::QueueDepthScorer;
+pub use routability::{PodRouting, pod_routing};
 pub use router::{ORDERED_CANDIDATES, Router};
 
 use serde::{Deserialize, Serialize};

@@ -597,12 +597,17 @@ impl Router {
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
             let stats = status.stats.as_ref();
-            // Without a report, a Ready pod of the pool counts as idle and healthy (Kubernetes
-            // says Ready); its in-flight count is its queue depth (docs/design.md §14).
-            let (idle, healthy) = if status.member == Membership::PoolReady { (0.0, 1.0) } else { (1.0, 0.0) };
+            // Without a report, a Ready pod of the pool counts as idle (Kubernetes says Ready; its
+            // in-flight count is its queue depth) and of unknown GPU health, as a pod whose agent
+            // cannot see its GPUs (docs/design.md §14).
+            let (idle, unreported) = if status.member == Membership::PoolReady {
+                (0.0, (crate::pool::NO_REPORT_HEALTH, crate::pool::NO_REPORT_REASON))
+            } else {
+                (1.0, (0.0, ""))
+            };
             // A report older than the report-age limit is unknown, not perfect (docs/design.md §15).
             let (health_score, health_reason) =
-                status.effective_health(status.report_stale(now, max_age)).unwrap_or((healthy, ""));
+                status.effective_health(status.report_stale(now, max_age)).unwrap_or(unreported);
             PodFacts {
                 name: &table.pods[r.pod as usize].name,
                 endpoint: &status.endpoint,

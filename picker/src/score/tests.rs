@@ -507,6 +507,77 @@ async fn pool_members_route_by_load_before_reports_and_unready_ones_never() {
     drop((d, d2));
 }
 
+/// The pool gauges' judgement is the router's: Ready endpoints with no agent are ready and
+/// routable (they route by load), also once an agent left past its grace period; an agent's
+/// "not ready" or low health takes an endpoint out as the filter does.
+#[tokio::test]
+async fn pod_routing_counts_what_the_router_can_route_to_with_or_without_agents() {
+    use crate::pool::tests::view;
+    use crate::pool::{PoolConfig, PoolUpdate};
+    let pool = Pool::new(PoolConfig { grace_ttl_ms: 150, ..PoolConfig::default() });
+    let config = ScoringConfig::default();
+    let r = Router::new(pool.clone(), config.clone()).unwrap();
+    let states = |pool: &Pool| {
+        super::pod_routing(pool, &config)
+            .into_iter()
+            .map(|p| (p.name.to_string(), (p.ready, p.routable, p.reported)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let view3 = view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", true), ("c", "10.0.0.3", false)]);
+    assert!(pool.set_membership(view3).await.is_ok());
+    let s = states(&pool);
+    assert_eq!(s["a-rank-0"], (true, true, false));
+    assert_eq!(s["b-rank-0"], (true, true, false));
+    assert_eq!(s["c-rank-0"], (false, false, false), "not Ready in the pool");
+    assert_eq!(r.explain(&req(&[])).candidates.len(), 2, "the router agrees");
+    // An agent reports a unhealthy and b's engine not ready.
+    put(&pool, "a-rank-0", "m", stats(0.0, 0, 0.1), &[]).await;
+    let mut not_ready = stats(0.0, 0, 1.0);
+    not_ready.ready = false;
+    let u = PoolUpdate::Snapshot {
+        stream: 2,
+        info: crate::pool::tests::info("b-rank-0", "m"),
+        seq: 0,
+        stats: Some(not_ready),
+        blocks: vec![],
+    };
+    assert!(pool.update(u).await.is_ok() && pool.sync().await.is_ok());
+    let s = states(&pool);
+    assert_eq!(s["a-rank-0"], (true, false, true), "ready but below the health threshold");
+    assert_eq!(s["b-rank-0"], (false, false, true), "its engine is not ready");
+    assert!(r.explain(&req(&[])).candidates.is_empty());
+    // Every agent leaves; past the grace period the endpoints route by load again.
+    for stream in [1, 2] {
+        assert!(pool.update(PoolUpdate::StreamEnded { stream }).await.is_ok());
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(pool.sync().await.is_ok());
+    let s = states(&pool);
+    assert_eq!((s["a-rank-0"], s["b-rank-0"]), ((true, true, false), (true, true, false)), "{s:?}");
+    assert_eq!(r.explain(&req(&[])).candidates.len(), 2, "the router agrees");
+}
+
+/// A pod whose agent cannot tell its GPU assignment (health 0.7, "GPU assignment unknown") is
+/// not ranked below a pod no agent reports on: both GPU states are unknown.
+#[tokio::test]
+async fn a_pod_of_unknown_gpus_is_not_ranked_below_a_pod_without_an_agent() {
+    use crate::pool::tests::view;
+    let (pool, r) = router(ScoringConfig::default());
+    assert!(pool.set_membership(view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", true)])).await.is_ok());
+    let mut unknown = stats(0.0, 0, kvroute_common::UNKNOWN_GPU_HEALTH);
+    unknown.health_reason = "GPU assignment unknown".into();
+    put(&pool, "a-rank-0", "m", unknown, &[]).await;
+    let e = r.explain(&req(&[]));
+    let score = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| (c.health, c.score));
+    let (Some((ha, sa)), Some((hb, sb))) = (score("a-rank-0"), score("b-rank-0")) else { panic!("{e:?}") };
+    assert_eq!((ha, hb), (kvroute_common::UNKNOWN_GPU_HEALTH, crate::pool::NO_REPORT_HEALTH));
+    assert!(sa >= sb, "unknown GPUs {sa} ranked below no agent {sb}");
+    // A healthy reporting pod still ranks above both unknowns.
+    put(&pool, "a-rank-0", "m", stats(0.0, 0, 1.0), &[]).await;
+    let e = r.explain(&req(&[]));
+    assert_eq!(e.choice.as_deref(), Some("a-rank-0"), "{e:?}");
+}
+
 #[tokio::test]
 async fn an_unreachable_pod_is_not_a_candidate_and_a_stale_one_loses_its_perfect_health() {
     let pool = Pool::new(PoolConfig { max_report_age_ms: 100, ..PoolConfig::default() });

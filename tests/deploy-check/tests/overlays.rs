@@ -382,7 +382,7 @@ fn loopback_listener_and_port_mismatch_fail() {
             let text = data.get("picker.yaml").unwrap().replace("0.0.0.0:9004", "127.0.0.1:9013");
             data.insert("picker.yaml".into(), text);
         },
-        "ingest_addr 127.0.0.1:9013 binds one interface only",
+        "ingest_addr 127.0.0.1:9014 binds one interface only",
     );
 }
 

@@ -841,6 +841,8 @@ fn picker_config(spec: &FleetSpec, ext_proc: u16, ingest: u16, admin: u16) -> Va
     }
     json!({
         "ext_proc_addr": format!("127.0.0.1:{ext_proc}"),
+        // The gRPC health listener on a free port (its default, 9003, is one per host).
+        "health_addr": "127.0.0.1:0",
         "ingest_addr": format!("127.0.0.1:{ingest}"),
         "admin_addr": format!("127.0.0.1:{admin}"),
         "block_size": 16,
