@@ -218,6 +218,7 @@ pub struct Metrics {
     pending_entries: Gauge,
     pile_guard_redirects: Counter,
     pending_withheld: Counter,
+    ttft: TtftMetrics,
     replica_events: Family<ResultLabel, Counter>,
     replica_peers: Gauge,
     replica_disconnects: Counter,
@@ -283,6 +284,7 @@ impl Metrics {
         let pending_entries = Gauge::default();
         let pile_guard_redirects = Counter::default();
         let pending_withheld = Counter::default();
+        let ttft = TtftMetrics::register(&mut registry);
         let replica_events = Family::<ResultLabel, Counter>::default();
         let replica_peers = Gauge::default();
         let replica_disconnects = Counter::default();
@@ -487,6 +489,7 @@ impl Metrics {
             pending_entries,
             pile_guard_redirects,
             pending_withheld,
+            ttft,
             replica_events,
             replica_peers,
             replica_disconnects,
@@ -556,6 +559,19 @@ impl Metrics {
         mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }), routing.pending_blocks);
         mirror(&self.pile_guard_redirects, routing.pile_redirects);
         mirror(&self.pending_withheld, routing.pending_withheld);
+        let t = &routing.ttft;
+        for (c, v) in [
+            (&self.ttft.load_fallbacks, t.load_fallbacks),
+            (&self.ttft.ttft_fallbacks, t.ttft_fallbacks),
+            (&self.ttft.slo_misses, t.slo_misses),
+            (&self.ttft.refused, t.refused),
+            (&self.ttft.observed, t.observed),
+            (&self.ttft.predicted, t.predicted),
+            (&self.ttft.abs_error_ms, t.abs_error_ms),
+            (&self.ttft.over_ms, t.over_ms),
+        ] {
+            mirror(c, v);
+        }
         for (outcome, v) in [
             ("recorded", routing.recorded_local),
             ("recorded_from_peer", routing.recorded_peer),
@@ -683,6 +699,102 @@ pub struct RoutingCounts {
     pub evicted: u64,
     /// (block, pod) pending entries held now.
     pub pending_entries: usize,
+    /// The load and TTFT models' counts.
+    pub ttft: TtftCounts,
+}
+
+/// The in-flight load and TTFT models' monotonic counts (docs/design.md §4 "Load and predicted
+/// TTFT"), as [`crate::pending::CreditCounters`] holds them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TtftCounts {
+    /// Candidates scored by the seed's load formula (their TTFT model had not learned yet).
+    pub load_fallbacks: u64,
+    /// `spill_rule: ttft` decisions taken by the seed's rule (a candidate had no prediction).
+    pub ttft_fallbacks: u64,
+    /// Decisions whose `x-slo-ttft-ms` no candidate was predicted to meet.
+    pub slo_misses: u64,
+    /// First tokens refused as absurd.
+    pub refused: u64,
+    /// First tokens learned.
+    pub observed: u64,
+    /// Of `observed`, those with a prediction.
+    pub predicted: u64,
+    /// Σ |predicted − actual| over `predicted`, ms.
+    pub abs_error_ms: u64,
+    /// Σ (predicted − actual) where positive, ms.
+    pub over_ms: u64,
+}
+
+impl From<&crate::pending::CreditCounters> for TtftCounts {
+    fn from(c: &crate::pending::CreditCounters) -> Self {
+        use std::sync::atomic::Ordering::Relaxed;
+        TtftCounts {
+            load_fallbacks: c.load_fallbacks.load(Relaxed),
+            ttft_fallbacks: c.ttft_fallbacks.load(Relaxed),
+            slo_misses: c.slo_misses.load(Relaxed),
+            refused: c.ttft_refused.load(Relaxed),
+            observed: c.ttft_observed.load(Relaxed),
+            predicted: c.ttft_predicted.load(Relaxed),
+            abs_error_ms: c.ttft_abs_error_ms.load(Relaxed),
+            over_ms: c.ttft_over_ms.load(Relaxed),
+        }
+    }
+}
+
+/// The counters of [`TtftCounts`] as exported.
+#[derive(Debug, Default)]
+struct TtftMetrics {
+    load_fallbacks: Counter,
+    ttft_fallbacks: Counter,
+    slo_misses: Counter,
+    refused: Counter,
+    observed: Counter,
+    predicted: Counter,
+    abs_error_ms: Counter,
+    over_ms: Counter,
+}
+
+impl TtftMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = TtftMetrics::default();
+        for (name, help, c) in [
+            (
+                "epp_load_fallbacks",
+                "Candidates scored by the seed's GPU-utilization load (their TTFT model had not learned yet) under load_source inflight",
+                &m.load_fallbacks,
+            ),
+            (
+                "epp_ttft_spill_fallbacks",
+                "spill_rule ttft decisions taken by the maxQueue rule because a candidate had no TTFT prediction",
+                &m.ttft_fallbacks,
+            ),
+            ("epp_slo_ttft_misses", "Requests whose x-slo-ttft-ms no candidate was predicted to meet", &m.slo_misses),
+            (
+                "epp_ttft_observations_refused",
+                "First tokens not learned: negative, not finite or over ten minutes",
+                &m.refused,
+            ),
+            ("epp_ttft_observations", "First tokens the per-pod TTFT models learned from", &m.observed),
+            (
+                "epp_ttft_predictions_scored",
+                "First tokens that had a TTFT prediction at routing (the error counters' denominator)",
+                &m.predicted,
+            ),
+            (
+                "epp_ttft_prediction_abs_error_ms",
+                "Sum of |predicted - actual| time to first token, ms (mean error = rate of this / rate of epp_ttft_predictions_scored_total)",
+                &m.abs_error_ms,
+            ),
+            (
+                "epp_ttft_prediction_over_ms",
+                "Sum of (predicted - actual) time to first token where the prediction was too high, ms",
+                &m.over_ms,
+            ),
+        ] {
+            registry.register(name, help, c.clone());
+        }
+        m
+    }
 }
 
 /// The replica stream's counts (docs/design.md §4 "One view across replicas").
