@@ -70,10 +70,11 @@ impl TtftFit {
     /// Adds one first token: `work_tokens` of work and `queue` queued requests at routing,
     /// `ttft_ms` measured. False (and nothing stored) when any is out of range or not finite.
     pub fn observe(&mut self, work_tokens: f64, queue: f64, ttft_ms: f64) -> bool {
-        if !(work_tokens.is_finite() && (0.0..=MAX_WORK_TOKENS).contains(&work_tokens))
-            || !(queue.is_finite() && (0.0..=MAX_QUEUE).contains(&queue))
-            || !(ttft_ms.is_finite() && (0.0..=MAX_TTFT_MS).contains(&ttft_ms))
-        {
+        // `contains` is false for NaN; the infinities are outside every range.
+        let in_range = (0.0..=MAX_WORK_TOKENS).contains(&work_tokens)
+            && (0.0..=MAX_QUEUE).contains(&queue)
+            && (0.0..=MAX_TTFT_MS).contains(&ttft_ms);
+        if !in_range {
             return false;
         }
         let (x, q, y) = (work_tokens, queue, ttft_ms);
@@ -119,7 +120,7 @@ impl TtftFit {
     /// and gives a slope in bounds; else the line through the origin (`b = Σy / Σx`), the slope
     /// clamped to its bounds.
     pub fn line(&self) -> Option<TtftLine> {
-        if self.w < MIN_OBSERVATIONS || !(self.sx > 0.0) {
+        if self.w < MIN_OBSERVATIONS || self.sx.is_nan() || self.sx <= 0.0 {
             return None;
         }
         let slope_ok = |b: f64| b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b);
