@@ -205,7 +205,7 @@ impl Gateway {
                     expired: pending.expired,
                     evicted: pending.evicted,
                     pending_entries,
-                    ttft: crate::metrics::TtftCounts::from(credit),
+                    ttft: credit.ttft_counts(),
                 },
                 replica: ReplicaCounts {
                     applied: counters.applied.load(Ordering::Relaxed),

@@ -567,10 +567,15 @@ impl Metrics {
             (&self.ttft.refused, t.refused),
             (&self.ttft.observed, t.observed),
             (&self.ttft.predicted, t.predicted),
-            (&self.ttft.abs_error_ms, t.abs_error_ms),
-            (&self.ttft.over_ms, t.over_ms),
         ] {
             mirror(c, v);
+        }
+        // Kept in whole ms, exported in seconds.
+        for (c, ms) in [(&self.ttft.abs_error_seconds, t.abs_error_ms), (&self.ttft.over_seconds, t.over_ms)] {
+            let v = ms as f64 / 1000.0;
+            if v > c.get() {
+                c.inc_by(v - c.get());
+            }
         }
         for (outcome, v) in [
             ("recorded", routing.recorded_local),
@@ -704,7 +709,7 @@ pub struct RoutingCounts {
 }
 
 /// The in-flight load and TTFT models' monotonic counts (docs/design.md §4 "Load and predicted
-/// TTFT"), as [`crate::pending::CreditCounters`] holds them.
+/// TTFT"), read from the router's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TtftCounts {
     /// Candidates scored by the seed's load formula (their TTFT model had not learned yet).
@@ -725,22 +730,6 @@ pub struct TtftCounts {
     pub over_ms: u64,
 }
 
-impl From<&crate::pending::CreditCounters> for TtftCounts {
-    fn from(c: &crate::pending::CreditCounters) -> Self {
-        use std::sync::atomic::Ordering::Relaxed;
-        TtftCounts {
-            load_fallbacks: c.load_fallbacks.load(Relaxed),
-            ttft_fallbacks: c.ttft_fallbacks.load(Relaxed),
-            slo_misses: c.slo_misses.load(Relaxed),
-            refused: c.ttft_refused.load(Relaxed),
-            observed: c.ttft_observed.load(Relaxed),
-            predicted: c.ttft_predicted.load(Relaxed),
-            abs_error_ms: c.ttft_abs_error_ms.load(Relaxed),
-            over_ms: c.ttft_over_ms.load(Relaxed),
-        }
-    }
-}
-
 /// The counters of [`TtftCounts`] as exported.
 #[derive(Debug, Default)]
 struct TtftMetrics {
@@ -750,8 +739,8 @@ struct TtftMetrics {
     refused: Counter,
     observed: Counter,
     predicted: Counter,
-    abs_error_ms: Counter,
-    over_ms: Counter,
+    abs_error_seconds: Counter<f64, AtomicU64>,
+    over_seconds: Counter<f64, AtomicU64>,
 }
 
 impl TtftMetrics {
@@ -780,19 +769,19 @@ impl TtftMetrics {
                 "First tokens that had a TTFT prediction at routing (the error counters' denominator)",
                 &m.predicted,
             ),
-            (
-                "epp_ttft_prediction_abs_error_ms",
-                "Sum of |predicted - actual| time to first token, ms (mean error = rate of this / rate of epp_ttft_predictions_scored_total)",
-                &m.abs_error_ms,
-            ),
-            (
-                "epp_ttft_prediction_over_ms",
-                "Sum of (predicted - actual) time to first token where the prediction was too high, ms",
-                &m.over_ms,
-            ),
         ] {
             registry.register(name, help, c.clone());
         }
+        registry.register(
+            "epp_ttft_prediction_abs_error_seconds",
+            "Sum of |predicted - actual| time to first token (mean error = rate of this / rate of epp_ttft_predictions_scored_total)",
+            m.abs_error_seconds.clone(),
+        );
+        registry.register(
+            "epp_ttft_prediction_over_seconds",
+            "Sum of (predicted - actual) time to first token where the prediction was too high",
+            m.over_seconds.clone(),
+        );
         m
     }
 }

@@ -269,6 +269,20 @@ pub struct CreditCounters {
 }
 
 impl CreditCounters {
+    /// The load and TTFT models' counts, for the metrics scrape.
+    pub fn ttft_counts(&self) -> crate::metrics::TtftCounts {
+        crate::metrics::TtftCounts {
+            load_fallbacks: self.load_fallbacks.load(Ordering::Relaxed),
+            ttft_fallbacks: self.ttft_fallbacks.load(Ordering::Relaxed),
+            slo_misses: self.slo_misses.load(Ordering::Relaxed),
+            refused: self.ttft_refused.load(Ordering::Relaxed),
+            observed: self.ttft_observed.load(Ordering::Relaxed),
+            predicted: self.ttft_predicted.load(Ordering::Relaxed),
+            abs_error_ms: self.ttft_abs_error_ms.load(Ordering::Relaxed),
+            over_ms: self.ttft_over_ms.load(Ordering::Relaxed),
+        }
+    }
+
     /// Counts what [`InFlightSlot::observe_ttft`](crate::pool::InFlightSlot::observe_ttft) made
     /// of a first token, and teaches it to the fleet-wide model.
     pub fn count_ttft(&self, seen: crate::pool::TtftObservation) {
