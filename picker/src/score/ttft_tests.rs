@@ -122,3 +122,23 @@ fn absurd_first_tokens_are_refused_and_counted() {
         Err("scoring.ttft_spill_factor must be a number of at least 1, got 0.5".to_string())
     );
 }
+
+/// The config names the lead's end-to-end runs select: `preset: ttft`, `load_source`.
+#[test]
+fn config_names_select_the_load_source_and_the_spill_rule() {
+    let parsed: Result<ScoringConfig, _> =
+        serde_json::from_str(r#"{"load_source": "gpu_utilization", "spill_rule": "ttft", "load_horizon_ms": 500}"#);
+    let Ok(c) = parsed else { panic!("{parsed:?}") };
+    assert_eq!(
+        (c.load_source, c.spill_rule, c.load_horizon_ms),
+        (LoadSource::GpuUtilization, super::SpillRule::Ttft, 500)
+    );
+    assert!(serde_json::from_str::<ScoringConfig>(r#"{"load_source": "nvml"}"#).is_err());
+    let Some(t) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
+    assert_eq!(
+        (t.spill_rule, t.load_source, t.weights),
+        (super::SpillRule::Ttft, LoadSource::Inflight, super::DEFAULT_WEIGHTS)
+    );
+    assert!(t.validate().is_ok());
+    assert_eq!(ScoringConfig::default().load_source, LoadSource::Inflight);
+}
