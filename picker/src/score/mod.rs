@@ -89,7 +89,8 @@ pub enum CacheFactor {
 pub enum LoadSource {
     /// The pod's in-flight work (prefill tokens routed there and not yet computed, plus a decode
     /// share per running request) over its learned capacity (`load_horizon_ms` of its learned
-    /// prefill rate). A pod whose TTFT model has not learned yet falls back to `gpu_utilization`.
+    /// prefill rate), and at least its reported KV usage. A pod whose TTFT model has not learned
+    /// yet falls back to `gpu_utilization`.
     #[default]
     Inflight,
     /// The seed's formula: reported GPU utilization / `max_utilization` (NVML reads ≈ 1 for any

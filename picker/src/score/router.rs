@@ -588,8 +588,8 @@ impl Router {
 
     /// docs/design.md §4 "Load and predicted TTFT": every row's work for the TTFT model (its
     /// pod's in-flight work plus this request's uncached tokens), its predicted TTFT and, with
-    /// `load_source: inflight`, its loadRatio = in-flight work × learned ms per token /
-    /// `load_horizon_ms`. A pod whose model has not learned yet is predicted by the fleet-wide
+    /// `load_source: inflight`, its loadRatio = max(in-flight work × learned ms per token /
+    /// `load_horizon_ms`, reported KV usage). A pod whose model has not learned yet is predicted by the fleet-wide
     /// model; before that has learned too it keeps the seed's formula (counted in
     /// `load_fallbacks`).
     fn predict(&self, sc: &mut Scratch, table: &PodTable, total_blocks: u32) {
@@ -606,7 +606,11 @@ impl Router {
             row.predicted = line.map(|l| l.predict(row.ttft_work, f64::from(row.depth))).filter(|p| p.is_finite());
             row.in_flight_load = None;
             if inflight {
-                row.in_flight_load = line.map(|l| row.work * l.ms_per_token / horizon).filter(|r| r.is_finite());
+                // A pod whose running requests hold most of its KV admits a new prompt only by
+                // preempting one: its KV usage is a floor of its load.
+                let kv = table.status[row.pod as usize].stats.as_ref().map_or(0.0, |s| s.kv_cache_usage);
+                row.in_flight_load =
+                    line.map(|l| (row.work * l.ms_per_token / horizon).max(kv)).filter(|r| r.is_finite());
                 if row.in_flight_load.is_none() {
                     fallbacks += 1;
                 }

@@ -37,7 +37,7 @@ async fn hot_and_cold(config: ScoringConfig) -> (std::sync::Arc<Pool>, Router, V
 
 #[tokio::test]
 async fn learned_models_predict_every_candidate_and_load_reads_in_flight_work() {
-    let (_pool, r, c) = hot_and_cold(ScoringConfig::default()).await;
+    let (pool, r, c) = hot_and_cold(ScoringConfig::default()).await;
     let before = r.explain(&req(&c));
     assert!(before.candidates.iter().all(|k| k.predicted_ttft_ms.is_none()), "{before:?}");
     // Without a model, the seed's formula: NVML's 1.0 reads fully loaded.
@@ -54,6 +54,13 @@ async fn learned_models_predict_every_candidate_and_load_reads_in_flight_work() 
     // Nothing in flight: both read idle although NVML says busy.
     assert!(after.candidates.iter().all(|k| k.load == 1.0), "{after:?}");
     assert_eq!(after.choice.as_deref(), Some("hot"));
+    // KV usage is a floor of the in-flight load: a pod whose running requests hold 90 % of its
+    // KV reads 90 % loaded with no prefill ahead.
+    put(&pool, "full", "m", kvroute_proto::agent::v1::PodStats { kv_cache_usage: 0.9, ..stats(1.0, 0, 1.0) }, &[])
+        .await;
+    let ex = r.explain(&req(&c));
+    let full = ex.candidates.iter().find(|k| &*k.pod == "full").map(|k| k.load);
+    assert!(full.is_some_and(|l| (l - 0.1).abs() < 1e-9), "{ex:?}");
 
     // `load_source: gpu_utilization` keeps the seed's formula.
     let (_pool, g, c) =
