@@ -9,7 +9,7 @@
 //! work is `work · b / load_horizon_ms`. A fit with too few observations, or whose numbers are
 //! not finite, predicts nothing: the caller falls back to the seed's formula for that pod.
 //!
-//! Bounded: five sums per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
+//! Bounded: nine sums per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
 //! outside [0, [`MAX_WORK_TOKENS`]] is refused (counted by the caller), never stored.
 
 /// Observations a pod's fit needs before it predicts.
