@@ -233,7 +233,9 @@ impl ScrapeLoop {
     /// health score metric.
     fn stats(&mut self) -> PodStats {
         let (m, observed_at) = self.last_metrics.clone().unwrap_or_default();
-        let load = f64::from(m.num_requests_running) / f64::from(self.engine.max_num_seqs.max(1));
+        // NVML's `utilization.gpu` is the share of time a kernel ran: ≈ 1 for an engine that is
+        // stepping, whatever its batch, 0 for an idle one. The mock follows that meaning.
+        let load = if m.num_requests_running > 0 { 1.0 } else { 0.0 };
         let mut inputs = HealthInputs {
             engine_health_ok: self.health_ok,
             model_loaded: self.model_loaded,

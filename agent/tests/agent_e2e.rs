@@ -173,7 +173,8 @@ async fn agent_streams_snapshot_blocks_and_stats_to_picker() {
                     assert_eq!(s.num_requests_waiting, 3);
                     assert!((s.kv_cache_usage - 0.4213).abs() < 1e-9);
                     assert_eq!(s.running_adapters, vec!["sql-lora", "chat-lora"]);
-                    assert!((s.gpu_utilization - 7.0 / 8.0).abs() < 0.01, "mock util follows load");
+                    // NVML's meaning: a stepping engine reads fully utilized, whatever its batch.
+                    assert_eq!(s.gpu_utilization, 1.0, "mock util reads busy while requests run");
                     assert!(s.observed_at_unix_ms > 0);
                     stats_ok = s.health_score > 0.7 && s.ready;
                 }

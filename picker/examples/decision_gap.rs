@@ -84,6 +84,7 @@ fn main() {
                 body: Some(body),
                 subset: None,
                 objective: None,
+                slo_ttft_ms: None,
             };
             let started = Instant::now();
             let decision = decide(&gw, &input);

@@ -210,6 +210,7 @@ impl Gateway {
                     expired: pending.expired,
                     evicted: pending.evicted,
                     pending_entries,
+                    ttft: credit.ttft_counts(),
                 },
                 replica: ReplicaCounts {
                     applied: counters.applied.load(Ordering::Relaxed),

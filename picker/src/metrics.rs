@@ -229,6 +229,7 @@ pub struct Metrics {
     pending_entries: Gauge,
     pile_guard_redirects: Counter,
     pending_withheld: Counter,
+    ttft: TtftMetrics,
     replica_events: Family<ResultLabel, Counter>,
     replica_peers: Gauge,
     replica_disconnects: Counter,
@@ -298,6 +299,7 @@ impl Metrics {
         let pending_entries = Gauge::default();
         let pile_guard_redirects = Counter::default();
         let pending_withheld = Counter::default();
+        let ttft = TtftMetrics::register(&mut registry);
         let replica_events = Family::<ResultLabel, Counter>::default();
         let replica_peers = Gauge::default();
         let replica_disconnects = Counter::default();
@@ -517,6 +519,7 @@ impl Metrics {
             pending_entries,
             pile_guard_redirects,
             pending_withheld,
+            ttft,
             replica_events,
             replica_peers,
             replica_disconnects,
@@ -586,6 +589,24 @@ impl Metrics {
         mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }), routing.pending_blocks);
         mirror(&self.pile_guard_redirects, routing.pile_redirects);
         mirror(&self.pending_withheld, routing.pending_withheld);
+        let t = &routing.ttft;
+        for (c, v) in [
+            (&self.ttft.load_fallbacks, t.load_fallbacks),
+            (&self.ttft.ttft_fallbacks, t.ttft_fallbacks),
+            (&self.ttft.slo_misses, t.slo_misses),
+            (&self.ttft.refused, t.refused),
+            (&self.ttft.observed, t.observed),
+            (&self.ttft.predicted, t.predicted),
+        ] {
+            mirror(c, v);
+        }
+        // Kept in whole ms, exported in seconds.
+        for (c, ms) in [(&self.ttft.abs_error_seconds, t.abs_error_ms), (&self.ttft.over_seconds, t.over_ms)] {
+            let v = ms as f64 / 1000.0;
+            if v > c.get() {
+                c.inc_by(v - c.get());
+            }
+        }
         for (outcome, v) in [
             ("recorded", routing.recorded_local),
             ("recorded_from_peer", routing.recorded_peer),
@@ -714,6 +735,86 @@ pub struct RoutingCounts {
     pub evicted: u64,
     /// (block, pod) pending entries held now.
     pub pending_entries: usize,
+    /// The load and TTFT models' counts.
+    pub ttft: TtftCounts,
+}
+
+/// The in-flight load and TTFT models' monotonic counts (docs/design.md §4 "Load and predicted
+/// TTFT"), read from the router's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TtftCounts {
+    /// Candidates scored by the seed's load formula (their TTFT model had not learned yet).
+    pub load_fallbacks: u64,
+    /// `spill_rule: ttft` decisions taken by the seed's rule (a candidate had no prediction).
+    pub ttft_fallbacks: u64,
+    /// Decisions whose `x-slo-ttft-ms` no candidate was predicted to meet.
+    pub slo_misses: u64,
+    /// First tokens refused as absurd.
+    pub refused: u64,
+    /// First tokens learned.
+    pub observed: u64,
+    /// Of `observed`, those with a prediction.
+    pub predicted: u64,
+    /// Σ |predicted − actual| over `predicted`, ms.
+    pub abs_error_ms: u64,
+    /// Σ (predicted − actual) where positive, ms.
+    pub over_ms: u64,
+}
+
+/// The counters of [`TtftCounts`] as exported.
+#[derive(Debug, Default)]
+struct TtftMetrics {
+    load_fallbacks: Counter,
+    ttft_fallbacks: Counter,
+    slo_misses: Counter,
+    refused: Counter,
+    observed: Counter,
+    predicted: Counter,
+    abs_error_seconds: Counter<f64, AtomicU64>,
+    over_seconds: Counter<f64, AtomicU64>,
+}
+
+impl TtftMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = TtftMetrics::default();
+        for (name, help, c) in [
+            (
+                "epp_load_fallbacks",
+                "Candidates scored by the seed's GPU-utilization load (their TTFT model had not learned yet) under load_source inflight",
+                &m.load_fallbacks,
+            ),
+            (
+                "epp_ttft_spill_fallbacks",
+                "spill_rule ttft decisions taken by the maxQueue rule because a candidate had no TTFT prediction",
+                &m.ttft_fallbacks,
+            ),
+            ("epp_slo_ttft_misses", "Requests whose x-slo-ttft-ms no candidate was predicted to meet", &m.slo_misses),
+            (
+                "epp_ttft_observations_refused",
+                "First tokens not learned: negative, not finite or over ten minutes",
+                &m.refused,
+            ),
+            ("epp_ttft_observations", "First tokens the per-pod TTFT models learned from", &m.observed),
+            (
+                "epp_ttft_predictions_scored",
+                "First tokens that had a TTFT prediction at routing (the error counters' denominator)",
+                &m.predicted,
+            ),
+        ] {
+            registry.register(name, help, c.clone());
+        }
+        registry.register(
+            "epp_ttft_prediction_abs_error_seconds",
+            "Sum of |predicted - actual| time to first token (mean error = rate of this / rate of epp_ttft_predictions_scored_total)",
+            m.abs_error_seconds.clone(),
+        );
+        registry.register(
+            "epp_ttft_prediction_over_seconds",
+            "Sum of (predicted - actual) time to first token where the prediction was too high",
+            m.over_seconds.clone(),
+        );
+        m
+    }
 }
 
 /// The replica stream's counts (docs/design.md §4 "One view across replicas").

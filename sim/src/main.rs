@@ -17,7 +17,7 @@ use kvroute_sim::{policy, report, sim};
 /// The seed's workloads (`classic`) and the ones with their own fleet (`december`: replicas,
 /// KV size and warm-up per workload, docs/design.md §10).
 const CLASSIC: [&str; 5] = ["shared-prefix", "chat", "herd", "lora", "zipf"];
-const DECEMBER: [&str; 5] = ["w1", "w2", "pressure", "cold-start", "llm-d"];
+const DECEMBER: [&str; 6] = ["w1", "w2", "pressure", "cold-start", "llm-d", "background"];
 /// Workloads that reproduce an end-to-end benchmark's stream and fleet (`chat-groups`: the
 /// multi-turn chat bench's; `all` includes them).
 const ISSUE16: [&str; 1] = ["chat-groups"];
@@ -28,7 +28,7 @@ const LLMD_RATES: [f64; 7] = [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0];
 #[command(version = kvroute_cli::LONG_VERSION, name = "kvroute-sim", about = "Discrete-event routing-quality simulation on kvroute's real router")]
 struct Args {
     /// Workloads, comma-separated: shared-prefix, chat, herd, lora, zipf (`classic`), w1, w2,
-    /// pressure, cold-start, llm-d (`december`, docs/design.md §10), chat-groups (the end-to-end
+    /// pressure, cold-start, llm-d, background (`december`, docs/design.md §10), chat-groups (the end-to-end
     /// chat benchmark's stream and fleet), `all`, or `none` (only the `--trace` files).
     #[arg(long, default_value = "all", value_delimiter = ',')]
     workload: Vec<String>,
@@ -78,10 +78,10 @@ struct Args {
     /// (chat-groups: 16), else 256.
     #[arg(long)]
     max_num_seqs: Option<usize>,
-    /// What pods report as GPU utilization: `running` (running requests ÷ max-num-seqs, the
-    /// agent's mock-NVML rule) or `busy` (the share of time since the previous read spent in
-    /// engine steps, as NVML counts it: ≈ 1 for any pod that is stepping).
-    #[arg(long, default_value = "running")]
+    /// What pods report as GPU utilization: `busy` (default: the share of time since the
+    /// previous read spent in engine steps, as NVML counts it: ≈ 1 for any pod that is stepping)
+    /// or `running` (running requests ÷ max-num-seqs, the emulator's former mock rule).
+    #[arg(long, default_value = "busy")]
     gpu_utilization: String,
     /// Tokens per engine step (vLLM `max_num_batched_tokens`, chunked prefill).
     #[arg(long, default_value_t = 2048)]
@@ -154,6 +154,7 @@ fn workloads(a: &Args, seed: u64) -> anyhow::Result<Vec<Workload>> {
             "w2" => workload::w2(seed, 16),
             "pressure" => workload::pressure(seed, 16),
             "cold-start" => workload::cold_start(seed, 16),
+            "background" => workload::background(seed, 16),
             "chat-groups" => workload::chat_groups(a.rates.first().copied().unwrap_or(12.0), seed, 16),
             _ => workload::llmd(&workload::staged(&rates(&LLMD_RATES), a.stage_s), seed, 16),
         });

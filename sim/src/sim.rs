@@ -32,12 +32,13 @@ use crate::workload::Workload;
 /// What a pod reports as its GPU utilization.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GpuUtilization {
-    /// Running requests ÷ `max_batch`, the agent's mock-NVML rule (docs/design.md §7). Default.
-    #[default]
+    /// Running requests ÷ `max_batch`: a utilization that separates busy pods, which real GPUs
+    /// do not report.
     Running,
     /// The share of the time since the pod's previous stats read that it spent in engine steps,
     /// as NVML's `utilization.gpu` counts time with a kernel executing: a pod that steps without
-    /// pause reads 1 whether it runs one request or 200.
+    /// pause reads 1 whether it runs one request or 200. Default.
+    #[default]
     Busy,
 }
 
@@ -63,7 +64,7 @@ pub struct SimConfig {
     pub cache_reset_interval_us: u64,
     /// Seed of the direct-traffic choices.
     pub seed: u64,
-    /// How the pods' reported GPU utilization is modelled. Default [`GpuUtilization::Running`].
+    /// How the pods' reported GPU utilization is modelled. Default [`GpuUtilization::Busy`].
     pub gpu_utilization: GpuUtilization,
 }
 
@@ -79,7 +80,7 @@ impl Default for SimConfig {
             direct_share: 0.0,
             cache_reset_interval_us: 0,
             seed: 1,
-            gpu_utilization: GpuUtilization::Running,
+            gpu_utilization: GpuUtilization::Busy,
         }
     }
 }
@@ -324,7 +325,11 @@ pub fn run(
                     o.cached_tokens = (hit as u64 * per_block).min(u64::from(r.prompt_tokens));
                 }
                 for req in result.first_token {
-                    l.outcomes[req].ttft_us = now - workload.requests[req].arrival_us;
+                    let ttft = now - workload.requests[req].arrival_us;
+                    l.outcomes[req].ttft_us = ttft;
+                    if let Some(r) = l.outcomes[req].router {
+                        routers[r].on_first_token(&workload.requests[req], pod, now, ttft);
+                    }
                 }
                 for req in result.finished {
                     l.outcomes[req].finish_us = now;

@@ -322,11 +322,26 @@ pub fn shared_prefix(cfg: &SharedPrefixConfig, seed: u64, block_size: usize) -> 
 
 fn shared_prefix_named(name: &str, cfg: &SharedPrefixConfig, seed: u64, block_size: usize) -> Workload {
     let mut rng = StdRng::seed_from_u64(seed);
+    let drafts = shared_prefix_drafts(cfg, &mut rng);
+    let description = format!(
+        "{} groups × {}-token prefix × {} questions of {} tokens, {} output tokens; Poisson stages {}",
+        cfg.groups,
+        cfg.prefix_tokens,
+        cfg.questions_per_group,
+        cfg.question_tokens,
+        cfg.output_tokens,
+        describe_stages(&cfg.stages)
+    );
+    finish(name, description, cfg.stages.clone(), drafts, block_size)
+}
+
+/// The requests of a shared-prefix stream (see [`SharedPrefixConfig`]), unsorted.
+fn shared_prefix_drafts(cfg: &SharedPrefixConfig, rng: &mut StdRng) -> Vec<Draft> {
     let mut drafts = Vec::new();
     let mut start_us = 0u64;
     for (stage, st) in cfg.stages.iter().enumerate() {
         let end_us = start_us + (st.duration_s * 1e6) as u64;
-        let mut t = start_us + exp_gap_us(&mut rng, st.rate_rps);
+        let mut t = start_us + exp_gap_us(rng, st.rate_rps);
         while t < end_us {
             let g = u64::from(rng.random_range(0..cfg.groups.max(1)));
             let q = u64::from(rng.random_range(0..cfg.questions_per_group.max(1)));
@@ -342,20 +357,11 @@ fn shared_prefix_named(name: &str, cfg: &SharedPrefixConfig, seed: u64, block_si
                 group: None,
                 stage,
             });
-            t += exp_gap_us(&mut rng, st.rate_rps);
+            t += exp_gap_us(rng, st.rate_rps);
         }
         start_us = end_us;
     }
-    let description = format!(
-        "{} groups × {}-token prefix × {} questions of {} tokens, {} output tokens; Poisson stages {}",
-        cfg.groups,
-        cfg.prefix_tokens,
-        cfg.questions_per_group,
-        cfg.question_tokens,
-        cfg.output_tokens,
-        describe_stages(&cfg.stages)
-    );
-    finish(name, description, cfg.stages.clone(), drafts, block_size)
+    drafts
 }
 
 /// Multi-turn chat shape.
@@ -455,6 +461,60 @@ pub fn w1(seed: u64, block_size: usize) -> Workload {
     w.description.push_str("; 307 328 KV tokens per pod, 3 router replicas");
     w
 }
+
+/// Background traffic: W1's stream and stages, plus a Poisson stream of unrelated 6 000-token
+/// prompts (no two share a block) at 2 req/s over the whole run, 100 output tokens each; 200 000
+/// KV tokens per pod, 3 router replicas. The unrelated prompts cost the fleet prefill and cache
+/// without any hit to win: where they land decides the W1 requests' queueing.
+pub fn background(seed: u64, block_size: usize) -> Workload {
+    let cfg = SharedPrefixConfig {
+        stages: vec![Stage::warmup(5.0, 60.0), Stage::warmup(10.0, 60.0), Stage::measured(10.0, 120.0)],
+        ..SharedPrefixConfig::default()
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut drafts = shared_prefix_drafts(&cfg, &mut rng);
+    let mut start_us = 0u64;
+    let mut n = 0u64;
+    for (stage, st) in cfg.stages.iter().enumerate() {
+        let end_us = start_us + (st.duration_s * 1e6) as u64;
+        let mut t = start_us + exp_gap_us(&mut rng, BACKGROUND_RPS);
+        while t < end_us {
+            n += 1;
+            drafts.push(Draft {
+                arrival_us: t,
+                segments: vec![Segment { id: 4 << 48 | n, tokens: BACKGROUND_TOKENS }],
+                output_tokens: cfg.output_tokens,
+                adapter: None,
+                session: None,
+                group: None,
+                stage,
+            });
+            t += exp_gap_us(&mut rng, BACKGROUND_RPS);
+        }
+        start_us = end_us;
+    }
+    let description = format!(
+        "W1's stream ({} groups × {}-token prefix × {} questions of {} tokens; Poisson stages {}) plus \
+         unrelated {BACKGROUND_TOKENS}-token prompts at {BACKGROUND_RPS} req/s, {} output tokens; \
+         {BACKGROUND_KV_TOKENS} KV tokens per pod, 3 router replicas",
+        cfg.groups,
+        cfg.prefix_tokens,
+        cfg.questions_per_group,
+        cfg.question_tokens,
+        describe_stages(&cfg.stages),
+        cfg.output_tokens,
+    );
+    let mut w = finish("background", description, cfg.stages.clone(), drafts, block_size);
+    w.fleet = Fleet { kv_tokens: Some(BACKGROUND_KV_TOKENS), routers: Some(3), ..Fleet::default() };
+    w
+}
+
+/// Background traffic's unrelated prompts: tokens each.
+pub const BACKGROUND_TOKENS: u32 = 6000;
+/// Background traffic's unrelated prompts: requests per second.
+pub const BACKGROUND_RPS: f64 = 2.0;
+/// KV tokens per pod of the background-traffic workload.
+pub const BACKGROUND_KV_TOKENS: usize = 200_000;
 
 /// KV tokens per pod of llm-d's benchmark pods (W1, W2, llm-d's shape).
 pub const W1_KV_TOKENS: usize = 307_328;
@@ -798,6 +858,26 @@ mod tests {
         assert_ne!(a[10], b[10]);
         let c = cb.chain(Some("x"), &[Segment { id: 1, tokens: 160 }]);
         assert_ne!(c[0], a[0], "an adapter gives a disjoint chain");
+    }
+
+    /// Background traffic is W1's stream plus ≈ 2 req/s of 6 000-token prompts that share no
+    /// block with anything, on 200 000 KV tokens per pod; `set_routers` finds its replica count.
+    #[test]
+    fn background_adds_unrelated_prompts_beside_w1() {
+        let (w, base) = (background(3, 16), w1(3, 16));
+        assert_eq!(w.fleet.kv_tokens, Some(BACKGROUND_KV_TOKENS));
+        let extra: Vec<&SimRequest> = w.requests.iter().filter(|r| r.prompt_tokens == BACKGROUND_TOKENS).collect();
+        let seconds: f64 = w.stages.iter().map(|s| s.duration_s).sum();
+        let rate = extra.len() as f64 / seconds;
+        assert!((1.7..2.3).contains(&rate), "{rate} req/s");
+        assert_eq!(w.requests.len(), base.requests.len() + extra.len());
+        let mut seen = std::collections::HashSet::new();
+        for r in &extra {
+            assert_eq!(r.blocks.len(), BACKGROUND_TOKENS as usize / 16);
+            assert!(r.blocks.iter().all(|b| seen.insert(*b)), "a background prompt shares a block");
+        }
+        assert!(w.requests.windows(2).all(|p| p[0].arrival_us <= p[1].arrival_us));
+        assert!(w.description.contains("3 router replicas"), "{}", w.description);
     }
 
     #[test]

@@ -15,8 +15,8 @@
 //! Each step sets the fields it names; a value holds until a later step changes it (time from
 //! the source's creation, i.e. agent start). Unnamed fields keep healthy defaults (45 °C, no ECC,
 //! no throttling, 80 GiB with 40 GiB used). GPUs absent from the scenario are healthy.
-//! Utilization follows the engine's load (running / max_num_seqs) unless a step sets
-//! `utilization_gpu_pct`. Immutable after load: no locking.
+//! Utilization follows the engine's load as NVML reports it (100 % while the engine runs any
+//! request, 0 when idle) unless a step sets `utilization_gpu_pct`. Immutable after load: no locking.
 //!
 //! Which GPUs exist, as NVML would answer: with `uuids:`, exactly those (index `i` is
 //! `uuids[i]`, so a timeline keyed by either applies to both names) plus any UUID keyed under

@@ -80,9 +80,9 @@ pub struct GpuSample {
 
 /// A source of GPU telemetry.
 pub trait GpuSource: Send + Sync {
-    /// Samples `gpu` (by NVML index or UUID). `engine_load` is the load of the engine using it
-    /// (running requests / max_num_seqs, [0,1]); only the mock uses it, to make utilization
-    /// follow the emulated fleet.
+    /// Samples `gpu` (by NVML index or UUID). `engine_load` is the engine's utilization as NVML
+    /// would read it (1 while it runs any request, 0 when idle); only the mock uses it, to make
+    /// utilization follow the emulated fleet.
     ///
     /// # Errors
     /// [`GpuError::NotFound`] when the node has no such GPU; [`GpuError::Query`] when NVML fails.

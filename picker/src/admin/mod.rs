@@ -118,7 +118,10 @@ async fn explain_handler(
     }
     let path = q.path.unwrap_or_default();
     let objective = objective_header(|k| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_string));
-    let joined = tokio::task::spawn_blocking(move || explain_json(&gw, &path, &body, objective.as_deref())).await;
+    let slo_ttft_ms =
+        crate::decision::slo_ttft_ms(headers.get(crate::decision::SLO_TTFT_HEADER).and_then(|v| v.to_str().ok()));
+    let joined =
+        tokio::task::spawn_blocking(move || explain_json(&gw, &path, &body, objective.as_deref(), slo_ttft_ms)).await;
     match joined {
         Ok(Ok(v)) => axum::Json(v).into_response(),
         Ok(Err(rej)) => {
@@ -134,8 +137,9 @@ fn explain_json(
     path: &str,
     body: &[u8],
     objective: Option<&str>,
+    slo_ttft_ms: Option<f64>,
 ) -> Result<serde_json::Value, Rejection> {
-    let input = DecisionInput { request_id: "explain", path, body: Some(body), subset: None, objective };
+    let input = DecisionInput { request_id: "explain", path, body: Some(body), subset: None, objective, slo_ttft_ms };
     let ex = explain(gw, &input)?;
     let (req, model) = (&ex.request, &ex.request.model);
     let candidates: Vec<_> = ex
@@ -144,7 +148,8 @@ fn explain_json(
         .iter()
         .map(|c| {
             json!({"pod": c.pod, "endpoint": c.endpoint, "score": c.score, "cache": c.cache, "load": c.load,
-                   "queue": c.queue, "health": c.health, "adapter": c.adapter, "matched_blocks": c.matched_blocks})
+                   "queue": c.queue, "health": c.health, "adapter": c.adapter, "matched_blocks": c.matched_blocks,
+                   "predicted_ttft_ms": c.predicted_ttft_ms})
         })
         .collect();
     let excluded: Vec<_> =

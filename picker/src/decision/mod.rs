@@ -129,6 +129,19 @@ pub struct DecisionInput<'a> {
     pub subset: Option<&'a [String]>,
     /// The InferenceObjective the request names (header `x-llm-d-inference-objective`), if any.
     pub objective: Option<&'a str>,
+    /// GIE's TTFT objective (header [`SLO_TTFT_HEADER`]), ms, if any (docs/design.md §4 "Load
+    /// and predicted TTFT").
+    pub slo_ttft_ms: Option<f64>,
+}
+
+/// GIE's time-to-first-token objective header, ms.
+pub const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
+
+/// The TTFT objective of a request's [`SLO_TTFT_HEADER`] value: a positive finite number of
+/// ms up to one hour; `None` (no objective) for anything else.
+pub fn slo_ttft_ms(value: Option<&str>) -> Option<f64> {
+    let v: f64 = value?.trim().parse().ok()?;
+    (v.is_finite() && v > 0.0 && v <= 3_600_000.0).then_some(v)
 }
 
 /// A request ready for the router: its model, tokens and block chain, and (approximate mode) where
@@ -381,7 +394,7 @@ pub fn decide_cancellable(
     observer.received(&prepared);
     let t_route = Instant::now();
     let result = tracing::info_span!("epp.score")
-        .in_scope(|| gw.router.route_with(&prepared.route_request(input.subset), prepared.matches()));
+        .in_scope(|| gw.router.route_slo(&prepared.route_request(input.subset), prepared.matches(), input.slo_ttft_ms));
     let route_elapsed = t_route.elapsed();
     observer.scored(route_elapsed);
     match result {
@@ -423,7 +436,7 @@ pub struct Explained {
 /// reservation, no record, no metric.
 pub fn explain(gw: &Gateway, input: &DecisionInput<'_>) -> Result<Explained, Rejection> {
     let request = prepare(gw, input)?;
-    let explanation = gw.router.explain_with(&request.route_request(input.subset), request.matches());
+    let explanation = gw.router.explain_slo(&request.route_request(input.subset), request.matches(), input.slo_ttft_ms);
     Ok(Explained { request, explanation })
 }
 

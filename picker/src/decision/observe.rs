@@ -78,6 +78,7 @@ impl<'a> DecisionObserver<'a> {
                     health = c.health,
                     adapter = c.adapter,
                     matched_blocks = c.matched_blocks,
+                    predicted_ttft_ms = c.predicted_ttft_ms,
                     "candidate"
                 );
             }

@@ -41,7 +41,8 @@ fn completion_body(model: &str) -> Vec<u8> {
 /// must see every block.
 async fn explain_names_the_routed_pod(gw: &Gateway, model: &str, mode: RoutingMode, path: &str, body: &[u8]) {
     let (cached_pod, idle_pod) = (format!("{model}-cached"), format!("{model}-idle"));
-    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
+    let input =
+        DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None, slo_ttft_ms: None };
     let prepared = prepare(gw, &input).unwrap();
     assert_eq!(prepared.mode, mode, "{model}");
     let chain = prepared.block_hashes().to_vec();
@@ -96,6 +97,7 @@ async fn explain_rejects_like_routing() {
         body: Some(body),
         subset: None,
         objective: None,
+        slo_ttft_ms: None,
     };
     let unknown = explain(&gw, &input(br#"{"model":"nope","prompt":"x"}"#)).unwrap_err();
     assert_eq!((unknown.status, unknown.message.as_str()), (404, "model `nope` does not exist"));
@@ -113,8 +115,14 @@ fn errors_quote_client_input_bounded_and_without_control_characters() {
     let gw = gateway("{name: m}");
     let huge = format!("evil\nINFO forged line {}", "x".repeat(4 << 20));
     let body = serde_json::json!({"model": huge, "prompt": "hi"}).to_string().into_bytes();
-    let input =
-        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(&body), subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: "/v1/completions",
+        body: Some(&body),
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     let Err(rej) = prepare(&gw, &input) else { panic!("unknown model accepted") };
     assert_eq!(rej.status, 404);
     assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
@@ -122,8 +130,14 @@ fn errors_quote_client_input_bounded_and_without_control_characters() {
     assert!(!rej.message.chars().any(char::is_control), "{:?}", rej.message);
 
     let bad = format!(r#"{{"model":"m","prompt":"hi","max_tokens":"{}"}}"#, "9".repeat(1 << 20)).into_bytes();
-    let input =
-        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(&bad), subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: "/v1/completions",
+        body: Some(&bad),
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     if let Err(rej) = prepare(&gw, &input) {
         assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
     }
@@ -152,7 +166,8 @@ async fn responses_api_is_prefix_matched_like_chat() {
         explain_names_the_routed_pod(&gw, model, mode, "/v1/responses", &responses_body(model)).await;
     }
     let prep = |path: &'static str, body: &[u8]| {
-        let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
+        let input =
+            DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None, slo_ttft_ms: None };
         let p = prepare(&gw, &input).unwrap();
         (p.tokens.clone(), p.unmatched_reason)
     };
@@ -179,14 +194,21 @@ async fn empty_body_is_a_400() {
     let gw = gateway(&format!("{{name: {MODEL}}}"));
     for path in ["/v1/completions", "/v1/chat/completions", "/v1/responses"] {
         for body in [None, Some(&b""[..]), Some(&b" \n"[..])] {
-            let input = DecisionInput { request_id: "t", path, body, subset: None, objective: None };
+            let input = DecisionInput { request_id: "t", path, body, subset: None, objective: None, slo_ttft_ms: None };
             let rej = decide(&gw, &input).unwrap_err();
             assert_eq!(rej.status, 400, "{path} {body:?}: {rej:?}");
             assert!(rej.message.contains("needs a JSON request body"), "{}", rej.message);
         }
     }
     put(&gw.pool, "p", MODEL, stats(0.0, 0, 1.0), &[]).await;
-    let input = DecisionInput { request_id: "t", path: "/v1/models", body: None, subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: "/v1/models",
+        body: None,
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     assert_eq!(decide(&gw, &input).unwrap().pod.as_str(), "p");
 }
 
@@ -212,6 +234,7 @@ async fn a_salted_prompt_matches_only_its_salts_chain() {
             body: Some(b),
             subset: None,
             objective: None,
+            slo_ttft_ms: None,
         };
         let p = prepare(&gw, &input).unwrap();
         (p.tokens.clone(), p.block_hashes().to_vec(), p.unmatched_reason)
@@ -238,6 +261,7 @@ async fn a_salted_prompt_matches_only_its_salts_chain() {
         body: Some(&a_body),
         subset: None,
         objective: None,
+        slo_ttft_ms: None,
     };
     let ex = explain(&gw, &input).unwrap().explanation;
     assert!(ex.candidates.iter().all(|c| c.matched_blocks == 0), "{ex:?}");
@@ -248,6 +272,7 @@ async fn a_salted_prompt_matches_only_its_salts_chain() {
         body: Some(&b_body),
         subset: None,
         objective: None,
+        slo_ttft_ms: None,
     };
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("b-pod", salted_b.len()));
@@ -298,8 +323,14 @@ async fn rewrite_targets_resolve_through_models_and_the_engines_reports() {
 
     // The decision carries the rewrite and scores the adapter on its pod.
     let body = br#"{"model":"chat","prompt":"hello","max_tokens":3}"#;
-    let input =
-        DecisionInput { request_id: "t", path: "/v1/completions", body: Some(body), subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: "/v1/completions",
+        body: Some(body),
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     let (decision, rewrite, _record) = decide_cancellable(&gw, &input, &AtomicBool::new(false)).unwrap();
     assert_eq!((decision.pod.as_str(), rewrite.as_deref()), ("p", Some("sql-lora")));
     let ex = explain(&gw, &input).unwrap();
@@ -364,7 +395,8 @@ fn vision_chat(models: &str) -> VisionChat {
 
 /// (tokens, chain, unmatched reason) of a chat body.
 fn prepared_chain(gw: &Gateway, path: &str, body: &[u8]) -> (Vec<u32>, Vec<BlockHash>, &'static str) {
-    let input = DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None };
+    let input =
+        DecisionInput { request_id: "t", path, body: Some(body), subset: None, objective: None, slo_ttft_ms: None };
     let p = prepare(gw, &input).unwrap();
     (p.tokens.clone(), p.block_hashes().to_vec(), p.unmatched_reason)
 }
@@ -424,7 +456,14 @@ async fn images_without_uuid_claim_the_text_before_the_first_image_only() {
     put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &plain[..at / 16]).await;
     put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
     let body = image_chat("vl", &[("https://x/bird.png", None)]);
-    let input = DecisionInput { request_id: "t", path: chat, body: Some(&body), subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: chat,
+        body: Some(&body),
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", at / 16));
     drop(routed);
@@ -528,7 +567,14 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &cat).await;
     put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
     let again = image_chat("vl-size", &[(&png_url, None)]);
-    let input = DecisionInput { request_id: "t", path: chat, body: Some(&again), subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: chat,
+        body: Some(&again),
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", cat.len()));
     drop(routed);
@@ -584,7 +630,14 @@ async fn webp_gif_and_bmp_inline_images_are_matched_through_the_image() {
     put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &chains[2]).await;
     put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
     let again = image_chat("vl-size", &[(&webp_url, None)]);
-    let input = DecisionInput { request_id: "t", path: chat, body: Some(&again), subset: None, objective: None };
+    let input = DecisionInput {
+        request_id: "t",
+        path: chat,
+        body: Some(&again),
+        subset: None,
+        objective: None,
+        slo_ttft_ms: None,
+    };
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", chains[2].len()));
     drop(routed);

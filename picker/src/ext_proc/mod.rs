@@ -155,6 +155,8 @@ struct StreamState {
     subset: Option<Vec<String>>,
     /// The InferenceObjective header's value (docs/design.md §14).
     objective: Option<String>,
+    /// GIE's `x-slo-ttft-ms`, ms (docs/design.md §4 "Load and predicted TTFT").
+    slo_ttft_ms: Option<f64>,
     body: Vec<u8>,
     /// The request has been routed or rejected; later request-phase messages only CONTINUE.
     decided: bool,
@@ -164,6 +166,9 @@ struct StreamState {
     slot: Option<InFlightSlot>,
     /// The request on GIE's per-request metrics, from its routing to the end of its response.
     record: Option<RequestRecord>,
+    /// When the request was routed, until its first streamed response chunk: the TTFT the pod's
+    /// model learns (docs/design.md §4 "Load and predicted TTFT").
+    routed_at: Option<std::time::Instant>,
     usage: Option<UsageScanner>,
     response_status: Option<u16>,
     /// When the request body must have ended (set by request headers without `end_of_stream`).
@@ -223,6 +228,7 @@ async fn on_request_headers(
     let headers = h.headers.unwrap_or_default();
     st.path = header(&headers, ":path").unwrap_or_default();
     st.objective = crate::request::objective_header(|k| header(&headers, k));
+    st.slo_ttft_ms = crate::decision::slo_ttft_ms(header(&headers, crate::decision::SLO_TTFT_HEADER).as_deref());
     for key in ["traceparent", "tracestate"] {
         if let Some(v) = header(&headers, key) {
             st.trace_headers.insert(key.to_owned(), v);
@@ -403,6 +409,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                 body: body.as_deref(),
                 subset: st.subset.as_deref(),
                 objective: st.objective.as_deref(),
+                slo_ttft_ms: st.slo_ttft_ms,
             };
             static NEVER: AtomicBool = AtomicBool::new(false);
             if len < INLINE_BODY_BYTES {
@@ -419,7 +426,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         let flag = cancel.0.clone();
         let gw = gw.clone();
         let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
-        let objective = st.objective.clone();
+        let (objective, slo_ttft_ms) = (st.objective.clone(), st.slo_ttft_ms);
         let joined = tokio::task::spawn_blocking(move || {
             let input = DecisionInput {
                 request_id: &request_id,
@@ -427,6 +434,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                 body: body.as_deref(),
                 subset: subset.as_deref(),
                 objective: objective.as_deref(),
+                slo_ttft_ms,
             };
             let result = run(&gw, &input, &flag);
             (body, result)
@@ -445,6 +453,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
             }
             st.slot = Some(decision.slot);
             st.record = Some(record);
+            st.routed_at = Some(std::time::Instant::now());
             let (body, rewritten) = match (body, rewrite) {
                 (Some(b), Some(model)) => match crate::request::rewrite_model(&b, &model) {
                     Some(new) => (Some(new), true),
@@ -471,6 +480,11 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
     st.response_status = status.and_then(|s| s.parse().ok());
     let event_stream = content_type.map(|ct| ct.contains("text/event-stream"));
     st.usage = Some(UsageScanner::new(event_stream));
+    // Only a streamed response's first chunk is its first token; a whole JSON body comes at
+    // the end of the generation.
+    if event_stream != Some(true) {
+        st.routed_at = None;
+    }
     if h.end_of_stream {
         st.slot = None;
         if let Some(r) = st.record.take() {
@@ -501,6 +515,13 @@ fn on_response_body(gw: &Gateway, st: &mut StreamState, b: &HttpBody) -> Process
         r.response_bytes(b.body.len());
     }
     let ok = st.response_status.is_none_or(|s| s < 400);
+    if ok
+        && !b.body.is_empty()
+        && let (Some(slot), Some(at)) = (st.slot.as_mut(), st.routed_at.take())
+    {
+        let seen = slot.observe_ttft(at.elapsed().as_secs_f64() * 1000.0);
+        gw.router.shared().credit.count_ttft(seen);
+    }
     if ok && (st.slot.is_some() || st.record.is_some()) {
         let scanner = st.usage.get_or_insert_with(|| UsageScanner::new(None));
         scanner.push(&b.body);

@@ -244,6 +244,67 @@ pub struct CreditCounters {
     pub pile_redirects: AtomicU64,
     /// Candidates whose pending credit was withheld for their queue (`pending_queue_share`).
     pub pending_withheld: AtomicU64,
+    /// Candidates scored by the seed's load formula because their in-flight load was unknown
+    /// (TTFT model not learned yet) under `load_source: inflight`.
+    pub load_fallbacks: AtomicU64,
+    /// `spill_rule: ttft` decisions taken by the seed's rule because a candidate had no
+    /// prediction.
+    pub ttft_fallbacks: AtomicU64,
+    /// Decisions with an `x-slo-ttft-ms` no candidate was predicted to meet.
+    pub slo_misses: AtomicU64,
+    /// First tokens the TTFT models learned from.
+    pub ttft_observed: AtomicU64,
+    /// First tokens refused as absurd (negative, not finite, over ten minutes).
+    pub ttft_refused: AtomicU64,
+    /// Of `ttft_observed`, those that had a prediction.
+    pub ttft_predicted: AtomicU64,
+    /// Σ |predicted − actual| TTFT over `ttft_predicted`, ms.
+    pub ttft_abs_error_ms: AtomicU64,
+    /// Σ (predicted − actual) over `ttft_predicted` where the prediction was too high, ms (the
+    /// rest of `ttft_abs_error_ms` was too low).
+    pub ttft_over_ms: AtomicU64,
+    /// The TTFT model of every first token this replica saw, whatever the pod: what a pod whose
+    /// own model has not learned yet is predicted with (docs/design.md §4).
+    pub fleet_ttft: Mutex<crate::pool::TtftFit>,
+}
+
+impl CreditCounters {
+    /// The load and TTFT models' counts, for the metrics scrape.
+    pub fn ttft_counts(&self) -> crate::metrics::TtftCounts {
+        crate::metrics::TtftCounts {
+            load_fallbacks: self.load_fallbacks.load(Ordering::Relaxed),
+            ttft_fallbacks: self.ttft_fallbacks.load(Ordering::Relaxed),
+            slo_misses: self.slo_misses.load(Ordering::Relaxed),
+            refused: self.ttft_refused.load(Ordering::Relaxed),
+            observed: self.ttft_observed.load(Ordering::Relaxed),
+            predicted: self.ttft_predicted.load(Ordering::Relaxed),
+            abs_error_ms: self.ttft_abs_error_ms.load(Ordering::Relaxed),
+            over_ms: self.ttft_over_ms.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts what [`InFlightSlot::observe_ttft`](crate::pool::InFlightSlot::observe_ttft) made
+    /// of a first token, and teaches it to the fleet-wide model.
+    pub fn count_ttft(&self, seen: crate::pool::TtftObservation) {
+        use crate::pool::TtftObservation;
+        match seen {
+            TtftObservation::Learned { error_ms, work_tokens, queue, ttft_ms } => {
+                self.fleet_ttft.lock().observe(work_tokens, queue, ttft_ms);
+                self.ttft_observed.fetch_add(1, Ordering::Relaxed);
+                if let Some(e) = error_ms.filter(|e| e.is_finite()) {
+                    self.ttft_predicted.fetch_add(1, Ordering::Relaxed);
+                    self.ttft_abs_error_ms.fetch_add(e.abs().round() as u64, Ordering::Relaxed);
+                    if e > 0.0 {
+                        self.ttft_over_ms.fetch_add(e.round() as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+            TtftObservation::Refused => {
+                self.ttft_refused.fetch_add(1, Ordering::Relaxed);
+            }
+            TtftObservation::Ignored => {}
+        }
+    }
 }
 
 /// The pending table, peers' in-flight requests and the replica event stream (module docs).

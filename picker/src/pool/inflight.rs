@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use parking_lot::Mutex;
 
 use super::PodRecord;
+use super::TtftFit;
 
 /// The in-flight requests of one pod.
 #[derive(Debug, Default)]
@@ -28,6 +29,9 @@ pub(crate) struct InFlight {
     slots: Mutex<Vec<(i64, u64)>>,
     /// `slots.len()`, written under the lock, so an idle pod's queue depth needs no lock.
     count: AtomicU32,
+    /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
+    /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
+    pub(crate) ttft: Mutex<TtftFit>,
 }
 
 impl InFlight {
@@ -76,6 +80,29 @@ pub struct InFlightSlot {
     pub(super) block_size: u64,
     /// Told once when the slot is released, with its id (pending chains, the replica stream).
     pub(super) on_release: Option<(Arc<dyn ReleaseHook>, u64)>,
+    /// The work (tokens) the pod had at routing, this request's uncached tokens included, its
+    /// queue depth then and the TTFT then predicted (ms), until the first token is observed.
+    pub(super) ttft: Option<(f64, f64, Option<f64>)>,
+}
+
+/// What [`InFlightSlot::observe_ttft`] made of a first token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TtftObservation {
+    /// The pod's model learned it; `error_ms` = predicted − actual when a prediction was made.
+    Learned {
+        /// Predicted minus measured TTFT, ms (`None`: the model predicted nothing yet).
+        error_ms: Option<f64>,
+        /// The work at routing, tokens (what the fleet-wide model learns too).
+        work_tokens: f64,
+        /// The queue depth at routing.
+        queue: f64,
+        /// The TTFT measured, ms.
+        ttft_ms: f64,
+    },
+    /// Out of range (negative, not finite, or over ten minutes): not learned.
+    Refused,
+    /// Nothing to learn: no work was recorded at routing, or the first token was seen before.
+    Ignored,
 }
 
 /// Told when an [`InFlightSlot`] is released (the request ended, any way).
@@ -108,6 +135,27 @@ impl InFlightSlot {
     /// marked before (the mark is news to tell peer replicas).
     pub fn mark_unreachable(&self) -> bool {
         super::mark(&self.rec, "this replica")
+    }
+
+    /// Records the pod's work (tokens, this request's uncached ones included) and queue depth
+    /// at routing and the TTFT predicted from them, for [`InFlightSlot::observe_ttft`].
+    pub(crate) fn set_ttft_work(&mut self, work_tokens: f64, queue: u32, predicted_ms: Option<f64>) {
+        self.ttft = Some((work_tokens, f64::from(queue), predicted_ms));
+    }
+
+    /// The TTFT predicted at routing, ms (`None`: the pod's model had not learned enough).
+    pub fn predicted_ttft_ms(&self) -> Option<f64> {
+        self.ttft.and_then(|(_, _, p)| p)
+    }
+
+    /// The request's first token came `ttft_ms` after its routing: the pod's TTFT model learns
+    /// it (once per slot) and the prediction error is returned.
+    pub fn observe_ttft(&mut self, ttft_ms: f64) -> TtftObservation {
+        let Some((work, queue, predicted)) = self.ttft.take() else { return TtftObservation::Ignored };
+        if !self.rec.inflight.ttft.lock().observe(work, queue, ttft_ms) {
+            return TtftObservation::Refused;
+        }
+        TtftObservation::Learned { error_ms: predicted.map(|p| p - ttft_ms), work_tokens: work, queue, ttft_ms }
     }
 
     /// The pod's name, shared.

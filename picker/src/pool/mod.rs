@@ -23,6 +23,7 @@
 
 mod annotations;
 mod inflight;
+mod ttft;
 mod writer;
 
 use std::sync::Arc;
@@ -40,7 +41,8 @@ pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
 pub use annotations::COST_ANNOTATION;
 pub(crate) use inflight::InFlight;
-pub use inflight::{InFlightSlot, ReleaseHook};
+pub use inflight::{InFlightSlot, ReleaseHook, TtftObservation};
+pub use ttft::{DECODE_TOKENS_PER_REQUEST, TtftFit, TtftLine};
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;
@@ -615,6 +617,7 @@ impl Selection<'_> {
             predicted_tokens: u64::from(matched_blocks) * index_block,
             block_size: engine_block,
             on_release: None,
+            ttft: None,
         }
     }
 }

@@ -28,6 +28,11 @@ pub(crate) enum Exclusion {
         depth: u32,
         max: u32,
     },
+    /// Predicted to miss the request's `x-slo-ttft-ms` while another candidate meets it.
+    SloMiss {
+        predicted_ms: f64,
+        slo_ms: f64,
+    },
 }
 
 impl fmt::Display for Exclusion {
@@ -46,6 +51,9 @@ impl fmt::Display for Exclusion {
             Exclusion::NotInSubset => write!(f, "endpoint not in Envoy's subset hint"),
             Exclusion::Unreachable => write!(f, "Envoy could not connect to the endpoint (probing until it accepts)"),
             Exclusion::QueueFull { depth, max } => write!(f, "queue {depth} at or above max {max} (spilled)"),
+            Exclusion::SloMiss { predicted_ms, slo_ms } => {
+                write!(f, "predicted TTFT {predicted_ms:.0} ms over the objective {slo_ms:.0} ms")
+            }
         }
     }
 }

@@ -29,11 +29,12 @@ mod routability;
 mod router;
 mod select;
 
+pub use crate::pool::{DECODE_TOKENS_PER_REQUEST, TtftFit, TtftLine};
 pub use adapter::AdapterAffinityScorer;
 pub use cache::{PrefixCacheScorer, cache_credit};
 pub use cost::CostAwareScorer;
 pub use health::HealthScorer;
-pub use load::{LoadScorer, load_ratio};
+pub use load::{LoadScorer, load_ratio, pod_load_ratio};
 pub use queue::QueueDepthScorer;
 pub use routability::{PodRouting, pod_routing};
 pub use router::{ORDERED_CANDIDATES, Router};
@@ -83,6 +84,40 @@ pub enum CacheFactor {
     /// prompt's one matched block earns 1/128 instead of 1.
     TokensSaved,
 }
+
+/// Where loadRatio comes from (docs/design.md §4 "Load and predicted TTFT").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadSource {
+    /// The pod's in-flight work (prefill tokens routed there and not yet computed, plus a decode
+    /// share per running request) over its learned capacity (`load_horizon_ms` of its learned
+    /// prefill rate), and at least its reported KV usage. A pod whose TTFT model has not learned
+    /// yet falls back to `gpu_utilization`.
+    #[default]
+    Inflight,
+    /// The seed's formula: reported GPU utilization / `max_utilization` (NVML reads ≈ 1 for any
+    /// pod that is stepping, so this separates idle from busy pods only).
+    GpuUtilization,
+}
+
+/// How a cache-hot pod keeps or spills a request (docs/design.md §4 "Stay or spill").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpillRule {
+    /// The seed's rule: pods at `max_queue` leave the candidates; the best S wins.
+    #[default]
+    MaxQueue,
+    /// The request stays on the cache-hot pod (most blocks credited, best S among those) unless
+    /// that pod's predicted TTFT exceeds the best alternative's, which then serves it; a cold
+    /// request goes to the least predicted TTFT. While any candidate's TTFT model has not learned
+    /// yet, the seed's rule decides.
+    Ttft,
+}
+
+/// Default [`ScoringConfig::ttft_spill_factor`].
+pub const DEFAULT_TTFT_SPILL_FACTOR: f64 = 4.0;
+/// Default [`ScoringConfig::load_horizon_ms`].
+pub const DEFAULT_LOAD_HORIZON_MS: u64 = 1_000;
 
 /// Default [`ScoringConfig::pending_queue_share`].
 pub const DEFAULT_PENDING_QUEUE_SHARE: f64 = 0.5;
@@ -180,6 +215,19 @@ pub struct ScoringConfig {
     /// left come from pending chains and KV events). Default false: the design's tie rule ends in
     /// a seeded random pick (docs/design.md §4), so this step is the operator's choice.
     pub prefill_tie_break: bool,
+    /// Where loadRatio comes from: `inflight` (default: in-flight work over learned capacity) or
+    /// `gpu_utilization` (the seed's formula). docs/design.md §4 "Load and predicted TTFT".
+    pub load_source: LoadSource,
+    /// `inflight` only: predicted prefill time of a pod's in-flight work, ms, that counts as
+    /// fully loaded (loadRatio 1). Default [`DEFAULT_LOAD_HORIZON_MS`] (1000).
+    pub load_horizon_ms: u64,
+    /// Stay or spill: `max_queue` (default, the seed's rule) or `ttft` (by predicted time to
+    /// first token; the `ttft` preset). docs/design.md §4 "Stay or spill".
+    pub spill_rule: SpillRule,
+    /// `spill_rule: ttft` only: the cache-hot pod keeps the request unless its predicted TTFT
+    /// exceeds this many times the best alternative's (≥ 1). Default
+    /// [`DEFAULT_TTFT_SPILL_FACTOR`].
+    pub ttft_spill_factor: f64,
 }
 
 /// A custom scorer enabled from config, with its weight in S (the sum rule includes it).
@@ -246,13 +294,19 @@ impl Default for ScoringConfig {
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,
+            load_source: LoadSource::Inflight,
+            load_horizon_ms: DEFAULT_LOAD_HORIZON_MS,
+            spill_rule: SpillRule::MaxQueue,
+            ttft_spill_factor: DEFAULT_TTFT_SPILL_FACTOR,
         }
     }
 }
 
 /// Named presets (docs/design.md §4): cache/load/queue/health/adapter, maxQueue, cache factor.
 /// `chatbot` is the default; `tokens-saved` is `chatbot` scoring saved prefill instead of the
-/// match ratio (for fleets with many short prompts).
+/// match ratio (for fleets with many short prompts). `ttft` (not in this table: it is `chatbot`
+/// with [`SpillRule::Ttft`]) keeps a request on its cache-hot pod unless another pod's predicted
+/// TTFT is lower.
 pub const PRESETS: [(&str, Weights, u32, CacheFactor); 5] = [
     ("chatbot", DEFAULT_WEIGHTS, DEFAULT_MAX_QUEUE, CacheFactor::Ratio),
     (
@@ -272,9 +326,12 @@ pub const PRESETS: [(&str, Weights, u32, CacheFactor); 5] = [
 ];
 
 impl ScoringConfig {
-    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`, `tokens-saved`), other
-    /// fields default.
+    /// The named preset (`chatbot`, `latency-api`, `batch`, `multi-lora`, `tokens-saved`,
+    /// `ttft`), other fields default.
     pub fn preset(name: &str) -> Option<ScoringConfig> {
+        if name == "ttft" {
+            return Some(ScoringConfig { spill_rule: SpillRule::Ttft, ..ScoringConfig::default() });
+        }
         PRESETS.iter().find(|(n, ..)| *n == name).map(|(_, weights, max_queue, cache_factor)| ScoringConfig {
             weights: *weights,
             max_queue: *max_queue,
@@ -320,6 +377,12 @@ impl ScoringConfig {
         }
         if self.full_credit_tokens == 0 {
             return Err(ScoringConfigError::FullCreditTokens);
+        }
+        if self.load_horizon_ms == 0 {
+            return Err(ScoringConfigError::LoadHorizon);
+        }
+        if !(self.ttft_spill_factor.is_finite() && self.ttft_spill_factor >= 1.0) {
+            return Err(ScoringConfigError::TtftSpillFactor(self.ttft_spill_factor));
         }
         for c in &self.custom {
             match c {
@@ -383,6 +446,12 @@ pub enum ScoringConfigError {
     /// `full_credit_tokens` of 0.
     #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
     FullCreditTokens,
+    /// `load_horizon_ms` of 0.
+    #[error("scoring.load_horizon_ms must be at least 1 (ms)")]
+    LoadHorizon,
+    /// `ttft_spill_factor` below 1 (or not a number).
+    #[error("scoring.ttft_spill_factor must be a number of at least 1, got {0}")]
+    TtftSpillFactor(f64),
     /// `pile_guard_factor` below 1 (or not a number).
     #[error("scoring.pile_guard_factor must be a number of at least 1, got {0}")]
     PileGuardFactor(f64),
@@ -403,7 +472,7 @@ pub enum ScoringConfigError {
         message: String,
     },
     /// `preset` names no preset.
-    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora, tokens-saved")]
+    #[error("scoring.preset '{0}' is unknown; use one of chatbot, latency-api, batch, multi-lora, tokens-saved, ttft")]
     UnknownPreset(String),
 }
 
@@ -481,6 +550,10 @@ pub struct CandidateScore {
     pub pending_blocks: u32,
     /// Blocks after `matched_blocks` held only in the pod's CPU tier (partial credit).
     pub offloaded_blocks: u32,
+    /// The pod's predicted time to first token for this request, ms (`None`: its TTFT model has
+    /// not learned yet). docs/design.md §4 "Load and predicted TTFT".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft_ms: Option<f64>,
 }
 
 /// What [`Router::explain`] returns: the same computation as `route`, no reservation.
@@ -528,6 +601,9 @@ pub struct PodFacts<'a> {
     pub offloaded_blocks: u32,
     /// GPU utilization in [0,1].
     pub gpu_utilization: f64,
+    /// loadRatio from in-flight work over learned capacity, in [0,1] (`load_source: inflight`);
+    /// `None`: the load factor uses `gpu_utilization` (the seed's formula).
+    pub in_flight_load: Option<f64>,
     /// Reported waiting + picker in-flight since the report (requests).
     pub queue_depth: u32,
     /// Health score in [0,1].
@@ -597,3 +673,5 @@ pub trait Scorer: Send + Sync + std::fmt::Debug {
 mod seed_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod ttft_tests;

@@ -5,12 +5,15 @@
 //! 3. `overlay_load`: queue depth, load, GPU utilization and prefill left, under the lock;
 //! 4. `spill`: rows at `max_queue` leave (or the decision is shed);
 //! 5. `cap_pending`: pending credit withheld from rows queued far above the least queued;
-//! 6. `compose`: the factors and the composite S of every row;
-//! 7. `tie_keys`: the keys after S (cold prefill left, a seeded random key);
-//! 8. `choose`: the best row by S and the tie rules (`select.rs`);
-//! 9. `pile_guard`: the least loaded row instead, when the choice carries far more requests;
-//! 10. `route_in` (routing only): the chain recorded pending, the event published to peers and an
-//!     in-flight slot reserved on the chosen pod.
+//! 6. `predict`: every row's in-flight load and predicted TTFT from its pod's learned model, and
+//!    the `x-slo-ttft-ms` filter (docs/design.md §4 "Load and predicted TTFT");
+//! 7. `compose`: the factors and the composite S of every row;
+//! 8. `tie_keys`: the keys after S (cold prefill left, a seeded random key);
+//! 9. `choose`: the best row by S and the tie rules (`select.rs`), or by predicted TTFT
+//!    (`spill_rule: ttft`, or an SLO no row is predicted to meet);
+//! 10. `pile_guard`: the least loaded row instead, when the choice carries far more requests;
+//! 11. `route_in` (routing only): the chain recorded pending, the event published to peers and an
+//!     in-flight slot reserved on the chosen pod, with the work the TTFT model learns from.
 //!
 //! Concurrency: the prefix walk and the static filters read arc-swap snapshots without locks; the
 //! queue-depth read, spill, scoring, choice and reservation run under the pool's selection lock
@@ -29,8 +32,9 @@ use super::select::{self, Ranked};
 use super::{
     AdapterAffinityScorer, CandidateScore, Decision, Explanation, HealthScorer, LoadScorer, PodFacts,
     PrefixCacheScorer, PrefixMatches, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer,
-    ScoringConfig, ScoringConfigError, load_ratio, validate_weights,
+    ScoringConfig, ScoringConfigError, validate_weights,
 };
+use super::{DECODE_TOKENS_PER_REQUEST, LoadSource, SpillRule, TtftLine, load::pod_load_ratio};
 use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
 use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
 use crate::pool::{Membership, PodTable, Pool};
@@ -73,6 +77,15 @@ struct Row {
     /// Index blocks per engine block of the pod: every credit ends on a whole engine block,
     /// since the engine caches (and its usage counts) nothing smaller.
     per: u32,
+    /// The pod's in-flight work, tokens: prefill left of the requests routed there and not yet
+    /// confirmed computed, plus a decode share per reported running request.
+    work: f64,
+    /// That work plus this request's uncached tokens: what the TTFT model predicts from.
+    ttft_work: f64,
+    /// Predicted TTFT, ms (`None`: the pod's model has not learned yet).
+    predicted: Option<f64>,
+    /// loadRatio from in-flight work (`None`: the seed's formula).
+    in_flight_load: Option<f64>,
 }
 
 impl Row {
@@ -310,8 +323,23 @@ impl Router {
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
     ) -> Result<Decision, RouteError> {
+        self.route_slo(req, matches, None)
+    }
+
+    /// Like [`Router::route_with`], honouring a TTFT objective (GIE's `x-slo-ttft-ms`, ms):
+    /// candidates predicted to miss it leave when some candidate is predicted to meet it (a
+    /// candidate without a prediction stays); when none is, the least predicted TTFT is chosen
+    /// and the miss counted (docs/design.md §4 "Load and predicted TTFT"). A non-finite or
+    /// non-positive objective is ignored.
+    pub fn route_slo(
+        &self,
+        req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
+        slo_ttft_ms: Option<f64>,
+    ) -> Result<Decision, RouteError> {
         let table = self.pool.table.load();
-        with_scratch(|sc| self.route_in(sc, &table, req, matches))
+        let slo = slo_ttft_ms.filter(|v| v.is_finite() && *v > 0.0);
+        with_scratch(|sc| self.route_in(sc, &table, req, matches, slo))
     }
 
     fn route_in(
@@ -320,6 +348,7 @@ impl Router {
         table: &PodTable,
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
+        slo: Option<f64>,
     ) -> Result<Decision, RouteError> {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         let index = self.pool.index.load();
@@ -337,7 +366,7 @@ impl Router {
         if precise {
             self.overlay_precise(sc, table, &index, &mut shared, req.block_hashes, now);
         }
-        let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared)? else {
+        let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared, slo)? else {
             drop(shared);
             drop(selection);
             return Err(no_candidate(req.model, model_pods, table, &sc.excluded));
@@ -362,6 +391,7 @@ impl Router {
         drop(shared);
         let mut slot = selection.reserve(rec, status, credited, now);
         slot.on_release(self.shared.clone(), id);
+        slot.set_ttft_work(row.ttft_work, row.depth, row.predicted);
         self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
         self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
@@ -390,8 +420,19 @@ impl Router {
     /// Same computation as [`Router::route_with`] (the same second source of matched blocks), no
     /// reservation, no state change: the choice is the one `route_with` would make now.
     pub fn explain_with(&self, req: &RouteRequest<'_>, matches: Option<&dyn PrefixMatches>) -> Explanation {
+        self.explain_slo(req, matches, None)
+    }
+
+    /// Same computation as [`Router::route_slo`], no reservation, no state change.
+    pub fn explain_slo(
+        &self,
+        req: &RouteRequest<'_>,
+        matches: Option<&dyn PrefixMatches>,
+        slo_ttft_ms: Option<f64>,
+    ) -> Explanation {
         let table = self.pool.table.load();
-        with_scratch(|sc| self.explain_in(sc, &table, req, matches))
+        let slo = slo_ttft_ms.filter(|v| v.is_finite() && *v > 0.0);
+        with_scratch(|sc| self.explain_in(sc, &table, req, matches, slo))
     }
 
     fn explain_in(
@@ -400,6 +441,7 @@ impl Router {
         table: &PodTable,
         req: &RouteRequest<'_>,
         matches: Option<&dyn PrefixMatches>,
+        slo: Option<f64>,
     ) -> Explanation {
         let total_blocks = u32::try_from(req.block_hashes.len()).unwrap_or(u32::MAX);
         let index = self.pool.index.load();
@@ -421,7 +463,7 @@ impl Router {
         if matches.is_none() {
             self.overlay_precise(sc, table, &index, &mut shared, req.block_hashes, now);
         }
-        let scored = self.score(sc, table, req, total_blocks, tick, &shared);
+        let scored = self.score(sc, table, req, total_blocks, tick, &shared, slo);
         drop(shared);
         match scored {
             Ok(choice) => {
@@ -487,6 +529,10 @@ impl Router {
                         load: 0,
                         utilization: 0.0,
                         prefill: 0,
+                        work: 0.0,
+                        ttft_work: 0.0,
+                        predicted: None,
+                        in_flight_load: None,
                     });
                 }
             }
@@ -497,6 +543,7 @@ impl Router {
     /// The stages that run under the selection lock (see the module docs): queue and load,
     /// spill, the pending cap, composition, tie keys, the choice (an index into `sc.rows`) and
     /// the pile guard. Call under the selection lock when reserving.
+    #[allow(clippy::too_many_arguments)] // the decision's parts, each read by a stage
     fn score(
         &self,
         sc: &mut Scratch,
@@ -505,15 +552,31 @@ impl Router {
         total_blocks: u32,
         tick: u64,
         shared: &SharedState,
+        slo: Option<f64>,
     ) -> Result<Option<usize>, RouteError> {
         // One instant for the whole decision: a report is stale for every stage or for none.
         let now = Instant::now();
         self.overlay_load(sc, table, shared, now);
         self.spill(sc)?;
         self.cap_pending(&mut sc.rows);
+        self.predict(sc, table, total_blocks);
+        let missed = slo.is_some_and(|slo| self.slo_filter(sc, slo));
         self.compose(sc, table, req, total_blocks, now);
         self.tie_keys(sc, table, tick);
-        let mut choice = choose(&sc.scored, 0..sc.rows.len());
+        if missed {
+            return Ok(least_predicted(sc, 0..sc.rows.len()));
+        }
+        let by_time = match self.config.spill_rule {
+            SpillRule::MaxQueue => None,
+            SpillRule::Ttft => {
+                let c = self.ttft_choice(sc);
+                if c.is_none() {
+                    self.shared.credit.ttft_fallbacks.fetch_add(1, Ordering::Relaxed);
+                }
+                c
+            }
+        };
+        let mut choice = by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len()));
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
         {
@@ -521,6 +584,85 @@ impl Router {
             self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
         }
         Ok(choice)
+    }
+
+    /// docs/design.md §4 "Load and predicted TTFT": every row's work for the TTFT model (its
+    /// pod's in-flight work plus this request's uncached tokens), its predicted TTFT and, with
+    /// `load_source: inflight`, its loadRatio = max(in-flight work × learned ms per token /
+    /// `load_horizon_ms`, reported KV usage). A pod whose model has not learned yet is predicted by the fleet-wide
+    /// model; before that has learned too it keeps the seed's formula (counted in
+    /// `load_fallbacks`).
+    fn predict(&self, sc: &mut Scratch, table: &PodTable, total_blocks: u32) {
+        let block = self.pool.config().block_size as f64;
+        let horizon = self.config.load_horizon_ms as f64;
+        let inflight = self.config.load_source == LoadSource::Inflight;
+        let mut fallbacks = 0u64;
+        let fleet: Option<TtftLine> = self.shared.credit.fleet_ttft.lock().line();
+        for row in &mut sc.rows {
+            let own: Option<TtftLine> = table.pods[row.pod as usize].inflight.ttft.lock().line();
+            let line = own.or(fleet);
+            let uncached = f64::from(total_blocks.saturating_sub(row.credited())) * block;
+            row.ttft_work = row.work + uncached;
+            row.predicted = line.map(|l| l.predict(row.ttft_work, f64::from(row.depth))).filter(|p| p.is_finite());
+            row.in_flight_load = None;
+            if inflight {
+                // A pod whose running requests hold most of its KV admits a new prompt only by
+                // preempting one: its KV usage is a floor of its load.
+                let kv = table.status[row.pod as usize].stats.as_ref().map_or(0.0, |s| s.kv_cache_usage);
+                row.in_flight_load =
+                    line.map(|l| (row.work * l.ms_per_token / horizon).max(kv)).filter(|r| r.is_finite());
+                if row.in_flight_load.is_none() {
+                    fallbacks += 1;
+                }
+            }
+        }
+        if fallbacks > 0 {
+            self.shared.credit.load_fallbacks.fetch_add(fallbacks, Ordering::Relaxed);
+        }
+    }
+
+    /// The `x-slo-ttft-ms` filter (docs/design.md §4): when some row is predicted to meet `slo`,
+    /// the rows predicted to miss it leave (rows without a prediction stay) and false is returned;
+    /// when every row is predicted to miss it, all stay, the miss is counted and true is returned
+    /// (the least predicted TTFT is then chosen).
+    fn slo_filter(&self, sc: &mut Scratch, slo: f64) -> bool {
+        let meets = |r: &Row| r.predicted.is_none_or(|p| p <= slo);
+        if sc.rows.iter().any(meets) {
+            let excluded = &mut sc.excluded;
+            sc.rows.retain(|r| {
+                if !meets(r) {
+                    excluded
+                        .push((r.pod, Exclusion::SloMiss { predicted_ms: r.predicted.unwrap_or(0.0), slo_ms: slo }));
+                }
+                meets(r)
+            });
+            false
+        } else {
+            self.shared.credit.slo_misses.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+    }
+
+    /// docs/design.md §4 "Stay or spill" by time: the cache-hot row (most blocks credited, the
+    /// best by S among those) unless its predicted TTFT exceeds `ttft_spill_factor` times the
+    /// least predicted TTFT among the other rows, which then wins
+    /// (the least predicted, the best by S among equals); a request no row holds a block of goes
+    /// to the least predicted TTFT. `None` when some row has no prediction.
+    fn ttft_choice(&self, sc: &Scratch) -> Option<usize> {
+        if sc.rows.iter().any(|r| r.predicted.is_none()) {
+            return None;
+        }
+        let most = sc.rows.iter().map(Row::credited).max()?;
+        if most == 0 {
+            return choose(&sc.scored, 0..sc.rows.len());
+        }
+        let hot = choose(&sc.scored, (0..sc.rows.len()).filter(|&i| sc.rows[i].credited() == most))?;
+        let alt = least_predicted(sc, (0..sc.rows.len()).filter(|&i| i != hot));
+        let factor = self.config.ttft_spill_factor;
+        match (alt, sc.rows[hot].predicted) {
+            (Some(a), Some(h)) if sc.rows[a].predicted.is_some_and(|p| h > p * factor) => Some(a),
+            _ => Some(hot),
+        }
     }
 
     /// Every row's live figures, read under the selection lock: queue depth (peers' in-flight
@@ -559,9 +701,9 @@ impl Router {
                 let before = prefilling_before(&sc.prefilling, rec.idx, s.observed_at_unix_ms);
                 row.depth = row.depth.saturating_add(before.saturating_sub(s.num_requests_waiting));
             }
-            if self.config.prefill_tie_break {
-                row.prefill = prefill_left(&sc.prefilling, rec.idx);
-            }
+            row.prefill = prefill_left(&sc.prefilling, rec.idx);
+            let index_block = self.pool.config().block_size as f64;
+            row.work = f64::from(row.prefill) * index_block + f64::from(running) * DECODE_TOKENS_PER_REQUEST;
         }
     }
 
@@ -615,6 +757,7 @@ impl Router {
                 pending_blocks: r.pending,
                 offloaded_blocks: r.offloaded,
                 gpu_utilization: if stats.is_some() { r.utilization } else { idle },
+                in_flight_load: r.in_flight_load,
                 queue_depth: r.depth,
                 health_score,
                 health_reason,
@@ -651,7 +794,7 @@ impl Router {
                 factors,
                 ranked: Ranked {
                     score,
-                    load_ratio: load_ratio(f.gpu_utilization, self.config.max_utilization),
+                    load_ratio: pod_load_ratio(f, self.config.max_utilization),
                     queue_depth: f.queue_depth,
                     prefill: 0,
                     tie_key: 0,
@@ -686,7 +829,8 @@ impl Router {
         now: i64,
     ) {
         // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
-        shared.pending.prefilling(index, self.config.prefill_tie_break, &mut sc.prefilling);
+        // The blocks left are the in-flight work of the load factor and the TTFT model too.
+        shared.pending.prefilling(index, true, &mut sc.prefilling);
         overlay_pending(sc, table, shared, chain, now);
         self.overlay_offloaded(sc, table, chain);
     }
@@ -754,6 +898,7 @@ impl Router {
             matched_blocks: row.credited(),
             pending_blocks: row.pending,
             offloaded_blocks: row.offloaded,
+            predicted_ttft_ms: row.predicted,
         }
     }
 
@@ -839,6 +984,21 @@ fn engine_block_in_index_blocks(engine_block: u32, index_block: u32) -> u32 {
         (e, i) if i > 0 && e > i && e % i == 0 => e / i,
         _ => 1,
     }
+}
+
+/// Of rows `among`, the least predicted TTFT (rows without a prediction last), the best by S
+/// among equals; `None` when `among` is empty.
+fn least_predicted(sc: &Scratch, among: impl Iterator<Item = usize>) -> Option<usize> {
+    let key = |i: usize| sc.rows[i].predicted.unwrap_or(f64::INFINITY);
+    let mut best: Option<usize> = None;
+    for i in among {
+        best = match best {
+            Some(b) if key(i) > key(b) => Some(b),
+            Some(b) if key(i) == key(b) && !ahead(&sc.scored, i as u32, b as u32) => Some(b),
+            _ => Some(i),
+        };
+    }
+    best
 }
 
 /// How many of `prefilling` (sorted `(pod, routed_ms, blocks left)`) are on `pod` and were

@@ -18,6 +18,7 @@ pub(super) fn facts(matched: u32, gpu: f64, queue: u32, health: f64, adapters: &
         pending_blocks: 0,
         offloaded_blocks: 0,
         gpu_utilization: gpu,
+        in_flight_load: None,
         queue_depth: queue,
         health_score: health,
         health_reason: "",

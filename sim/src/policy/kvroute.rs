@@ -225,8 +225,15 @@ impl Policy for KvroutePolicy {
                 .iter()
                 .map(|c| {
                     format!(
-                        "{} S={:.3} cache={:.3} matched={} pending={} load={:.3} queue={:.3}",
-                        c.pod, c.score, c.cache, c.matched_blocks, c.pending_blocks, c.load, c.queue
+                        "{} S={:.3} cache={:.3} matched={} pending={} load={:.3} queue={:.3} ttft_ms={}",
+                        c.pod,
+                        c.score,
+                        c.cache,
+                        c.matched_blocks,
+                        c.pending_blocks,
+                        c.load,
+                        c.queue,
+                        c.predicted_ttft_ms.map_or_else(String::new, |t| format!("{t:.0}"))
                     )
                 })
                 .collect();
@@ -278,6 +285,14 @@ impl Policy for KvroutePolicy {
         self.clock.set(sim_ms(now_us));
         if let Some(list) = self.slots.get_mut(pod) {
             list.retain(|(id, _)| *id != req.id);
+        }
+    }
+
+    fn on_first_token(&mut self, req: &SimRequest, pod: usize, now_us: u64, ttft_us: u64) {
+        self.clock.set(sim_ms(now_us));
+        if let Some((_, slot)) = self.slots.get_mut(pod).and_then(|l| l.iter_mut().find(|(id, _)| *id == req.id)) {
+            let seen = slot.observe_ttft(ttft_us as f64 / 1000.0);
+            self.router.shared().credit.count_ttft(seen);
         }
     }
 

@@ -54,6 +54,9 @@ pub trait Policy {
     fn on_report(&mut self, report: &PodReport);
     /// The response of `req` on `pod` ended at `now_us` (visible to the router at once).
     fn on_finish(&mut self, req: &SimRequest, pod: usize, now_us: u64);
+    /// The first token of `req` on `pod` came out at `now_us` (the router sees the response
+    /// start streaming); `ttft_us` after its arrival. Default: nothing.
+    fn on_first_token(&mut self, _req: &SimRequest, _pod: usize, _now_us: u64, _ttft_us: u64) {}
     /// What this replica tells its peer replicas since the last call (kvroute's one view across
     /// replicas, docs/design.md §4); empty for policies without it.
     fn take_peer_events(&mut self) -> Vec<ReplicaEvent> {
@@ -77,7 +80,7 @@ pub trait Policy {
 pub const DECISIONS_CSV_HEADER: &str = "time_s,request,group,session,blocks,pod,candidates\n";
 
 /// Every policy name [`build`] accepts, in table order.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     "random",
     "round-robin",
     "least-connections",
@@ -89,6 +92,7 @@ pub const ALL: [&str; 11] = [
     "kvroute-batch",
     "kvroute-multi-lora",
     "kvroute-approximate",
+    "kvroute-ttft",
 ];
 
 /// The pods' names as routers know them (`pod-0`, `pod-1`, …).
@@ -170,6 +174,7 @@ pub fn build(name: &str, pods: usize, opts: &PolicyOptions) -> Result<Box<dyn Po
         "kvroute-batch" => kv("batch", CacheView::Precise),
         "kvroute-multi-lora" => kv("multi-lora", CacheView::Precise),
         "kvroute-approximate" => kv("chatbot", CacheView::Approximate { capacity_blocks: kv_capacity_blocks }),
+        "kvroute-ttft" => kv("ttft", CacheView::Precise),
         _ => Err(SimError::UnknownPolicy(name.to_string())),
     }
 }

@@ -1,0 +1,190 @@
+//! Per-pod time-to-first-token model, learned online (docs/design.md §4 "Load and predicted
+//! TTFT"): `TTFT ≈ a + b · x + c · q` ms, with `x` = the request's uncached prompt tokens plus the
+//! pod's in-flight work at routing (prefill tokens still ahead of it, and a decode share per
+//! running request) and `q` = the pod's queue depth at routing (requests waiting for admission,
+//! which KV pressure holds back whatever their prefill), fitted by exponentially weighted least
+//! squares over the pod's recent first tokens.
+//!
+//! `b` (ms per token of work) is the pod's learned inverse capacity: loadRatio from in-flight
+//! work is `work · b / load_horizon_ms`. A fit with too few observations, or whose numbers are
+//! not finite, predicts nothing: the caller falls back to the seed's formula for that pod.
+//!
+//! Bounded: nine sums per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
+//! outside [0, [`MAX_WORK_TOKENS`]] is refused (counted by the caller), never stored.
+
+/// Observations a pod's fit needs before it predicts.
+pub const MIN_OBSERVATIONS: f64 = 4.0;
+/// Weight kept by the older observations at each new one (an effective window of ≈ 100).
+pub const DECAY: f64 = 0.99;
+/// Longest TTFT accepted as an observation, ms (10 minutes: anything longer is a stuck stream).
+pub const MAX_TTFT_MS: f64 = 600_000.0;
+/// Largest work accepted, tokens.
+pub const MAX_WORK_TOKENS: f64 = 1.0e9;
+/// Slope bounds, ms per token: 1 µs to 1 s per token of prefill (an 8B model on an A100 takes
+/// ≈ 0.22 ms, a 70B one ≈ 2 ms).
+pub const MIN_SLOPE: f64 = 1.0e-3;
+/// See [`MIN_SLOPE`].
+pub const MAX_SLOPE: f64 = 1.0e3;
+/// Decode share of one running request in the work, tokens: a decoding request takes one token
+/// of every step's budget and slows each step, about as much as this much prefill over the time
+/// a queued prompt waits.
+pub const DECODE_TOKENS_PER_REQUEST: f64 = 16.0;
+
+/// One pod's fit: the weight and weighted sums of `x`, `q`, `y` and their products.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct TtftFit {
+    w: f64,
+    sx: f64,
+    sq: f64,
+    sy: f64,
+    sxx: f64,
+    sxq: f64,
+    sqq: f64,
+    sxy: f64,
+    sqy: f64,
+}
+
+/// Most queue depth accepted as an input (requests).
+pub const MAX_QUEUE: f64 = 1.0e6;
+
+/// What a fit predicts from: intercept `a` (ms) and slope `b` (ms per token).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftLine {
+    /// Fixed part of a first token, ms (≥ 0).
+    pub intercept_ms: f64,
+    /// Ms per token of work (in [`MIN_SLOPE`], [`MAX_SLOPE`]).
+    pub ms_per_token: f64,
+    /// Ms per queued request (≥ 0).
+    pub ms_per_queued: f64,
+}
+
+impl TtftLine {
+    /// Predicted TTFT, ms, for `work_tokens` of work (the request's own uncached tokens
+    /// included) behind `queue` queued requests.
+    pub fn predict(&self, work_tokens: f64, queue: f64) -> f64 {
+        self.intercept_ms + self.ms_per_token * work_tokens.max(0.0) + self.ms_per_queued * queue.max(0.0)
+    }
+}
+
+impl TtftFit {
+    /// Adds one first token: `work_tokens` of work and `queue` queued requests at routing,
+    /// `ttft_ms` measured. False (and nothing stored) when any is out of range or not finite.
+    pub fn observe(&mut self, work_tokens: f64, queue: f64, ttft_ms: f64) -> bool {
+        // `contains` is false for NaN; the infinities are outside every range.
+        let in_range = (0.0..=MAX_WORK_TOKENS).contains(&work_tokens)
+            && (0.0..=MAX_QUEUE).contains(&queue)
+            && (0.0..=MAX_TTFT_MS).contains(&ttft_ms);
+        if !in_range {
+            return false;
+        }
+        let (x, q, y) = (work_tokens, queue, ttft_ms);
+        let d = DECAY;
+        self.w = self.w * d + 1.0;
+        self.sx = self.sx * d + x;
+        self.sq = self.sq * d + q;
+        self.sy = self.sy * d + y;
+        self.sxx = self.sxx * d + x * x;
+        self.sxq = self.sxq * d + x * q;
+        self.sqq = self.sqq * d + q * q;
+        self.sxy = self.sxy * d + x * y;
+        self.sqy = self.sqy * d + q * y;
+        true
+    }
+
+    /// Least squares of `y` on `1, x, q` (a, b, c), `None` when the system is singular.
+    fn full(&self) -> Option<(f64, f64, f64)> {
+        let m = [[self.w, self.sx, self.sq], [self.sx, self.sxx, self.sxq], [self.sq, self.sxq, self.sqq]];
+        let v = [self.sy, self.sxy, self.sqy];
+        let det = |m: &[[f64; 3]; 3]| {
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        };
+        let d = det(&m);
+        let scale = self.w * self.sxx.max(1.0) * self.sqq.max(1.0);
+        if !(d.is_finite() && d.abs() > 1e-9 * scale) {
+            return None;
+        }
+        let with = |col: usize| {
+            let mut c = m;
+            for (row, value) in c.iter_mut().zip(v) {
+                row[col] = value;
+            }
+            det(&c) / d
+        };
+        Some((with(0), with(1), with(2)))
+    }
+
+    /// The fitted model, `None` before [`MIN_OBSERVATIONS`] or when the sums are not usable.
+    /// Least squares on work and queue when that system is solvable with a slope in bounds and a
+    /// queue term ≥ 0; else least squares on work alone when the observed work varies enough
+    /// and gives a slope in bounds; else the line through the origin (`b = Σy / Σx`), the slope
+    /// clamped to its bounds.
+    pub fn line(&self) -> Option<TtftLine> {
+        if self.w < MIN_OBSERVATIONS || self.sx.is_nan() || self.sx <= 0.0 {
+            return None;
+        }
+        let slope_ok = |b: f64| b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b);
+        let (a, b, c) = match self.full() {
+            Some((a, b, c)) if slope_ok(b) && c.is_finite() && c >= 0.0 && a.is_finite() => (a, b, c),
+            _ => {
+                let den = self.w * self.sxx - self.sx * self.sx;
+                let ls = (den > 1e-9 * self.w * self.sxx).then(|| (self.w * self.sxy - self.sx * self.sy) / den);
+                match ls {
+                    Some(b) if slope_ok(b) => ((self.sy - b * self.sx) / self.w, b, 0.0),
+                    _ => (0.0, (self.sy / self.sx).clamp(MIN_SLOPE, MAX_SLOPE), 0.0),
+                }
+            }
+        };
+        let a = a.max(0.0);
+        (a.is_finite() && b.is_finite() && c.is_finite()).then_some(TtftLine {
+            intercept_ms: a,
+            ms_per_token: b,
+            ms_per_queued: c,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn learns_a_line_from_noisy_first_tokens() {
+        let mut f = TtftFit::default();
+        assert_eq!(f.line(), None);
+        for i in 0..200u32 {
+            let x = f64::from(i % 17) * 500.0;
+            let q = f64::from(i % 5);
+            let noise = if i % 2 == 0 { 3.0 } else { -3.0 };
+            assert!(f.observe(x, q, 20.0 + 0.25 * x + 100.0 * q + noise));
+        }
+        let line = f.line().expect("fitted");
+        assert!((line.ms_per_token - 0.25).abs() < 0.01, "{line:?}");
+        assert!((line.ms_per_queued - 100.0).abs() < 5.0, "{line:?}");
+        assert!((line.intercept_ms - 20.0).abs() < 5.0, "{line:?}");
+        assert!((line.predict(4000.0, 2.0) - 1220.0).abs() < 40.0);
+    }
+
+    #[test]
+    fn refuses_absurd_observations_and_survives_a_constant_work() {
+        let mut f = TtftFit::default();
+        for bad in [(-1.0, 10.0), (10.0, -1.0), (f64::NAN, 1.0), (1.0, f64::INFINITY), (1.0, MAX_TTFT_MS * 2.0)] {
+            assert!(!f.observe(bad.0, 0.0, bad.1), "{bad:?}");
+        }
+        assert!(!f.observe(1.0, -1.0, 1.0) && !f.observe(1.0, f64::NAN, 1.0));
+        assert_eq!(f, TtftFit::default());
+        // Every observation at one work: least squares is undefined, the ratio line stands in.
+        for _ in 0..10 {
+            f.observe(1000.0, 0.0, 250.0);
+        }
+        let line = f.line().expect("fitted");
+        assert!((line.predict(1000.0, 0.0) - 250.0).abs() < 1e-6, "{line:?}");
+        // A slope out of bounds (TTFT falling with work) is clamped, never negative.
+        let mut g = TtftFit::default();
+        for i in 0..20 {
+            g.observe(f64::from(i) * 100.0, 1.0, 5000.0 - f64::from(i) * 200.0);
+        }
+        let line = g.line().expect("fitted");
+        assert!(line.ms_per_token >= MIN_SLOPE && line.intercept_ms >= 0.0, "{line:?}");
+    }
+}

@@ -1,0 +1,151 @@
+//! The in-flight load, the per-pod TTFT models, the `ttft` stay-or-spill rule and the
+//! `x-slo-ttft-ms` filter, through the real router (docs/design.md §4 "Load and predicted TTFT").
+
+use std::sync::atomic::Ordering;
+
+use super::tests::{req, router};
+use super::{LoadSource, RouteRequest, Router, ScoringConfig};
+use crate::pool::tests::{chain, put, stats};
+use crate::pool::{Pool, TtftObservation};
+
+/// Routes `n` cold requests of 4.. blocks to `pod` only, each first token after
+/// `intercept + 0.5 ms` per token of work: the pod's model learns that line.
+fn teach(r: &Router, pod: &str, intercept_ms: f64, base: u64) {
+    let subset = [format!("{pod}:8000")];
+    for i in 0..6u64 {
+        let c = chain(base + i * 1000, 4 + i);
+        let rr = RouteRequest { subset: Some(&subset), ..req(&c) };
+        let Ok(mut d) = r.route(&rr) else { panic!("no decision for {pod}") };
+        assert_eq!(d.pod, pod);
+        // Nothing else in flight: the work is the request's own uncached tokens.
+        let work = (4 + i) as f64 * 16.0;
+        let seen = d.slot.observe_ttft(intercept_ms + 0.5 * work);
+        assert!(matches!(seen, TtftObservation::Learned { .. }), "{seen:?}");
+        assert_eq!(d.slot.observe_ttft(1.0), TtftObservation::Ignored, "one first token per request");
+        r.shared().credit.count_ttft(seen);
+    }
+}
+
+async fn hot_and_cold(config: ScoringConfig) -> (std::sync::Arc<Pool>, Router, Vec<kvroute_common::BlockHash>) {
+    let (pool, r) = router(config);
+    let c = chain(1 << 40, 32);
+    // NVML reads 1 for both: they are stepping.
+    put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
+    put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
+    (pool, r, c)
+}
+
+#[tokio::test]
+async fn learned_models_predict_every_candidate_and_load_reads_in_flight_work() {
+    let (pool, r, c) = hot_and_cold(ScoringConfig::default()).await;
+    let before = r.explain(&req(&c));
+    assert!(before.candidates.iter().all(|k| k.predicted_ttft_ms.is_none()), "{before:?}");
+    // Without a model, the seed's formula: NVML's 1.0 reads fully loaded.
+    assert!(before.candidates.iter().all(|k| k.load == 0.0), "{before:?}");
+    assert!(r.shared().credit.load_fallbacks.load(Ordering::Relaxed) > 0);
+    teach(&r, "hot", 5.0, 1);
+    teach(&r, "cold", 5.0, 1 << 20);
+    assert_eq!(r.shared().credit.ttft_observed.load(Ordering::Relaxed), 12);
+    let after = r.explain(&req(&c));
+    let pred = |pod: &str| after.candidates.iter().find(|k| &*k.pod == pod).and_then(|k| k.predicted_ttft_ms);
+    // hot: nothing uncached; cold: 32 blocks × 16 tokens at 0.5 ms.
+    assert!((pred("hot").unwrap_or(f64::NAN) - 5.0).abs() < 1.0, "{after:?}");
+    assert!((pred("cold").unwrap_or(f64::NAN) - 261.0).abs() < 2.0, "{after:?}");
+    // Nothing in flight: both read idle although NVML says busy.
+    assert!(after.candidates.iter().all(|k| k.load == 1.0), "{after:?}");
+    assert_eq!(after.choice.as_deref(), Some("hot"));
+    // KV usage is a floor of the in-flight load: a pod whose running requests hold 90 % of its
+    // KV reads 90 % loaded with no prefill ahead.
+    put(&pool, "full", "m", kvroute_proto::agent::v1::PodStats { kv_cache_usage: 0.9, ..stats(1.0, 0, 1.0) }, &[])
+        .await;
+    let ex = r.explain(&req(&c));
+    let full = ex.candidates.iter().find(|k| &*k.pod == "full").map(|k| k.load);
+    assert!(full.is_some_and(|l| (l - 0.1).abs() < 1e-9), "{ex:?}");
+
+    // `load_source: gpu_utilization` keeps the seed's formula.
+    let (_pool, g, c) =
+        hot_and_cold(ScoringConfig { load_source: LoadSource::GpuUtilization, ..ScoringConfig::default() }).await;
+    teach(&g, "hot", 5.0, 1);
+    let ex = g.explain(&req(&c));
+    assert!(ex.candidates.iter().all(|k| k.load == 0.0), "{ex:?}");
+}
+
+#[tokio::test]
+async fn slo_filters_by_predicted_ttft_and_counts_misses() {
+    let (_pool, r, c) = hot_and_cold(ScoringConfig::default()).await;
+    // Before any model: no candidate is excluded by an estimate it does not have.
+    let ex = r.explain_slo(&req(&c), None, Some(1.0));
+    assert_eq!(ex.candidates.len(), 2, "{ex:?}");
+    teach(&r, "hot", 5.0, 1);
+    teach(&r, "cold", 5.0, 1 << 20);
+    // Cold: 0 blocks held of a fresh chain on either pod → both predicted ≈ 5 + 256 ms.
+    let fresh = chain(7 << 40, 32);
+    let ex = r.explain_slo(&req(&fresh), None, Some(300.0));
+    assert_eq!(ex.candidates.len(), 2, "both meet 300 ms: {ex:?}");
+    // The hot request: the hot pod meets 100 ms, the cold one (≈ 261 ms) leaves.
+    let ex = r.explain_slo(&req(&c), None, Some(100.0));
+    assert_eq!(ex.candidates.len(), 1, "{ex:?}");
+    assert!(ex.excluded.iter().any(|(pod, why)| pod == "cold" && why.contains("predicted TTFT")), "{ex:?}");
+    // Nobody meets 1 ms: the least predicted is chosen, the miss counted.
+    let misses = r.shared().credit.slo_misses.load(Ordering::Relaxed);
+    let Ok(d) = r.route_slo(&req(&c), None, Some(1.0)) else { panic!("no decision") };
+    assert_eq!(d.pod, "hot");
+    assert_eq!(r.shared().credit.slo_misses.load(Ordering::Relaxed), misses + 1);
+    // Absurd objectives are ignored.
+    for slo in [f64::NAN, -5.0, 0.0] {
+        assert_eq!(r.explain_slo(&req(&c), None, Some(slo)).candidates.len(), 2);
+    }
+}
+
+#[tokio::test]
+async fn ttft_preset_spills_only_when_the_hot_pod_is_predicted_much_slower() {
+    let Some(ttft) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
+    for (config, slow_hot_goes) in [(ttft, "cold"), (ScoringConfig::default(), "hot")] {
+        let (_pool, r, c) = hot_and_cold(config.clone()).await;
+        teach(&r, "cold", 5.0, 1 << 20);
+        // A hot pod predicted at ≈ 300 ms against the cold one's ≈ 261 ms: within the factor.
+        teach(&r, "hot", 300.0, 1);
+        assert_eq!(r.explain(&req(&c)).choice.as_deref(), Some("hot"), "{config:?}");
+        // Slower by far (≈ 3000 ms + more, the model's window being recent first tokens).
+        for k in 0..40 {
+            teach(&r, "hot", 3000.0, 100 + k * 10);
+        }
+        assert_eq!(r.explain(&req(&c)).choice.as_deref(), Some(slow_hot_goes), "{config:?}");
+    }
+}
+
+#[test]
+fn absurd_first_tokens_are_refused_and_counted() {
+    let credit = crate::pending::CreditCounters::default();
+    credit.count_ttft(TtftObservation::Refused);
+    credit.count_ttft(TtftObservation::Learned { error_ms: Some(-40.0), work_tokens: 10.0, queue: 0.0, ttft_ms: 50.0 });
+    credit.count_ttft(TtftObservation::Learned { error_ms: Some(10.0), work_tokens: 10.0, queue: 0.0, ttft_ms: 50.0 });
+    assert_eq!(credit.ttft_refused.load(Ordering::Relaxed), 1);
+    assert_eq!(credit.ttft_observed.load(Ordering::Relaxed), 2);
+    assert_eq!(credit.ttft_abs_error_ms.load(Ordering::Relaxed), 50);
+    assert_eq!(credit.ttft_over_ms.load(Ordering::Relaxed), 10);
+    assert_eq!(
+        ScoringConfig { ttft_spill_factor: 0.5, ..ScoringConfig::default() }.validate().map_err(|e| e.to_string()),
+        Err("scoring.ttft_spill_factor must be a number of at least 1, got 0.5".to_string())
+    );
+}
+
+/// The config names the lead's end-to-end runs select: `preset: ttft`, `load_source`.
+#[test]
+fn config_names_select_the_load_source_and_the_spill_rule() {
+    let parsed: Result<ScoringConfig, _> =
+        serde_json::from_str(r#"{"load_source": "gpu_utilization", "spill_rule": "ttft", "load_horizon_ms": 500}"#);
+    let Ok(c) = parsed else { panic!("{parsed:?}") };
+    assert_eq!(
+        (c.load_source, c.spill_rule, c.load_horizon_ms),
+        (LoadSource::GpuUtilization, super::SpillRule::Ttft, 500)
+    );
+    assert!(serde_json::from_str::<ScoringConfig>(r#"{"load_source": "nvml"}"#).is_err());
+    let Some(t) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
+    assert_eq!(
+        (t.spill_rule, t.load_source, t.weights),
+        (super::SpillRule::Ttft, LoadSource::Inflight, super::DEFAULT_WEIGHTS)
+    );
+    assert!(t.validate().is_ok());
+    assert_eq!(ScoringConfig::default().load_source, LoadSource::Inflight);
+}
