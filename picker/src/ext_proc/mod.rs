@@ -24,6 +24,7 @@
 //! released when the response ends or the stream ends in any way (it lives in the task's state,
 //! dropped when the task returns); nothing here panics on bad input.
 
+pub mod conn;
 pub mod reply;
 pub mod usage;
 
