@@ -27,6 +27,7 @@ pub mod approx;
 pub mod config;
 pub mod decision;
 pub mod ext_proc;
+pub mod frozen;
 pub mod gateway;
 pub mod ingest;
 pub mod limits;

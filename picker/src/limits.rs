@@ -14,7 +14,8 @@
 //!   admin_header_timeout_ms: 10000  # admin HTTP: request head / idle keep-alive
 //!   admin_max_connections: 256      # admin HTTP: open connections
 //!   max_report_age_ms: 10000        # agent stats older than this count as unknown
-//!   unreachable_probe_ms: 200       # TCP probe period of endpoints Envoy could not connect to
+//!   unreachable_probe_ms: 200       # probe period of endpoints Envoy could not connect to
+//!   frozen_engine_ms: 5000          # a busy engine silent this long is frozen: its requests 503
 //! ```
 //!
 //! - A stream that sends request headers and then no body, or part of a body and stalls, holds
@@ -39,7 +40,11 @@
 //!   ("agent report stale") and every in-flight request in its queue depth.
 //! - A pod Envoy could not connect to (its local 503 "upstream connect error", seen in the
 //!   response phase of the request the picker routed there) leaves the candidates at once and
-//!   returns when a TCP connect to it succeeds, tried every `unreachable_probe_ms`.
+//!   returns when it answers HTTP again (`GET /health`, any status), tried every
+//!   `unreachable_probe_ms`.
+//! - A pod with requests in flight whose engine has answered no `GET /health` for
+//!   `frozen_engine_ms` (SIGSTOPped, wedged) is frozen: marked unreachable, and its requests end
+//!   with a 503 at once instead of waiting for Envoy's route timeout ([`crate::frozen`]).
 
 use serde::Deserialize;
 use std::time::Duration;
@@ -102,7 +107,14 @@ pub struct Limits {
     /// Period, in ms, of the TCP connect probe to endpoints Envoy could not connect to (each
     /// probe bounded by the same time). Default [`DEFAULT_UNREACHABLE_PROBE_MS`] (200).
     pub unreachable_probe_ms: u64,
+    /// How long, in ms, a pod with requests in flight may leave `GET /health` unanswered before
+    /// it counts as frozen (its requests get a 503, it leaves the candidates). Default
+    /// [`DEFAULT_FROZEN_ENGINE_MS`] (5 000).
+    pub frozen_engine_ms: u64,
 }
+
+/// Default [`Limits::frozen_engine_ms`].
+pub const DEFAULT_FROZEN_ENGINE_MS: u64 = 5_000;
 
 /// Default [`Limits::unreachable_probe_ms`].
 pub const DEFAULT_UNREACHABLE_PROBE_MS: u64 = 200;
@@ -121,6 +133,7 @@ impl Default for Limits {
             admin_max_connections: kvroute_common::listener::DEFAULT_MAX_CONNECTIONS,
             max_report_age_ms: crate::pool::DEFAULT_MAX_REPORT_AGE_MS,
             unreachable_probe_ms: DEFAULT_UNREACHABLE_PROBE_MS,
+            frozen_engine_ms: DEFAULT_FROZEN_ENGINE_MS,
         }
     }
 }
@@ -140,6 +153,7 @@ impl Limits {
             ("limits.admin_max_connections", self.admin_max_connections == 0),
             ("limits.max_report_age_ms", self.max_report_age_ms == 0),
             ("limits.unreachable_probe_ms", self.unreachable_probe_ms == 0),
+            ("limits.frozen_engine_ms", self.frozen_engine_ms == 0),
         ]
         .into_iter()
         .find_map(|(name, zero)| zero.then_some(name))

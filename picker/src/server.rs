@@ -393,6 +393,13 @@ pub async fn start_with_scope(
         }
     });
 
+    // Engines that stop answering with requests in flight: their requests end at once.
+    let (gw, frozen_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+    tasks.spawn(async move {
+        crate::frozen::watch_engines(gw, frozen_stop).await;
+        Ok("frozen-engine probe")
+    });
+
     let health = health_reporter.clone();
     if let Some((pool_view, models)) = sources {
         let (gw, pool_stop) = (gateway.clone(), stop(shutdown.subscribe()));

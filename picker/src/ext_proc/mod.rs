@@ -130,7 +130,26 @@ async fn next_reply(mut s: ProcessorStream) -> Option<(Result<ProcessingResponse
                     return Some((Ok(reply), s));
                 }
             },
-            None => s.inbound.message().await,
+            // Routed and not yet answered: the engine may freeze (crate::frozen).
+            None => match s.st.slot.as_ref().map(|slot| slot.pod_name().clone()) {
+                Some(pod) if s.st.decided => {
+                    let mut frozen = s.gateway.frozen.subscribe();
+                    loop {
+                        if frozen.borrow_and_update().contains(&pod) {
+                            let reply = engine_frozen(&s.gateway, &mut s.st, &pod);
+                            s.ending = true;
+                            return Some((Ok(reply), s));
+                        }
+                        tokio::select! {
+                            next = s.inbound.message() => break next,
+                            changed = frozen.changed() => if changed.is_err() {
+                                break s.inbound.message().await;
+                            },
+                        }
+                    }
+                }
+                _ => s.inbound.message().await,
+            },
         };
         let msg = match next {
             Ok(Some(m)) => m,
@@ -143,6 +162,19 @@ async fn next_reply(mut s: ProcessorStream) -> Option<(Result<ProcessingResponse
         on_message(&s.gateway, &mut s.st, msg, &mut out).await;
         s.replies.extend(out.drain(..));
     }
+}
+
+/// The engine the request was routed to stopped answering: a 503 immediate response (Envoy
+/// resets the upstream request, or the client's stream when the response had started); the
+/// caller ends the stream after it.
+fn engine_frozen(gw: &Gateway, st: &mut StreamState, pod: &str) -> ProcessingResponse {
+    st.slot = None;
+    let message = format!(
+        "the engine of pod {pod} stopped answering (no answer to GET /health for {} ms); request abandoned",
+        gw.frozen.after().as_millis()
+    );
+    tracing::warn!(request_id = %st.request_id, pod, "request abandoned: its engine is frozen");
+    reply::immediate_error(503, "upstream_unavailable", &message, &st.request_id)
 }
 
 /// Everything known about one request.
@@ -197,7 +229,7 @@ async fn on_message(
         Some(Request::RequestHeaders(h)) => on_request_headers(gateway, st, h, replies).await,
         Some(Request::RequestBody(b)) => on_request_body(gateway, st, b, replies).await,
         Some(Request::RequestTrailers(_)) => on_request_trailers(gateway, st, replies).await,
-        Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(st, &h)),
+        Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(gateway, st, &h)),
         Some(Request::ResponseBody(b)) => replies.push(on_response_body(gateway, st, &b)),
         Some(Request::ResponseTrailers(_)) => replies.push(reply::continue_trailers(false)),
         None => tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored"),
@@ -459,11 +491,24 @@ fn reject(gw: &Gateway, st: &StreamState, rej: Rejection) -> ProcessingResponse 
     reply::immediate_error(rej.status, rej.kind, &rej.message, &st.request_id)
 }
 
-fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingResponse {
-    let (status, content_type) = match &h.headers {
-        Some(headers) => (header(headers, ":status"), header(headers, "content-type")),
-        None => (None, None),
+fn on_response_headers(gw: &Gateway, st: &mut StreamState, h: &HttpHeaders) -> ProcessingResponse {
+    let (status, content_type, attempts) = match &h.headers {
+        Some(headers) => {
+            (header(headers, ":status"), header(headers, "content-type"), header(headers, UPSTREAM_ATTEMPTS_HEADER))
+        }
+        None => (None, None, None),
     };
+    // More than one upstream attempt: the routes retry only a request that never reached an
+    // engine (connect failure, reset before the request was sent), so the endpoint picked first
+    // failed as Envoy's 503 would have said, had no retry served the request elsewhere.
+    if attempts.and_then(|a| a.trim().parse::<u32>().ok()).is_some_and(|a| a > 1)
+        && let Some(slot) = &st.slot
+    {
+        gw.endpoint_unreachable(slot);
+        gw.metrics.upstream_connect_failures.inc();
+        tracing::info!(request_id = %st.request_id, pod = slot.pod(),
+            "Envoy could not reach the routed endpoint; a retry served the request elsewhere");
+    }
     st.response_status = status.and_then(|s| s.parse().ok());
     let event_stream = content_type.map(|ct| ct.contains("text/event-stream"));
     st.usage = Some(UsageScanner::new(event_stream));
@@ -472,6 +517,10 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
     }
     reply::response_headers(&st.request_id)
 }
+
+/// The response header in which deploy/'s routes with a retry policy give the number of upstream
+/// attempts (`%UPSTREAM_REQUEST_ATTEMPT_COUNT%`); removed before the client sees the response.
+pub const UPSTREAM_ATTEMPTS_HEADER: &str = "x-kvroute-upstream-attempts";
 
 /// The start of the body of Envoy's own 503 when it could not connect to (or lost) the upstream
 /// before its response headers ("upstream connect error or disconnect/reset before headers. reset
