@@ -66,6 +66,8 @@ pub struct Gateway {
     pub rewrites: bool,
     /// Pods whose engine stopped answering with requests in flight ([`crate::frozen`]).
     pub frozen: crate::frozen::FrozenPods,
+    /// Bounds on what one request may cost to decide (`limits:`).
+    pub request_bounds: crate::limits::RequestBounds,
 }
 
 /// What a request's `model` resolved to.
@@ -102,6 +104,7 @@ impl Gateway {
             draining: AtomicBool::new(false),
             rewrites: matches!(config.pool_source(), Some(PoolSource::Kubernetes(_))),
             frozen: crate::frozen::FrozenPods::new(std::time::Duration::from_millis(config.limits.frozen_engine_ms)),
+            request_bounds: config.limits.request_bounds(),
         })
     }
 

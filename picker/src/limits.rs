@@ -16,6 +16,12 @@
 //!   max_report_age_ms: 10000        # agent stats older than this count as unknown
 //!   unreachable_probe_ms: 200       # probe period of endpoints Envoy could not connect to
 //!   frozen_engine_ms: 5000          # a busy engine silent this long is frozen: its requests 503
+//!   max_messages: 16384             # chat / responses: messages (413 past it)
+//!   max_content_parts: 65536        # ... content parts over all messages
+//!   max_tools: 1024                 # ... tools
+//!   max_rendered_prompt_bytes: 33554432  # ... chat template output, checked before tokenizing
+//!   max_tokenize_ms: 10000          # one large body's decision (413 past it)
+//!   max_concurrent_tokenizations: 0 # large bodies decided at once (0: half the cores, at least 1)
 //! ```
 //!
 //! - A stream that sends request headers and then no body, or part of a body and stalls, holds
@@ -35,6 +41,13 @@
 //!   handshake) is closed, and so is one with no open stream for `ext_proc_idle_ms`
 //!   ([`crate::ext_proc::conn`]). [`raise_nofile_limit`] raises the soft descriptor limit to the
 //!   hard one at start.
+//! - A request body is refused with 413 before it is rendered or tokenized when it holds more
+//!   messages, content parts or tools than `max_messages`, `max_content_parts`, `max_tools`, and
+//!   before tokenizing when its rendered chat prompt is over `max_rendered_prompt_bytes`. Bodies of
+//!   [`CANCELLABLE_BODY_BYTES`](crate::ext_proc::CANCELLABLE_BODY_BYTES) or more are decided at
+//!   most `max_concurrent_tokenizations` at a time, off the async workers (a request waits for its
+//!   turn at most `max_tokenize_ms`, then 503), and each decision is stopped after
+//!   `max_tokenize_ms` (413), so huge bodies cannot starve the other requests' decisions.
 //! - A pod whose agent sent no stats for `max_report_age_ms` (a SIGSTOPped or wedged agent whose
 //!   TCP connection still stands) has its figures counted as unknown: health at most 0.5
 //!   ("agent report stale") and every in-flight request in its queue depth.
@@ -111,6 +124,20 @@ pub struct Limits {
     /// it counts as frozen (its requests get a 503, it leaves the candidates). Default
     /// [`DEFAULT_FROZEN_ENGINE_MS`] (5 000).
     pub frozen_engine_ms: u64,
+    /// Most chat `messages` in one request (413 past it, before rendering). Default 16 384.
+    pub max_messages: usize,
+    /// Most content parts over all messages of one request (413). Default 65 536.
+    pub max_content_parts: usize,
+    /// Most `tools` in one request (413). Default 1 024.
+    pub max_tools: usize,
+    /// Longest chat-template output, bytes, tokenized (413 past it, before tokenizing). Default
+    /// 32 MiB.
+    pub max_rendered_prompt_bytes: usize,
+    /// Longest decision of one large body, ms (413 past it); also the longest wait for a
+    /// tokenization slot (503 past it). Default 10 000.
+    pub max_tokenize_ms: u64,
+    /// Most large bodies decided at once; 0 means half the cores, at least 1. Default 0.
+    pub max_concurrent_tokenizations: usize,
 }
 
 /// Default [`Limits::frozen_engine_ms`].
@@ -134,6 +161,12 @@ impl Default for Limits {
             max_report_age_ms: crate::pool::DEFAULT_MAX_REPORT_AGE_MS,
             unreachable_probe_ms: DEFAULT_UNREACHABLE_PROBE_MS,
             frozen_engine_ms: DEFAULT_FROZEN_ENGINE_MS,
+            max_messages: 16_384,
+            max_content_parts: 65_536,
+            max_tools: 1_024,
+            max_rendered_prompt_bytes: 32 * 1024 * 1024,
+            max_tokenize_ms: 10_000,
+            max_concurrent_tokenizations: 0,
         }
     }
 }
@@ -154,6 +187,11 @@ impl Limits {
             ("limits.max_report_age_ms", self.max_report_age_ms == 0),
             ("limits.unreachable_probe_ms", self.unreachable_probe_ms == 0),
             ("limits.frozen_engine_ms", self.frozen_engine_ms == 0),
+            ("limits.max_messages", self.max_messages == 0),
+            ("limits.max_content_parts", self.max_content_parts == 0),
+            ("limits.max_tools", self.max_tools == 0),
+            ("limits.max_rendered_prompt_bytes", self.max_rendered_prompt_bytes == 0),
+            ("limits.max_tokenize_ms", self.max_tokenize_ms == 0),
         ]
         .into_iter()
         .find_map(|(name, zero)| zero.then_some(name))
@@ -184,6 +222,25 @@ impl Limits {
         }
     }
 
+    /// The request-size bounds of the decision path.
+    pub fn request_bounds(&self) -> RequestBounds {
+        let slots = match self.max_concurrent_tokenizations {
+            0 => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+            n => n,
+        };
+        RequestBounds {
+            chat: crate::request::ChatBounds {
+                max_messages: self.max_messages,
+                max_content_parts: self.max_content_parts,
+                max_tools: self.max_tools,
+            },
+            max_rendered_prompt_bytes: self.max_rendered_prompt_bytes,
+            tokenize_timeout: Duration::from_millis(self.max_tokenize_ms),
+            tokenize_slots: slots,
+            tokenize_permits: std::sync::Arc::new(tokio::sync::Semaphore::new(slots)),
+        }
+    }
+
     /// The admin listener's bounds.
     pub fn admin_listener(&self) -> kvroute_common::listener::ListenerLimits {
         kvroute_common::listener::ListenerLimits {
@@ -192,6 +249,21 @@ impl Limits {
             ..Default::default()
         }
     }
+}
+
+/// The decision path's request bounds ([`Limits::request_bounds`]).
+#[derive(Debug)]
+pub struct RequestBounds {
+    /// Counts checked before rendering.
+    pub chat: crate::request::ChatBounds,
+    /// Longest rendered chat prompt tokenized, bytes.
+    pub max_rendered_prompt_bytes: usize,
+    /// Longest decision of one large body, and longest wait for a slot.
+    pub tokenize_timeout: Duration,
+    /// How many large bodies are decided at once.
+    pub tokenize_slots: usize,
+    /// One permit per large body being decided.
+    pub tokenize_permits: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 /// Descriptors kept out of the ext_proc connection cap under a soft limit of `nofile`: half of

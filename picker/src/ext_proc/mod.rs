@@ -442,10 +442,33 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         };
         (body, result)
     } else {
+        // At most `max_concurrent_tokenizations` at once (the rest wait their turn here, on no
+        // thread), so huge bodies cannot take every core from the small decisions.
+        let bounds = &gw.request_bounds;
+        let waited = tokio::time::timeout(bounds.tokenize_timeout, bounds.tokenize_permits.clone().acquire_owned());
+        let Ok(Ok(permit)) = waited.await else {
+            let message = format!(
+                "the picker is deciding {} large requests and none finished within limits.max_tokenize_ms ({} ms); retry",
+                bounds.tokenize_slots,
+                bounds.tokenize_timeout.as_millis()
+            );
+            return Routing::Rejected(Box::new(reject(gw, st, Rejection::new(503, "service_unavailable", message))));
+        };
         // On the blocking pool, cancellable: if Envoy ends the stream meanwhile, tonic drops this
-        // future, the guard sets the flag and tokenization stops at its next chunk.
+        // future, the guard sets the flag and tokenization stops at its next chunk; so does the
+        // deadline.
         let cancel = CancelOnDrop(Arc::new(AtomicBool::new(false)));
         let flag = cancel.0.clone();
+        let timed_out = Arc::new(AtomicBool::new(false));
+        let deadline = {
+            let (flag, timed_out, after) = (flag.clone(), timed_out.clone(), bounds.tokenize_timeout);
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                timed_out.store(true, Ordering::Relaxed);
+                flag.store(true, Ordering::Relaxed);
+            })
+        };
+        let timeout_ms = bounds.tokenize_timeout.as_millis();
         let gw = gw.clone();
         let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
         let objective = st.objective.clone();
@@ -458,10 +481,19 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                 objective: objective.as_deref(),
             };
             let result = run(&gw, &input, &flag);
+            drop(permit);
             (body, result)
         })
         .await;
+        deadline.abort();
         drop(cancel);
+        let joined = joined.map(|(body, result)| match result {
+            Err(rej) if rej.status == 499 && timed_out.load(Ordering::Relaxed) => {
+                let message = format!("deciding the request took over limits.max_tokenize_ms ({timeout_ms} ms)");
+                (body, Err(Rejection::new(413, "request_too_large", message)))
+            }
+            other => (body, other),
+        });
         joined.unwrap_or_else(|e| {
             let message = format!("routing task failed: {e}");
             (None, Err(Rejection::new(500, "internal_error", message)))
