@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 const SOCKETS: usize = 2_000;
 const CAP: usize = 500;
 const FD_LIMIT: u64 = 1_024;
-const FIRST_STREAM_MS: u64 = 3_000;
+const FIRST_STREAM_MS: u64 = 8_000;
 
 struct Picker(Child);
 impl Drop for Picker {
