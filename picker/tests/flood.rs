@@ -3,7 +3,8 @@
 //! ext_proc cap of 500, and 2,000 sockets send part of the HTTP/2 preface and stall. The admin
 //! port, agent ingest and the pool-file watcher keep working; every stalled socket is closed (at
 //! accept past the cap, else at the first-stream deadline); a new ext_proc connection works once
-//! they are gone; the picker's RSS returns to within 20 % of what it was before the flood.
+//! they are gone; the picker's RSS returns to within 20 % of what it was before the flood. A
+//! second test checks the first-stream deadline and the idle limit in-process.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -240,4 +241,58 @@ async fn half_open_flood_leaves_admin_ingest_and_watcher_working() {
         after * 5 <= reference * 6,
         "RSS {after} KiB after the flood, lowest before or during it {reference} KiB (> +20 %)"
     );
+}
+
+/// The first-stream deadline and the idle limit, in-process: a silent connection closes at
+/// `ext_proc_first_stream_ms`; a client whose only stream ended closes at `ext_proc_idle_ms`; a
+/// connection with a stream open stays however long the stream lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_stream_deadline_and_idle_limit() {
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use std::sync::atomic::Ordering;
+    let config = kvroute_picker::config::PickerConfig::from_yaml(
+        "ext_proc_addr: 127.0.0.1:0\ningest_addr: 127.0.0.1:0\ninsecure_ingest: true\nadmin_addr: 127.0.0.1:0\n\
+         models: [{name: m}]\nlimits: {ext_proc_first_stream_ms: 400, ext_proc_idle_ms: 400, body_timeout_ms: 60000}\n",
+    )
+    .unwrap();
+    let picker = kvroute_picker::start(&config).await.unwrap();
+    let counters = picker.ext_proc_connections.clone();
+    let open = || counters.open.load(Ordering::Relaxed);
+
+    // Silent: closed at the first-stream deadline.
+    let t = Instant::now();
+    let silent = TcpStream::connect(picker.ext_proc_addr).await.unwrap();
+    let closed = closed_at(silent, Duration::from_secs(5)).await.expect("a silent connection is closed");
+    let silent_took = closed.duration_since(t);
+    assert!(silent_took >= Duration::from_millis(350) && silent_took < Duration::from_secs(4), "{silent_took:?}");
+
+    // One stream held open for 1.2 s (3 × the idle limit): the connection stays.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", picker.ext_proc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel::<ProcessingRequest>(1);
+    let mut stream = ExternalProcessorClient::new(channel.clone())
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(open(), 1, "a connection with an open stream is not idle");
+    // The stream ends: the connection closes at the idle limit.
+    drop(tx);
+    while let Ok(Some(_)) = stream.message().await {}
+    let t = Instant::now();
+    while open() > 0 {
+        assert!(t.elapsed() < Duration::from_secs(4), "the idle connection stayed open");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let idle_took = t.elapsed();
+    assert!(counters.timed_out.load(Ordering::Relaxed) >= 2, "both closed by a deadline");
+    eprintln!(
+        "ext_proc deadlines (400 ms each): silent connection closed after {silent_took:?}, idle one {idle_took:?} after its stream ended"
+    );
+    picker.shutdown();
 }
