@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::gateway::Gateway;
+use crate::pool::Pool;
 
 /// The pods found frozen in the last probe round, for the ext_proc streams routed to them.
 #[derive(Debug)]
@@ -63,43 +63,45 @@ pub fn probe_period(frozen_after: Duration) -> Duration {
     (frozen_after / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
-/// Probes the engines of pods with requests in flight until `stop` resolves (see the module doc).
-pub async fn watch_engines(gw: Arc<Gateway>, stop: impl std::future::Future<Output = ()>) {
-    let frozen_after = gw.frozen.after();
+/// Probes the engines of `pool`'s pods with requests in flight until `stop` resolves (see the
+/// module doc): each round's frozen pods go to `frozen`, and each is passed to `mark` (which marks
+/// it unreachable here and on the peers).
+pub async fn watch_engines(
+    pool: Arc<Pool>,
+    frozen: Arc<FrozenPods>,
+    mark: impl Fn(&Arc<str>),
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let frozen_after = frozen.after();
     let every = probe_period(frozen_after);
     let mut silent_since: HashMap<Arc<str>, Instant> = HashMap::new();
     let rounds = async {
         loop {
             tokio::time::sleep(every).await;
-            let busy: Vec<(Arc<str>, String)> = gw
-                .pool
-                .pods()
-                .into_iter()
-                .filter(|p| p.in_flight > 0)
-                .map(|p| (Arc::from(p.name), p.endpoint))
-                .collect();
+            let busy: Vec<(Arc<str>, String)> =
+                pool.pods().into_iter().filter(|p| p.in_flight > 0).map(|p| (Arc::from(p.name), p.endpoint)).collect();
             let probes = busy.iter().map(|(_, endpoint)| crate::pool::answers_http(endpoint, every));
             let answers = futures::future::join_all(probes).await;
             let now = Instant::now();
             let mut still_silent = HashMap::with_capacity(silent_since.len());
-            let mut frozen = HashSet::new();
+            let mut now_frozen = HashSet::new();
             for ((name, endpoint), answered) in busy.into_iter().zip(answers) {
                 if answered {
                     continue;
                 }
                 let since = silent_since.get(&name).copied().unwrap_or(now);
                 if now.duration_since(since) + every >= frozen_after {
-                    if !gw.frozen.contains(&name) {
+                    if !frozen.contains(&name) {
                         tracing::warn!(pod = %name, %endpoint, silent_ms = now.duration_since(since).as_millis() as u64,
                             "engine answers nothing with requests in flight: frozen; its requests get 503");
                     }
-                    gw.engine_frozen(&name);
-                    frozen.insert(name.clone());
+                    mark(&name);
+                    now_frozen.insert(name.clone());
                 }
                 still_silent.insert(name, since);
             }
             silent_since = still_silent;
-            gw.frozen.set(frozen);
+            frozen.set(now_frozen);
         }
     };
     tokio::select! {

@@ -65,7 +65,7 @@ pub struct Gateway {
     /// (the Kubernetes pool source, docs/design.md §14); file mode resolves through `models` only.
     pub rewrites: bool,
     /// Pods whose engine stopped answering with requests in flight ([`crate::frozen`]).
-    pub frozen: crate::frozen::FrozenPods,
+    pub frozen: Arc<crate::frozen::FrozenPods>,
     /// Bounds on what one request may cost to decide (`limits:`).
     pub request_bounds: crate::limits::RequestBounds,
 }
@@ -103,7 +103,9 @@ impl Gateway {
             ready: AtomicBool::new(config.pool_source().is_none()),
             draining: AtomicBool::new(false),
             rewrites: matches!(config.pool_source(), Some(PoolSource::Kubernetes(_))),
-            frozen: crate::frozen::FrozenPods::new(std::time::Duration::from_millis(config.limits.frozen_engine_ms)),
+            frozen: Arc::new(crate::frozen::FrozenPods::new(std::time::Duration::from_millis(
+                config.limits.frozen_engine_ms,
+            ))),
             request_bounds: config.limits.request_bounds(),
         })
     }

@@ -213,9 +213,9 @@ impl Limits {
 
     /// The ext_proc listener's connection bounds under a soft descriptor limit of `nofile`:
     /// `ext_proc_max_connections`, lowered to `nofile - fd_reserve(nofile)` (at least 1).
-    pub fn ext_proc_connection_cap(&self, nofile: u64) -> crate::ext_proc::conn::ConnBounds {
+    pub fn ext_proc_connection_cap(&self, nofile: u64) -> ConnBounds {
         let room = nofile.saturating_sub(fd_reserve(nofile)).max(1);
-        crate::ext_proc::conn::ConnBounds {
+        ConnBounds {
             max_connections: self.ext_proc_max_connections.min(usize::try_from(room).unwrap_or(usize::MAX)),
             first_stream: Duration::from_millis(self.ext_proc_first_stream_ms),
             idle: Duration::from_millis(self.ext_proc_idle_ms),
@@ -249,6 +249,19 @@ impl Limits {
             ..Default::default()
         }
     }
+}
+
+/// The ext_proc listener's connection bounds ([`Limits::ext_proc_connection_cap`];
+/// enforced by [`crate::ext_proc::conn`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnBounds {
+    /// Most open connections; past it a new connection is closed at once.
+    pub max_connections: usize,
+    /// Longest time from accept to the first stream's headers (TLS handshake and HTTP/2 preface
+    /// included).
+    pub first_stream: Duration,
+    /// Longest time a connection may stay with no open stream after its first.
+    pub idle: Duration,
 }
 
 /// The decision path's request bounds ([`Limits::request_bounds`]).

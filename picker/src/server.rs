@@ -396,7 +396,8 @@ pub async fn start_with_scope(
     // Engines that stop answering with requests in flight: their requests end at once.
     let (gw, frozen_stop) = (gateway.clone(), stop(shutdown.subscribe()));
     tasks.spawn(async move {
-        crate::frozen::watch_engines(gw, frozen_stop).await;
+        let (pool, frozen) = (gw.pool.clone(), gw.frozen.clone());
+        crate::frozen::watch_engines(pool, frozen, move |name| gw.engine_frozen(name), frozen_stop).await;
         Ok("frozen-engine probe")
     });
 

@@ -35,18 +35,7 @@ use tonic::codegen::{Body, Bytes, Service, http};
 use tonic::transport::server::Connected;
 
 use crate::ingest::tls::ReloadingTls;
-
-/// The listener's bounds (from [`Limits`](crate::limits::Limits)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnBounds {
-    /// Most open connections; past it a new connection is closed at once.
-    pub max_connections: usize,
-    /// Longest time from accept to the first stream's headers (TLS handshake and HTTP/2 preface
-    /// included).
-    pub first_stream: Duration,
-    /// Longest time a connection may stay with no open stream after its first.
-    pub idle: Duration,
-}
+pub use crate::limits::ConnBounds;
 
 /// Open ext_proc connections and those refused at the cap, for tests and metrics.
 #[derive(Debug, Default)]
