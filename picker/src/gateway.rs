@@ -64,6 +64,10 @@ pub struct Gateway {
     /// Client models resolve through the watched InferenceModelRewrite table before `models`
     /// (the Kubernetes pool source, docs/design.md §14); file mode resolves through `models` only.
     pub rewrites: bool,
+    /// Pods whose engine stopped answering with requests in flight ([`crate::frozen`]).
+    pub frozen: Arc<crate::frozen::FrozenPods>,
+    /// Bounds on what one request may cost to decide (`limits:`).
+    pub request_bounds: crate::limits::RequestBounds,
 }
 
 /// What a request's `model` resolved to.
@@ -99,6 +103,10 @@ impl Gateway {
             ready: AtomicBool::new(config.pool_source().is_none()),
             draining: AtomicBool::new(false),
             rewrites: matches!(config.pool_source(), Some(PoolSource::Kubernetes(_))),
+            frozen: Arc::new(crate::frozen::FrozenPods::new(std::time::Duration::from_millis(
+                config.limits.frozen_engine_ms,
+            ))),
+            request_bounds: config.limits.request_bounds(),
         })
     }
 
@@ -113,6 +121,15 @@ impl Gateway {
     pub fn endpoint_unreachable(&self, slot: &InFlightSlot) {
         if slot.mark_unreachable() {
             self.router.shared().unreachable(slot.pod_name().clone());
+        }
+    }
+
+    /// The engine of pod `name` answers nothing with requests in flight ([`crate::frozen`]): the
+    /// pod leaves the candidates until it answers the probe, and, when the mark is new, peer
+    /// replicas are told.
+    pub fn engine_frozen(&self, name: &Arc<str>) {
+        if self.pool.mark_unreachable_by(name, "the frozen-engine probe") == Some(true) {
+            self.router.shared().unreachable(name.clone());
         }
     }
 

@@ -29,6 +29,7 @@ pub mod approx;
 pub mod config;
 pub mod decision;
 pub mod ext_proc;
+pub mod frozen;
 pub mod gateway;
 pub mod gie;
 pub mod ingest;

@@ -205,6 +205,9 @@ async fn main() -> ExitCode {
             }
         };
     }
+    // Descriptors for the ext_proc connection cap and a reserve for the rest (limits.rs).
+    let nofile = kvroute_picker::limits::raise_nofile_limit();
+    tracing::debug!(nofile, "RLIMIT_NOFILE soft limit");
     let running = match kvroute_picker::start(&config).await {
         Ok(r) => r,
         Err(e @ kvroute_picker::StartError::InsecureIngest { .. }) => {

@@ -296,17 +296,19 @@ impl ResolvedModel {
     /// Token ids of the prompt; empty (with a warning) when it cannot be tokenized.
     pub fn tokens(&self, prompt: &PromptInput, request_id: &str) -> Vec<u32> {
         static NEVER: AtomicBool = AtomicBool::new(false);
-        self.tokens_cancellable(prompt, request_id, &NEVER).unwrap_or_default()
+        self.tokens_cancellable(prompt, request_id, &NEVER, usize::MAX).unwrap_or_default()
     }
 
     /// [`tokens`](Self::tokens) that stops once `cancel` is set (the request's ext_proc stream
-    /// ended): `Err(Cancelled)`, the work done so far dropped.
+    /// ended): `Err(Stopped::Cancelled)`, the work done so far dropped; a rendered chat prompt over
+    /// `max_rendered_bytes` is `Err(Stopped::TooLarge)` before any tokenizing.
     pub fn tokens_cancellable(
         &self,
         prompt: &PromptInput,
         request_id: &str,
         cancel: &AtomicBool,
-    ) -> Result<Vec<u32>, Cancelled> {
+        max_rendered_bytes: usize,
+    ) -> Result<Vec<u32>, Stopped> {
         let res = match (prompt, &self.tokenizer) {
             (PromptInput::Tokens(t), _) => return Ok(t.clone()),
             (PromptInput::None(why), _) => {
@@ -318,11 +320,14 @@ impl ResolvedModel {
                 return Ok(Vec::new());
             }
             (PromptInput::Text(s), Some(t)) => t.encode_prompt_cancellable(s, cancel),
-            (PromptInput::Chat(c), Some(t)) => t.encode_chat_cancellable(c, cancel),
+            (PromptInput::Chat(c), Some(t)) => t.encode_chat_bounded(c, cancel, max_rendered_bytes),
         };
         match res {
             Ok(ids) => Ok(ids),
-            Err(kvroute_tokenize::TokenizeError::Cancelled) => Err(Cancelled),
+            Err(kvroute_tokenize::TokenizeError::Cancelled) => Err(Stopped::Cancelled),
+            Err(kvroute_tokenize::TokenizeError::RenderedTooLarge { limit, got }) => {
+                Err(Stopped::TooLarge { limit, got })
+            }
             Err(e) => {
                 tracing::warn!(request_id, model = %self.name, error = %e, "tokenization failed: routing by load");
                 Ok(Vec::new())
@@ -426,9 +431,19 @@ impl ResolvedModel {
     }
 }
 
-/// Tokenization stopped because its request was abandoned ([`ResolvedModel::tokens_cancellable`]).
+/// Why [`ResolvedModel::tokens_cancellable`] stopped without token ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cancelled;
+pub enum Stopped {
+    /// The request was abandoned (or ran past its tokenization deadline): `cancel` was set.
+    Cancelled,
+    /// The rendered chat prompt is longer than `max_rendered_bytes` (nothing was tokenized).
+    TooLarge {
+        /// The bound, bytes.
+        limit: usize,
+        /// The rendered prompt's length, bytes.
+        got: usize,
+    },
+}
 
 #[cfg(test)]
 mod tests {

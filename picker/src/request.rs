@@ -33,6 +33,55 @@ pub enum ModelError {
     /// An inference request (completions, chat, responses) came without a body (400).
     #[error("{0} needs a JSON request body; this request has none")]
     EmptyBody(String),
+    /// The request is over one of the bounds checked before rendering and tokenizing (413).
+    #[error("request too large: {got} {what}, over limits.{bound} ({limit})")]
+    TooLarge {
+        /// What was counted (`messages`, `content parts`, `tools`, `bytes of rendered prompt`).
+        what: &'static str,
+        /// The `limits:` key of the bound.
+        bound: &'static str,
+        /// The bound.
+        limit: usize,
+        /// What the request has (for the template output: how far rendering got).
+        got: usize,
+    },
+}
+
+/// Counts a chat request may hold before it is rendered and tokenized (the `limits:` keys
+/// `max_messages`, `max_content_parts`, `max_tools`): rendering and tokenizing cost grows with
+/// them, where the body's byte size alone lets 100,000 tiny messages through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatBounds {
+    /// Most `messages` (Responses API: input items plus instructions).
+    pub max_messages: usize,
+    /// Most content parts over all messages (a string content counts as one).
+    pub max_content_parts: usize,
+    /// Most `tools`.
+    pub max_tools: usize,
+}
+
+/// Checks `chat` against `bounds`: [`ModelError::TooLarge`] naming the first bound crossed.
+pub fn check_chat(chat: &ChatRequest, bounds: &ChatBounds) -> Result<(), ModelError> {
+    let over = |what, bound, limit, got| Err(ModelError::TooLarge { what, bound, limit, got });
+    if chat.messages.len() > bounds.max_messages {
+        return over("messages", "max_messages", bounds.max_messages, chat.messages.len());
+    }
+    let tools = chat.tools.as_ref().map_or(0, Vec::len);
+    if tools > bounds.max_tools {
+        return over("tools", "max_tools", bounds.max_tools, tools);
+    }
+    let parts: usize = chat
+        .messages
+        .iter()
+        .map(|m| match m.get("content") {
+            Some(Value::Array(a)) => a.len(),
+            _ => 1,
+        })
+        .sum();
+    if parts > bounds.max_content_parts {
+        return over("content parts", "max_content_parts", bounds.max_content_parts, parts);
+    }
+    Ok(())
 }
 
 /// Longest image `uuid` the picker uses as an identifier, in bytes; an image with a longer one is
@@ -392,5 +441,30 @@ mod tests {
         assert!(matches!(parse_body("/v1/completions", b"[1]"), Err(ModelError::InvalidJson(_))));
         assert!(matches!(parse_body("/v1/completions", br#"{"prompt":"x"}"#), Err(ModelError::MissingModel)));
         assert!(matches!(parse_body("/v1/completions", br#"{"model":3}"#), Err(ModelError::MissingModel)));
+    }
+
+    #[test]
+    fn chat_bounds_name_the_first_bound_crossed() {
+        use super::{ChatBounds, ModelError, check_chat};
+        let b = ChatBounds { max_messages: 3, max_content_parts: 4, max_tools: 1 };
+        let msg = |content: serde_json::Value| serde_json::json!({"role": "user", "content": content});
+        let chat = |messages: Vec<serde_json::Value>, tools: usize| kvroute_tokenize::ChatRequest {
+            messages,
+            tools: (tools > 0).then(|| vec![serde_json::json!({"type": "function"}); tools]),
+        };
+        let bound = |r: Result<(), ModelError>| match r {
+            Err(ModelError::TooLarge { bound, limit, got, .. }) => Some((bound, limit, got)),
+            _ => None,
+        };
+        assert_eq!(bound(check_chat(&chat(vec![msg("a".into()); 3], 1), &b)), None, "at the bounds");
+        assert_eq!(bound(check_chat(&chat(vec![msg("a".into()); 4], 0), &b)), Some(("max_messages", 3, 4)));
+        assert_eq!(bound(check_chat(&chat(vec![msg("a".into())], 2), &b)), Some(("max_tools", 1, 2)));
+        let parts = serde_json::json!([{"type": "text"}, {"type": "text"}, {"type": "text"}]);
+        assert_eq!(
+            bound(check_chat(&chat(vec![msg(parts.clone()), msg(parts)], 0), &b)),
+            Some(("max_content_parts", 4, 6))
+        );
+        let e = check_chat(&chat(vec![msg("a".into()); 4], 0), &b).unwrap_err();
+        assert_eq!(e.to_string(), "request too large: 4 messages, over limits.max_messages (3)");
     }
 }

@@ -109,6 +109,8 @@ pub struct RunningPicker {
     pub admin_addr: SocketAddr,
     /// The shared request-path state (tests inspect the pool and metrics through it).
     pub gateway: Arc<Gateway>,
+    /// The ext_proc listener's open, refused and timed-out connections.
+    pub ext_proc_connections: Arc<crate::ext_proc::conn::ConnCounters>,
     /// This replica on the replica stream (its id, what the stream did).
     pub replica: Arc<ReplicaIdentity>,
     /// The peer replicas followed (from `replicas.peers`; replace the list to change them).
@@ -340,27 +342,32 @@ pub async fn start_with_kube(
         served.map_err(|e| StartError::Serve { what: "health", source: e.into() }).map(|()| "health")
     });
     let ext_stop = stop(rx.clone());
+    let conn_bounds = limits.ext_proc_connection_cap(crate::limits::nofile_limit());
+    if conn_bounds.max_connections < limits.ext_proc_max_connections {
+        tracing::warn!(
+            cap = conn_bounds.max_connections,
+            configured = limits.ext_proc_max_connections,
+            "ext_proc connection cap lowered to keep file descriptors for the other listeners (RLIMIT_NOFILE)"
+        );
+    }
+    let ext_proc_connections = Arc::new(crate::ext_proc::conn::ConnCounters::default());
+    let ext_conns = ext_proc_connections.clone();
     tasks.spawn(async move {
-        // HTTP/2 keepalive finds a vanished Envoy; the stream cap bounds one connection's requests.
-        let server = limits
+        // HTTP/2 keepalive finds a vanished Envoy; the stream cap bounds one connection's requests;
+        // the connection bounds cap their number and close those that open no stream in time.
+        // TCP_NODELAY is set on each: without it small ext_proc replies wait on Nagle + delayed
+        // ACK (measured: +40-50 ms at p90 through Envoy, gateway-bench).
+        let incoming = crate::ext_proc::conn::incoming(ext_l, conn_bounds, ext_proc_tls, ext_conns);
+        limits
             .grpc_server()
             .max_concurrent_streams(Some(limits.ext_proc_max_streams))
+            .layer(crate::ext_proc::conn::StreamCountLayer)
             .add_service(health)
-            .add_service(ext);
-        // TCP_NODELAY: without it small ext_proc replies wait on Nagle + delayed ACK
-        // (measured: +40-50 ms at p90 through Envoy, gateway-bench). `tls::incoming` sets it too.
-        let served = match ext_proc_tls {
-            Some(tls) => server.serve_with_incoming_shutdown(tls::incoming(ext_l, tls, None), ext_stop).await,
-            None => {
-                server
-                    .serve_with_incoming_shutdown(
-                        tonic::transport::server::TcpIncoming::from(ext_l).with_nodelay(Some(true)),
-                        ext_stop,
-                    )
-                    .await
-            }
-        };
-        served.map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() }).map(|()| "ext_proc")
+            .add_service(ext)
+            .serve_with_incoming_shutdown(incoming, ext_stop)
+            .await
+            .map_err(|e| StartError::Serve { what: "ext_proc", source: e.into() })
+            .map(|()| "ext_proc")
     });
 
     let refusals = Refusals::new(gateway.metrics.ingest_refusals.clone());
@@ -446,6 +453,14 @@ pub async fn start_with_kube(
         }
     });
 
+    // Engines that stop answering with requests in flight: their requests end at once.
+    let (gw, frozen_stop) = (gateway.clone(), stop(shutdown.subscribe()));
+    tasks.spawn(async move {
+        let (pool, frozen) = (gw.pool.clone(), gw.frozen.clone());
+        crate::frozen::watch_engines(pool, frozen, move |name| gw.engine_frozen(name), frozen_stop).await;
+        Ok("frozen-engine probe")
+    });
+
     let health = health_reporter.clone();
     if let Some((pool_view, models)) = sources {
         let (gw, pool_stop) = (gateway.clone(), stop(shutdown.subscribe()));
@@ -475,6 +490,7 @@ pub async fn start_with_kube(
         ingest_addr,
         admin_addr,
         gateway,
+        ext_proc_connections,
         replica,
         replica_peers,
         shutdown: ShutdownHandle(Arc::new(shutdown)),

@@ -682,7 +682,8 @@ async fn engine_admin_paths_are_refused_through_real_envoy() {
         let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
         assert_eq!(status, 200, "{resp}");
     }
-    let seen: Vec<String> = paths.lock().iter().map(|r| r.request_id.clone()).collect();
+    // `/health` is the fail-open file's own health check of the pods, not a client's request.
+    let seen: Vec<String> = paths.lock().iter().map(|r| r.request_id.clone()).filter(|p| p != "/health").collect();
     assert_eq!(seen, ["/v1/completions"; 3], "only completions reached the engine");
     assert_slots_released(&picker).await;
     picker.shutdown();
@@ -877,4 +878,155 @@ async fn k8s_envoy_stats_listener_exposes_only_prometheus_stats() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(request(stats, "GET", "/stats/prometheus").await.0, 200);
     assert_eq!(request(gw, "GET", "/not-inference").await.0, 404, "the gateway listener is unchanged");
+}
+
+/// deploy/'s listener filter: a connection that sends no byte, or part of an HTTP/2 preface,
+/// opens no stream (so no `request_headers_timeout`); the HTTP inspector closes it at
+/// `listener_filters_timeout` (5 s in deploy/, 1 s here). 1,100 such connections neither starve a
+/// normal request nor outlive it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_without_a_request_are_closed_by_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let (engine, _seen) = fake_engine().await;
+    let _agent = report_pods(&picker, &[pod("a", engine, vec![])]).await;
+    let deployed = deploy_file("envoy.yaml");
+    assert!(deployed.contains("listener_filters_timeout: 5s"), "deploy/envoy/envoy.yaml lost its listener filter");
+    let config = deployed.replace("listener_filters_timeout: 5s", "listener_filters_timeout: 1s");
+    let (_envoy, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+    let t = Instant::now();
+    let mut open = Vec::new();
+    for i in 0..1100 {
+        let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
+        if i % 2 == 1 {
+            s.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+        }
+        open.push(s);
+    }
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":1}}"#);
+    let t_normal = Instant::now();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    let normal = t_normal.elapsed();
+    assert_eq!(status, 200, "{resp}");
+    let closers = open.into_iter().map(|mut s| tokio::spawn(async move { read_until_closed(&mut s).await.1 }));
+    let (mut still_open, mut last) = (0, Duration::ZERO);
+    for c in closers {
+        match c.await.unwrap() {
+            Some(at) => last = last.max(at.duration_since(t)),
+            None => still_open += 1,
+        }
+    }
+    assert_eq!(still_open, 0, "connections without a request outlived the listener filter timeout");
+    assert!(last < Duration::from_secs(8), "the last one closed after {last:?}");
+    eprintln!(
+        "envoy listener filter: 1,100 connections (550 silent, 550 with a partial HTTP/2 preface) all closed \
+         {last:?} after the first opened (1 s timeout); a normal request beside them {normal:?}"
+    );
+    picker.shutdown();
+}
+
+/// An engine stand-in that freezes like a SIGSTOPped process on its first completion: from then
+/// on nothing it holds or receives is answered (health checks included), its port still accepts.
+async fn freezing_engine() -> (SocketAddr, Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let frozen = Arc::new(AtomicBool::new(false));
+    let (f1, f2) = (frozen.clone(), frozen.clone());
+    let app = axum::Router::new()
+        .route(
+            "/health",
+            axum::routing::get(move || {
+                let f = f1.clone();
+                async move {
+                    if f.load(Ordering::Acquire) {
+                        std::future::pending::<()>().await;
+                    }
+                    "ok"
+                }
+            }),
+        )
+        .route(
+            "/v1/completions",
+            axum::routing::post(move || {
+                let f = f2.clone();
+                async move {
+                    f.store(true, Ordering::Release);
+                    std::future::pending::<()>().await;
+                    "never"
+                }
+            }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    (addr, frozen)
+}
+
+/// Whether the picker holds pod `name` unreachable.
+fn unreachable(picker: &RunningPicker, name: &str) -> bool {
+    picker.gateway.pool.pods().iter().any(|p| p.name == name && p.unreachable)
+}
+
+/// deploy/envoy/envoy-fail-open.yaml's retry: a request routed to a pod whose port refuses
+/// connections is tried again on another pod (the client sees a 200, never the dead pod's 503),
+/// and the picker marks the dead pod from the attempt count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_failure_is_retried_on_another_pod_through_real_envoy() {
+    let picker = start_picker(&simple_models()).await;
+    let (live, live_seen) = fake_engine().await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let prompt: Vec<u32> = (0..64).map(|i| 900 + i).collect();
+    let _agent = report_pods(&picker, &[pod("live", live, vec![]), pod("dead", dead, hashes(&prompt))]).await;
+    let config = with_pods(deploy_file("envoy-fail-open.yaml"), &[live, dead]);
+    let (_e, gw) = start_envoy(&config, picker.ext_proc_addr.port()).await;
+
+    // The picker chooses the cache-hot dead pod; Envoy's retry serves the request on the other.
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+    let (status, head, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "a connect failure reached the client: {head}\n{resp}");
+    assert_eq!(header_of(&head, "x-kvroute-upstream-attempts"), None, "the attempt count is removed");
+    let seen = live_seen.lock().last().cloned().expect("the retry reached the live pod");
+    assert_eq!(seen.destination, dead.to_string(), "the picker had chosen the dead pod");
+    assert!(unreachable(&picker, "dead"), "the attempt count marks the pod Envoy could not connect to");
+    // Marked: the next request is routed to the live pod in one attempt.
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(live_seen.lock().last().unwrap().destination, live.to_string());
+    assert_eq!(picker.gateway.metrics.upstream_connect_failures.get(), 1, "one failed connect counted");
+    picker.shutdown();
+}
+
+/// A pod whose engine freezes (like SIGSTOP: its port accepts, nothing answers) with a request in
+/// flight, through deploy/envoy/envoy.yaml (fail closed, the chaos suite's file): the picker
+/// finds the engine silent for `limits.frozen_engine_ms` (2 s here), ends the request with a 503
+/// within seconds instead of the route's 600 s, and keeps the pod out while it stays silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_engine_fails_its_requests_in_seconds_through_real_envoy() {
+    let picker = start_picker(&format!("{}limits: {{frozen_engine_ms: 2000}}\n", simple_models())).await;
+    let (live, live_seen) = fake_engine().await;
+    let (frozen, is_frozen) = freezing_engine().await;
+    let prompt: Vec<u32> = (0..64).map(|i| 2000 + i).collect();
+    let _agent = report_pods(&picker, &[pod("live", live, vec![]), pod("frozen", frozen, hashes(&prompt))]).await;
+    let (_e, gw) = start_envoy(&deploy_file("envoy.yaml"), picker.ext_proc_addr.port()).await;
+
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+    let t = Instant::now();
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    let failed_after = t.elapsed();
+    assert!(is_frozen.load(std::sync::atomic::Ordering::Acquire), "the request did not reach the freezing pod");
+    assert_eq!(status, 503, "{resp}");
+    assert!(resp.contains("stopped answering"), "{resp}");
+    assert!(failed_after >= Duration::from_millis(1500), "ended before the engine was silent 2 s: {failed_after:?}");
+    assert!(failed_after < Duration::from_secs(10), "an in-flight request to a frozen engine took {failed_after:?}");
+    assert!(unreachable(&picker, "frozen"), "the frozen pod is marked");
+    assert_slots_released(&picker).await;
+    // Its port accepts but nothing answers: the unreachable probe keeps it out.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(unreachable(&picker, "frozen"), "a frozen engine's accepting port does not clear the mark");
+    let (status, _, resp) = post(gw, "/v1/completions", body.as_bytes(), "").await;
+    assert_eq!(status, 200, "with the frozen pod out, the other serves: {resp}");
+    assert_eq!(live_seen.lock().last().unwrap().destination, live.to_string());
+    eprintln!("frozen engine: its in-flight request ended with a 503 after {failed_after:?} (frozen_engine_ms 2000)");
+    picker.shutdown();
 }

@@ -13,6 +13,14 @@ pub enum TokenizeError {
     /// the work stopped at the next chunk.
     #[error("tokenization cancelled: the request was abandoned")]
     Cancelled,
+    /// The chat template's output is longer than the caller's bound (nothing was tokenized).
+    #[error("rendered chat prompt of {got} bytes is over the bound of {limit}")]
+    RenderedTooLarge {
+        /// The bound, bytes.
+        limit: usize,
+        /// The rendered prompt's length, bytes.
+        got: usize,
+    },
     /// A file of the model directory could not be read (missing directory, missing file, permissions).
     #[error("cannot read {path}: {source} (expected a HuggingFace model directory with tokenizer.json)")]
     Io {

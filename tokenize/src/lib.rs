@@ -187,7 +187,21 @@ impl ModelTokenizer {
     /// [`encode_chat`](Self::encode_chat) that stops once `cancel` is set (as
     /// [`encode_prompt_cancellable`](Self::encode_prompt_cancellable)).
     pub fn encode_chat_cancellable(&self, chat: &ChatRequest, cancel: &AtomicBool) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_chat_bounded(chat, cancel, usize::MAX)
+    }
+
+    /// [`encode_chat_cancellable`](Self::encode_chat_cancellable) that refuses a rendered prompt
+    /// longer than `max_rendered_bytes` before tokenizing it ([`TokenizeError::RenderedTooLarge`]).
+    pub fn encode_chat_bounded(
+        &self,
+        chat: &ChatRequest,
+        cancel: &AtomicBool,
+        max_rendered_bytes: usize,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(chat)?;
+        if text.len() > max_rendered_bytes {
+            return Err(TokenizeError::RenderedTooLarge { limit: max_rendered_bytes, got: text.len() });
+        }
         let mut ids = Vec::with_capacity(text.len() / 3 + 8);
         self.encode_text_into(&text, &mut ids, cancel)?;
         Ok(ids)

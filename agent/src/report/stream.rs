@@ -1,4 +1,4 @@
-//! One task per picker: connect (jittered exponential backoff 100 ms → 5 s), open `Report`,
+//! One task per picker: connect (jittered exponential backoff 100 ms → 400 ms), open `Report`,
 //! send `Hello` and a `PodSnapshot` per pod, then forward every pod's deltas. When pods come or
 //! go (their engines started or stopped with their Kubernetes pods or engine-file entries), the
 //! stream sends a fresh `Hello` listing the agent's pods now (a pod missing from it has left;
@@ -99,7 +99,10 @@ fn picker_endpoint(endpoint: &str) -> Result<tonic::transport::Endpoint, tonic::
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// A restarted picker routes on a fresh index only once its agents have reconnected and replayed
+/// their pods: at most 400 ms between dials keeps that within 1 s of its start (a refused dial
+/// costs next to nothing, even from every node to every replica).
+const BACKOFF_MAX: Duration = Duration::from_millis(400);
 /// How long a closing stream waits for the picker to end its side after ours ended.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 

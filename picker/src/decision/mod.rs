@@ -25,7 +25,7 @@ use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::{Gateway, Resolution};
 use crate::metrics::RequestRecord;
 use crate::model::{ImagePlacement, ResolvedModel};
-use crate::request::{ModelError, ParsedBody, PromptInput, chat_images, needs_body, parse_body};
+use crate::request::{ModelError, ParsedBody, PromptInput, chat_images, check_chat, needs_body, parse_body};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
 use observe::DecisionObserver;
 
@@ -88,6 +88,7 @@ impl From<ModelError> for Rejection {
     fn from(e: ModelError) -> Self {
         match e {
             ModelError::UnknownModel(_) => Rejection::new(404, "not_found_error", e.to_string()),
+            ModelError::TooLarge { .. } => Rejection::new(413, "request_too_large", e.to_string()),
             _ => Rejection::new(400, "invalid_request_error", e.to_string()),
         }
     }
@@ -240,6 +241,9 @@ fn prepare_cancellable(
     let ParsedBody { model: model_name, prompt, cache_salt, image_uuids } = read_body(gw, input)?;
     let Resolution { model, rewrite: model_rewrite } =
         gw.resolve(&model_name).map_err(|_| ModelError::UnknownModel(echo_name(&model_name)))?;
+    if let PromptInput::Chat(chat) = &prompt {
+        check_chat(chat, &gw.request_bounds.chat)?;
+    }
     drop(parse_span);
     tracing::Span::current().record("model", model_name.as_str());
     let mode = if model.approx.is_some() { RoutingMode::Approximate } else { RoutingMode::Precise };
@@ -300,11 +304,22 @@ fn tokenize(
     request_id: &str,
     cancel: &AtomicBool,
 ) -> Result<Vec<u32>, Rejection> {
-    let tokens = tracing::info_span!("epp.tokenize").in_scope(|| model.tokens_cancellable(prompt, request_id, cancel));
-    tokens.map_err(|_| {
-        gw.metrics.tokenizations_cancelled.inc();
-        tracing::info!(request_id, "tokenization cancelled: the ext_proc stream ended");
-        Rejection::new(499, "request_cancelled", "the request was abandoned while it was tokenized")
+    let max_rendered = gw.request_bounds.max_rendered_prompt_bytes;
+    let tokens = tracing::info_span!("epp.tokenize")
+        .in_scope(|| model.tokens_cancellable(prompt, request_id, cancel, max_rendered));
+    tokens.map_err(|stopped| match stopped {
+        crate::model::Stopped::Cancelled => {
+            gw.metrics.tokenizations_cancelled.inc();
+            tracing::info!(request_id, "tokenization cancelled: the ext_proc stream ended or its deadline passed");
+            Rejection::new(499, "request_cancelled", "the request was abandoned while it was tokenized")
+        }
+        crate::model::Stopped::TooLarge { limit, got } => ModelError::TooLarge {
+            what: "bytes of rendered chat prompt",
+            bound: "max_rendered_prompt_bytes",
+            limit,
+            got,
+        }
+        .into(),
     })
 }
 

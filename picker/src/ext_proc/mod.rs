@@ -24,6 +24,7 @@
 //! released when the response ends or the stream ends in any way (it lives in the task's state,
 //! dropped when the task returns); nothing here panics on bad input.
 
+pub mod conn;
 pub mod reply;
 pub mod usage;
 
@@ -130,7 +131,26 @@ async fn next_reply(mut s: ProcessorStream) -> Option<(Result<ProcessingResponse
                     return Some((Ok(reply), s));
                 }
             },
-            None => s.inbound.message().await,
+            // Routed and not yet answered: the engine may freeze (crate::frozen).
+            None => match s.st.slot.as_ref().map(|slot| slot.pod_name().clone()) {
+                Some(pod) if s.st.decided => {
+                    let mut frozen = s.gateway.frozen.subscribe();
+                    loop {
+                        if frozen.borrow_and_update().contains(&pod) {
+                            let reply = engine_frozen(&s.gateway, &mut s.st, &pod);
+                            s.ending = true;
+                            return Some((Ok(reply), s));
+                        }
+                        tokio::select! {
+                            next = s.inbound.message() => break next,
+                            changed = frozen.changed() => if changed.is_err() {
+                                break s.inbound.message().await;
+                            },
+                        }
+                    }
+                }
+                _ => s.inbound.message().await,
+            },
         };
         let msg = match next {
             Ok(Some(m)) => m,
@@ -143,6 +163,19 @@ async fn next_reply(mut s: ProcessorStream) -> Option<(Result<ProcessingResponse
         on_message(&s.gateway, &mut s.st, msg, &mut out).await;
         s.replies.extend(out.drain(..));
     }
+}
+
+/// The engine the request was routed to stopped answering: a 503 immediate response (Envoy
+/// resets the upstream request, or the client's stream when the response had started); the
+/// caller ends the stream after it.
+fn engine_frozen(gw: &Gateway, st: &mut StreamState, pod: &str) -> ProcessingResponse {
+    st.slot = None;
+    let message = format!(
+        "the engine of pod {pod} stopped answering (no answer to GET /health for {} ms); request abandoned",
+        gw.frozen.after().as_millis()
+    );
+    tracing::warn!(request_id = %st.request_id, pod, "request abandoned: its engine is frozen");
+    reply::immediate_error(503, "upstream_unavailable", &message, &st.request_id)
 }
 
 /// Everything known about one request.
@@ -204,7 +237,7 @@ async fn on_message(
         Some(Request::RequestHeaders(h)) => on_request_headers(gateway, st, h, replies).await,
         Some(Request::RequestBody(b)) => on_request_body(gateway, st, b, replies).await,
         Some(Request::RequestTrailers(_)) => on_request_trailers(gateway, st, replies).await,
-        Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(st, &h)),
+        Some(Request::ResponseHeaders(h)) => replies.push(on_response_headers(gateway, st, &h)),
         Some(Request::ResponseBody(b)) => replies.push(on_response_body(gateway, st, &b)),
         Some(Request::ResponseTrailers(_)) => replies.push(reply::continue_trailers(false)),
         None => tracing::debug!(request_id = %st.request_id, "ext_proc message without a phase; ignored"),
@@ -420,10 +453,33 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         };
         (body, result)
     } else {
+        // At most `max_concurrent_tokenizations` at once (the rest wait their turn here, on no
+        // thread), so huge bodies cannot take every core from the small decisions.
+        let bounds = &gw.request_bounds;
+        let waited = tokio::time::timeout(bounds.tokenize_timeout, bounds.tokenize_permits.clone().acquire_owned());
+        let Ok(Ok(permit)) = waited.await else {
+            let message = format!(
+                "the picker is deciding {} large requests and none finished within limits.max_tokenize_ms ({} ms); retry",
+                bounds.tokenize_slots,
+                bounds.tokenize_timeout.as_millis()
+            );
+            return Routing::Rejected(Box::new(reject(gw, st, Rejection::new(503, "service_unavailable", message))));
+        };
         // On the blocking pool, cancellable: if Envoy ends the stream meanwhile, tonic drops this
-        // future, the guard sets the flag and tokenization stops at its next chunk.
+        // future, the guard sets the flag and tokenization stops at its next chunk; so does the
+        // deadline.
         let cancel = CancelOnDrop(Arc::new(AtomicBool::new(false)));
         let flag = cancel.0.clone();
+        let timed_out = Arc::new(AtomicBool::new(false));
+        let deadline = {
+            let (flag, timed_out, after) = (flag.clone(), timed_out.clone(), bounds.tokenize_timeout);
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                timed_out.store(true, Ordering::Relaxed);
+                flag.store(true, Ordering::Relaxed);
+            })
+        };
+        let timeout_ms = bounds.tokenize_timeout.as_millis();
         let gw = gw.clone();
         let (request_id, path, subset) = (st.request_id.clone(), st.path.clone(), st.subset.clone());
         let (objective, slo_ttft_ms) = (st.objective.clone(), st.slo_ttft_ms);
@@ -437,10 +493,19 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
                 slo_ttft_ms,
             };
             let result = run(&gw, &input, &flag);
+            drop(permit);
             (body, result)
         })
         .await;
+        deadline.abort();
         drop(cancel);
+        let joined = joined.map(|(body, result)| match result {
+            Err(rej) if rej.status == 499 && timed_out.load(Ordering::Relaxed) => {
+                let message = format!("deciding the request took over limits.max_tokenize_ms ({timeout_ms} ms)");
+                (body, Err(Rejection::new(413, "request_too_large", message)))
+            }
+            other => (body, other),
+        });
         joined.unwrap_or_else(|e| {
             let message = format!("routing task failed: {e}");
             (None, Err(Rejection::new(500, "internal_error", message)))
@@ -472,11 +537,24 @@ fn reject(gw: &Gateway, st: &StreamState, rej: Rejection) -> ProcessingResponse 
     reply::immediate_error(rej.status, rej.kind, &rej.message, &st.request_id)
 }
 
-fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingResponse {
-    let (status, content_type) = match &h.headers {
-        Some(headers) => (header(headers, ":status"), header(headers, "content-type")),
-        None => (None, None),
+fn on_response_headers(gw: &Gateway, st: &mut StreamState, h: &HttpHeaders) -> ProcessingResponse {
+    let (status, content_type, attempts) = match &h.headers {
+        Some(headers) => {
+            (header(headers, ":status"), header(headers, "content-type"), header(headers, UPSTREAM_ATTEMPTS_HEADER))
+        }
+        None => (None, None, None),
     };
+    // More than one upstream attempt: the routes retry only a request that never reached an
+    // engine (connect failure, reset before the request was sent), so the endpoint picked first
+    // failed as Envoy's 503 would have said, had no retry served the request elsewhere.
+    if attempts.and_then(|a| a.trim().parse::<u32>().ok()).is_some_and(|a| a > 1)
+        && let Some(slot) = &st.slot
+    {
+        gw.endpoint_unreachable(slot);
+        gw.metrics.upstream_connect_failures.inc();
+        tracing::info!(request_id = %st.request_id, pod = slot.pod(),
+            "Envoy could not reach the routed endpoint; a retry served the request elsewhere");
+    }
     st.response_status = status.and_then(|s| s.parse().ok());
     let event_stream = content_type.map(|ct| ct.contains("text/event-stream"));
     st.usage = Some(UsageScanner::new(event_stream));
@@ -493,6 +571,10 @@ fn on_response_headers(st: &mut StreamState, h: &HttpHeaders) -> ProcessingRespo
     }
     reply::response_headers(&st.request_id)
 }
+
+/// The response header in which deploy/'s routes with a retry policy give the number of upstream
+/// attempts (`%UPSTREAM_REQUEST_ATTEMPT_COUNT%`); removed before the client sees the response.
+pub const UPSTREAM_ATTEMPTS_HEADER: &str = "x-kvroute-upstream-attempts";
 
 /// The start of the body of Envoy's own 503 when it could not connect to (or lost) the upstream
 /// before its response headers ("upstream connect error or disconnect/reset before headers. reset

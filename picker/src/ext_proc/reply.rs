@@ -156,12 +156,12 @@ pub fn streamed_body_chunks(body: Vec<u8>, end_of_stream: bool, out: &mut Vec<Pr
     }
 }
 
-/// Response headers: adds `x-request-id` for the client.
+/// Response headers: adds `x-request-id` for the client, removes the upstream attempt count.
 pub fn response_headers(request_id: &str) -> ProcessingResponse {
     let common = CommonResponse {
         header_mutation: Some(HeaderMutation {
             set_headers: vec![set_header(REQUEST_ID_HEADER, request_id)],
-            remove_headers: Vec::new(),
+            remove_headers: vec![super::UPSTREAM_ATTEMPTS_HEADER.to_owned()],
         }),
         ..Default::default()
     };

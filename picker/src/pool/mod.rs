@@ -227,7 +227,7 @@ pub(crate) struct PodRecord {
     pub(crate) inflight: InFlight,
     pub(crate) blocks: AtomicU64,
     /// Envoy reported a connection failure to the endpoint ([`InFlightSlot::mark_unreachable`]):
-    /// not a candidate until a TCP connect to it succeeds ([`Pool::probe_unreachable`]).
+    /// not a candidate until it answers HTTP again ([`Pool::probe_unreachable`]).
     pub(crate) unreachable: AtomicBool,
 }
 
@@ -521,22 +521,24 @@ impl Pool {
     }
 
     /// Marks pod `name` unreachable (Envoy could not connect to it, seen by a peer replica): it
-    /// leaves the candidates until [`Pool::probe_unreachable`] connects to it. Returns false for
+    /// leaves the candidates until [`Pool::probe_unreachable`] finds it answering. Returns false for
     /// an unknown pod.
     pub fn mark_unreachable(&self, name: &str) -> bool {
-        let table = self.table.load();
-        match table.pods.iter().find(|r| &*r.name == name) {
-            Some(rec) => {
-                mark(rec, "a peer replica");
-                true
-            }
-            None => false,
-        }
+        self.mark_unreachable_by(name, "a peer replica").is_some()
     }
 
-    /// One probe round: tries a TCP connect (bounded by `timeout`) to every pod marked
-    /// unreachable, concurrently, and clears the mark of each that accepts. Returns how many
-    /// pods were marked before the round.
+    /// Marks pod `name` unreachable as seen by `seen_by`: None for an unknown pod, else whether
+    /// the mark is new.
+    pub fn mark_unreachable_by(&self, name: &str, seen_by: &str) -> Option<bool> {
+        let table = self.table.load();
+        table.pods.iter().find(|r| &*r.name == name).map(|rec| mark(rec, seen_by))
+    }
+
+    /// One probe round: to every pod marked unreachable, concurrently, a TCP connect (bounded by
+    /// `timeout`) and `GET /health`; a pod whose engine answers with any HTTP status line within
+    /// [`probe_answer_timeout`]`(timeout)` is a candidate again. An answer, not a connect alone:
+    /// the kernel completes the handshake of a frozen (SIGSTOPped, wedged) engine's listening
+    /// socket, which then never answers. Returns how many pods were marked before the round.
     pub async fn probe_unreachable(&self, timeout: Duration) -> usize {
         let marked: Vec<(Arc<PodRecord>, Arc<str>)> = {
             let table = self.table.load();
@@ -550,9 +552,8 @@ impl Pool {
         };
         let n = marked.len();
         let probes = marked.into_iter().map(|(rec, endpoint)| async move {
-            let connected = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&*endpoint)).await;
-            if matches!(connected, Ok(Ok(_))) && rec.unreachable.swap(false, Ordering::AcqRel) {
-                tracing::info!(pod = %rec.name, %endpoint, "endpoint accepts connections again: a candidate again");
+            if answers_http(&endpoint, timeout).await && rec.unreachable.swap(false, Ordering::AcqRel) {
+                tracing::info!(pod = %rec.name, %endpoint, "endpoint answers again: a candidate again");
             }
         });
         futures::future::join_all(probes).await;
@@ -570,6 +571,28 @@ impl Pool {
     pub(crate) fn lock_selection(&self) -> Selection<'_> {
         Selection { pool: self, _guard: self.select_lock.lock() }
     }
+}
+
+/// How long [`Pool::probe_unreachable`] waits for an engine's answer after connecting: the
+/// connect timeout, at least 1 s (a loaded engine's HTTP server may take a while to answer).
+pub fn probe_answer_timeout(connect: Duration) -> Duration {
+    connect.max(Duration::from_secs(1))
+}
+
+/// Whether `endpoint` accepts a TCP connection within `timeout` and answers `GET /health` with
+/// an HTTP status line (any status) within [`probe_answer_timeout`]. Reads at most 5 bytes.
+pub(crate) async fn answers_http(endpoint: &str, timeout: Duration) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(Ok(mut tcp)) = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(endpoint)).await else {
+        return false;
+    };
+    let exchange = async {
+        tcp.write_all(b"GET /health HTTP/1.1\r\nHost: kvroute-probe\r\nConnection: close\r\n\r\n").await?;
+        let mut head = [0u8; 5];
+        tcp.read_exact(&mut head).await?;
+        Ok::<_, std::io::Error>(&head == b"HTTP/")
+    };
+    matches!(tokio::time::timeout(probe_answer_timeout(timeout), exchange).await, Ok(Ok(true)))
 }
 
 /// Marks `rec` unreachable, logging the first mark with who saw the failure (`seen_by`); true

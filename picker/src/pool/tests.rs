@@ -238,8 +238,11 @@ async fn a_silent_agents_stats_count_as_unknown_after_the_report_age() {
     assert_eq!((back.health_score, back.queue_depth, back.report_stale), (1.0, 1, false));
 }
 
+/// The probe wants an HTTP answer, not just a connect: a frozen engine's kernel still completes
+/// the handshake of its listening socket.
 #[tokio::test]
-async fn an_unreachable_pod_returns_when_its_endpoint_accepts_connections() {
+async fn an_unreachable_pod_returns_when_its_endpoint_answers_http() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let pool = small();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -251,13 +254,24 @@ async fn an_unreachable_pod_returns_when_its_endpoint_accepts_connections() {
     assert!(!pool.mark_unreachable("nobody"));
     assert!(pool.mark_unreachable("a"));
     assert!(pool.pods()[0].unreachable);
+    // Bound, never accepting or answering (a SIGSTOPped engine): the mark stays.
+    assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 1);
+    assert!(pool.pods()[0].unreachable, "a connect without an answer keeps the mark");
     drop(listener);
     // Nothing listens: the mark stays.
     assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 1);
     assert!(pool.pods()[0].unreachable);
-    let _listener = std::net::TcpListener::bind(addr).unwrap();
+    // An HTTP server answering (any status): the mark clears.
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut buf = [0u8; 256];
+            let _ = s.read(&mut buf).await;
+            let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
+        }
+    });
     assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 1);
-    assert!(!pool.pods()[0].unreachable, "a successful connect clears the mark");
+    assert!(!pool.pods()[0].unreachable, "an HTTP answer clears the mark");
     assert_eq!(pool.probe_unreachable(Duration::from_millis(200)).await, 0);
 }
 

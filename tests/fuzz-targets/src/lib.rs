@@ -101,6 +101,16 @@ pub fn ext_proc_body(data: &[u8]) {
     if model.approx_chain(&parsed.prompt, &mut codepoints, &mut chain) {
         assert!(chain.len() <= kvroute_picker::approx::DEFAULT_MAX_BLOCKS, "chain of {} blocks", chain.len());
     }
+    // The chat bounds (limits.max_messages and the rest), small enough for inputs to cross.
+    if let PromptInput::Chat(chat) = &parsed.prompt {
+        use kvroute_picker::request::{ChatBounds, ModelError, check_chat};
+        let bounds = ChatBounds { max_messages: 8, max_content_parts: 16, max_tools: 4 };
+        match check_chat(chat, &bounds) {
+            Ok(()) => assert!(chat.messages.len() <= 8 && chat.tools.as_ref().map_or(0, Vec::len) <= 4),
+            Err(ModelError::TooLarge { limit, got, .. }) => assert!(got > limit, "{got} over {limit}"),
+            Err(e) => panic!("check_chat fails only with TooLarge: {e}"),
+        }
+    }
     let tokens = model.tokens(&parsed.prompt, "fuzz");
     if let PromptInput::Tokens(t) = &parsed.prompt {
         assert_eq!(&tokens, t, "token prompts pass through");

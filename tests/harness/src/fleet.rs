@@ -451,10 +451,10 @@ impl Fleet {
             let name = KvrouteEnvoy::Extra(i).name();
             let cfg = work.join(format!("{name}.yaml"));
             let log = phase_log(&name);
-            write_yaml(
-                &cfg,
-                &kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, &ext_proc_ports, log)?,
-            )?;
+            let mut extra =
+                kvroute_envoy_config(&paths::repo_root().join(path), port, free_port()?, &ext_proc_ports, log)?;
+            list_engines(&mut extra, &engines)?;
+            write_yaml(&cfg, &extra)?;
             envoys.push(start_envoy(&name, &envoy_bin, &cfg, &work)?);
             admin_urls.push(admin_url_of(&cfg)?);
             extra_gateways.push(format!("http://127.0.0.1:{port}"));
@@ -1012,6 +1012,21 @@ fn set_listener_and_admin(cfg: &mut Value, listener: u16, admin: u16) -> Result<
         "response_headers_to_add".into(),
         json!([{"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]),
     );
+    Ok(())
+}
+
+/// A fail-open config's pod list (`kvroute_endpoints` of type STATIC, the `override_host` policy's
+/// fallback) set to the fleet's engines; other configs are left as they are.
+fn list_engines(cfg: &mut Value, engines: &[Engine]) -> Result<()> {
+    let cluster = cluster_mut(cfg, "kvroute_endpoints")?;
+    if cluster["type"] != "STATIC" {
+        return Ok(());
+    }
+    let endpoints: Vec<Value> = engines
+        .iter()
+        .map(|e| json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.port}}}}))
+        .collect();
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
     Ok(())
 }
 

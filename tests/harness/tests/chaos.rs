@@ -320,3 +320,87 @@ async fn faults_under_load_through_envoy() {
 fn fleet_pod(i: usize) -> String {
     format!("engine-{i}-rank-0")
 }
+
+/// Index entries of picker replica `r` (`epp_prefix_index_entries`), if it answers.
+async fn index_entries(fleet: &Fleet, r: usize) -> Option<f64> {
+    let text = reqwest::get(format!("{}/metrics", fleet.picker_admins[r])).await.ok()?.text().await.ok()?;
+    text.lines().find_map(|l| l.strip_prefix("epp_prefix_index_entries ")).and_then(|v| v.trim().parse().ok())
+}
+
+/// kill -9 of either picker replica under load, through both shipped Envoy configs at once
+/// (docs/decisions/0020-fail-open-and-picker-restarts.md): `deploy/envoy/envoy.yaml` (fail closed)
+/// and `deploy/envoy/envoy-fail-open.yaml`, each with the 2 replicas as its ext_proc cluster and 3
+/// clients. Fail-open: no 5xx. Fail-closed: the requests in flight at the kill fail, and of those
+/// sent after it at most the first stream each of Envoy's 2 workers opens to the dead replica
+/// (its refused connection ejects the replica: outlier detection; Envoy does not retry an ext_proc
+/// stream). The restarted replica holds as many index entries as its peer within 1 s of its
+/// start (its agents redial every 400 ms at most and replay their pods) and is SERVING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_kills_under_load_fail_open_and_fail_closed() {
+    let spec = FleetSpec {
+        label: "chaos-pickers".into(),
+        engines: 4,
+        engines_per_agent: 2,
+        time_scale: 0.1,
+        report_interval_ms: 300,
+        picker_replicas: 2,
+        picker_approximate: true,
+        extra_gateway_configs: vec!["deploy/envoy/envoy-fail-open.yaml".into()],
+        ..Default::default()
+    };
+    let mut fleet = Fleet::start(spec).await.expect("fleet");
+    for r in 0..2 {
+        wait_picker_ready(&fleet, r).await;
+    }
+    let closed = Load::start(&fleet.gateway, 3);
+    let open = Load::start(&fleet.extra_gateways[0], 3);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut report = Vec::new();
+    for r in [0, 1] {
+        let t = Instant::now();
+        fleet.stop_picker(r, false).await.unwrap();
+        let killed = Instant::now();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let peer = index_entries(&fleet, 1 - r).await.unwrap_or(0.0);
+        fleet.start_picker(r).await.unwrap();
+        let started = Instant::now();
+        let full = loop {
+            let mine = index_entries(&fleet, r).await.unwrap_or(0.0);
+            let peer_now = index_entries(&fleet, 1 - r).await.unwrap_or(peer);
+            if mine > 0.0 && mine >= 0.95 * peer_now {
+                break started.elapsed();
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "replica {r} index {mine}, peer {peer_now}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let ready = wait_picker_ready(&fleet, r).await;
+        let end = Instant::now();
+        let (c, o) = (closed.window(t, end), open.window(t, end));
+        let failed = |recs: &[Rec]| recs.iter().filter(|x| x.status >= 500).cloned().collect::<Vec<_>>();
+        let (c_failed, o_failed) = (failed(&c), failed(&o));
+        let in_flight = closed.window(t - Duration::from_secs(30), killed).iter().filter(|x| x.done >= t).count();
+        let c_after = c_failed.iter().filter(|x| x.sent >= killed).count();
+        report.push(format!(
+            "picker {r} kill -9 + restart after 2 s: fail-closed {} of {} requests 5xx ({c_after} sent after the kill, \
+             {in_flight} in flight at it); fail-open {} of {} 5xx; restarted replica's index full after {full:?} \
+             (peer {peer} entries), ready after {ready:?}",
+            c_failed.len(),
+            c.len(),
+            o_failed.len(),
+            o.len()
+        ));
+        assert_eq!(o_failed.len(), 0, "fail-open: a picker kill is invisible to clients: {}", report.join("\n"));
+        assert!(
+            c_after <= 2,
+            "fail-closed: one refused stream per Envoy worker ejects the replica: {}",
+            report.join("\n")
+        );
+        assert!(full < Duration::from_secs(1), "the restarted replica's index: {}", report.join("\n"));
+        // Past the killed replica's outlier ejection (2 s) before the next kill.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    closed.stop().await;
+    open.stop().await;
+    eprintln!("picker kills:\n{}", report.join("\n"));
+    fleet.shutdown().await;
+}
