@@ -379,7 +379,7 @@ fn loopback_listener_and_port_mismatch_fail() {
         "standalone",
         |r| {
             let data = config_map_data(r, "kvroute-picker-config");
-            let text = data.get("picker.yaml").unwrap().replace("0.0.0.0:9004", "127.0.0.1:9013");
+            let text = data.get("picker.yaml").unwrap().replace("0.0.0.0:9004", "127.0.0.1:9014");
             data.insert("picker.yaml".into(), text);
         },
         "ingest_addr 127.0.0.1:9014 binds one interface only",
