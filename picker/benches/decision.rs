@@ -143,14 +143,7 @@ fn gateway(rt: &tokio::runtime::Runtime, ids: &[u32]) -> Arc<Gateway> {
 }
 
 fn completion_input(body: &[u8]) -> DecisionInput<'_> {
-    DecisionInput {
-        request_id: "bench",
-        path: COMPLETION_PATH,
-        body: Some(body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    }
+    DecisionInput::new("bench", COMPLETION_PATH, Some(body))
 }
 
 /// One call's wall-clock time and whether the thread was switched out during it.
@@ -239,14 +232,7 @@ fn main() {
         d.matched_blocks
     );
     drop(d);
-    let input = DecisionInput {
-        request_id: "bench",
-        path: PATH,
-        body: Some(&body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("bench", PATH, Some(&body));
 
     let mut c = Criterion::default().configure_from_args().sample_size(50).measurement_time(Duration::from_secs(3));
     let mut g = c.benchmark_group("decision_4096_token_chat");

@@ -193,14 +193,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let tok = ModelTokenizer::from_dir(&tokenizer_dir()).unwrap();
     let (body, ids) = chat_body(&tok);
-    let input = DecisionInput {
-        request_id: "bench",
-        path: PATH,
-        body: Some(&body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("bench", PATH, Some(&body));
     for (name, pods, own) in
         [("8 pods, 16K entries (baseline)", 8, 2_000), ("1000 pods, 10M entries", 1000, OWN_BLOCKS)]
     {

@@ -78,14 +78,7 @@ fn main() {
             if gap_us > 0 {
                 std::thread::sleep(Duration::from_micros(gap_us));
             }
-            let input = DecisionInput {
-                request_id: "gap",
-                path: "/v1/completions",
-                body: Some(body),
-                subset: None,
-                objective: None,
-                slo_ttft_ms: None,
-            };
+            let input = DecisionInput::new("gap", "/v1/completions", Some(body));
             let started = Instant::now();
             let decision = decide(&gw, &input);
             us.push(started.elapsed().as_secs_f64() * 1e6);

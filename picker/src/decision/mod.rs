@@ -135,6 +135,14 @@ pub struct DecisionInput<'a> {
     pub slo_ttft_ms: Option<f64>,
 }
 
+impl<'a> DecisionInput<'a> {
+    /// A request with only an id, a `:path` and a body: no subset hint, objective or TTFT
+    /// objective.
+    pub fn new(request_id: &'a str, path: &'a str, body: Option<&'a [u8]>) -> Self {
+        Self { request_id, path, body, subset: None, objective: None, slo_ttft_ms: None }
+    }
+}
+
 /// GIE's time-to-first-token objective header, ms.
 pub const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
 

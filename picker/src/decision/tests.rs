@@ -91,14 +91,7 @@ async fn explain_chooses_what_routing_chooses_in_every_mode() {
 #[tokio::test]
 async fn explain_rejects_like_routing() {
     let gw = gateway(&format!("{{name: {MODEL}}}"));
-    let input = |body: &'static [u8]| DecisionInput {
-        request_id: "t",
-        path: "/v1/completions",
-        body: Some(body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = |body: &'static [u8]| DecisionInput::new("t", "/v1/completions", Some(body));
     let unknown = explain(&gw, &input(br#"{"model":"nope","prompt":"x"}"#)).unwrap_err();
     assert_eq!((unknown.status, unknown.message.as_str()), (404, "model `nope` does not exist"));
     assert_eq!(explain(&gw, &input(b"{not json")).unwrap_err().status, 400);
@@ -115,14 +108,7 @@ fn errors_quote_client_input_bounded_and_without_control_characters() {
     let gw = gateway("{name: m}");
     let huge = format!("evil\nINFO forged line {}", "x".repeat(4 << 20));
     let body = serde_json::json!({"model": huge, "prompt": "hi"}).to_string().into_bytes();
-    let input = DecisionInput {
-        request_id: "t",
-        path: "/v1/completions",
-        body: Some(&body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", "/v1/completions", Some(&body));
     let Err(rej) = prepare(&gw, &input) else { panic!("unknown model accepted") };
     assert_eq!(rej.status, 404);
     assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
@@ -130,14 +116,7 @@ fn errors_quote_client_input_bounded_and_without_control_characters() {
     assert!(!rej.message.chars().any(char::is_control), "{:?}", rej.message);
 
     let bad = format!(r#"{{"model":"m","prompt":"hi","max_tokens":"{}"}}"#, "9".repeat(1 << 20)).into_bytes();
-    let input = DecisionInput {
-        request_id: "t",
-        path: "/v1/completions",
-        body: Some(&bad),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", "/v1/completions", Some(&bad));
     if let Err(rej) = prepare(&gw, &input) {
         assert!(rej.message.len() <= MAX_MESSAGE_BYTES + 32, "{} bytes", rej.message.len());
     }
@@ -201,14 +180,7 @@ async fn empty_body_is_a_400() {
         }
     }
     put(&gw.pool, "p", MODEL, stats(0.0, 0, 1.0), &[]).await;
-    let input = DecisionInput {
-        request_id: "t",
-        path: "/v1/models",
-        body: None,
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", "/v1/models", None);
     assert_eq!(decide(&gw, &input).unwrap().pod.as_str(), "p");
 }
 
@@ -228,14 +200,7 @@ async fn a_salted_prompt_matches_only_its_salts_chain() {
         v.to_string().into_bytes()
     };
     let chain = |b: &[u8]| {
-        let input = DecisionInput {
-            request_id: "t",
-            path: "/v1/chat/completions",
-            body: Some(b),
-            subset: None,
-            objective: None,
-            slo_ttft_ms: None,
-        };
+        let input = DecisionInput::new("t", "/v1/chat/completions", Some(b));
         let p = prepare(&gw, &input).unwrap();
         (p.tokens.clone(), p.block_hashes().to_vec(), p.unmatched_reason)
     };
@@ -255,25 +220,11 @@ async fn a_salted_prompt_matches_only_its_salts_chain() {
     put(&gw.pool, "b-pod", "precise", stats(0.5, 0, 1.0), &salted_b).await;
     put(&gw.pool, "plain-pod", "precise", stats(0.5, 0, 1.0), &plain).await;
     let a_body = body("precise", Some("tenant-a"));
-    let input = DecisionInput {
-        request_id: "t",
-        path: "/v1/chat/completions",
-        body: Some(&a_body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", "/v1/chat/completions", Some(&a_body));
     let ex = explain(&gw, &input).unwrap().explanation;
     assert!(ex.candidates.iter().all(|c| c.matched_blocks == 0), "{ex:?}");
     let b_body = body("precise", Some("tenant-b"));
-    let input = DecisionInput {
-        request_id: "t",
-        path: "/v1/chat/completions",
-        body: Some(&b_body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", "/v1/chat/completions", Some(&b_body));
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("b-pod", salted_b.len()));
     drop(routed);
@@ -323,14 +274,7 @@ async fn rewrite_targets_resolve_through_models_and_the_engines_reports() {
 
     // The decision carries the rewrite and scores the adapter on its pod.
     let body = br#"{"model":"chat","prompt":"hello","max_tokens":3}"#;
-    let input = DecisionInput {
-        request_id: "t",
-        path: "/v1/completions",
-        body: Some(body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", "/v1/completions", Some(body));
     let (decision, rewrite, _record) = decide_cancellable(&gw, &input, &AtomicBool::new(false)).unwrap();
     assert_eq!((decision.pod.as_str(), rewrite.as_deref()), ("p", Some("sql-lora")));
     let ex = explain(&gw, &input).unwrap();
@@ -456,14 +400,7 @@ async fn images_without_uuid_claim_the_text_before_the_first_image_only() {
     put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &plain[..at / 16]).await;
     put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
     let body = image_chat("vl", &[("https://x/bird.png", None)]);
-    let input = DecisionInput {
-        request_id: "t",
-        path: chat,
-        body: Some(&body),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", chat, Some(&body));
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", at / 16));
     drop(routed);
@@ -567,14 +504,7 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &cat).await;
     put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
     let again = image_chat("vl-size", &[(&png_url, None)]);
-    let input = DecisionInput {
-        request_id: "t",
-        path: chat,
-        body: Some(&again),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", chat, Some(&again));
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", cat.len()));
     drop(routed);
@@ -630,14 +560,7 @@ async fn webp_gif_and_bmp_inline_images_are_matched_through_the_image() {
     put(&gw.pool, "holder", "vl", stats(0.5, 0, 1.0), &chains[2]).await;
     put(&gw.pool, "idle", "vl", stats(0.0, 0, 1.0), &[]).await;
     let again = image_chat("vl-size", &[(&webp_url, None)]);
-    let input = DecisionInput {
-        request_id: "t",
-        path: chat,
-        body: Some(&again),
-        subset: None,
-        objective: None,
-        slo_ttft_ms: None,
-    };
+    let input = DecisionInput::new("t", chat, Some(&again));
     let routed = decide(&gw, &input).unwrap();
     assert_eq!((routed.pod.as_str(), routed.matched_blocks as usize), ("holder", chains[2].len()));
     drop(routed);
