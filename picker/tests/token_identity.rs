@@ -11,13 +11,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kvroute_cluster::{PoolPod, PoolSpecView, PoolView, Source};
+use kvroute_cluster::PoolView;
 use kvroute_common::BlockHash;
 use kvroute_harness::fake_agent::poll_until;
 use kvroute_harness::tls::{self, Pem, TestCa};
@@ -50,25 +52,7 @@ fn prompt() -> Vec<BlockHash> {
 }
 
 fn pool_view() -> PoolView {
-    let pod = |name: &str, node: &str, ip: &str| PoolPod {
-        name: name.into(),
-        namespace: NS.into(),
-        uid: None,
-        node: Some(node.into()),
-        ip: Some(ip.parse().unwrap()),
-        ready: true,
-        terminating: false,
-        ports: vec![(0, 8000)],
-        labels: Arc::default(),
-        annotations: Arc::default(),
-    };
-    let spec = PoolSpecView { target_ports: vec![8000], ..Default::default() };
-    PoolView::build(
-        Source::File("pool.yaml".into()),
-        Some(spec),
-        [pod("engine-0", "node-a", "10.0.0.1"), pod("engine-1", "node-b", "10.0.0.2")],
-        true,
-    )
+    common::two_node_pool_view(NS)
 }
 
 /// The stand-in with the agents' pods, a CA, and the picker's files.
