@@ -334,28 +334,7 @@ fn role_grants(r: &Rendered, sa: &str, group: &str, resource: &str, verbs: &[&st
 /// Whether a RoleBinding binds ServiceAccount `sa` to a Role granting `list` and `watch` on
 /// `discovery.k8s.io` `endpointslices`.
 fn may_watch_endpoint_slices(r: &Rendered, sa: &str) -> bool {
-    let grants = |role: &str| {
-        r.objects.iter().any(|o| match o {
-            Object::Role(ro) if ro.metadata.name.as_deref() == Some(role) => {
-                ro.rules.as_deref().unwrap_or(&[]).iter().any(|rule| {
-                    let has =
-                        |v: &Option<Vec<String>>, want: &str| v.as_deref().unwrap_or(&[]).iter().any(|x| x == want);
-                    has(&rule.api_groups, "discovery.k8s.io")
-                        && has(&rule.resources, "endpointslices")
-                        && ["list", "watch"].iter().all(|v| rule.verbs.iter().any(|x| x == v))
-                })
-            }
-            _ => false,
-        })
-    };
-    r.objects.iter().any(|o| match o {
-        Object::RoleBinding(b) => {
-            b.role_ref.kind == "Role"
-                && b.subjects.as_deref().unwrap_or(&[]).iter().any(|s| s.kind == "ServiceAccount" && s.name == sa)
-                && grants(&b.role_ref.name)
-        }
-        _ => false,
-    })
+    role_grants(r, sa, "discovery.k8s.io", "endpointslices", &["list", "watch"])
 }
 
 /// The value of `flag` in `c`'s args, with `$(VAR)` replaced by the container's literal env value.
