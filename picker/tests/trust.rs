@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::{E0, E0_ADDR, E1, E1_ADDR, ROGUE_ADDR, prompt};
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,16 +39,6 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 const MODEL: &str = "m";
 const TIMEOUT: Duration = Duration::from_secs(5);
-const E0: &str = "engine-0-rank-0";
-const E1: &str = "engine-1-rank-0";
-const E0_ADDR: &str = "10.0.0.1:8000";
-const E1_ADDR: &str = "10.0.0.2:8000";
-const ROGUE_ADDR: &str = "10.66.6.6:8000";
-
-/// The prompt the real engine-0 holds.
-fn prompt() -> Vec<BlockHash> {
-    (1..=8).map(BlockHash).collect()
-}
 
 fn pool_view() -> PoolView {
     common::two_node_pool_view("ns")

@@ -3,6 +3,20 @@
 use std::sync::Arc;
 
 use kvroute_cluster::{PoolPod, PoolSpecView, PoolView, Source};
+use kvroute_common::BlockHash;
+
+/// The engines of [`two_node_pool_view`]'s pods, and their addresses.
+pub const E0: &str = "engine-0-rank-0";
+pub const E1: &str = "engine-1-rank-0";
+pub const E0_ADDR: &str = "10.0.0.1:8000";
+pub const E1_ADDR: &str = "10.0.0.2:8000";
+/// An address outside the pool, which a rogue agent claims.
+pub const ROGUE_ADDR: &str = "10.66.6.6:8000";
+
+/// The prompt the real engine-0 holds: block hashes 1..=8.
+pub fn prompt() -> Vec<BlockHash> {
+    (1..=8).map(BlockHash).collect()
+}
 
 /// A file-sourced pool view of two Ready pods on port 8000 in `namespace`: `engine-0` on
 /// `node-a` (10.0.0.1) and `engine-1` on `node-b` (10.0.0.2), the nodes agents report for.
