@@ -7,6 +7,7 @@
 //!
 //! ```yaml
 //! ext_proc_addr: 127.0.0.1:9002     # Envoy ext_proc gRPC (+ grpc.health.v1)
+//! ext_proc_threads: 0               # event loops serving ext_proc (0: one per available core)
 //! health_addr: 127.0.0.1:9003       # grpc.health.v1 alone (GIE's --grpc-health-port, probes)
 //! ingest_addr: 127.0.0.1:9004       # agents' AgentIngest gRPC (+ ReplicaSync)
 //! admin_addr: 127.0.0.1:9090        # /metrics, /healthz, /explain
@@ -178,6 +179,12 @@ pub struct PickerConfig {
     /// Envoy ext_proc gRPC listen address (also serves `grpc.health.v1`). Default
     /// [`DEFAULT_EXT_PROC_ADDR`] (`127.0.0.1:9002`).
     pub ext_proc_addr: SocketAddr,
+    /// Event loops serving ext_proc: threads, each with its own single-threaded runtime; every
+    /// connection stays on the loop it was handed to, the least loaded at accept
+    /// (docs/decisions/0050-ext-proc-event-loops.md). 0 (the default): one per core available to
+    /// the process ([`std::thread::available_parallelism`], which follows a container's CPU
+    /// quota); see [`PickerConfig::ext_proc_loops`].
+    pub ext_proc_threads: usize,
     /// `grpc.health.v1` listen address, the health service alone (GIE's `--grpc-health-port`:
     /// Kubernetes probes and gateways that check health apart from ext_proc). Default: the
     /// ext_proc address's interface on port 9003 ([`DEFAULT_HEALTH_ADDR`]'s), or on a free port
@@ -307,10 +314,14 @@ fn default_replica_port() -> String {
     DEFAULT_REPLICA_PORT_NAME.to_string()
 }
 
+/// Most event loops [`PickerConfig::ext_proc_threads`] may ask for.
+pub const MAX_EXT_PROC_THREADS: usize = 256;
+
 impl Default for PickerConfig {
     fn default() -> Self {
         Self {
             ext_proc_addr: DEFAULT_EXT_PROC_ADDR,
+            ext_proc_threads: 0,
             health_addr: None,
             ingest_addr: DEFAULT_INGEST_ADDR,
             admin_addr: DEFAULT_ADMIN_ADDR,
@@ -607,6 +618,15 @@ impl PickerConfig {
         c
     }
 
+    /// How many event loops serve ext_proc: `ext_proc_threads`, or when 0 the cores available to
+    /// the process (1 when that cannot be read).
+    pub fn ext_proc_loops(&self) -> usize {
+        match self.ext_proc_threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            n => n,
+        }
+    }
+
     /// The gRPC health listener's address: `health_addr`, else `ext_proc_addr`'s IP on port 9003
     /// (port 0 when `ext_proc_addr`'s port is 0: tests and embedders that take free ports).
     pub fn health_addr(&self) -> SocketAddr {
@@ -672,6 +692,13 @@ impl PickerConfig {
                 "body_limit_bytes",
                 self.body_limit_bytes,
                 format!("must be in 1..={MAX_BODY_LIMIT_BYTES}"),
+            ));
+        }
+        if self.ext_proc_threads > MAX_EXT_PROC_THREADS {
+            return Err(ConfigError::invalid(
+                "ext_proc_threads",
+                self.ext_proc_threads,
+                format!("must be at most {MAX_EXT_PROC_THREADS}; 0 for one per core"),
             ));
         }
         if let Some(field) = self.limits.zero_field() {
@@ -1045,6 +1072,17 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         assert!(c.validate().unwrap_err().to_string().contains("ready_coverage"));
         assert!(PickerConfig::from_yaml("pool: {name: p, bogus: 1}").is_err());
         assert_eq!(PickerConfig::default().pool_source(), None);
+    }
+
+    #[test]
+    fn ext_proc_threads_default_to_the_cores_and_are_bounded() {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        assert_eq!(PickerConfig::default().ext_proc_loops(), cores);
+        let c = PickerConfig::from_yaml("ext_proc_threads: 3").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.ext_proc_loops(), 3);
+        let c = PickerConfig::from_yaml("ext_proc_threads: 100000").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("ext_proc_threads"));
     }
 
     #[test]

@@ -2,11 +2,12 @@
 //! how many may be open, how long one may take to open its first stream, how long one may stay
 //! without an open stream.
 //!
-//! - [`incoming`] accepts TCP connections (TCP_NODELAY set), runs the TLS handshake when
-//!   configured, and yields each connection as a [`Bounded`] holding one of `max_connections`
-//!   permits. A connection accepted while every permit is held is closed at once: the listen
+//! - [`spawn_acceptor`] accepts TCP connections (TCP_NODELAY set), each holding one of
+//!   `max_connections` permits, and hands each to the least loaded of the event loops serving
+//!   ext_proc. A connection accepted while every permit is held is closed at once: the listen
 //!   backlog drains, the file descriptor is returned, and the connections already open keep
-//!   working.
+//!   working. On its loop, [`loop_incoming`] registers the connection, runs the TLS handshake when
+//!   configured and yields it as a [`Bounded`]; [`incoming`] does both on one runtime.
 //! - [`Bounded`] fails its reads (hyper then closes the connection and its descriptor) when no
 //!   stream has opened within `first_stream` of the accept (TLS handshake, HTTP/2 preface and the
 //!   first HEADERS included), or when no stream has been open for `idle`.
@@ -103,17 +104,13 @@ pub struct Bounded<IO> {
     timer: Pin<Box<Sleep>>,
     counters: Arc<ConnCounters>,
     _permit: OwnedSemaphorePermit,
+    _load: LoopLoad,
+    _open: OpenGuard,
 }
 
 impl<IO> std::fmt::Debug for Bounded<IO> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bounded").field("remote_addr", &self.remote_addr).finish_non_exhaustive()
-    }
-}
-
-impl<IO> Drop for Bounded<IO> {
-    fn drop(&mut self) {
-        self.counters.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -187,23 +184,81 @@ impl<IO> Connected for Bounded<IO> {
 pub trait Io: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Io for T {}
 
-/// Accepts connections on `listener` under `bounds` (TLS when `tls` is given) and yields them for
-/// `Server::serve_with_incoming_shutdown`; ends when the server drops the stream. Accept errors
-/// (out of file descriptors and the like) are logged and retried after 50 ms.
-pub fn incoming(
-    listener: TcpListener,
-    bounds: ConnBounds,
-    tls: Option<Arc<ReloadingTls>>,
-    counters: Arc<ConnCounters>,
-) -> impl Stream<Item = Result<Bounded<Box<dyn Io>>, io::Error>> {
+/// A connection accepted under the cap and not yet registered with an event loop: the socket,
+/// its permit, its stream bookkeeping and its event loop's connection count.
+#[derive(Debug)]
+pub struct Accepted {
+    tcp: std::net::TcpStream,
+    peer: SocketAddr,
+    state: Arc<ConnState>,
+    permit: OwnedSemaphorePermit,
+    load: LoopLoad,
+    open: OpenGuard,
+}
+
+/// Counts a connection in [`ConnCounters::open`] from its accept until it closes.
+#[derive(Debug)]
+struct OpenGuard(Arc<ConnCounters>);
+
+impl OpenGuard {
+    fn new(counters: Arc<ConnCounters>) -> Self {
+        counters.open.fetch_add(1, Ordering::Relaxed);
+        Self(counters)
+    }
+}
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One event loop's share of the open connections; decremented when the connection closes.
+#[derive(Debug)]
+struct LoopLoad(Arc<AtomicUsize>);
+
+impl Drop for LoopLoad {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Where the acceptor hands connections: one per event loop serving ext_proc.
+#[derive(Debug)]
+pub struct LoopSender {
+    tx: mpsc::Sender<Accepted>,
+    open: Arc<AtomicUsize>,
+}
+
+/// The receiving end of a [`LoopSender`], turned into connections by [`loop_incoming`].
+#[derive(Debug)]
+pub struct LoopReceiver(mpsc::Receiver<Accepted>);
+
+/// A channel from the acceptor to one event loop (64 connections in flight).
+pub fn loop_channel() -> (LoopSender, LoopReceiver) {
     let (tx, rx) = mpsc::channel(64);
+    (LoopSender { tx, open: Arc::new(AtomicUsize::new(0)) }, LoopReceiver(rx))
+}
+
+/// Accepts connections on `listener` under `bounds` on the calling runtime and hands each to the
+/// event loop of `loops` holding the fewest open connections (ties in turn), where it stays: its
+/// TLS handshake, its HTTP/2 frames and its streams' tasks all run on that loop's thread, so no
+/// message wakes a second thread (docs/decisions/0050-ext-proc-event-loops.md). A connection
+/// accepted while every permit is held is closed at once: the listen backlog drains, the file
+/// descriptor is returned, and the connections already open keep working. Accept errors (out of
+/// file descriptors and the like) are logged and retried after 50 ms. Ends when every loop has
+/// stopped.
+pub fn spawn_acceptor(listener: TcpListener, bounds: ConnBounds, counters: Arc<ConnCounters>, loops: Vec<LoopSender>) {
     tokio::spawn(async move {
         let permits = Arc::new(Semaphore::new(bounds.max_connections));
         let mut refused_logged: Option<Instant> = None;
+        let mut next = 0usize;
+        let all_closed = futures::future::join_all(loops.iter().map(|l| l.tx.closed()));
+        tokio::pin!(all_closed);
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
-                () = tx.closed() => break,
+                _ = &mut all_closed => break,
             };
             let (tcp, peer) = match accepted {
                 Ok(a) => a,
@@ -225,8 +280,61 @@ pub fn incoming(
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            counters.open.fetch_add(1, Ordering::Relaxed);
+            // Leaves this runtime's reactor; the chosen loop registers it with its own.
+            let tcp = match tcp.into_std() {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "ext_proc connection dropped: could not hand it to an event loop");
+                    continue;
+                }
+            };
             let state = Arc::new(ConnState::new());
+            let mut conn = Some((tcp, state, permit, OpenGuard::new(counters.clone())));
+            let n = loops.len();
+            let mut order: Vec<usize> = (0..n).map(|i| (next + i) % n).collect();
+            order.sort_by_key(|&i| loops[i].open.load(Ordering::Relaxed));
+            next = next.wrapping_add(1);
+            for i in order {
+                let Some((tcp, state, permit, open)) = conn.take() else { break };
+                let lp = &loops[i];
+                lp.open.fetch_add(1, Ordering::Relaxed);
+                let load = LoopLoad(lp.open.clone());
+                match lp.tx.send(Accepted { tcp, peer, state, permit, load, open }).await {
+                    Ok(()) => break,
+                    // That loop has stopped: try the next one.
+                    Err(mpsc::error::SendError(a)) => conn = Some((a.tcp, a.state, a.permit, a.open)),
+                }
+            }
+            // Taken by no loop (every one has stopped): it closes here, uncounted.
+        }
+    });
+}
+
+/// The connections handed to one event loop, registered with the calling (that loop's) runtime,
+/// TLS handshakes run when `tls` is given, yielded as [`Bounded`] for
+/// `Server::serve_with_incoming_shutdown`. Ends when the acceptor stops.
+pub fn loop_incoming(
+    rx: LoopReceiver,
+    bounds: ConnBounds,
+    tls: Option<Arc<ReloadingTls>>,
+    counters: Arc<ConnCounters>,
+) -> impl Stream<Item = Result<Bounded<Box<dyn Io>>, io::Error>> {
+    let (tx, out) = mpsc::channel(64);
+    let mut rx = rx.0;
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                a = rx.recv() => a,
+                () = tx.closed() => break,
+            };
+            let Some(Accepted { tcp, peer, state, permit, load, open }) = accepted else { break };
+            let tcp = match tcp.set_nonblocking(true).and_then(|()| tokio::net::TcpStream::from_std(tcp)) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "ext_proc connection dropped: could not register it");
+                    continue;
+                }
+            };
             let deadline = state.start + bounds.first_stream;
             let (tx, tls, counters) = (tx.clone(), tls.clone(), counters.clone());
             tokio::spawn(async move {
@@ -238,12 +346,10 @@ pub fn incoming(
                             Ok(Ok(s)) => Box::new(s),
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "ext_proc TLS handshake failed");
-                                counters.open.fetch_sub(1, Ordering::Relaxed);
                                 return;
                             }
                             Err(_) => {
                                 counters.timed_out.fetch_add(1, Ordering::Relaxed);
-                                counters.open.fetch_sub(1, Ordering::Relaxed);
                                 return;
                             }
                         }
@@ -257,12 +363,27 @@ pub fn incoming(
                     timer: Box::pin(tokio::time::sleep_until(deadline)),
                     counters,
                     _permit: permit,
+                    _load: load,
+                    _open: open,
                 };
                 let _ = tx.send(Ok(conn)).await;
             });
         }
     });
-    ReceiverStream::new(rx)
+    ReceiverStream::new(out)
+}
+
+/// Accepts and serves connections on the calling runtime alone: [`spawn_acceptor`] with one
+/// event loop, whose connections [`loop_incoming`] yields.
+pub fn incoming(
+    listener: TcpListener,
+    bounds: ConnBounds,
+    tls: Option<Arc<ReloadingTls>>,
+    counters: Arc<ConnCounters>,
+) -> impl Stream<Item = Result<Bounded<Box<dyn Io>>, io::Error>> {
+    let (tx, rx) = loop_channel();
+    spawn_acceptor(listener, bounds, counters.clone(), vec![tx]);
+    loop_incoming(rx, bounds, tls, counters)
 }
 
 /// Counts each request as an open stream of its connection from its headers until its response
@@ -375,5 +496,64 @@ mod tests {
         drop(g2);
         let d = s.deadline(&bounds).expect("idle: a deadline");
         assert!(d >= s.start + bounds.idle, "the idle deadline counts from the last close");
+    }
+
+    /// Receives the next connection handed to `rx`, failing after 10 s.
+    async fn handed(rx: &mut LoopReceiver) -> Accepted {
+        tokio::time::timeout(Duration::from_secs(10), rx.0.recv()).await.expect("handed in time").expect("open")
+    }
+
+    #[tokio::test]
+    async fn connections_go_to_the_least_loaded_loop_and_past_the_cap_are_closed() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let bounds =
+            ConnBounds { max_connections: 5, first_stream: Duration::from_secs(5), idle: Duration::from_secs(60) };
+        let counters = Arc::new(ConnCounters::default());
+        let (tx_a, mut rx_a) = loop_channel();
+        let (tx_b, mut rx_b) = loop_channel();
+        spawn_acceptor(listener, bounds, counters.clone(), vec![tx_a, tx_b]);
+        let mut clients = Vec::new();
+        let mut on_a = Vec::new();
+        let mut on_b = Vec::new();
+        // One at a time, so that each sees the counts the last one left: a, b, a, b.
+        for _ in 0..4 {
+            clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            tokio::select! {
+                a = handed(&mut rx_a) => on_a.push(a),
+                b = handed(&mut rx_b) => on_b.push(b),
+            }
+        }
+        assert_eq!((on_a.len(), on_b.len()), (2, 2), "alternate while the loads are equal");
+        // Two of loop a's connections close: the next two go to a, which now holds none.
+        on_a.clear();
+        for _ in 0..2 {
+            clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            on_a.push(handed(&mut rx_a).await);
+        }
+        assert_eq!(counters.open.load(Ordering::Relaxed), 4, "two handed to each loop, two of them closed since");
+        assert_eq!(on_a.iter().filter(|c| c.peer.ip().is_loopback()).count(), 2);
+        // A loop that stopped gets nothing more; the other takes the connection.
+        drop(rx_a);
+        drop(on_a);
+        clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        on_b.push(handed(&mut rx_b).await);
+        assert_eq!(on_b.len(), 3);
+        // Five permits: loop b's connections hold three of them, so two more fit and the one
+        // after them is closed at accept.
+        for _ in 0..2 {
+            clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            on_b.push(handed(&mut rx_b).await);
+        }
+        let mut refused = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read =
+            tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut refused, &mut byte))
+                .await
+                .expect("closed in time");
+        assert!(matches!(read, Ok(0) | Err(_)), "past the cap the connection is closed: {read:?}");
+        assert_eq!(counters.refused.load(Ordering::Relaxed), 1);
+        drop(on_b);
+        assert_eq!(counters.open.load(Ordering::Relaxed), 0, "every handed connection closed");
     }
 }

@@ -402,12 +402,12 @@ impl Drop for CancelOnDrop {
 ///
 /// Parse + tokenize are CPU-bound (milliseconds for a cold 8 MiB body), so they must not stall the
 /// async workers. Bodies under [`INLINE_BODY_BYTES`] (≈ 0.1 ms of work) are decided right on the
-/// worker. Larger ones, on the multi-thread runtime, run in place with
+/// worker or event loop. Larger ones, on a multi-thread runtime, run in place with
 /// [`tokio::task::block_in_place`]: the worker's other tasks move to a fresh worker and this thread
 /// goes straight on, where `spawn_blocking` cost two thread wake-ups per request (a blocking-pool
 /// thread, then this task again), each a scheduling delay on a busy machine. A current-thread
-/// runtime (tests, embedding) cannot do that and keeps `spawn_blocking`, as do bodies of
-/// [`CANCELLABLE_BODY_BYTES`] or more, whose tokenization an ended stream cancels
+/// runtime (the ext_proc event loops, tests) cannot do that and uses `spawn_blocking`, as do bodies
+/// of [`CANCELLABLE_BODY_BYTES`] or more, whose tokenization an ended stream cancels
 /// (docs/decisions/0024-bounded-outside-input.md).
 async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec<u8>>) -> Routing {
     st.decided = true;
@@ -434,7 +434,7 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
     let multi_thread = tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
     let len = body.as_ref().map_or(0, Vec::len);
     let large = len >= CANCELLABLE_BODY_BYTES;
-    let (body, result) = if multi_thread && !large {
+    let (body, result) = if !large && (len < INLINE_BODY_BYTES || multi_thread) {
         let result = {
             let input = DecisionInput {
                 request_id: &st.request_id,
@@ -453,11 +453,20 @@ async fn route_request(gw: &Arc<Gateway>, st: &mut StreamState, body: Option<Vec
         };
         (body, result)
     } else {
-        // At most `max_concurrent_tokenizations` at once (the rest wait their turn here, on no
-        // thread), so huge bodies cannot take every core from the small decisions.
+        // Large bodies: at most `max_concurrent_tokenizations` at once (the rest wait their turn
+        // here, on no thread), so huge bodies cannot take every core from the small decisions.
+        // Mid-sized ones on a single-threaded event loop come here uncapped, as they would run
+        // in place on a multi-threaded runtime, so that the loop's other connections go on.
         let bounds = &gw.request_bounds;
-        let waited = tokio::time::timeout(bounds.tokenize_timeout, bounds.tokenize_permits.clone().acquire_owned());
-        let Ok(Ok(permit)) = waited.await else {
+        let waited = async {
+            if large {
+                let permit = bounds.tokenize_permits.clone().acquire_owned().await;
+                permit.map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let Ok(Ok(permit)) = tokio::time::timeout(bounds.tokenize_timeout, waited).await else {
             let message = format!(
                 "the picker is deciding {} large requests and none finished within limits.max_tokenize_ms ({} ms); retry",
                 bounds.tokenize_slots,

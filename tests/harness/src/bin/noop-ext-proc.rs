@@ -8,7 +8,10 @@
 //! the stream the same way (replies produced on the task that writes them, no task or channel of
 //! its own per stream), but decides nothing: the destination is the fixed `--endpoint`. Envoy +
 //! this server against Envoy + picker therefore isolates the picker's own share of the added
-//! latency from Envoy's ext_proc exchange.
+//! latency from Envoy's ext_proc exchange. It serves on one single-threaded event loop, as each
+//! of the picker's ext_proc threads does (the picker spreads connections over one loop per core;
+//! at the bench's rates one loop is not the bottleneck), so the per-request CPU of the two counts
+//! the same kind of wake-ups.
 //! Prints `READY` once listening. Run: `kvroute-noop-ext-proc --listen 127.0.0.1:PORT --endpoint IP:PORT`.
 
 use std::collections::HashMap;
@@ -163,7 +166,7 @@ impl ExternalProcessor for NoOp {
     }
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
     let args = Args::parse();
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
