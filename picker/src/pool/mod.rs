@@ -432,6 +432,10 @@ impl Pool {
                 None => {}
             }
         }
+        // The view is stored before the writer applies it to the table: until it has, the
+        // view's Ready endpoints count with no report, so that an empty table cannot read as
+        // full coverage of a pool that has endpoints.
+        c.ready_endpoints = c.ready_endpoints.max(view.candidates().count());
         Some(c)
     }
 

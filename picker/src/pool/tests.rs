@@ -199,6 +199,16 @@ async fn pool_view_is_the_only_source_of_pods_and_addresses() {
 }
 
 #[tokio::test]
+async fn a_view_not_yet_applied_is_not_full_coverage() {
+    let pool = small();
+    // The view as `set_membership` stores it, before the writer has applied it to the table.
+    pool.membership.store(Some(view(&[("a", "10.0.0.1", true), ("b", "10.0.0.2", true)])));
+    let c = pool.agent_coverage().unwrap();
+    assert_eq!((c.share(), c.ready_endpoints, c.engines_ready), (0.0, 2, 0), "no agent has reported on a or b");
+    assert!(c.any_routable(), "endpoints no agent reports on are routed by load");
+}
+
+#[tokio::test]
 async fn expired_agent_state_of_a_member_is_dropped_but_the_member_stays() {
     let pool = small();
     pool.set_membership(view(&[("a", "10.0.0.1", true)])).await.unwrap();
