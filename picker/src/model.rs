@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvroute_common::image::{SmartResize, content_identifier, data_url_payload, decode_base64, image_size};
+use kvroute_common::image::{InlineImage, SmartResize, data_url_payload, inline_image};
 use kvroute_common::{BlockHash, BlockHasher, MmItem};
 use kvroute_tokenize::ModelTokenizer;
 use std::sync::atomic::AtomicBool;
@@ -396,35 +396,33 @@ impl ResolvedModel {
     /// header, a zero side, an aspect ratio over 200 or more than 178,956,970 pixels (vLLM
     /// refuses those), more than [`MAX_INLINE_IMAGE_BYTES`] or [`crate::config::MAX_IMAGE_TOKENS`]
     /// tokens: `None`. Work is one base64 decode and one BLAKE3 pass over the image, only when
-    /// needed.
+    /// needed, a piece at a time (the decoded image is not held; pixels are never decoded).
     pub fn reproduce_image(&self, image: &ChatImage<'_>) -> Option<(usize, String)> {
         let settings = &self.images;
         if settings.tokens_per_image.is_none() && settings.vision.is_none() {
             return None;
         }
         let needs_bytes = settings.tokens_per_image.is_none() || image.uuid.is_none();
-        let bytes = if needs_bytes {
+        // Read in one streaming pass (decoded a piece at a time, hashed only without a uuid).
+        // An inline image is always sized: the count may need it, and an image vLLM could not
+        // open is refused there, so the picker claims nothing on it.
+        let inline = if needs_bytes {
             let payload = data_url_payload(image.url?)?;
-            Some(decode_base64(payload, MAX_INLINE_IMAGE_BYTES)?)
+            let hash_model = image.uuid.is_none().then_some(settings.hash_model.as_str());
+            Some(inline_image(payload, hash_model, MAX_INLINE_IMAGE_BYTES)?)
         } else {
             None
         };
-        // Decoded bytes are always sized: the count may need it, and an image vLLM could not open
-        // is refused there, so the picker claims nothing on it.
-        let size = match bytes.as_deref() {
-            Some(b) => Some(image_size(b)?),
-            None => None,
-        };
-        let tokens = match (settings.tokens_per_image, settings.vision, size) {
+        let tokens = match (settings.tokens_per_image, settings.vision, &inline) {
             (Some(n), _, _) => n,
-            (None, Some(vision), Some((width, height))) => {
-                vision.tokens(width, height).filter(|n| (1..=crate::config::MAX_IMAGE_TOKENS).contains(n))?
+            (None, Some(vision), Some(InlineImage { size: (width, height), .. })) => {
+                vision.tokens(*width, *height).filter(|n| (1..=crate::config::MAX_IMAGE_TOKENS).contains(n))?
             }
             _ => return None,
         };
-        let identifier = match (image.uuid, bytes.as_deref()) {
+        let identifier = match (image.uuid, inline) {
             (Some(uuid), _) => uuid.to_owned(),
-            (None, Some(b)) => content_identifier(&settings.hash_model, b),
+            (None, Some(InlineImage { identifier, .. })) => identifier?,
             (None, None) => return None,
         };
         Some((tokens, identifier))
