@@ -14,6 +14,7 @@
 //! - [`inline_image`]: the size and identifier of a data URL's image in one pass, decoded a
 //!   piece at a time and hashed as it comes (what the picker calls per request: the decoded
 //!   image is never held whole, so a request's images cost no allocation of their size).
+//! - [`payload_key`]: a key to cache [`inline_image`]'s answer by.
 //! - [`SmartResize`]: the Qwen2-VL family's token count for an image of a given size.
 //!
 //! Every function is total: malformed input yields `None`, never a panic, and work is linear in
@@ -373,6 +374,14 @@ fn identifier_end(mut h: blake3::Hasher, model_id: &str) -> String {
     h.finalize().to_hex().to_string()
 }
 
+/// A key for caching what [`inline_image`] reads from `payload`: BLAKE3 of the payload's text, so
+/// two payloads with the same key are, but for a BLAKE3 collision, the same payload. Linear in
+/// the payload, ≈ 3× cheaper than [`inline_image`] with a model id (no base64 decode, no second
+/// pass).
+pub fn payload_key(payload: &str) -> [u8; 32] {
+    *blake3::hash(payload.as_bytes()).as_bytes()
+}
+
 /// What [`inline_image`] reads from a data URL's payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InlineImage {
@@ -411,7 +420,7 @@ fn inline_image_in_chunks(
     let input = payload.as_bytes();
     // Padding is required: a canonical payload is whole 4-character groups, the last with at
     // most two '='; what it decodes to is then known before decoding.
-    if input.is_empty() || input.len() % 4 != 0 {
+    if input.is_empty() || !input.len().is_multiple_of(4) {
         return None;
     }
     let padding = input.iter().rev().take(2).take_while(|&&c| c == b'=').count();
