@@ -3,7 +3,7 @@
 //! parse, template, tokenize, hash, walk, score, choose); then the same pool under load, and
 //! requests with inline images beside the text ones.
 //!
-//! Run: `cargo bench -p kvroute-picker --bench scale` (about 1.5 GiB of memory, ~90 s). It prints:
+//! Run: `cargo bench -p kvroute-picker --bench scale` (about 1.6 GB of memory, ~50 s). It prints:
 //!
 //! 1. **Unloaded, closed loop.** 2,000 decisions timed one by one (warm) over 8 pods and a
 //!    16K-entry index (the baseline), then over 1,000 pods and 10M entries, with each index's
@@ -22,10 +22,13 @@
 //!      the ingest's stream handling (`ingest::StreamDriver`: sequence checks, conversion) into
 //!      the pool's writer, which applies them in batches and publishes; it prints the rate
 //!      offered and achieved and the writer's CPU time;
-//!    - `images`: beside requests with four inline 720p images each (two PNGs, two JPEGs,
-//!      generated here, ≈ 1.3–1.6 MB each as real encoder output) at [`IMAGE_RATE`] req/s on a
-//!      model with `vision` (the count from each image's header, the identifier vLLM's content
-//!      hash of its bytes); the image decisions are reported too;
+//!    - `new images`: beside requests with four inline 720p images each (two PNGs of 1.9 MB,
+//!      two JPEGs of 0.8 MB, real encoder output made here) at [`IMAGE_RATE`] req/s on a model
+//!      with `vision` (the count from each image's header, the identifier vLLM's content hash of
+//!      its bytes), every image new (three bytes after its end changed per request, which
+//!      decoders ignore and the hash does not); the image decisions are reported too;
+//!    - `images seen before`: the same with two requests in turn, as a chat resends its images
+//!      (the model's image cache answers after the first time);
 //!    - `alone` again, to show the drift between the first and last phases.
 //!
 //!    Each line gives p50 / p99 / p99.9 / max of the decision's own time (`decide`, start to
@@ -33,9 +36,10 @@
 //!    `/proc/thread-self/schedstat` went up, as in `decision.rs`) and the percentiles of those
 //!    that kept it, and the p99 from each request's due time to the decision's end (the issuing
 //!    thread's wake-up and any wait behind its previous request included).
-//! 3. **What an image costs**: the steps of one inline image (payload, base64 decode, header
-//!    size, vLLM's content hash) and the parse of the whole image request's body, timed one by
-//!    one on this thread.
+//! 3. **What an image costs**: the steps of one inline image (base64 decode, header size,
+//!    vLLM's content hash; all three whole, then streamed as the picker does), the parse of the
+//!    whole image request's body, the chat template with and without the URLs, and the whole
+//!    decision with new images and with images seen before, timed one by one on this thread.
 //!
 //! On a machine with few cores the paced phases share them with the pool's writer, the ingest
 //! thread and anything else running: the switched-out count says how much of a tail is the
@@ -344,10 +348,17 @@ fn time<R>(n: usize, mut f: impl FnMut() -> R) -> Vec<Sample> {
         .collect()
 }
 
-/// Decisions of `bodies` (in turn) at `rate` per second over `threads` threads from `start` for
-/// `length`: request `i` is due at `start + i / rate` and is issued by thread `i % threads` then,
-/// or as soon as that thread is free (open loop).
-fn paced(gw: &Gateway, bodies: &[Vec<u8>], rate: f64, threads: u64, start: Instant, length: Duration) -> Vec<Sample> {
+/// Decisions of `body(i)` at `rate` per second over `threads` threads from `start` for `length`:
+/// request `i` is due at `start + i / rate` and is issued by thread `i % threads` then, or as
+/// soon as that thread is free (open loop). The body is made before the clock starts.
+fn paced<B: AsRef<[u8]>>(
+    gw: &Gateway,
+    body: &(dyn Fn(u64) -> B + Sync),
+    rate: f64,
+    threads: u64,
+    start: Instant,
+    length: Duration,
+) -> Vec<Sample> {
     let per_thread = |k: u64| {
         let mut stat = Schedstat::open("/proc/thread-self/schedstat");
         let mut out = Vec::new();
@@ -357,11 +368,11 @@ fn paced(gw: &Gateway, bodies: &[Vec<u8>], rate: f64, threads: u64, start: Insta
             if due >= start + length {
                 return out;
             }
+            let body = body(i);
             if let Some(wait) = due.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }
-            let body = &bodies[i as usize % bodies.len()];
-            let input = DecisionInput::new("bench", PATH, Some(body));
+            let input = DecisionInput::new("bench", PATH, Some(body.as_ref()));
             let before = stat.timeslices();
             let t = Instant::now();
             black_box(decide(gw, &input).unwrap());
@@ -501,6 +512,9 @@ fn picture(seed: u32) -> Vec<u8> {
 }
 
 /// `n` distinct inline images as data URLs (even: PNG, odd: JPEG at quality 95) and their sizes.
+/// Each file ends with [`STAMP`]'s three bytes after the image's end (which decoders ignore and
+/// vLLM hashes), on a 3-byte boundary, so its URL ends with the stamp's four base64 characters:
+/// [`stamped`] rewrites them to make the same picture a new image.
 fn images(n: usize) -> Vec<(String, usize)> {
     use image::ImageEncoder as _;
     (0..n)
@@ -518,10 +532,33 @@ fn images(n: usize) -> Vec<(String, usize)> {
                     .unwrap();
                 "image/jpeg"
             };
+            bytes.resize(bytes.len().next_multiple_of(3), 0);
+            bytes.extend_from_slice(&[0; 3]);
             let url = format!("data:{media};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+            assert!(url.ends_with(STAMP));
             (url, bytes.len())
         })
         .collect()
+}
+
+/// The base64 of an image's last three (zero) bytes, then the end of its URL in a body.
+const STAMP: &str = "AAAA";
+
+/// Where each image's [`STAMP`] starts in `body`.
+fn stamps(body: &[u8]) -> Vec<usize> {
+    body.windows(STAMP.len() + 1).enumerate().filter(|(_, w)| w.ends_with(b"AAAA\"")).map(|(at, _)| at).collect()
+}
+
+/// `body` with every image made new: each URL's last three bytes (at `stamps`) set to request
+/// `i` and the image's place (distinct for 4 million requests).
+fn stamped(body: &[u8], stamps: &[usize], i: u64) -> Vec<u8> {
+    let mut out = body.to_vec();
+    for (k, &at) in stamps.iter().enumerate() {
+        let tag = ((i * IMAGES_PER_REQUEST as u64 + k as u64) & 0xFF_FFFF) as u32;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&tag.to_be_bytes()[1..]);
+        out[at..at + 4].copy_from_slice(b64.as_bytes());
+    }
+    out
 }
 
 /// An image request: a system prompt, then a user message with a text, `urls` and a question.
@@ -594,6 +631,9 @@ fn main() {
         .chunks(IMAGES_PER_REQUEST)
         .map(|c| image_body(&c.iter().map(|(u, _)| u.as_str()).collect::<Vec<_>>()))
         .collect();
+    let image_stamps: Vec<Vec<usize>> = image_bodies.iter().map(|b| stamps(b)).collect();
+    assert!(image_stamps.iter().all(|s| s.len() == IMAGES_PER_REQUEST));
+    assert_ne!(stamped(&image_bodies[0], &image_stamps[0], 1), stamped(&image_bodies[0], &image_stamps[0], 2));
     let d = decide(&gw, &DecisionInput::new("warm", PATH, Some(&image_bodies[0]))).unwrap();
     println!(
         "  image requests: {} of 720p images (MB: {}), bodies of {:.1} MB; decision: {} of {} blocks, on {}",
@@ -611,11 +651,23 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let handle = rt.handle().clone();
-    let mut phase = |name: &str, length: Duration, events_per_s: f64, with_images: bool| {
+    let text_body = |i: u64| &texts[i as usize % texts.len()];
+    // Every image new (no request repeats an image), or the same two requests in turn (a chat
+    // resending its images, read from the model's image cache after the first time).
+    let fresh = |i: u64| {
+        let k = i as usize % image_bodies.len();
+        stamped(&image_bodies[k], &image_stamps[k], i)
+    };
+    let repeated = |i: u64| image_bodies[i as usize % image_bodies.len()].clone();
+    let mut phase = |name: &str,
+                     length: Duration,
+                     events_per_s: f64,
+                     images: Option<&(dyn Fn(u64) -> Vec<u8> + Sync)>| {
         let start = Instant::now() + Duration::from_millis(20);
+        let gw: &Gateway = &gw;
         let (text, images, ingested) = std::thread::scope(|s| {
-            let text = s.spawn(|| paced(&gw, &texts, TEXT_RATE, DECIDERS, start, length));
-            let images = with_images.then(|| s.spawn(|| paced(&gw, &image_bodies, IMAGE_RATE, 1, start, length)));
+            let text = s.spawn(|| paced(gw, &text_body, TEXT_RATE, DECIDERS, start, length));
+            let images = images.map(|body| s.spawn(move || paced(gw, body, IMAGE_RATE, 1, start, length)));
             let ingested = ingest(&handle, &mut fleet, events_per_s, start, length);
             (text.join().unwrap(), images.map(|h| h.join().unwrap()), ingested)
         });
@@ -636,10 +688,11 @@ fn main() {
             gw.pool.index_stats().entries,
         );
     };
-    phase("alone", ALONE, 0.0, false);
-    phase("ingest", LOADED, INGEST_EVENTS_PER_S, false);
-    phase("images", LOADED, 0.0, true);
-    phase("alone again", ALONE, 0.0, false);
+    phase("alone", ALONE, 0.0, None);
+    phase("ingest", LOADED, INGEST_EVENTS_PER_S, None);
+    phase("new images", LOADED, 0.0, Some(&fresh));
+    phase("images seen before", LOADED, 0.0, Some(&repeated));
+    phase("alone again", ALONE, 0.0, None);
     assert_eq!(fleet.resyncs, 0, "the stream asked for a resync");
     println!("  resident memory {:.0} MiB", rss_mib());
 
@@ -672,6 +725,13 @@ fn main() {
     let blank = image_body(&["data:,"; IMAGES_PER_REQUEST]);
     let blank = parse_body(PATH, &blank).unwrap().prompt;
     report("  the same, URLs empty", &time(50, || vl.tokens(&blank, "bench")));
+    let mut new_images = Vec::new();
+    for i in 0..50 {
+        let body = stamped(&image_bodies[0], &image_stamps[0], 1_000_000 + i);
+        let input = DecisionInput::new("bench", PATH, Some(&body));
+        new_images.extend(time(1, || decide(&gw, &input).unwrap()));
+    }
+    report("  full_decide, 4 new images", &new_images);
     let input = DecisionInput::new("bench", PATH, Some(&image_bodies[0]));
-    report("  full_decide, 4-image request", &time(50, || decide(&gw, &input).unwrap()));
+    report("  full_decide, 4 images seen before", &time(50, || decide(&gw, &input).unwrap()));
 }
