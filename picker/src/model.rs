@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvroute_common::image::{SmartResize, content_identifier, data_url_payload, decode_base64, image_size};
+use kvroute_common::image::{InlineImage, SmartResize, data_url_payload, inline_image, payload_key};
 use kvroute_common::{BlockHash, BlockHasher, MmItem};
 use kvroute_tokenize::ModelTokenizer;
 use std::sync::atomic::AtomicBool;
@@ -59,6 +59,8 @@ pub struct ResolvedModel {
     pub approx: Option<ApproxModel>,
     /// How images become placeholder tokens (docs/design.md §2).
     pub images: ImageSettings,
+    /// Inline images this model read lately (an image sent again is not decoded again).
+    pub image_cache: ImageCache,
 }
 
 /// How a model's chat template and engine turn an image into tokens (docs/design.md §2).
@@ -80,6 +82,77 @@ pub struct ImageSettings {
 /// Largest inline image the picker decodes, in bytes; a larger one is treated as one it cannot
 /// reproduce (its blocks are not claimed). The body limit bounds every image anyway.
 pub const MAX_INLINE_IMAGE_BYTES: usize = 64 << 20;
+
+/// Entries per generation of an [`ImageCache`] (two generations: at most twice as many images,
+/// ≈ 150 bytes each).
+pub const IMAGE_CACHE_ENTRIES: usize = 1024;
+
+/// Payloads shorter than this (bytes of base64) are read without the cache: little to save.
+const IMAGE_CACHE_MIN_PAYLOAD: usize = 16 * 1024;
+
+/// The inline images a model read lately: size and identifier by [`payload_key`] (BLAKE3 of the
+/// base64 payload), so an image sent again, as every turn of a chat resends its earlier images,
+/// costs one hash of its payload instead of a base64 decode and a hash of its bytes
+/// (docs/decisions/0048-inline-image-cache.md). A hit is what reading the payload again would
+/// give: the answer is a function of the payload and the model's `hash_model` only, and only
+/// images read successfully are kept.
+///
+/// Bounded: two generations of at most [`IMAGE_CACHE_ENTRIES`]; when the newer one is full it
+/// becomes the older and the older is dropped, and a hit in the older is copied to the newer.
+/// The lock is held for the map operations only, never while an image is read.
+#[derive(Debug, Default)]
+pub struct ImageCache {
+    generations: parking_lot::Mutex<[HashMap<[u8; 32], InlineImage>; 2]>,
+}
+
+impl ImageCache {
+    /// `inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES)`, from the cache when this
+    /// payload was read before (with an identifier, when `model_id` asks for one).
+    pub fn read(&self, payload: &str, model_id: Option<&str>) -> Option<InlineImage> {
+        if payload.len() < IMAGE_CACHE_MIN_PAYLOAD {
+            return inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES);
+        }
+        let key = payload_key(payload);
+        let usable = |i: &&InlineImage| model_id.is_none() || i.identifier.is_some();
+        let hit = {
+            let mut g = self.generations.lock();
+            let [newer, older] = &mut *g;
+            match newer.get(&key).filter(usable) {
+                Some(hit) => Some(hit.clone()),
+                None => older.get(&key).filter(usable).cloned(),
+            }
+        };
+        if let Some(hit) = hit {
+            self.keep(key, &hit);
+            return Some(hit);
+        }
+        let read = inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES)?;
+        self.keep(key, &read);
+        Some(read)
+    }
+
+    /// Images kept, both generations (for tests and metrics).
+    pub fn len(&self) -> usize {
+        let g = self.generations.lock();
+        g[0].len() + g[1].len()
+    }
+
+    /// Whether no image is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn keep(&self, key: [u8; 32], image: &InlineImage) {
+        let mut g = self.generations.lock();
+        if g[0].contains_key(&key) && (image.identifier.is_none() || g[0][&key].identifier.is_some()) {
+            return;
+        }
+        if g[0].len() >= IMAGE_CACHE_ENTRIES {
+            g[1] = std::mem::take(&mut g[0]);
+        }
+        g[0].insert(key, image.clone());
+    }
+}
 
 /// Most tokens a prompt may have once its images are expanded; images that would go past it are
 /// not placed (their blocks are not claimed).
@@ -265,6 +338,7 @@ fn build_model(
         hasher,
         approx,
         images,
+        image_cache: ImageCache::default(),
     }
 }
 
@@ -396,35 +470,34 @@ impl ResolvedModel {
     /// header, a zero side, an aspect ratio over 200 or more than 178,956,970 pixels (vLLM
     /// refuses those), more than [`MAX_INLINE_IMAGE_BYTES`] or [`crate::config::MAX_IMAGE_TOKENS`]
     /// tokens: `None`. Work is one base64 decode and one BLAKE3 pass over the image, only when
-    /// needed.
+    /// needed, a piece at a time (the decoded image is not held; pixels are never decoded); for
+    /// an image the model read lately, one BLAKE3 pass over its payload ([`ImageCache`]).
     pub fn reproduce_image(&self, image: &ChatImage<'_>) -> Option<(usize, String)> {
         let settings = &self.images;
         if settings.tokens_per_image.is_none() && settings.vision.is_none() {
             return None;
         }
         let needs_bytes = settings.tokens_per_image.is_none() || image.uuid.is_none();
-        let bytes = if needs_bytes {
+        // Read in one streaming pass (decoded a piece at a time, hashed only without a uuid).
+        // An inline image is always sized: the count may need it, and an image vLLM could not
+        // open is refused there, so the picker claims nothing on it.
+        let inline = if needs_bytes {
             let payload = data_url_payload(image.url?)?;
-            Some(decode_base64(payload, MAX_INLINE_IMAGE_BYTES)?)
+            let hash_model = image.uuid.is_none().then_some(settings.hash_model.as_str());
+            Some(self.image_cache.read(payload, hash_model)?)
         } else {
             None
         };
-        // Decoded bytes are always sized: the count may need it, and an image vLLM could not open
-        // is refused there, so the picker claims nothing on it.
-        let size = match bytes.as_deref() {
-            Some(b) => Some(image_size(b)?),
-            None => None,
-        };
-        let tokens = match (settings.tokens_per_image, settings.vision, size) {
+        let tokens = match (settings.tokens_per_image, settings.vision, &inline) {
             (Some(n), _, _) => n,
-            (None, Some(vision), Some((width, height))) => {
-                vision.tokens(width, height).filter(|n| (1..=crate::config::MAX_IMAGE_TOKENS).contains(n))?
+            (None, Some(vision), Some(InlineImage { size: (width, height), .. })) => {
+                vision.tokens(*width, *height).filter(|n| (1..=crate::config::MAX_IMAGE_TOKENS).contains(n))?
             }
             _ => return None,
         };
-        let identifier = match (image.uuid, bytes.as_deref()) {
+        let identifier = match (image.uuid, inline) {
             (Some(uuid), _) => uuid.to_owned(),
-            (None, Some(b)) => content_identifier(&settings.hash_model, b),
+            (None, Some(InlineImage { identifier, .. })) => identifier?,
             (None, None) => return None,
         };
         Some((tokens, identifier))
@@ -448,6 +521,56 @@ pub enum Stopped {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A PNG of `width` × 1 pixels whose IDAT holds `n` bytes of `seed` (the picker reads the
+    /// header and hashes the rest), as the base64 payload of a data URL.
+    fn png_payload(width: u32, n: usize, seed: u8) -> String {
+        use base64::Engine as _;
+        let mut b = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+        b.extend_from_slice(&width.to_be_bytes());
+        b.extend_from_slice(&1u32.to_be_bytes());
+        b.extend_from_slice(&[8, 2, 0, 0, 0, 0, 0, 0, 0]);
+        b.extend((0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed));
+        base64::engine::general_purpose::STANDARD.encode(&b)
+    }
+
+    /// docs/decisions/0048-inline-image-cache.md: a payload read again answers from the cache
+    /// exactly as reading it does (an identifier asked for after a size-only read is computed,
+    /// not left out), malformed or small payloads are not kept, and the cache stays within two
+    /// generations however many images pass.
+    #[test]
+    fn image_cache_answers_as_reading_and_stays_bounded() {
+        let cache = ImageCache::default();
+        let (a, b) = (png_payload(640, 40_000, 1), png_payload(800, 40_000, 2));
+        let direct = |p: &str, m: Option<&str>| inline_image(p, m, MAX_INLINE_IMAGE_BYTES);
+        assert_eq!(cache.read(&a, None), direct(&a, None));
+        assert_eq!(cache.len(), 1);
+        let with_id = cache.read(&a, Some("vl")).unwrap();
+        assert_eq!(Some(&with_id), direct(&a, Some("vl")).as_ref());
+        assert!(with_id.identifier.is_some(), "asked for, so computed");
+        assert_eq!(cache.read(&a, Some("vl")).as_ref(), Some(&with_id), "a hit");
+        assert_eq!(cache.read(&a, None).map(|i| i.size), Some((640, 1)));
+        assert_eq!(cache.len(), 1);
+        let other = cache.read(&b, Some("vl")).unwrap();
+        assert_eq!((other.size, other.identifier.is_some()), ((800, 1), true));
+        assert_ne!(other.identifier, with_id.identifier);
+        // Refused payloads and small ones are not kept.
+        let bad = format!("{}!", &a[..a.len() - 4]);
+        assert_eq!(cache.read(&bad, Some("vl")), None);
+        let small = png_payload(10, 100, 3);
+        assert_eq!(cache.read(&small, Some("vl")), direct(&small, Some("vl")));
+        assert_eq!(cache.len(), 2);
+        // Bounded: the newest generation keeps the latest images, the oldest are dropped.
+        let many: Vec<String> =
+            (0..2 * IMAGE_CACHE_ENTRIES + 5).map(|i| png_payload(100 + i as u32, 13_000, 4)).collect();
+        for p in &many {
+            assert!(cache.read(p, None).is_some());
+        }
+        assert!(cache.len() <= 2 * IMAGE_CACHE_ENTRIES, "{}", cache.len());
+        let last = many.last().unwrap();
+        assert_eq!(cache.read(last, None), direct(last, None));
+        assert_eq!(cache.read(&a, Some("vl")).as_ref(), Some(&with_id), "read again after eviction");
+    }
 
     #[test]
     fn registry_resolves_and_hashes_under_adapter_root() {
