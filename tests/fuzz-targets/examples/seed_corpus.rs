@@ -231,7 +231,7 @@ fn main() -> std::io::Result<()> {
 /// Agent tokens: byte 0 = the pod the API reads, then `authorization` value, newline, TokenReview.
 fn agent_token_seeds() -> std::io::Result<()> {
     let exp = serde_json::json!({"aud": ["kvroute-picker"], "exp": 4_102_444_800u64, "sub": "system:serviceaccount:kvroute-system:kvroute-agent"});
-    let b64 = |v: &serde_json::Value| base64_url(v.to_string().as_bytes());
+    let b64 = |v: &serde_json::Value| kvroute_fuzz_targets::base64_url(v.to_string().as_bytes());
     let token = format!("{}.{}.c2lnbmF0dXJl", b64(&serde_json::json!({"alg": "RS256"})), b64(&exp));
     let review = |extra: serde_json::Value, authenticated: bool| {
         serde_json::json!({
@@ -256,23 +256,13 @@ fn agent_token_seeds() -> std::io::Result<()> {
     };
     write("agent_token", "node-claim", &seed(0, &format!("Bearer {token}"), &review(bound, true)))?;
     write("agent_token", "pod-read", &seed(1, &format!("bearer {token}"), &review(no_node.clone(), true)))?;
+    let no_node_clear = no_node.clone();
     write("agent_token", "pod-other-uid", &seed(2, &format!("Bearer {token}"), &review(no_node, true)))?;
     let refused = serde_json::json!({"spec": {}, "status": {"authenticated": false, "error": "token expired"}});
     write("agent_token", "refused", &seed(0, "Bearer abc.def.ghi", &refused))?;
+    let clear = format!("Bearer {}.{exp}.c2lnbmF0dXJl", b64(&serde_json::json!({"alg": "RS256"})));
+    write("agent_token", "clear-claims", &seed(4 | 1, &clear, &review(no_node_clear, true)))?;
     Ok(())
-}
-
-/// URL-safe base64 without padding (a JWT's segments).
-fn base64_url(bytes: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::new();
-    for c in bytes.chunks(3) {
-        let n = c.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..=c.len() {
-            out.push(char::from(A[(n >> (18 - 6 * i) & 63) as usize]));
-        }
-    }
-    out
 }
 
 /// Kubernetes objects: byte 0 = 0 InferencePool, 1 EndpointSlices (| 4: the `ingest` port), 2

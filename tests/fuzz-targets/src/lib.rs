@@ -351,11 +351,26 @@ impl kvroute_picker::ingest::token::ReviewApi for FakeReview {
     }
 }
 
+/// URL-safe base64 without padding, as a JWT's segments are written.
+pub fn base64_url(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = c.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=c.len() {
+            out.push(char::from(A[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
 /// Agent token identity: the first line is the `authorization` metadata value of an agent's
 /// `Report` stream, the rest the TokenReview object the API server answers (JSON). Byte 0 picks
 /// the pod the API reads for it (bits 0-1: none, one with the review's pod-uid on `node-a`, one
-/// with another uid, one not scheduled yet). The token is verified twice (the second may come
-/// from the cache); an accepted one names a pod, its uid and a node.
+/// with another uid, one not scheduled yet) and whether the token's middle segment is its claims
+/// in the clear, encoded here so that mutations reach the claims themselves (bit 2). The token is
+/// verified twice (the second may come from the cache); an accepted one names a pod, its uid and
+/// a node.
 pub fn agent_token(data: &[u8]) {
     use kvroute_picker::ingest::token::{AgentTokenConfig, POD_UID_KEY, TokenVerifier, bearer, token_expiry};
     let Some((&sel, rest)) = data.split_first() else { return };
@@ -367,6 +382,15 @@ pub fn agent_token(data: &[u8]) {
     let mut metadata = tonic::metadata::MetadataMap::new();
     metadata.insert("authorization", value);
     let Some(token) = bearer(&metadata) else { return };
+    let encoded;
+    let token = if sel & 4 == 0 {
+        token
+    } else {
+        let mut parts = token.splitn(3, '.');
+        let (head, claims, sig) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        encoded = format!("{head}.{}.{sig}", base64_url(claims.as_bytes()));
+        encoded.as_str()
+    };
     let _ = token_expiry(token);
     let status = serde_json::from_slice::<k8s_openapi::api::authentication::v1::TokenReview>(review)
         .ok()
