@@ -86,7 +86,7 @@ use std::fmt::Display;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
-use kvroute_common::config::{InvalidField, YamlFileError, load_yaml, parse_yaml_str};
+use kvroute_common::config::{InvalidField, YamlFileError, load_yaml, parse_yaml, parse_yaml_str};
 use kvroute_common::image::{MAX_IMAGE_PIXELS, SmartResize};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
@@ -528,11 +528,24 @@ impl PickerConfig {
     /// Reads, parses and validates `path`; relative tokenizer paths are resolved against the
     /// file's directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let mut config: Self = load_yaml(CONFIG_FILE, path)?;
+        let config: Self = load_yaml(CONFIG_FILE, path)?;
+        config.resolved_and_valid(path)
+    }
+
+    /// As [`PickerConfig::load`], from the content `bytes` already read from `path`.
+    ///
+    /// # Errors
+    /// [`ConfigError::File`] when `bytes` is not the schema; as [`PickerConfig::validate`].
+    pub fn load_bytes(path: &Path, bytes: &[u8]) -> Result<Self, ConfigError> {
+        let config: Self = parse_yaml(CONFIG_FILE, path, bytes)?;
+        config.resolved_and_valid(path)
+    }
+
+    fn resolved_and_valid(mut self, path: &Path) -> Result<Self, ConfigError> {
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        config.resolve_paths(&base);
-        config.validate()?;
-        Ok(config)
+        self.resolve_paths(&base);
+        self.validate()?;
+        Ok(self)
     }
 
     /// Parses YAML text (no path resolution, no validation).

@@ -417,10 +417,25 @@ pub fn load_with(
     gie_file: Option<&Path>,
 ) -> Result<(PickerConfig, Vec<String>), ConfigError> {
     let gie = match gie_file {
-        Some(path) => {
-            let bytes = read_bounded(WHAT, path, MAX_GIE_CONFIG_BYTES)?;
-            if is_endpoint_picker_config(&bytes) {
-                let config: EndpointPickerConfig = parse_yaml(WHAT, path, &bytes)?;
+        Some(path) => Some((path, read_bounded(WHAT, path, MAX_GIE_CONFIG_BYTES)?)),
+        None => None,
+    };
+    load_from(config_file, gie.as_ref().map(|(path, bytes)| (*path, bytes.as_slice())))
+}
+
+/// As [`load_with`], with the `--config-file`'s content already read: `gie` is its path (what
+/// relative paths in it resolve against) and its bytes.
+///
+/// # Errors
+/// As [`load_with`].
+pub fn load_from(
+    config_file: Option<&Path>,
+    gie: Option<(&Path, &[u8])>,
+) -> Result<(PickerConfig, Vec<String>), ConfigError> {
+    let gie = match gie {
+        Some((path, bytes)) => {
+            if is_endpoint_picker_config(bytes) {
+                let config: EndpointPickerConfig = parse_yaml(WHAT, path, bytes)?;
                 Some((settings(&config)?, path))
             } else {
                 // A kvroute picker config passed the GIE way.
@@ -431,7 +446,7 @@ pub fn load_with(
                         "is a kvroute picker config and --config is set too; pass kvroute's settings once",
                     ));
                 }
-                return Ok((PickerConfig::load(path)?, Vec::new()));
+                return Ok((PickerConfig::load_bytes(path, bytes)?, Vec::new()));
             }
         }
         None => None,

@@ -49,10 +49,29 @@ impl UsageScanner {
         if self.found.is_some() || chunk.is_empty() {
             return;
         }
-        let sse = *self.sse.get_or_insert_with(|| {
-            let first = chunk.iter().find(|b| !b.is_ascii_whitespace()).copied();
-            first != Some(b'{')
-        });
+        let sse = match self.sse {
+            Some(sse) => sse,
+            None => {
+                // Sniffed from the first byte that is not whitespace, wherever the chunks split:
+                // whitespace before it is held (up to MAX_LINE_BYTES, past which it is dropped)
+                // and read as the shape it turns out to lead.
+                let Some(&first) = chunk.iter().find(|b| !b.is_ascii_whitespace()) else {
+                    if self.buf.len() + chunk.len() <= MAX_LINE_BYTES {
+                        self.buf.extend_from_slice(chunk);
+                    }
+                    return;
+                };
+                let sse = first != b'{';
+                self.sse = Some(sse);
+                let held = std::mem::take(&mut self.buf);
+                if sse {
+                    self.push_sse(&held)
+                } else {
+                    self.push_json(&held)
+                }
+                sse
+            }
+        };
         if sse { self.push_sse(chunk) } else { self.push_json(chunk) }
     }
 
@@ -190,6 +209,31 @@ mod tests {
             assert_eq!(s.finish(), Some(32), "cut at {cut}");
             assert_eq!(s.completion_tokens(), Some(3), "cut at {cut}");
         }
+    }
+
+    /// A body whose first chunk is whitespace alone is read as the shape its first other byte
+    /// leads, as when it arrives whole.
+    #[test]
+    fn whitespace_first_chunk_decides_nothing() {
+        let json = r#" {"usage":{"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+        let sse = format!(" \n{FINAL}\n\n");
+        let unindented = format!("  {FINAL}\n\n");
+        for body in [json, sse.as_str(), unindented.as_str()] {
+            let mut whole = UsageScanner::new(None);
+            whole.push(body.as_bytes());
+            let want = (whole.finish(), whole.completion_tokens());
+            for cut in 1..body.len() {
+                let mut s = UsageScanner::new(None);
+                for c in body.as_bytes().chunks(cut) {
+                    s.push(c);
+                }
+                assert_eq!((s.finish(), s.completion_tokens()), want, "{body:?} in chunks of {cut}");
+            }
+        }
+        let mut s = UsageScanner::new(None);
+        s.push(b" ");
+        s.push(json.as_bytes()[1..].as_ref());
+        assert_eq!(s.finish(), Some(16), "a JSON body after a whitespace chunk");
     }
 
     #[test]

@@ -197,13 +197,14 @@ fn extra<'a>(status: &'a TokenReviewStatus, key: &str) -> Option<&'a str> {
     user.extra.as_ref()?.get(key)?.first().map(String::as_str).filter(|v| !v.is_empty())
 }
 
-/// The token's `exp` claim (seconds since the epoch), read from its JWT payload. Only used to
-/// bound the cache: the token was authenticated by the API server, so its claims are its own.
+/// The token's `exp` claim (seconds since the epoch), read from its JWT payload; `None` without
+/// one, or for one past what the system clock can hold. Only used to bound the cache: the token
+/// was authenticated by the API server, so its claims are its own.
 pub fn token_expiry(token: &str) -> Option<SystemTime> {
     let payload = token.split('.').nth(1)?;
     let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload.trim_end_matches('=')).ok()?;
     let claims: serde_json::Value = serde_json::from_slice(&raw).ok()?;
-    Some(UNIX_EPOCH + Duration::from_secs(claims["exp"].as_u64()?))
+    UNIX_EPOCH.checked_add(Duration::from_secs(claims["exp"].as_u64()?))
 }
 
 impl TokenVerifier {
@@ -468,6 +469,16 @@ mod tests {
             assert!(v.verify(t).await.is_ok());
         }
         assert!(v.cached() <= 3, "{} cached", v.cached());
+    }
+
+    /// An `exp` past what `SystemTime` holds is no expiry, not a panic.
+    #[test]
+    fn expiry_past_the_clock_is_none() {
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let token = |exp: &str| format!("{}.{}.sig", b64("{}"), b64(&format!("{{\"exp\":{exp}}}")));
+        assert_eq!(token_expiry(&token(&u64::MAX.to_string())), None);
+        assert_eq!(token_expiry(&token("4102444800")), Some(UNIX_EPOCH + Duration::from_secs(4_102_444_800)));
+        assert_eq!(token_expiry(&token("-1")), None);
     }
 
     #[test]

@@ -204,5 +204,180 @@ fn main() -> std::io::Result<()> {
         "status": {"podIP": "10.0.0.11", "conditions": [{"type": "Ready", "status": "True"}]}
     });
     write("cluster_inputs", "vllm-pod", &[b"\x02".as_slice(), pod.to_string().as_bytes()].concat())?;
+
+    // GIE EndpointPickerConfig files: the fixtures of GIE's and llm-d's charts, and the picker's
+    // own config passed as --config-file.
+    for f in ["default-plugins.yaml", "kvroute-plugin.yaml", "llm-d-precise-prefix.yaml", "pd-two-profiles.yaml"] {
+        write("gie_config", f, &std::fs::read(root().join("tests/fixtures/gie").join(f))?)?;
+    }
+    write("gie_config", "picker-config", &std::fs::read(root().join("deploy/k8s/base/picker/picker.yaml"))?)?;
+
+    agent_token_seeds()?;
+    kube_object_seeds()?;
+    replica_message_seeds()?;
+    response_usage_seeds()?;
+
+    // Inline images: the image fixtures as bytes (0) and one as a data URL (1).
+    for entry in std::fs::read_dir(root().join("tests/fixtures/images"))? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("image").to_string();
+        write("image_headers", &name, &[b"\x00".as_slice(), &std::fs::read(&path)?].concat())?;
+    }
+    let gif = "data:image/gif;base64,R0lGODlhQAAwAIAAAAAAAAAAACH5BAAKAAAALAAAAABAADAAAAICRAEAOw==";
+    write("image_headers", "data-url-gif", &[b"\x01".as_slice(), gif.as_bytes()].concat())?;
+    Ok(())
+}
+
+/// Agent tokens: byte 0 = the pod the API reads, then `authorization` value, newline, TokenReview.
+fn agent_token_seeds() -> std::io::Result<()> {
+    let exp = serde_json::json!({"aud": ["kvroute-picker"], "exp": 4_102_444_800u64, "sub": "system:serviceaccount:kvroute-system:kvroute-agent"});
+    let b64 = |v: &serde_json::Value| kvroute_fuzz_targets::base64_url(v.to_string().as_bytes());
+    let token = format!("{}.{}.c2lnbmF0dXJl", b64(&serde_json::json!({"alg": "RS256"})), b64(&exp));
+    let review = |extra: serde_json::Value, authenticated: bool| {
+        serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+            "spec": {"token": "", "audiences": ["kvroute-picker"]},
+            "status": {"authenticated": authenticated, "audiences": ["kvroute-picker"],
+                       "user": {"username": "system:serviceaccount:kvroute-system:kvroute-agent",
+                                "uid": "sa-uid", "groups": ["system:serviceaccounts"], "extra": extra}}
+        })
+    };
+    let bound = serde_json::json!({
+        "authentication.kubernetes.io/pod-name": ["kvroute-agent-x7k2p"],
+        "authentication.kubernetes.io/pod-uid": ["0b5c6f1e-3a59-4f63-9d0e-8c1d2e3f4a5b"],
+        "authentication.kubernetes.io/node-name": ["node-a"]
+    });
+    let no_node = serde_json::json!({
+        "authentication.kubernetes.io/pod-name": ["kvroute-agent-x7k2p"],
+        "authentication.kubernetes.io/pod-uid": ["0b5c6f1e-3a59-4f63-9d0e-8c1d2e3f4a5b"]
+    });
+    let seed = |sel: u8, header: &str, review: &serde_json::Value| {
+        [vec![sel], header.as_bytes().to_vec(), b"\n".to_vec(), review.to_string().into_bytes()].concat()
+    };
+    write("agent_token", "node-claim", &seed(0, &format!("Bearer {token}"), &review(bound, true)))?;
+    write("agent_token", "pod-read", &seed(1, &format!("bearer {token}"), &review(no_node.clone(), true)))?;
+    let no_node_clear = no_node.clone();
+    write("agent_token", "pod-other-uid", &seed(2, &format!("Bearer {token}"), &review(no_node, true)))?;
+    let refused = serde_json::json!({"spec": {}, "status": {"authenticated": false, "error": "token expired"}});
+    write("agent_token", "refused", &seed(0, "Bearer abc.def.ghi", &refused))?;
+    let clear = format!("Bearer {}.{exp}.c2lnbmF0dXJl", b64(&serde_json::json!({"alg": "RS256"})));
+    write("agent_token", "clear-claims", &seed(4 | 1, &clear, &review(no_node_clear, true)))?;
+    Ok(())
+}
+
+/// Kubernetes objects: byte 0 = 0 InferencePool, 1 EndpointSlices (| 4: the `ingest` port), 2
+/// model objects, 3 a PodResources `List` answer.
+fn kube_object_seeds() -> std::io::Result<()> {
+    let pool = serde_json::json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "vllm-qwen2-5-7b", "namespace": "inference", "uid": "p-1"},
+        "spec": {"selector": {"matchLabels": {"app": "vllm-qwen2-5-7b"}},
+                 "targetPorts": [{"number": 8000}, {"number": 8001}], "appProtocol": "http",
+                 "endpointPickerRef": {"kind": "Service", "name": "kvroute-picker", "port": {"number": 9002},
+                                       "failureMode": "FailClose"}},
+        "status": {"parents": [{"parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "gw"},
+                                "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted",
+                                                "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}]}
+    });
+    write("kube_objects", "inferencepool", &[b"\x00".as_slice(), pool.to_string().as_bytes()].concat())?;
+    let slice = |name: &str, ips: &[&str]| {
+        serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": name, "namespace": "kvroute-system",
+                         "labels": {"kubernetes.io/service-name": "kvroute-picker"}},
+            "ports": [{"name": "ingest", "port": 9010, "protocol": "TCP"}, {"name": "ext-proc", "port": 9002}],
+            "endpoints": ips.iter().enumerate().map(|(i, ip)| serde_json::json!({
+                "addresses": [ip], "nodeName": format!("node-{i}"),
+                "conditions": {"ready": i == 0, "serving": true, "terminating": i == 2},
+                "targetRef": {"kind": "Pod", "name": format!("kvroute-picker-{i}"), "namespace": "kvroute-system"}
+            })).collect::<Vec<_>>()
+        })
+    };
+    let slices = serde_json::json!([slice("a", &["10.0.0.5", "10.0.0.6", "10.0.0.7"]), slice("b", &["fd00::5"])]);
+    write("kube_objects", "endpointslices", &[b"\x05".as_slice(), slices.to_string().as_bytes()].concat())?;
+    let models = serde_json::json!([
+        {"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceModelRewrite",
+         "metadata": {"name": "chat-split", "namespace": "inference", "creationTimestamp": "2026-01-01T00:00:00Z"},
+         "spec": {"poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pool"},
+                  "rules": [{"matches": [{"model": {"type": "Exact", "value": "chat"}}],
+                             "targets": [{"modelRewrite": "base", "weight": 90}, {"modelRewrite": "sql-lora", "weight": 10}]},
+                            {"targets": [{"modelRewrite": "base"}]}]}},
+        {"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
+         "metadata": {"name": "premium", "namespace": "inference"},
+         "spec": {"poolRef": {"name": "pool"}, "priority": 10}}
+    ]);
+    write("kube_objects", "model-objects", &[b"\x02".as_slice(), models.to_string().as_bytes()].concat())?;
+    use kvroute_cluster::podresources::proto::{
+        ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+    };
+    let list = ListPodResourcesResponse {
+        pod_resources: vec![PodResources {
+            name: "vllm-0".into(),
+            namespace: "inference".into(),
+            containers: vec![ContainerResources {
+                name: "vllm".into(),
+                devices: vec![
+                    ContainerDevices {
+                        resource_name: "nvidia.com/gpu".into(),
+                        device_ids: vec!["GPU-0b2d".into(), "GPU-77aa".into()],
+                        ..Default::default()
+                    },
+                    ContainerDevices {
+                        resource_name: "nvidia.com/mig-1g.10gb".into(),
+                        device_ids: vec!["MIG-1".into()],
+                        ..Default::default()
+                    },
+                ],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+    };
+    write("kube_objects", "podresources", &[b"\x03".as_slice(), &list.encode_to_vec()].concat())?;
+    Ok(())
+}
+
+/// A peer replica's stream: Hello, two requests routed (one to a pod not in the pool), one
+/// finished, a pod unreachable, an empty message.
+fn replica_message_seeds() -> std::io::Result<()> {
+    use kvroute_proto::replica::v1::{Finished, Hello, ReplicaMessage, Routed, Unreachable, replica_message::Msg};
+    let msgs = [
+        Some(Msg::Hello(Hello { replica_id: "r-1".into(), protocol_version: 1 })),
+        Some(Msg::Routed(Routed {
+            id: 1,
+            pod: "pod-0".into(),
+            routed_unix_ms: 1_800_000_000_000,
+            blocks: vec![1, 2, 3],
+        })),
+        Some(Msg::Routed(Routed {
+            id: 2,
+            pod: "elsewhere".into(),
+            routed_unix_ms: 1_799_999_999_000,
+            blocks: vec![4],
+        })),
+        Some(Msg::Routed(Routed { id: 0, pod: "pod-1".into(), routed_unix_ms: 0, blocks: vec![1, 2] })),
+        Some(Msg::Finished(Finished { id: 1, pod: "pod-0".into() })),
+        Some(Msg::Unreachable(Unreachable { pod: "pod-2".into() })),
+        None,
+    ];
+    let mut stream = Vec::new();
+    for msg in msgs {
+        ReplicaMessage { msg }.encode_length_delimited(&mut stream).map_err(std::io::Error::other)?;
+    }
+    write("replica_messages", "stream", &stream)
+}
+
+/// Engine responses: byte 0 = content-type (0 unknown, 1 JSON, 2 event stream) | (chunk - 1) << 2.
+fn response_usage_seeds() -> std::io::Result<()> {
+    let json = r#"{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":40,"total_tokens":42,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+    write("response_usage", "json", &[&[1 | (6 << 2)][..], json.as_bytes()].concat())?;
+    let sse = concat!(
+        r#"data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hi"}}],"usage":null}"#,
+        "\n\n",
+        r#"data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":16}}}"#,
+        "\n\ndata: [DONE]\n\n"
+    );
+    write("response_usage", "sse", &[&[2 | (2 << 2)][..], sse.as_bytes()].concat())?;
+    write("response_usage", "sniffed", &[&[0][..], sse.as_bytes()].concat())?;
     Ok(())
 }

@@ -21,6 +21,12 @@
 //! | `picker_config` | YAML | the picker's config parser and validation |
 //! | `agent_config` | YAML | the agent's config parser, validation and source resolution |
 //! | `cluster_inputs` | byte 0 picks: a pool file, an engine file (YAML), or a Kubernetes Pod (JSON, as the API server sends it) | the pool and engine file parsers and views, the pod's pool facts and its engines (vLLM argv, `--kv-events-config`, env expansion, KV endpoints) |
+//! | `gie_config` | YAML | GIE's `EndpointPickerConfig` (`--config-file`) onto a picker config: plugin mapping, `kvroute-picker` parameters, weights, validation |
+//! | `agent_token` | byte 0 picks what the API says of the token's pod; a line with the `authorization` value an agent sends, then the TokenReview the API server answers (JSON) | bearer-token parsing, the `exp` claim, the picker's TokenReview checks and its cache |
+//! | `kube_objects` | byte 0 picks: an InferencePool, EndpointSlices, InferenceModelRewrites and InferenceObjectives (JSON, as the API server sends them), or a kubelet PodResources `List` answer (protobuf) | the pool spec view, the picker replicas and peers, the model table, the pods' GPUs |
+//! | `replica_messages` | length-delimited protobuf `ReplicaMessage`s | a peer replica's stream: message checks, then its events applied to the pending table and peers' in-flight counts |
+//! | `response_usage` | byte 0 picks the `content-type` and the chunk size; the rest is an engine's response body | the usage scanner (`cached_tokens`, `completion_tokens`), whose answer must not depend on the chunking |
+//! | `image_headers` | byte 0 picks: image bytes, or a `data:` URL | inline-image header readers (PNG, JPEG, WebP, GIF, BMP), strict base64, the Qwen2-VL token count |
 
 use std::sync::OnceLock;
 
@@ -47,6 +53,12 @@ pub const TARGETS: &[Target] = &[
     ("picker_config", picker_config),
     ("agent_config", agent_config),
     ("cluster_inputs", cluster_inputs),
+    ("gie_config", gie_config),
+    ("agent_token", agent_token),
+    ("kube_objects", kube_objects),
+    ("replica_messages", replica_messages),
+    ("response_usage", response_usage),
+    ("image_headers", image_headers),
 ];
 
 /// The tokenizer fixture (a real 151k-vocabulary BPE with Qwen's ChatML template).
@@ -301,4 +313,286 @@ pub fn cluster_inputs(data: &[u8]) {
             }
         }
     }
+}
+
+/// GIE's `EndpointPickerConfig` file (or a kvroute picker config passed as `--config-file`), read
+/// as the picker does at start: mapped onto a picker config, then validated.
+pub fn gie_config(data: &[u8]) {
+    let path = std::path::Path::new("/etc/epp/config.yaml");
+    let Ok((config, _warnings)) = kvroute_picker::gie::load_from(None, Some((path, data))) else { return };
+    if config.validate().is_ok() {
+        let w = &config.scoring.weights;
+        let sum = w.cache + w.load + w.queue + w.adapter + w.health;
+        assert!(sum.is_finite(), "weights of a valid config sum to {sum}");
+        let _ = config.pool_source();
+        let _ = config.pool();
+    }
+}
+
+/// What the API server says of one agent token: `status` (`None`: the API did not answer) and
+/// the pod read for it.
+struct FakeReview {
+    status: Option<k8s_openapi::api::authentication::v1::TokenReviewStatus>,
+    pod: Option<(String, Option<String>)>,
+}
+
+#[tonic::async_trait]
+impl kvroute_picker::ingest::token::ReviewApi for FakeReview {
+    async fn review(
+        &self,
+        _token: &str,
+        _audience: &str,
+    ) -> Result<k8s_openapi::api::authentication::v1::TokenReviewStatus, String> {
+        self.status.clone().ok_or_else(|| "no answer".to_string())
+    }
+
+    async fn pod(&self, _namespace: &str, _name: &str) -> Result<Option<(String, Option<String>)>, String> {
+        Ok(self.pod.clone())
+    }
+}
+
+/// URL-safe base64 without padding, as a JWT's segments are written.
+pub fn base64_url(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = c.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=c.len() {
+            out.push(char::from(A[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
+/// Agent token identity: the first line is the `authorization` metadata value of an agent's
+/// `Report` stream, the rest the TokenReview object the API server answers (JSON). Byte 0 picks
+/// the pod the API reads for it (bits 0-1: none, one with the review's pod-uid on `node-a`, one
+/// with another uid, one not scheduled yet) and whether the token's middle segment is its claims
+/// in the clear, encoded here so that mutations reach the claims themselves (bit 2). The token is
+/// verified twice (the second may come from the cache); an accepted one names a pod, its uid and
+/// a node.
+pub fn agent_token(data: &[u8]) {
+    use kvroute_picker::ingest::token::{AgentTokenConfig, POD_UID_KEY, TokenVerifier, bearer, token_expiry};
+    let Some((&sel, rest)) = data.split_first() else { return };
+    let (header, review) = match rest.iter().position(|&b| b == b'\n') {
+        Some(i) => (&rest[..i], &rest[i + 1..]),
+        None => (rest, &[][..]),
+    };
+    let Ok(value) = tonic::metadata::MetadataValue::try_from(header) else { return };
+    let mut metadata = tonic::metadata::MetadataMap::new();
+    metadata.insert("authorization", value);
+    let Some(token) = bearer(&metadata) else { return };
+    let encoded;
+    let token = if sel & 4 == 0 {
+        token
+    } else {
+        let mut parts = token.splitn(3, '.');
+        let (head, claims, sig) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        encoded = format!("{head}.{}.{sig}", base64_url(claims.as_bytes()));
+        encoded.as_str()
+    };
+    let _ = token_expiry(token);
+    let status = serde_json::from_slice::<k8s_openapi::api::authentication::v1::TokenReview>(review)
+        .ok()
+        .map(|r| r.status.unwrap_or_default());
+    let uid = status
+        .as_ref()
+        .and_then(|s| s.user.as_ref()?.extra.as_ref()?.get(POD_UID_KEY)?.first().cloned())
+        .unwrap_or_default();
+    let pod = match sel & 3 {
+        0 => None,
+        1 => Some((uid, Some("node-a".to_string()))),
+        2 => Some((format!("{uid}-other"), Some("node-a".to_string()))),
+        _ => Some((uid, None)),
+    };
+    let config = AgentTokenConfig { cache_entries: 2, ..AgentTokenConfig::default() };
+    let verifier = TokenVerifier::new(std::sync::Arc::new(FakeReview { status, pod }), &config, "kvroute-system");
+    runtime().block_on(async {
+        let first = verifier.verify(token).await;
+        if let Ok(p) = &first {
+            assert!(!p.pod.is_empty() && !p.uid.is_empty() && !p.node.is_empty(), "accepted {p:?}");
+            assert_eq!(p.namespace, "kvroute-system");
+        }
+        let second = verifier.verify(token).await;
+        assert_eq!(first.is_ok(), second.is_ok(), "a token verified twice gets one answer");
+        assert!(verifier.cached() <= 2, "{} reviews cached, at most 2", verifier.cached());
+    });
+}
+
+/// Kubernetes objects the picker and the agent read from the API: byte 0 picks an InferencePool
+/// (0), EndpointSlices (1: a slice or an array of them; bit 2 picks the port by name `ingest`),
+/// InferenceModelRewrites and InferenceObjectives (2: an array, told apart by `kind`) or a kubelet
+/// PodResources `List` answer (3, protobuf); the rest is the input.
+pub fn kube_objects(data: &[u8]) {
+    use kvroute_cluster::crd::{InferenceModelRewrite, InferenceObjective, InferencePool};
+    use kvroute_cluster::{ModelTable, NodeGpus, PoolSpecView, ReplicaView, Source};
+    let Some((&sel, rest)) = data.split_first() else { return };
+    match sel & 3 {
+        0 => {
+            let Ok(pool) = serde_json::from_slice::<InferencePool>(rest) else { return };
+            let spec = PoolSpecView::from_spec(&pool.spec);
+            let ports = &spec.target_ports;
+            assert!(ports.len() <= kvroute_cluster::pool::MAX_TARGET_PORTS, "{} target ports", ports.len());
+            assert!(ports.iter().all(|p| *p != 0), "port 0 in {ports:?}");
+            assert!(ports.iter().enumerate().all(|(i, p)| !ports[..i].contains(p)), "repeated port in {ports:?}");
+            assert!(spec.selects(&spec.selector), "a pool selects its own labels");
+            let _ = spec.label_selector();
+        }
+        1 => {
+            use k8s_openapi::api::discovery::v1::EndpointSlice;
+            let slices = match serde_json::from_slice::<Vec<EndpointSlice>>(rest) {
+                Ok(s) => s,
+                Err(_) => match serde_json::from_slice::<EndpointSlice>(rest) {
+                    Ok(s) => vec![s],
+                    Err(_) => return,
+                },
+            };
+            let port = (sel & 4 != 0).then_some("ingest");
+            let replicas = kvroute_cluster::replicas::replicas_from_slices(&slices, port);
+            assert!(replicas.len() <= kvroute_cluster::replicas::MAX_REPLICAS, "{} replicas", replicas.len());
+            assert!(replicas.windows(2).all(|w| w[0].addr < w[1].addr), "replicas sorted and unique by address");
+            assert!(replicas.iter().all(|r| r.addr.port() != 0), "a replica on port 0");
+            let own = replicas.first().map(|r| r.addr);
+            let view = ReplicaView { service: "kvroute-picker".into(), replicas, synced: true, generation: 1 };
+            let peers = kvroute_picker::replicas::peers_in_view(&view, own.as_slice(), None);
+            assert!(own.is_none_or(|a| !peers.contains(&a)), "a replica follows itself");
+        }
+        2 => {
+            let Ok(objects) = serde_json::from_slice::<Vec<serde_json::Value>>(rest) else { return };
+            let (mut rewrites, mut objectives) = (Vec::new(), Vec::new());
+            for o in objects {
+                if o.get("kind").and_then(serde_json::Value::as_str) == Some("InferenceObjective") {
+                    objectives.extend(serde_json::from_value::<InferenceObjective>(o).ok());
+                } else {
+                    rewrites.extend(serde_json::from_value::<InferenceModelRewrite>(o).ok());
+                }
+            }
+            let source = Source::Kubernetes { namespace: "default".into(), name: "pool".into() };
+            let table = ModelTable::from_objects(source, "pool", &rewrites, &objectives, true);
+            assert!(table.rules.len() <= kvroute_cluster::models::MAX_RULES, "{} rules", table.rules.len());
+            for rule in &table.rules {
+                assert!(!rule.targets.is_empty(), "a rule without a target");
+                assert!(rule.targets.len() <= kvroute_cluster::models::MAX_TARGETS, "{} targets", rule.targets.len());
+                assert!(
+                    rule.targets
+                        .iter()
+                        .filter_map(|t| t.weight)
+                        .all(|w| (1..=kvroute_cluster::models::MAX_WEIGHT).contains(&w)),
+                    "a weight out of range"
+                );
+                for r in [0, 1, u64::MAX / 3, u64::MAX] {
+                    assert!(rule.pick(r).is_some(), "a rule with targets picks one");
+                }
+                for m in &rule.matches {
+                    assert!(table.rule_for(m).is_some(), "model {m:?} has a rule");
+                }
+            }
+        }
+        _ => {
+            use prost::Message;
+            let Ok(list) = kvroute_cluster::podresources::proto::ListPodResourcesResponse::decode(rest) else { return };
+            let gpus = NodeGpus::from_list(&list);
+            for ((namespace, pod), g) in &gpus.pods {
+                assert!(!g.is_empty(), "a pod listed without GPUs");
+                assert_eq!(gpus.of_pod(namespace, pod, None).len(), g.len());
+            }
+        }
+    }
+}
+
+/// One peer replica's `ReplicaSync` stream: protobuf `ReplicaMessage`s, each prefixed with its
+/// varint length, checked as the picker does and applied to a pending table (chains of at most
+/// 4096 blocks kept) whose pods are `pod-0` to `pod-3`; the peer then leaves.
+pub fn replica_messages(data: &[u8]) {
+    use kvroute_picker::pending::{ManualClock, SharedView};
+    use kvroute_picker::replicas::{MAX_EVENT_BLOCKS, MAX_POD_NAME_BYTES, from_message};
+    use kvroute_proto::replica::v1::ReplicaMessage;
+    use prost::Message;
+    const NOW_MS: i64 = 1_800_000_000_000;
+    let view = SharedView::new(30_000, 4096, std::sync::Arc::new(ManualClock::new(NOW_MS)));
+    let resolve = |pod: &str| match pod {
+        "pod-0" => Some(kvroute_picker::index::PodIdx(0)),
+        "pod-1" => Some(kvroute_picker::index::PodIdx(1)),
+        "pod-2" => Some(kvroute_picker::index::PodIdx(2)),
+        "pod-3" => Some(kvroute_picker::index::PodIdx(3)),
+        _ => None,
+    };
+    let origin = 7;
+    let mut buf = data;
+    while !buf.is_empty() {
+        let Ok(m) = ReplicaMessage::decode_length_delimited(&mut buf) else { break };
+        let Ok(Some(ev)) = from_message(m) else { continue };
+        use kvroute_picker::pending::ReplicaEvent;
+        let pod = match &ev {
+            ReplicaEvent::Routed { pod, blocks, .. } => {
+                assert!(blocks.len() <= MAX_EVENT_BLOCKS, "chain of {}", blocks.len());
+                pod
+            }
+            ReplicaEvent::Finished { pod, .. } | ReplicaEvent::Unreachable { pod } => pod,
+        };
+        assert!(!pod.is_empty() && pod.len() <= MAX_POD_NAME_BYTES, "pod name of {} bytes", pod.len());
+        let _ = view.apply_peer(origin, &ev, resolve);
+        let st = view.lock();
+        for p in 0..4 {
+            let _ = st.peers.since(kvroute_picker::index::PodIdx(p), NOW_MS - 60_000);
+        }
+    }
+    view.peer_gone(origin);
+    assert!(view.lock().peers.is_empty(), "a peer's in-flight requests outlive its stream");
+}
+
+/// An engine's response body as the picker's ext_proc sees it: byte 0 picks the `content-type`
+/// (bits 0-1: unknown, JSON, event stream) and the chunk size (bits 2-7: 1 to 64 bytes); the rest
+/// is the body. Chunked or whole, the scanner finds the same counts.
+pub fn response_usage(data: &[u8]) {
+    use kvroute_picker::ext_proc::usage::UsageScanner;
+    let Some((&sel, body)) = data.split_first() else { return };
+    let event_stream = match sel & 3 {
+        1 => Some(false),
+        2 => Some(true),
+        _ => None,
+    };
+    let chunk = usize::from(sel >> 2) + 1;
+    let mut whole = UsageScanner::new(event_stream);
+    whole.push(body);
+    let whole_found = whole.finish();
+    let mut chunked = UsageScanner::new(event_stream);
+    for c in body.chunks(chunk) {
+        chunked.push(c);
+    }
+    let chunked_found = chunked.finish();
+    assert_eq!(whole_found, chunked_found, "cached_tokens whole and in chunks of {chunk}");
+    assert_eq!(
+        whole.completion_tokens(),
+        chunked.completion_tokens(),
+        "completion_tokens whole and in chunks of {chunk}"
+    );
+}
+
+/// Inline images: byte 0 picks the input (bit 0: 0 the image's bytes, 1 a `data:` URL whose
+/// payload is decoded, at most 64 KiB); the size read from the header is turned into the
+/// Qwen2-VL token count and the image's content identifier.
+pub fn image_headers(data: &[u8]) {
+    use kvroute_common::image::{SmartResize, content_identifier, data_url_payload, decode_base64, image_size};
+    let Some((&sel, rest)) = data.split_first() else { return };
+    let decoded;
+    let bytes = if sel & 1 == 0 {
+        rest
+    } else {
+        let Ok(url) = std::str::from_utf8(rest) else { return };
+        let Some(payload) = data_url_payload(url) else { return };
+        let Some(b) = decode_base64(payload, 64 * 1024) else { return };
+        assert!(b.len() <= 64 * 1024, "decoded {} bytes", b.len());
+        decoded = b;
+        &decoded
+    };
+    let Some((w, h)) = image_size(bytes) else { return };
+    assert!(w > 0 && h > 0, "size {w}x{h}");
+    let q = SmartResize::QWEN2_VL;
+    if let Some((rh, rw)) = q.resize(w, h) {
+        let factor = u64::from(q.patch_size * q.merge_size);
+        assert!(rh > 0 && rw > 0 && rh % factor == 0 && rw % factor == 0, "resized to {rh}x{rw}");
+        assert!(q.tokens(w, h).is_some_and(|t| t > 0), "{w}x{h} sized but no tokens");
+    }
+    assert_eq!(content_identifier("m", bytes).len(), 64);
 }
