@@ -41,9 +41,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, OnceLock};
 
-use kvroute_common::image::{
-    InlineImage, SmartResize, data_url_payload, inline_image, inline_image_size, payload_key,
-};
+use kvroute_common::image::{InlineImage, SmartResize, data_url_payload, inline_image, inline_image_size, payload_key};
 use kvroute_common::{BlockHash, BlockHasher, MmItem};
 use kvroute_tokenize::ModelTokenizer;
 use std::sync::atomic::AtomicBool;
@@ -567,9 +565,8 @@ impl ResolvedModel {
                 out.push(t);
                 continue;
             };
-            let placed = self
-                .reproduce_image(image)
-                .filter(|r| out.len() + r.tokens + tokens.len() <= MAX_EXPANDED_TOKENS);
+            let placed =
+                self.reproduce_image(image).filter(|r| out.len() + r.tokens + tokens.len() <= MAX_EXPANDED_TOKENS);
             let Some(r) = placed else {
                 claimable.get_or_insert(out.len());
                 out.push(t);
@@ -606,7 +603,8 @@ impl ResolvedModel {
             reader.queued_bytes.fetch_sub(len, Ordering::Relaxed);
             return false;
         }
-        let job = ImageJob { url, payload_at, cache: self.image_cache.clone(), hash_model: self.images.hash_model.clone() };
+        let job =
+            ImageJob { url, payload_at, cache: self.image_cache.clone(), hash_model: self.images.hash_model.clone() };
         match reader.queue.try_send(job) {
             Ok(()) => true,
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {

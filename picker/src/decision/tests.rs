@@ -527,8 +527,8 @@ async fn a_new_large_image_is_sized_now_and_identified_in_the_background() {
     let model = gw.models.resolve("vl-size").unwrap().clone();
     let chat = "/v1/chat/completions";
     // 300×200 (77 tokens), then 60 KB that only the whole read decodes and hashes.
-    let mut png = std::fs::read(format!("{}/../tests/fixtures/images/gradient-300x200.png", env!("CARGO_MANIFEST_DIR")))
-        .unwrap();
+    let mut png =
+        std::fs::read(format!("{}/../tests/fixtures/images/gradient-300x200.png", env!("CARGO_MANIFEST_DIR"))).unwrap();
     png.extend((0..60_000u32).map(|i| (i * 7 % 251) as u8));
     let url = data_url("image/png", &png);
     let body = image_chat("vl-size", &[(&url, None)]);
