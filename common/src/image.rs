@@ -14,6 +14,8 @@
 //! - [`inline_image`]: the size and identifier of a data URL's image in one pass, decoded a
 //!   piece at a time and hashed as it comes (what the picker calls per request: the decoded
 //!   image is never held whole, so a request's images cost no allocation of their size).
+//! - [`inline_image_size`]: the size alone, from as much of the payload as holds the header
+//!   (what the picker calls for an image it has not read before; the identifier is read later).
 //! - [`payload_key`]: a key to cache [`inline_image`]'s answer by.
 //! - [`SmartResize`]: the Qwen2-VL family's token count for an image of a given size.
 //!
@@ -66,6 +68,14 @@ pub fn decode_base64(payload: &str, max_bytes: usize) -> Option<Vec<u8>> {
 /// each format's reader). Pixels are never decoded; reads stop at the header, except that a GIF
 /// is walked to its first image descriptor, linear in the input.
 pub fn image_size(bytes: &[u8]) -> Option<(u32, u32)> {
+    header_size(bytes, bytes.len())
+}
+
+/// [`image_size`] of an image of `total_len` bytes from its first bytes `head` (`head.len()` ≤
+/// `total_len`): a `Some` here is what [`image_size`] of the whole image gives, since every read
+/// is at a fixed place within `head` and only the WebP reader looks at the length, which is
+/// `total_len`; `None` when the header reaches past `head` (or is refused).
+fn header_size(bytes: &[u8], total_len: usize) -> Option<(u32, u32)> {
     const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
     let size = if bytes.starts_with(PNG) {
         // Signature, then the IHDR chunk: length 13, type, width and height big-endian.
@@ -76,7 +86,7 @@ pub fn image_size(bytes: &[u8]) -> Option<(u32, u32)> {
     } else if bytes.starts_with(&[0xFF, 0xD8]) {
         jpeg_size(bytes)?
     } else if bytes.starts_with(b"RIFF") && bytes.get(8..12)? == b"WEBP" {
-        webp_size(bytes)?
+        webp_size(bytes, total_len)?
     } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
         gif_size(bytes)?
     } else if bytes.starts_with(b"BM") {
@@ -157,14 +167,16 @@ fn jpeg_size(b: &[u8]) -> Option<(u32, u32)> {
 ///
 /// An extended file's frames are not checked against its canvas (libwebp refuses a frame
 /// outside it, when the picker would still count the canvas).
-fn webp_size(b: &[u8]) -> Option<(u32, u32)> {
+fn webp_size(b: &[u8], total_len: usize) -> Option<(u32, u32)> {
     let riff = usize::try_from(le32(b, 4)?).ok()?;
     let chunk = usize::try_from(le32(b, 16)?).ok()?;
     // The RIFF payload ("WEBP", the chunk header, the chunk) must all be there.
-    if riff.checked_add(8)? > b.len() || chunk.checked_add(12)? > riff {
+    if riff.checked_add(8)? > total_len || chunk.checked_add(12)? > riff {
         return None;
     }
-    let data = b.get(20..20 + chunk)?;
+    // The chunk's first bytes (all of it when `b` is the whole file): the fields read below lie
+    // within both it and the chunk.
+    let data = b.get(20..(20 + chunk).min(b.len()))?;
     match b.get(12..16)? {
         b"VP8 " => {
             let tag = le24(data, 0)?;
@@ -467,6 +479,50 @@ fn inline_image_in_chunks(
     };
     let identifier = hasher.zip(model_id).map(|(h, model)| identifier_end(h, model));
     Some(InlineImage { size, identifier })
+}
+
+/// Decoded bytes of [`inline_image_size`]'s first piece; each later piece doubles what is decoded.
+const HEADER_FIRST_BYTES: usize = 3 * 1024;
+
+/// The size of the image a base64 `payload` encodes, read from its header only: the payload is
+/// decoded from its start in pieces ([`HEADER_FIRST_BYTES`], then doubling what is held) until
+/// the header gives the size, so a PNG costs one small piece and a JPEG whose frame header comes
+/// after large APPn segments (EXIF, ICC) a few; the image's bytes past its header are neither
+/// decoded nor hashed. A `Some` is what [`inline_image`] gives for a payload whose every piece is
+/// strict base64 (only the pieces decoded are checked here); `None` as there for a payload that
+/// is not padded whole groups, would decode to more than `max_bytes`, is not strict base64 in
+/// what was decoded, or holds no header [`image_size`] reads. Work: at most one decode of the
+/// payload (a header that is not found), memory at most the decoded image in that case.
+pub fn inline_image_size(payload: &str, max_bytes: usize) -> Option<(u32, u32)> {
+    let input = payload.as_bytes();
+    if input.is_empty() || !input.len().is_multiple_of(4) {
+        return None;
+    }
+    let padding = input.iter().rev().take(2).take_while(|&&c| c == b'=').count();
+    let len = input.len() / 4 * 3 - padding;
+    if len > max_bytes {
+        return None;
+    }
+    let mut head = Vec::new();
+    let mut rest = input;
+    let mut piece_bytes = HEADER_FIRST_BYTES;
+    while !rest.is_empty() {
+        let (piece, after) = rest.split_at((piece_bytes / 3 * 4).min(rest.len()));
+        rest = after;
+        // Padding ends the payload (see `inline_image_in_chunks`).
+        if !rest.is_empty() && piece.last() == Some(&b'=') {
+            return None;
+        }
+        let at = head.len();
+        head.resize(at + piece.len() / 4 * 3, 0);
+        let n = STRICT.decode_slice(piece, &mut head[at..]).ok()?;
+        head.truncate(at + n);
+        if let Some(size) = header_size(&head, len) {
+            return Some(size);
+        }
+        piece_bytes = head.len();
+    }
+    None
 }
 
 /// The Qwen2-VL family's image resizing (its image processor's `smart_resize`) and token count:
@@ -938,7 +994,15 @@ mod tests {
             }
             let want = read_whole(&payload, Some("m"), max);
             proptest::prop_assert_eq!(&inline_image_in_chunks(&payload, Some("m"), max, 3 * pieces), &want);
-            proptest::prop_assert_eq!(inline_image(&payload, None, max), want.map(|w| InlineImage { identifier: None, ..w }));
+            proptest::prop_assert_eq!(inline_image(&payload, None, max), want.clone().map(|w| InlineImage { identifier: None, ..w }));
+            // Header-only: a size found is the whole read's when that read succeeds (it may
+            // find one where the whole read refuses a spoiled tail it never decodes).
+            let head_only = inline_image_size(&payload, max);
+            if let Some(w) = &want {
+                proptest::prop_assert_eq!(head_only, Some(w.size));
+            } else if head_only.is_some() {
+                proptest::prop_assert!(spoil == 2 || spoil == 3 || spoil == 1, "refused whole, sized by header: {}", spoil);
+            }
         }
 
         /// Any size: refused, or resized to multiples of 28 within Qwen2-VL's pixel bounds.
@@ -981,6 +1045,55 @@ mod tests {
             files += 1;
         }
         assert!(files >= 7, "the fixtures: {files}");
+    }
+
+    /// Header-only sizing: every fixture gets the size reading it whole gives, from its first
+    /// 64 bytes too (a WebP's length check uses the whole image's length), and a large image is
+    /// sized from its head: a JPEG whose frame header follows 200 KB of APP segments, and a PNG
+    /// whose bytes past the first piece are not base64 (never decoded, so not refused).
+    #[test]
+    fn inline_images_sized_from_the_header_only() {
+        use base64::Engine as _;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        let dir = format!("{}/../tests/fixtures/images", env!("CARGO_MANIFEST_DIR"));
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+            let want = image_size(&bytes);
+            assert!(want.is_some());
+            assert_eq!(inline_image_size(&b64(&bytes), 1 << 20), want);
+            assert_eq!(inline_image_size(&b64(&bytes), bytes.len() - 1), None, "over the bound");
+            let head = &bytes[..64.min(bytes.len())];
+            if header_size(head, bytes.len()).is_some() {
+                assert_eq!(header_size(head, bytes.len()), want);
+            }
+            if bytes.starts_with(b"RIFF") {
+                assert_eq!(header_size(head, bytes.len()), want, "a WebP's header is in its first bytes");
+                assert_eq!(header_size(head, bytes.len() - 1), None, "shorter than its RIFF size");
+            }
+        }
+        // A JPEG: SOI, four 50 KB APP1 segments, then the frame header.
+        let mut jpeg = vec![0xFF, 0xD8];
+        for _ in 0..4 {
+            jpeg.extend_from_slice(&[0xFF, 0xE1, 0xC3, 0x50]);
+            jpeg.resize(jpeg.len() + 0xC350 - 2, 0x42);
+        }
+        jpeg.extend_from_slice(&[0xFF, 0xC0, 0x00, 0x11, 0x08, 0x02, 0xD0, 0x05, 0x00, 3]);
+        jpeg.resize(jpeg.len() + 300_000, 0);
+        let payload = b64(&jpeg);
+        assert_eq!(inline_image_size(&payload, 1 << 20), Some((1280, 720)));
+        assert_eq!(inline_image(&payload, None, 1 << 20).map(|i| i.size), Some((1280, 720)));
+        // A PNG: the header in the first piece, the rest not base64 at all.
+        let mut png = png(640, 480);
+        png.resize(300_000, 7);
+        let mut payload = b64(&png);
+        payload.replace_range(8_000..8_004, "!!!!");
+        assert_eq!(inline_image_size(&payload, 1 << 20), Some((640, 480)));
+        assert_eq!(inline_image(&payload, None, 1 << 20), None, "read whole, refused");
+        // Refused as reading whole refuses: not padded groups, foreign bytes, no header.
+        assert_eq!(inline_image_size("iVBORw0", 1 << 20), None);
+        assert_eq!(inline_image_size(&b64(&[0u8; 10_000]), 1 << 20), None);
+        assert_eq!(inline_image_size("!!!!", 1 << 20), None);
+        assert_eq!(inline_image_size("", 1 << 20), None);
     }
 
     /// The hash input written out byte by byte, independently of the implementation.

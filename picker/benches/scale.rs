@@ -26,9 +26,11 @@
 //!      two JPEGs of 0.8 MB, real encoder output made here) at [`IMAGE_RATE`] req/s on a model
 //!      with `vision` (the count from each image's header, the identifier vLLM's content hash of
 //!      its bytes), every image new (three bytes after its end changed per request, which
-//!      decoders ignore and the hash does not); the image decisions are reported too;
+//!      decoders ignore and the hash does not): the decision sizes each from its header and the
+//!      background reader reads its identifier (docs/decisions/0049-image-identifier-off-the-decision.md);
+//!      the image decisions are reported too, and the reads queued and dropped;
 //!    - `images seen before`: the same with two requests in turn, as a chat resends its images
-//!      (the model's image cache answers after the first time);
+//!      (the model's image cache answers after the background read);
 //!    - `alone` again, to show the drift between the first and last phases.
 //!
 //!    Each line gives p50 / p99 / p99.9 / max of the decision's own time (`decide`, start to
@@ -37,7 +39,8 @@
 //!    that kept it, and the p99 from each request's due time to the decision's end (the issuing
 //!    thread's wake-up and any wait behind its previous request included).
 //! 3. **What an image costs**: the steps of one inline image (base64 decode, header size,
-//!    vLLM's content hash; all three whole, then streamed as the picker does), the parse of the
+//!    vLLM's content hash; all three whole, then streamed as the background reader does; the
+//!    header-only size from the payload and the cache key, as the decision does), the parse of the
 //!    whole image request's body, the chat template with and without the URLs, and the whole
 //!    decision with new images and with images seen before, timed one by one on this thread.
 //!
@@ -665,6 +668,7 @@ fn main() {
                      images: Option<&(dyn Fn(u64) -> Vec<u8> + Sync)>| {
         let start = Instant::now() + Duration::from_millis(20);
         let gw: &Gateway = &gw;
+        let reads = (gw.metrics.image_reads_deferred.get(), gw.metrics.image_reads_dropped.get());
         let (text, images, ingested) = std::thread::scope(|s| {
             let text = s.spawn(|| paced(gw, &text_body, TEXT_RATE, DECIDERS, start, length));
             let images = images.map(|body| s.spawn(move || paced(gw, body, IMAGE_RATE, 1, start, length)));
@@ -674,6 +678,11 @@ fn main() {
         report(&format!("  {name}: text"), &text);
         if let Some(images) = images {
             report(&format!("  {name}: 4-image requests"), &images);
+            println!(
+                "    images read in the background: {} queued, {} dropped (queue full)",
+                gw.metrics.image_reads_deferred.get() - reads.0,
+                gw.metrics.image_reads_dropped.get() - reads.1
+            );
         }
         let secs = ingested.elapsed.as_secs_f64();
         println!(
@@ -704,6 +713,11 @@ fn main() {
         let bytes = decode_base64(payload, 64 << 20).unwrap();
         report(&format!("  {name}: base64 decode (whole)"), &time(50, || decode_base64(payload, 64 << 20).unwrap()));
         report(&format!("  {name}: header size"), &time(50, || image_size(&bytes).unwrap()));
+        report(
+            &format!("  {name}: header size from the payload"),
+            &time(50, || inline_image_size(payload, 64 << 20).unwrap()),
+        );
+        report(&format!("  {name}: payload key (cache)"), &time(50, || payload_key(payload)));
         report(&format!("  {name}: content hash"), &time(50, || content_identifier(MODEL, &bytes)));
         report(
             &format!("  {name}: decode+size+hash, whole"),

@@ -204,6 +204,11 @@ pub struct Metrics {
     /// `epp_tokenizations_cancelled_total`: tokenizations stopped because the request's ext_proc
     /// stream ended before the decision.
     pub tokenizations_cancelled: Counter,
+    /// `epp_image_reads_deferred_total`: inline images sized from their header whose identifier
+    /// was queued for the background reader (docs/decisions/0049-image-identifier-off-the-decision.md).
+    pub image_reads_deferred: Counter,
+    /// `epp_image_reads_dropped_total`: such reads dropped because the reader's queue was full.
+    pub image_reads_dropped: Counter,
     pod_unreachable: Family<PodLabel, Gauge>,
     /// `epp_adapter_loads_triggered_total{adapter}`: routed to a pod not running the adapter.
     pub adapter_loads_triggered: Family<AdapterLabel, Counter>,
@@ -279,6 +284,8 @@ impl Metrics {
         let stale_cache_routing = Counter::default();
         let upstream_connect_failures = Counter::default();
         let tokenizations_cancelled = Counter::default();
+        let image_reads_deferred = Counter::default();
+        let image_reads_dropped = Counter::default();
         let pod_unreachable = Family::<PodLabel, Gauge>::default();
         let adapter_loads_triggered = Family::<AdapterLabel, Counter>::default();
         let request_errors = Family::<CodeLabel, Counter>::default();
@@ -378,6 +385,16 @@ impl Metrics {
             "epp_tokenizations_cancelled",
             "Tokenizations stopped because the request's ext_proc stream ended first (Envoy gave up)",
             tokenizations_cancelled.clone(),
+        );
+        registry.register(
+            "epp_image_reads_deferred",
+            "Inline images sized from their header, their identifier queued for the background reader",
+            image_reads_deferred.clone(),
+        );
+        registry.register(
+            "epp_image_reads_dropped",
+            "Inline images sized from their header whose background read was dropped (the reader's queue full)",
+            image_reads_dropped.clone(),
         );
         registry.register(
             "epp_pod_unreachable",
@@ -504,6 +521,8 @@ impl Metrics {
             stale_cache_routing,
             upstream_connect_failures,
             tokenizations_cancelled,
+            image_reads_deferred,
+            image_reads_dropped,
             pod_unreachable,
             adapter_loads_triggered,
             request_errors,

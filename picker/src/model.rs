@@ -18,7 +18,13 @@
 //! `uuid` (vLLM's `multi_modal_uuids`) or, for an inline `data:` URL, vLLM's content hash of its
 //! bytes; the count is the model's fixed `image_tokens` or, with `vision`, the Qwen2-VL count of
 //! the image's size read from its header. From the first image it cannot place on (an http(s) URL
-//! without `uuid`, a count it cannot know, malformed data), no block is claimed.
+//! without `uuid`, a count it cannot know, malformed data, an inline image whose identifier is
+//! not read yet), no block is claimed; every image whose count is known is still expanded.
+//!
+//! An inline image not read before is sized from its header alone and its identifier read in the
+//! background ([`ResolvedModel::read_later`], docs/decisions/0049-image-identifier-off-the-decision.md):
+//! the decision does not wait for a decode and hash of the whole image, and the next request
+//! that sends the image (a chat's next turn) finds its identifier in the model's [`ImageCache`].
 //!
 //! Mode (docs/design.md §6): precise models hash token blocks and match the KV-event index; approximate
 //! models (default without a tokenizer, or when it fails to load) hash text blocks
@@ -31,9 +37,11 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, OnceLock};
 
-use kvroute_common::image::{InlineImage, SmartResize, data_url_payload, inline_image, payload_key};
+use kvroute_common::image::{InlineImage, SmartResize, data_url_payload, inline_image, inline_image_size, payload_key};
 use kvroute_common::{BlockHash, BlockHasher, MmItem};
 use kvroute_tokenize::ModelTokenizer;
 use std::sync::atomic::AtomicBool;
@@ -59,8 +67,9 @@ pub struct ResolvedModel {
     pub approx: Option<ApproxModel>,
     /// How images become placeholder tokens (docs/design.md §2).
     pub images: ImageSettings,
-    /// Inline images this model read lately (an image sent again is not decoded again).
-    pub image_cache: ImageCache,
+    /// Inline images this model read lately (an image sent again is not decoded again); shared
+    /// with the background reader ([`ResolvedModel::read_later`]).
+    pub image_cache: Arc<ImageCache>,
 }
 
 /// How a model's chat template and engine turn an image into tokens (docs/design.md §2).
@@ -90,6 +99,11 @@ pub const IMAGE_CACHE_ENTRIES: usize = 1024;
 /// Payloads shorter than this (bytes of base64) are read without the cache: little to save.
 const IMAGE_CACHE_MIN_PAYLOAD: usize = 16 * 1024;
 
+/// Payloads shorter than this (bytes of base64, ≈ 48 KB of image) are read whole by the decision
+/// when not cached, ≈ 25 µs each; a longer one is sized from its header and read in the
+/// background.
+pub const IMAGE_READ_NOW_MAX_PAYLOAD: usize = 64 * 1024;
+
 /// The inline images a model read lately: size and identifier by [`payload_key`] (BLAKE3 of the
 /// base64 payload), so an image sent again, as every turn of a chat resends its earlier images,
 /// costs one hash of its payload instead of a base64 decode and a hash of its bytes
@@ -106,24 +120,55 @@ pub struct ImageCache {
 }
 
 impl ImageCache {
+    /// What a decision reads of an inline image: its size and, when `model_id` asks for one, its
+    /// identifier if it is at hand. Without `model_id`: the size from the header alone
+    /// ([`inline_image_size`]). With it: a payload read before answers from the cache; one under
+    /// [`IMAGE_READ_NOW_MAX_PAYLOAD`] is read whole ([`ImageCache::read`]); any other is sized
+    /// from its header and returned without identifier, with its [`payload_key`] as the second
+    /// value (its read is to be handed to [`ResolvedModel::read_later`]). `None` where the header is refused, as
+    /// [`inline_image`] refuses it. Work: the header's piece of the payload, plus one BLAKE3
+    /// pass over the payload's text with `model_id`; never a decode of the whole image.
+    pub fn lookup(&self, payload: &str, model_id: Option<&str>) -> Option<(InlineImage, Option<[u8; 32]>)> {
+        let Some(model_id) = model_id else {
+            let size = inline_image_size(payload, MAX_INLINE_IMAGE_BYTES)?;
+            return Some((InlineImage { size, identifier: None }, None));
+        };
+        if payload.len() < IMAGE_READ_NOW_MAX_PAYLOAD {
+            return Some((self.read(payload, Some(model_id))?, None));
+        }
+        let key = payload_key(payload);
+        if let Some(hit) = self.get(&key, true) {
+            return Some((hit, None));
+        }
+        let size = inline_image_size(payload, MAX_INLINE_IMAGE_BYTES)?;
+        Some((InlineImage { size, identifier: None }, Some(key)))
+    }
+
+    /// The image kept under `key` (with an identifier when `identified`), refreshed in the newer
+    /// generation.
+    fn get(&self, key: &[u8; 32], identified: bool) -> Option<InlineImage> {
+        let usable = |i: &&InlineImage| !identified || i.identifier.is_some();
+        let hit = {
+            let g = self.generations.lock();
+            let [newer, older] = &*g;
+            match newer.get(key).filter(usable) {
+                Some(hit) => Some(hit.clone()),
+                None => older.get(key).filter(usable).cloned(),
+            }
+        }?;
+        self.keep(*key, &hit);
+        Some(hit)
+    }
+
     /// `inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES)`, from the cache when this
-    /// payload was read before (with an identifier, when `model_id` asks for one).
+    /// payload was read before (with an identifier, when `model_id` asks for one): the whole
+    /// read, what the background reader runs.
     pub fn read(&self, payload: &str, model_id: Option<&str>) -> Option<InlineImage> {
         if payload.len() < IMAGE_CACHE_MIN_PAYLOAD {
             return inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES);
         }
         let key = payload_key(payload);
-        let usable = |i: &&InlineImage| model_id.is_none() || i.identifier.is_some();
-        let hit = {
-            let mut g = self.generations.lock();
-            let [newer, older] = &mut *g;
-            match newer.get(&key).filter(usable) {
-                Some(hit) => Some(hit.clone()),
-                None => older.get(&key).filter(usable).cloned(),
-            }
-        };
-        if let Some(hit) = hit {
-            self.keep(key, &hit);
+        if let Some(hit) = self.get(&key, model_id.is_some()) {
             return Some(hit);
         }
         let read = inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES)?;
@@ -154,6 +199,66 @@ impl ImageCache {
     }
 }
 
+/// Reads queued for the background reader at most ([`ResolvedModel::read_later`]).
+pub const IMAGE_READ_QUEUE: usize = 64;
+
+/// Bytes of payload queued for the background reader at most (one 7 MB request of four 720p
+/// images is ≈ 9.4 MB of base64): a read that would go past it is dropped.
+pub const IMAGE_READ_QUEUE_BYTES: usize = 64 << 20;
+
+/// One inline image to read in the background: its URL (moved out of the request), where the
+/// payload starts in it, and the cache and model id to read it for.
+struct ImageJob {
+    url: String,
+    payload_at: usize,
+    cache: Arc<ImageCache>,
+    hash_model: String,
+}
+
+/// The process's background image reader: one thread at a lower priority (nice + 10), fed by a
+/// bounded queue ([`IMAGE_READ_QUEUE`] jobs, [`IMAGE_READ_QUEUE_BYTES`] bytes).
+struct ImageReader {
+    queue: SyncSender<ImageJob>,
+    queued_bytes: Arc<AtomicUsize>,
+}
+
+/// The reader, started on first use; `None` when its thread could not be started.
+fn image_reader() -> Option<&'static ImageReader> {
+    static READER: OnceLock<Option<ImageReader>> = OnceLock::new();
+    READER
+        .get_or_init(|| {
+            let (queue, jobs) = sync_channel(IMAGE_READ_QUEUE);
+            let queued_bytes = Arc::new(AtomicUsize::new(0));
+            let bytes = queued_bytes.clone();
+            let started = std::thread::Builder::new()
+                .name("kvroute-image-reader".into())
+                .spawn(move || read_images(&jobs, &bytes));
+            match started {
+                Ok(_) => Some(ImageReader { queue, queued_bytes }),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the background image reader did not start: new images are not read");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// The reader's loop: each job read whole into its model's cache, its bytes then released.
+fn read_images(jobs: &Receiver<ImageJob>, queued_bytes: &AtomicUsize) {
+    // Below the decisions: what it reads serves a later request, never the current one.
+    let tid = rustix::thread::gettid();
+    let nice = rustix::process::getpriority_process(Some(tid)).unwrap_or(0);
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), (nice + 10).min(19)) {
+        tracing::debug!(error = %e, "the image reader keeps the process's priority");
+    }
+    for job in jobs {
+        let payload = job.url.get(job.payload_at..).unwrap_or_default();
+        job.cache.read(payload, Some(&job.hash_model));
+        queued_bytes.fetch_sub(job.url.len(), Ordering::Relaxed);
+    }
+}
+
 /// Most tokens a prompt may have once its images are expanded; images that would go past it are
 /// not placed (their blocks are not claimed).
 pub const MAX_EXPANDED_TOKENS: usize = 1 << 21;
@@ -168,6 +273,20 @@ pub struct ImagePlacement {
     /// Tokens from the start that the engine sees exactly as the picker does: up to the first
     /// placeholder of the first image not reproduced (the whole prompt when every image is).
     pub claimable: usize,
+    /// Images (indices in the `images` given) sized from their header whose identifier is to be
+    /// read in the background: hand their URLs to [`ResolvedModel::read_later`].
+    pub deferred: Vec<usize>,
+}
+
+/// What [`ResolvedModel::reproduce_image`] knows of an image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReproducedImage {
+    /// Placeholder tokens the engine expands it to.
+    pub tokens: usize,
+    /// The identifier the engine keys its blocks with; `None` when not known (yet).
+    pub identifier: Option<String>,
+    /// An inline image sized from its header only, its identifier to be read in the background.
+    pub deferred: bool,
 }
 
 /// A model in approximate mode: its text-chain hasher and the store of where chains went.
@@ -338,7 +457,7 @@ fn build_model(
         hasher,
         approx,
         images,
-        image_cache: ImageCache::default(),
+        image_cache: Arc::default(),
     }
 }
 
@@ -411,10 +530,11 @@ impl ResolvedModel {
 
     /// Places a chat request's `images` (from [`chat_images`]) in its rendered `tokens` as the
     /// engine does (docs/design.md §2): each image's placeholder token, when the picker knows the
-    /// image's identifier and token count ([`ResolvedModel::reproduce_image`]), is expanded in
-    /// `tokens` to that many tokens and becomes an [`MmItem`]; the first image that cannot be
-    /// placed (and every one after it) stays one token and ends the claimable prefix at its
-    /// position. `Err` (nothing claimable) when the tokenizer has no placeholder token or the
+    /// image's token count ([`ResolvedModel::reproduce_image`]), is expanded in `tokens` to that
+    /// many tokens (else it stays one token), and becomes an [`MmItem`] when its identifier is
+    /// known too and every image before it was one; the first image that is not ends the
+    /// claimable prefix at its position. Images sized from their header whose identifier is
+    /// read later are listed in `deferred`. `Err` (nothing claimable) when the tokenizer has no placeholder token or the
     /// rendered prompt does not hold one per image (the template does not render them, or a text
     /// holds the token). Without images: nothing to place, everything claimable.
     pub fn place_images(
@@ -423,7 +543,7 @@ impl ResolvedModel {
         tokens: &mut Vec<u32>,
     ) -> Result<ImagePlacement, &'static str> {
         if images.is_empty() {
-            return Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() });
+            return Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len(), deferred: Vec::new() });
         }
         let Some(pad) = self.images.placeholder else {
             return Err("images, and the tokenizer has no image placeholder token");
@@ -433,60 +553,96 @@ impl ResolvedModel {
         }
         let mut out = Vec::with_capacity(tokens.len());
         let mut items = Vec::new();
+        let mut deferred = Vec::new();
         let mut claimable = None;
-        let mut next = images.iter();
+        let mut next = images.iter().enumerate();
         for &t in tokens.iter() {
-            if t != pad || claimable.is_some() {
+            if t != pad {
                 out.push(t);
                 continue;
             }
-            let placed = next
-                .next()
-                .and_then(|image| self.reproduce_image(image))
-                .filter(|(n, _)| out.len() + n + tokens.len() <= MAX_EXPANDED_TOKENS);
-            match placed {
-                Some((n, identifier)) => {
-                    items.push(MmItem { identifier, offset: out.len(), length: n });
-                    out.extend(std::iter::repeat_n(pad, n));
+            let Some((index, image)) = next.next() else {
+                out.push(t);
+                continue;
+            };
+            let placed =
+                self.reproduce_image(image).filter(|r| out.len() + r.tokens + tokens.len() <= MAX_EXPANDED_TOKENS);
+            let Some(r) = placed else {
+                claimable.get_or_insert(out.len());
+                out.push(t);
+                continue;
+            };
+            if r.deferred {
+                deferred.push(index);
+            }
+            match r.identifier {
+                Some(identifier) if claimable.is_none() => {
+                    items.push(MmItem { identifier, offset: out.len(), length: r.tokens });
                 }
-                None => {
-                    claimable = Some(out.len());
-                    out.push(t);
+                _ => {
+                    claimable.get_or_insert(out.len());
                 }
             }
+            out.extend(std::iter::repeat_n(pad, r.tokens));
         }
         *tokens = out;
-        Ok(ImagePlacement { items, claimable: claimable.unwrap_or(tokens.len()) })
+        Ok(ImagePlacement { items, claimable: claimable.unwrap_or(tokens.len()), deferred })
     }
 
-    /// (placeholder tokens, identifier) of `image` as the engine derives them, or `None` when
-    /// the picker cannot know one of them (docs/design.md §2):
+    /// Reads an inline image's identifier in the background for a later request: `url` (a
+    /// `data:` URL that [`ResolvedModel::place_images`] listed in `deferred`, moved out of the
+    /// request so nothing is copied) is queued for the process's reader thread, which reads it
+    /// whole ([`inline_image`]) into this model's [`ImageCache`]. False (the read dropped) when
+    /// `url` is not a data URL, the queue holds [`IMAGE_READ_QUEUE`] reads or
+    /// [`IMAGE_READ_QUEUE_BYTES`] bytes, or the reader is not running. Never blocks.
+    pub fn read_later(&self, url: String) -> bool {
+        let Some(payload_at) = data_url_payload(&url).map(|p| url.len() - p.len()) else { return false };
+        let Some(reader) = image_reader() else { return false };
+        let len = url.len();
+        if reader.queued_bytes.fetch_add(len, Ordering::Relaxed).saturating_add(len) > IMAGE_READ_QUEUE_BYTES {
+            reader.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            return false;
+        }
+        let job =
+            ImageJob { url, payload_at, cache: self.image_cache.clone(), hash_model: self.images.hash_model.clone() };
+        match reader.queue.try_send(job) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                reader.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Placeholder tokens and identifier of `image` as the engine derives them (docs/design.md
+    /// §2), or `None` when the picker cannot know the count:
     /// - the count is `image_tokens` when fixed; with `vision`, the Qwen2-VL count of the size
     ///   in the header of an inline PNG, JPEG, WebP, GIF or BMP (`data:<type>;base64,`);
     ///   otherwise unknown;
-    /// - the identifier is the `uuid`, else vLLM's content hash of the inline image's bytes.
+    /// - the identifier is the `uuid`, else vLLM's content hash of the inline image's bytes when
+    ///   the payload is small or the model's [`ImageCache`] holds it; else none, `deferred`.
     ///
     /// An http(s) URL without `uuid` is never fetched; malformed base64, a truncated or foreign
     /// header, a zero side, an aspect ratio over 200 or more than 178,956,970 pixels (vLLM
     /// refuses those), more than [`MAX_INLINE_IMAGE_BYTES`] or [`crate::config::MAX_IMAGE_TOKENS`]
-    /// tokens: `None`. Work is one base64 decode and one BLAKE3 pass over the image, only when
-    /// needed, a piece at a time (the decoded image is not held; pixels are never decoded); for
-    /// an image the model read lately, one BLAKE3 pass over its payload ([`ImageCache`]).
-    pub fn reproduce_image(&self, image: &ChatImage<'_>) -> Option<(usize, String)> {
+    /// tokens: `None`. Work ([`ImageCache::lookup`]): the header's piece of the payload, and
+    /// without `uuid` one BLAKE3 pass over the payload's text (a small payload is read whole);
+    /// pixels are never decoded.
+    pub fn reproduce_image(&self, image: &ChatImage<'_>) -> Option<ReproducedImage> {
         let settings = &self.images;
         if settings.tokens_per_image.is_none() && settings.vision.is_none() {
             return None;
         }
         let needs_bytes = settings.tokens_per_image.is_none() || image.uuid.is_none();
-        // Read in one streaming pass (decoded a piece at a time, hashed only without a uuid).
         // An inline image is always sized: the count may need it, and an image vLLM could not
         // open is refused there, so the picker claims nothing on it.
-        let inline = if needs_bytes {
+        let (inline, deferred) = if needs_bytes {
             let payload = data_url_payload(image.url?)?;
             let hash_model = image.uuid.is_none().then_some(settings.hash_model.as_str());
-            Some(self.image_cache.read(payload, hash_model)?)
+            let (inline, later) = self.image_cache.lookup(payload, hash_model)?;
+            (Some(inline), later.is_some())
         } else {
-            None
+            (None, false)
         };
         let tokens = match (settings.tokens_per_image, settings.vision, &inline) {
             (Some(n), _, _) => n,
@@ -496,11 +652,11 @@ impl ResolvedModel {
             _ => return None,
         };
         let identifier = match (image.uuid, inline) {
-            (Some(uuid), _) => uuid.to_owned(),
-            (None, Some(InlineImage { identifier, .. })) => identifier?,
-            (None, None) => return None,
+            (Some(uuid), _) => Some(uuid.to_owned()),
+            (None, Some(InlineImage { identifier, .. })) => identifier,
+            (None, None) => None,
         };
-        Some((tokens, identifier))
+        Some(ReproducedImage { tokens, identifier, deferred })
     }
 }
 

@@ -265,6 +265,41 @@ pub fn chat_images(messages: &[Value]) -> Result<Vec<ChatImage<'_>>, &'static st
     Ok(out)
 }
 
+/// The URLs of the images of `messages` at `which` (positions in [`chat_images`]' order), moved
+/// out of their parts (an empty string left in place), in that order: what the picker reads of an
+/// image later without copying it. A position without a string URL, or past the images, is
+/// skipped.
+pub fn take_image_urls(messages: &mut [Value], which: &[usize]) -> Vec<String> {
+    let mut out = Vec::with_capacity(which.len());
+    let mut index = 0;
+    for message in messages {
+        let Some(Value::Array(parts)) = message.get_mut("content") else { continue };
+        for part in parts {
+            let image = matches!(
+                part.get("type").and_then(Value::as_str).unwrap_or("text"),
+                "image_url" | "image" | "input_image"
+            );
+            if !image {
+                continue;
+            }
+            if which.contains(&index) {
+                let key = if part.get("image_url").is_some() { "image_url" } else { "image" };
+                let url = match part.get_mut(key) {
+                    Some(Value::String(u)) => Some(u),
+                    Some(Value::Object(o)) => match o.get_mut("url") {
+                        Some(Value::String(u)) => Some(u),
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                out.extend(url.map(std::mem::take));
+            }
+            index += 1;
+        }
+    }
+    out
+}
+
 /// Parses a body: the `model` and the prompt, by `:path` (`/v1/responses` as the Responses API,
 /// `/chat/completions` as chat; for other paths by which of `messages`/`prompt` is present).
 /// An empty body is [`ModelError::EmptyBody`].
@@ -426,6 +461,11 @@ mod tests {
         let want = [(Some("one"), Some("u1")), (None, Some("u2")), (None, Some("u3")), (None, Some("u4"))];
         let want: Vec<ChatImage<'_>> = want.iter().map(|&(uuid, url)| ChatImage { uuid, url }).collect();
         assert_eq!(chat_images(&messages), Ok(want));
+        // The same images' URLs moved out by position, in every shape a URL comes in.
+        let mut taken = messages.clone();
+        assert_eq!(take_image_urls(&mut taken, &[1, 2, 3, 9]), ["u2", "u3", "u4"]);
+        let left: Vec<_> = chat_images(&taken).unwrap().iter().map(|i| i.url).collect();
+        assert_eq!(left, [Some("u1"), Some(""), Some(""), Some("")]);
         let video =
             vec![serde_json::json!({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]})];
         assert!(chat_images(&video).is_err());

@@ -25,7 +25,9 @@ use crate::approx::{ApproxMatches, RoutingMode};
 use crate::gateway::{Gateway, Resolution};
 use crate::metrics::RequestRecord;
 use crate::model::{ImagePlacement, ResolvedModel};
-use crate::request::{ModelError, ParsedBody, PromptInput, chat_images, check_chat, needs_body, parse_body};
+use crate::request::{
+    ModelError, ParsedBody, PromptInput, chat_images, check_chat, needs_body, parse_body, take_image_urls,
+};
 use crate::score::{Decision, Explanation, PrefixMatches, RouteError, RouteRequest};
 use observe::DecisionObserver;
 
@@ -246,7 +248,7 @@ fn prepare_cancellable(
 ) -> Result<PreparedRequest, Rejection> {
     // Steps of the decision, as child spans of the caller's `epp.decision` span (docs/design.md §9 traces).
     let parse_span = tracing::info_span!("epp.parse").entered();
-    let ParsedBody { model: model_name, prompt, cache_salt, image_uuids } = read_body(gw, input)?;
+    let ParsedBody { model: model_name, mut prompt, cache_salt, image_uuids } = read_body(gw, input)?;
     let Resolution { model, rewrite: model_rewrite } =
         gw.resolve(&model_name).map_err(|_| ModelError::UnknownModel(echo_name(&model_name)))?;
     if let PromptInput::Chat(chat) = &prompt {
@@ -259,7 +261,8 @@ fn prepare_cancellable(
         RoutingMode::Approximate => Vec::new(),
         RoutingMode::Precise => tokenize(gw, &model, &prompt, input.request_id, cancel)?,
     };
-    let (items, claimable, image_reason) = place_images(&model, &prompt, mode, image_uuids, &mut tokens);
+    let (placement, image_reason) = place_images(&model, &prompt, mode, image_uuids, &mut tokens);
+    let ImagePlacement { items, claimable, deferred } = placement;
     let unmatched_reason = match &prompt {
         PromptInput::None(why) => *why,
         // Text chains carry no salt: a salted prompt must not match another tenant's text.
@@ -269,6 +272,7 @@ fn prepare_cancellable(
         _ => "",
     };
     let hashes = hash_chain(&model, mode, &prompt, &tokens[..claimable], cache_salt, items);
+    read_images_later(gw, &model, &mut prompt, &deferred);
     let approx_matches = model.approx.as_ref().map(|a| a.store.match_chain(&hashes.0));
     let priority = gw.priority(input.objective);
     Ok(PreparedRequest {
@@ -332,15 +336,16 @@ fn tokenize(
 }
 
 /// Images (docs/design.md §2): expanded in `tokens` and keyed as the engine does where the picker
-/// can. Returns the reproduced images, how many leading tokens may be claimed, and why none
-/// could be from the first image on ("" when every image was placed).
+/// can. Returns the placement (reproduced images, how many leading tokens may be claimed, the
+/// images whose identifier is read later) and why nothing could be claimed ("" when something
+/// could).
 fn place_images(
     model: &ResolvedModel,
     prompt: &PromptInput,
     mode: RoutingMode,
     image_uuids: bool,
     tokens: &mut Vec<u32>,
-) -> (Vec<MmItem>, usize, &'static str) {
+) -> (ImagePlacement, &'static str) {
     let placement = match (prompt, mode) {
         (PromptInput::Chat(chat), RoutingMode::Precise) if !tokens.is_empty() => {
             chat_images(&chat.messages).and_then(|mut images| {
@@ -352,11 +357,30 @@ fn place_images(
                 model.place_images(&images, tokens)
             })
         }
-        _ => Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len() }),
+        _ => Ok(ImagePlacement { items: Vec::new(), claimable: tokens.len(), deferred: Vec::new() }),
     };
     match placement {
-        Ok(p) => (p.items, p.claimable, ""),
-        Err(why) => (Vec::new(), 0, why),
+        Ok(p) => (p, ""),
+        Err(why) => (ImagePlacement::default(), why),
+    }
+}
+
+/// Hands the inline images sized from their header (`deferred`, indices in the chat's images)
+/// to the background reader (docs/decisions/0049-image-identifier-off-the-decision.md): their
+/// URLs are moved out of the parsed prompt, which the decision no longer needs, and counted in
+/// `epp_image_reads_deferred_total`, or `epp_image_reads_dropped_total` when the reader's queue
+/// is full.
+fn read_images_later(gw: &Gateway, model: &ResolvedModel, prompt: &mut PromptInput, deferred: &[usize]) {
+    let PromptInput::Chat(chat) = prompt else { return };
+    if deferred.is_empty() {
+        return;
+    }
+    for url in take_image_urls(&mut chat.messages, deferred) {
+        if model.read_later(url) {
+            gw.metrics.image_reads_deferred.inc();
+        } else {
+            gw.metrics.image_reads_dropped.inc();
+        }
     }
 }
 

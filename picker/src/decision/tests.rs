@@ -515,6 +515,53 @@ async fn inline_images_are_hashed_and_sized_as_vllm_does() {
     let _ = jpg;
 }
 
+/// docs/decisions/0049-image-identifier-off-the-decision.md: an inline image the picker has not
+/// read before (a payload over the cache's 16 KiB floor) is sized from its header alone, so the
+/// prompt is expanded to its 77 tokens but nothing is claimed from it on, and its identifier is
+/// read in the background; once read, the same payload is keyed through the image as vLLM keys
+/// it. A second new image after it is expanded too.
+#[tokio::test]
+async fn a_new_large_image_is_sized_now_and_identified_in_the_background() {
+    let models = format!("{IMAGE_MODELS}, {{name: vl-size, target_model: vl, tokenizer: DIR, vision: {{}}}}");
+    let VisionChat { gw, pad, rendered, at, plain } = vision_chat(&models);
+    let model = gw.models.resolve("vl-size").unwrap().clone();
+    let chat = "/v1/chat/completions";
+    // 300×200 (77 tokens), then 60 KB that only the whole read decodes and hashes.
+    let mut png =
+        std::fs::read(format!("{}/../tests/fixtures/images/gradient-300x200.png", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    png.extend((0..60_000u32).map(|i| (i * 7 % 251) as u8));
+    let url = data_url("image/png", &png);
+    let body = image_chat("vl-size", &[(&url, None)]);
+    let engine = expanded(&rendered, at, pad, 77);
+    let deferred = gw.metrics.image_reads_deferred.get();
+    let (tokens, chain, why) = prepared_chain(&gw, chat, &body);
+    assert_eq!((tokens.as_slice(), why), (engine.as_slice(), ""), "expanded from the header");
+    assert_eq!(chain, plain[..at / 16], "nothing claimed from the image on");
+    assert!(gw.metrics.image_reads_deferred.get() > deferred, "the read was queued");
+    // The background read lands in the model's cache (generous bound: a loaded machine).
+    let want = one_image_chain(&model, &engine, &kvroute_common::image::content_identifier("vl", &png), at, 77);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let through = loop {
+        let (tokens, chain, _) = prepared_chain(&gw, chat, &body);
+        assert_eq!(tokens, engine);
+        if chain.len() > at / 16 || std::time::Instant::now() > deadline {
+            break chain;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(through, want, "keyed through the image with vLLM's identifier");
+    // Two images, the first known, the second new: the first keyed, the second expanded but
+    // not claimed.
+    let mut other = png.clone();
+    other.extend_from_slice(b"new");
+    let other_url = data_url("image/png", &other);
+    let (tokens2, chain2, _) = prepared_chain(&gw, chat, &image_chat("vl-size", &[(&url, None), (&other_url, None)]));
+    assert_eq!(tokens2.iter().filter(|t| **t == pad).count(), 2 * 77, "both expanded");
+    let second = at + 77 + tokens2[at + 77..].iter().position(|t| *t == pad).unwrap();
+    assert_eq!(chain2.len(), second / 16);
+    assert_eq!(chain2[..], want[..second / 16]);
+}
+
 /// docs/design.md §2, the other formats vLLM's loader (Pillow) opens: a lossy, a lossless and an
 /// animated WebP, an animated GIF and a BMP inline get their size from their headers (the
 /// canvas, the logical screen), their placeholder the Qwen2-VL count worked in the fixtures'
