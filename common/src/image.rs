@@ -423,6 +423,19 @@ pub fn inline_image(payload: &str, model_id: Option<&str>, max_bytes: usize) -> 
     inline_image_in_chunks(payload, model_id, max_bytes, INLINE_CHUNK_BYTES)
 }
 
+/// Bytes a padded base64 payload decodes to, known before decoding: padding is required, so a
+/// canonical payload is whole 4-character groups, the last with at most two '='. `None` for an
+/// empty payload, one that is not whole groups, or one that would decode to more than
+/// `max_bytes`.
+fn padded_len(input: &[u8], max_bytes: usize) -> Option<usize> {
+    if input.is_empty() || !input.len().is_multiple_of(4) {
+        return None;
+    }
+    let padding = input.iter().rev().take(2).take_while(|&&c| c == b'=').count();
+    let len = input.len() / 4 * 3 - padding;
+    (len <= max_bytes).then_some(len)
+}
+
 fn inline_image_in_chunks(
     payload: &str,
     model_id: Option<&str>,
@@ -430,16 +443,7 @@ fn inline_image_in_chunks(
     chunk_bytes: usize,
 ) -> Option<InlineImage> {
     let input = payload.as_bytes();
-    // Padding is required: a canonical payload is whole 4-character groups, the last with at
-    // most two '='; what it decodes to is then known before decoding.
-    if input.is_empty() || !input.len().is_multiple_of(4) {
-        return None;
-    }
-    let padding = input.iter().rev().take(2).take_while(|&&c| c == b'=').count();
-    let len = input.len() / 4 * 3 - padding;
-    if len > max_bytes {
-        return None;
-    }
+    let len = padded_len(input, max_bytes)?;
     let mut hasher = model_id.map(|_| identifier_start(len));
     // The first piece is shorter by the hash input before the image, so that every later piece
     // starts the hasher on a boundary of BLAKE3's 1 KiB chunks (and of its 16-chunk batches
@@ -495,14 +499,7 @@ const HEADER_FIRST_BYTES: usize = 3 * 1024;
 /// payload (a header that is not found), memory at most the decoded image in that case.
 pub fn inline_image_size(payload: &str, max_bytes: usize) -> Option<(u32, u32)> {
     let input = payload.as_bytes();
-    if input.is_empty() || !input.len().is_multiple_of(4) {
-        return None;
-    }
-    let padding = input.iter().rev().take(2).take_while(|&&c| c == b'=').count();
-    let len = input.len() / 4 * 3 - padding;
-    if len > max_bytes {
-        return None;
-    }
+    let len = padded_len(input, max_bytes)?;
     let mut head = Vec::new();
     let mut rest = input;
     let mut piece_bytes = HEADER_FIRST_BYTES;
