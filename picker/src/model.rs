@@ -167,7 +167,12 @@ impl ImageCache {
         if payload.len() < IMAGE_CACHE_MIN_PAYLOAD {
             return inline_image(payload, model_id, MAX_INLINE_IMAGE_BYTES);
         }
-        let key = payload_key(payload);
+        self.read_keyed(payload_key(payload), payload, model_id)
+    }
+
+    /// [`ImageCache::read`] of a payload whose [`payload_key`] is `key`, already computed (the
+    /// background reader gets the key the decision's [`ImageCache::lookup`] computed).
+    fn read_keyed(&self, key: [u8; 32], payload: &str, model_id: Option<&str>) -> Option<InlineImage> {
         if let Some(hit) = self.get(&key, model_id.is_some()) {
             return Some(hit);
         }
@@ -207,10 +212,11 @@ pub const IMAGE_READ_QUEUE: usize = 64;
 pub const IMAGE_READ_QUEUE_BYTES: usize = 64 << 20;
 
 /// One inline image to read in the background: its URL (moved out of the request), where the
-/// payload starts in it, and the cache and model id to read it for.
+/// payload starts in it, its [`payload_key`], and the cache and model id to read it for.
 struct ImageJob {
     url: String,
     payload_at: usize,
+    key: [u8; 32],
     cache: Arc<ImageCache>,
     hash_model: String,
 }
@@ -254,7 +260,7 @@ fn read_images(jobs: &Receiver<ImageJob>, queued_bytes: &AtomicUsize) {
     }
     for job in jobs {
         let payload = job.url.get(job.payload_at..).unwrap_or_default();
-        job.cache.read(payload, Some(&job.hash_model));
+        job.cache.read_keyed(job.key, payload, Some(&job.hash_model));
         queued_bytes.fetch_sub(job.url.len(), Ordering::Relaxed);
     }
 }
@@ -273,9 +279,10 @@ pub struct ImagePlacement {
     /// Tokens from the start that the engine sees exactly as the picker does: up to the first
     /// placeholder of the first image not reproduced (the whole prompt when every image is).
     pub claimable: usize,
-    /// Images (indices in the `images` given) sized from their header whose identifier is to be
-    /// read in the background: hand their URLs to [`ResolvedModel::read_later`].
-    pub deferred: Vec<usize>,
+    /// Images sized from their header whose identifier is to be read in the background: their
+    /// indices in the `images` given and their [`payload_key`]s, for
+    /// [`ResolvedModel::read_later`].
+    pub deferred: Vec<(usize, [u8; 32])>,
 }
 
 /// What [`ResolvedModel::reproduce_image`] knows of an image.
@@ -285,8 +292,9 @@ pub struct ReproducedImage {
     pub tokens: usize,
     /// The identifier the engine keys its blocks with; `None` when not known (yet).
     pub identifier: Option<String>,
-    /// An inline image sized from its header only, its identifier to be read in the background.
-    pub deferred: bool,
+    /// An inline image sized from its header only, its identifier to be read in the background:
+    /// the [`payload_key`] its decision computed.
+    pub deferred: Option<[u8; 32]>,
 }
 
 /// A model in approximate mode: its text-chain hasher and the store of where chains went.
@@ -572,8 +580,8 @@ impl ResolvedModel {
                 out.push(t);
                 continue;
             };
-            if r.deferred {
-                deferred.push(index);
+            if let Some(key) = r.deferred {
+                deferred.push((index, key));
             }
             match r.identifier {
                 Some(identifier) if claimable.is_none() => {
@@ -591,11 +599,11 @@ impl ResolvedModel {
 
     /// Reads an inline image's identifier in the background for a later request: `url` (a
     /// `data:` URL that [`ResolvedModel::place_images`] listed in `deferred`, moved out of the
-    /// request so nothing is copied) is queued for the process's reader thread, which reads it
+    /// request so nothing is copied), with `key` its payload's [`payload_key`] listed there, is queued for the process's reader thread, which reads it
     /// whole ([`inline_image`]) into this model's [`ImageCache`]. False (the read dropped) when
     /// `url` is not a data URL, the queue holds [`IMAGE_READ_QUEUE`] reads or
     /// [`IMAGE_READ_QUEUE_BYTES`] bytes, or the reader is not running. Never blocks.
-    pub fn read_later(&self, url: String) -> bool {
+    pub fn read_later(&self, url: String, key: [u8; 32]) -> bool {
         let Some(payload_at) = data_url_payload(&url).map(|p| url.len() - p.len()) else { return false };
         let Some(reader) = image_reader() else { return false };
         let len = url.len();
@@ -603,8 +611,8 @@ impl ResolvedModel {
             reader.queued_bytes.fetch_sub(len, Ordering::Relaxed);
             return false;
         }
-        let job =
-            ImageJob { url, payload_at, cache: self.image_cache.clone(), hash_model: self.images.hash_model.clone() };
+        let (cache, hash_model) = (self.image_cache.clone(), self.images.hash_model.clone());
+        let job = ImageJob { url, payload_at, key, cache, hash_model };
         match reader.queue.try_send(job) {
             Ok(()) => true,
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
@@ -640,9 +648,9 @@ impl ResolvedModel {
             let payload = data_url_payload(image.url?)?;
             let hash_model = image.uuid.is_none().then_some(settings.hash_model.as_str());
             let (inline, later) = self.image_cache.lookup(payload, hash_model)?;
-            (Some(inline), later.is_some())
+            (Some(inline), later)
         } else {
-            (None, false)
+            (None, None)
         };
         let tokens = match (settings.tokens_per_image, settings.vision, &inline) {
             (Some(n), _, _) => n,

@@ -266,10 +266,10 @@ pub fn chat_images(messages: &[Value]) -> Result<Vec<ChatImage<'_>>, &'static st
 }
 
 /// The URLs of the images of `messages` at `which` (positions in [`chat_images`]' order), moved
-/// out of their parts (an empty string left in place), in that order: what the picker reads of an
-/// image later without copying it. A position without a string URL, or past the images, is
-/// skipped.
-pub fn take_image_urls(messages: &mut [Value], which: &[usize]) -> Vec<String> {
+/// out of their parts (an empty string left in place), each with its position, in message order:
+/// what the picker reads of an image later without copying it. A position without a string URL,
+/// or past the images, is skipped.
+pub fn take_image_urls(messages: &mut [Value], which: &[usize]) -> Vec<(usize, String)> {
     let mut out = Vec::with_capacity(which.len());
     let mut index = 0;
     for message in messages {
@@ -292,7 +292,7 @@ pub fn take_image_urls(messages: &mut [Value], which: &[usize]) -> Vec<String> {
                     },
                     _ => None,
                 };
-                out.extend(url.map(std::mem::take));
+                out.extend(url.map(|u| (index, std::mem::take(u))));
             }
             index += 1;
         }
@@ -463,7 +463,7 @@ mod tests {
         assert_eq!(chat_images(&messages), Ok(want));
         // The same images' URLs moved out by position, in every shape a URL comes in.
         let mut taken = messages.clone();
-        assert_eq!(take_image_urls(&mut taken, &[1, 2, 3, 9]), ["u2", "u3", "u4"]);
+        assert_eq!(take_image_urls(&mut taken, &[1, 2, 3, 9]), [(1, "u2".into()), (2, "u3".into()), (3, "u4".into())]);
         let left: Vec<_> = chat_images(&taken).unwrap().iter().map(|i| i.url).collect();
         assert_eq!(left, [Some("u1"), Some(""), Some(""), Some("")]);
         let video =

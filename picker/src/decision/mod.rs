@@ -365,18 +365,20 @@ fn place_images(
     }
 }
 
-/// Hands the inline images sized from their header (`deferred`, indices in the chat's images)
-/// to the background reader (docs/decisions/0049-image-identifier-off-the-decision.md): their
+/// Hands the inline images sized from their header (`deferred`, indices in the chat's images
+/// with their payload keys) to the background reader (docs/decisions/0049-image-identifier-off-the-decision.md): their
 /// URLs are moved out of the parsed prompt, which the decision no longer needs, and counted in
 /// `epp_image_reads_deferred_total`, or `epp_image_reads_dropped_total` when the reader's queue
 /// is full.
-fn read_images_later(gw: &Gateway, model: &ResolvedModel, prompt: &mut PromptInput, deferred: &[usize]) {
+fn read_images_later(gw: &Gateway, model: &ResolvedModel, prompt: &mut PromptInput, deferred: &[(usize, [u8; 32])]) {
     let PromptInput::Chat(chat) = prompt else { return };
     if deferred.is_empty() {
         return;
     }
-    for url in take_image_urls(&mut chat.messages, deferred) {
-        if model.read_later(url) {
+    let which: Vec<usize> = deferred.iter().map(|&(index, _)| index).collect();
+    for (index, url) in take_image_urls(&mut chat.messages, &which) {
+        let Some(&(_, key)) = deferred.iter().find(|&&(i, _)| i == index) else { continue };
+        if model.read_later(url, key) {
             gw.metrics.image_reads_deferred.inc();
         } else {
             gw.metrics.image_reads_dropped.inc();
