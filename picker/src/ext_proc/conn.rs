@@ -217,6 +217,13 @@ impl Drop for OpenGuard {
 #[derive(Debug)]
 struct LoopLoad(Arc<AtomicUsize>);
 
+impl LoopLoad {
+    fn new(open: &Arc<AtomicUsize>) -> Self {
+        open.fetch_add(1, Ordering::Relaxed);
+        Self(open.clone())
+    }
+}
+
 impl Drop for LoopLoad {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
@@ -247,9 +254,12 @@ pub fn loop_channel() -> (LoopSender, LoopReceiver) {
 /// accepted while every permit is held is closed at once: the listen backlog drains, the file
 /// descriptor is returned, and the connections already open keep working. Accept errors (out of
 /// file descriptors and the like) are logged and retried after 50 ms. Ends when every loop has
-/// stopped.
+/// stopped (at once when `loops` is empty).
 pub fn spawn_acceptor(listener: TcpListener, bounds: ConnBounds, counters: Arc<ConnCounters>, loops: Vec<LoopSender>) {
     tokio::spawn(async move {
+        if loops.is_empty() {
+            return;
+        }
         let permits = Arc::new(Semaphore::new(bounds.max_connections));
         let mut refused_logged: Option<Instant> = None;
         let mut next = 0usize;
@@ -288,21 +298,20 @@ pub fn spawn_acceptor(listener: TcpListener, bounds: ConnBounds, counters: Arc<C
                     continue;
                 }
             };
-            let state = Arc::new(ConnState::new());
-            let mut conn = Some((tcp, state, permit, OpenGuard::new(counters.clone())));
             let n = loops.len();
             let mut order: Vec<usize> = (0..n).map(|i| (next + i) % n).collect();
             order.sort_by_key(|&i| loops[i].open.load(Ordering::Relaxed));
             next = next.wrapping_add(1);
-            for i in order {
-                let Some((tcp, state, permit, open)) = conn.take() else { break };
-                let lp = &loops[i];
-                lp.open.fetch_add(1, Ordering::Relaxed);
-                let load = LoopLoad(lp.open.clone());
-                match lp.tx.send(Accepted { tcp, peer, state, permit, load, open }).await {
+            let (state, open) = (Arc::new(ConnState::new()), OpenGuard::new(counters.clone()));
+            let mut accepted = Accepted { tcp, peer, state, permit, open, load: LoopLoad::new(&loops[order[0]].open) };
+            for (k, &i) in order.iter().enumerate() {
+                if k > 0 {
+                    // The previous loop has stopped: this one counts the connection instead.
+                    accepted.load = LoopLoad::new(&loops[i].open);
+                }
+                match loops[i].tx.send(accepted).await {
                     Ok(()) => break,
-                    // That loop has stopped: try the next one.
-                    Err(mpsc::error::SendError(a)) => conn = Some((a.tcp, a.state, a.permit, a.open)),
+                    Err(mpsc::error::SendError(a)) => accepted = a,
                 }
             }
             // Taken by no loop (every one has stopped): it closes here, uncounted.
