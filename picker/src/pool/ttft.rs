@@ -14,6 +14,13 @@
 
 /// Observations a pod's fit needs before it predicts.
 pub const MIN_OBSERVATIONS: f64 = 4.0;
+/// Least spread of the observed work (weighted standard deviation ÷ mean) for a fitted slope;
+/// below it only the line through the origin is trusted.
+pub const MIN_WORK_SPREAD: f64 = 0.1;
+/// Observations the fleet-wide fit (a pod's stand-in until its own has learned) needs: one
+/// first token already gives a line through the origin, the fleet's ms per token of work, which
+/// is a better guess for every pod of the same model than no prediction at all.
+pub const FLEET_MIN_OBSERVATIONS: f64 = 1.0;
 /// Weight kept by the older observations at each new one (an effective window of ≈ 100).
 pub const DECAY: f64 = 0.99;
 /// Longest TTFT accepted as an observation, ms (10 minutes: anything longer is a stuck stream).
@@ -114,21 +121,41 @@ impl TtftFit {
         Some((with(0), with(1), with(2)))
     }
 
-    /// The fitted model, `None` before [`MIN_OBSERVATIONS`] or when the sums are not usable.
-    /// Least squares on work and queue when that system is solvable with a slope in bounds and a
-    /// queue term ≥ 0; else least squares on work alone when the observed work varies enough
-    /// and gives a slope in bounds; else the line through the origin (`b = Σy / Σx`), the slope
-    /// clamped to its bounds.
+    /// Weighted standard deviation of the observed work over its mean (0 before any
+    /// observation or with no work). A slope is only as good as this spread: first tokens all
+    /// seen at about the same work fit any slope, and least squares through them can put the
+    /// whole TTFT in the intercept (a pod that looks free however much work it has).
+    pub fn work_spread(&self) -> f64 {
+        if self.w <= 0.0 || self.sx <= 0.0 {
+            return 0.0;
+        }
+        let mean = self.sx / self.w;
+        let var = self.sxx / self.w - mean * mean;
+        if var.is_finite() && var > 0.0 { var.sqrt() / mean } else { 0.0 }
+    }
+
+    /// [`TtftFit::line_after`] [`MIN_OBSERVATIONS`].
     pub fn line(&self) -> Option<TtftLine> {
-        if self.w < MIN_OBSERVATIONS || self.sx.is_nan() || self.sx <= 0.0 {
+        self.line_after(MIN_OBSERVATIONS)
+    }
+
+    /// The fitted model, `None` before `min_observations` (weighted) or when the sums are not usable.
+    /// With the observed work spread at least [`MIN_WORK_SPREAD`]: least squares on work and
+    /// queue when that system is solvable with a slope in bounds and a queue term ≥ 0, else
+    /// least squares on work alone when it gives a slope in bounds. Otherwise the line through
+    /// the origin (`b = Σy / Σx`), the slope clamped to its bounds.
+    pub fn line_after(&self, min_observations: f64) -> Option<TtftLine> {
+        if self.w < min_observations || self.sx.is_nan() || self.sx <= 0.0 {
             return None;
         }
         let slope_ok = |b: f64| b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b);
-        let (a, b, c) = match self.full() {
+        let spread = self.work_spread() >= MIN_WORK_SPREAD;
+        let (a, b, c) = match self.full().filter(|_| spread) {
             Some((a, b, c)) if slope_ok(b) && c.is_finite() && c >= 0.0 && a.is_finite() => (a, b, c),
             _ => {
                 let den = self.w * self.sxx - self.sx * self.sx;
-                let ls = (den > 1e-9 * self.w * self.sxx).then(|| (self.w * self.sxy - self.sx * self.sy) / den);
+                let ls =
+                    (spread && den > 1e-9 * self.w * self.sxx).then(|| (self.w * self.sxy - self.sx * self.sy) / den);
                 match ls {
                     Some(b) if slope_ok(b) => ((self.sy - b * self.sx) / self.w, b, 0.0),
                     _ => (0.0, (self.sy / self.sx).clamp(MIN_SLOPE, MAX_SLOPE), 0.0),
@@ -186,5 +213,35 @@ mod tests {
         }
         let line = g.line().expect("fitted");
         assert!(line.ms_per_token >= MIN_SLOPE && line.intercept_ms >= 0.0, "{line:?}");
+    }
+
+    /// First tokens seen at nearly one work (a pod whose queue the picker could not see yet)
+    /// whose TTFTs grew with a hidden queue: least squares would put it all in the intercept
+    /// and read the pod as free at any work; the ratio line reads it as slow.
+    #[test]
+    fn nearly_constant_work_gives_the_ratio_line_not_a_flat_one() {
+        let mut f = TtftFit::default();
+        for (x, y) in [(3200.0, 926.0), (3216.0, 1634.0), (3232.0, 1655.0), (3248.0, 2300.0), (3264.0, 3100.0)] {
+            assert!(f.observe(x, 0.0, y));
+        }
+        assert!(f.work_spread() < MIN_WORK_SPREAD, "{}", f.work_spread());
+        let line = f.line().expect("fitted");
+        assert_eq!(line.intercept_ms, 0.0, "{line:?}");
+        let ratio = (926.0 + 1634.0 + 1655.0 + 2300.0 + 3100.0) / (3200.0 + 3216.0 + 3232.0 + 3248.0 + 3264.0);
+        // The older observations weigh a little less (DECAY): within 2 % of the plain ratio.
+        assert!((line.ms_per_token / ratio - 1.0).abs() < 0.02, "{line:?}");
+        // Twice the work, about twice the time (a flat fit would say ≈ the same).
+        assert!(line.predict(6400.0, 0.0) > 3000.0, "{line:?}");
+    }
+
+    /// The fleet-wide fit predicts after one first token, a pod's own after four.
+    #[test]
+    fn the_fleet_fit_predicts_from_one_first_token() {
+        let mut f = TtftFit::default();
+        assert!(f.observe(4096.0, 0.0, 926.0));
+        assert_eq!(f.line(), None);
+        let line = f.line_after(FLEET_MIN_OBSERVATIONS).expect("fitted");
+        assert!((line.predict(4096.0, 0.0) - 926.0).abs() < 1e-6, "{line:?}");
+        assert!(line.predict(0.0, 5.0) < 1.0, "nothing uncached, nothing ahead: {line:?}");
     }
 }
