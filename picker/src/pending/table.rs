@@ -394,6 +394,12 @@ impl PendingTable {
         out.sort_unstable();
     }
 
+    /// Whether `pod`'s KV events have confirmed a chain routed to it: until then
+    /// [`PendingTable::prefilling`] leaves its requests out, so the work read for it is short.
+    pub fn confirmed(&self, pod: PodIdx) -> bool {
+        self.confirms.get(usize::from(pod.0)).is_some_and(|&yes| yes)
+    }
+
     /// Every chain held, in no particular order: `(pod, blocks, origin)` (a peer's snapshot).
     pub fn chains(&self) -> impl Iterator<Item = (PodIdx, &Arc<[BlockHash]>, Origin)> {
         self.chains.values().map(|c| (c.pod, &c.blocks, c.origin))

@@ -86,6 +86,8 @@ struct Row {
     predicted: Option<f64>,
     /// loadRatio from in-flight work (`None`: the seed's formula).
     in_flight_load: Option<f64>,
+    /// The pod's reported KV cache usage, in [0, 1] (0 without a report).
+    kv: f64,
 }
 
 impl Row {
@@ -388,10 +390,16 @@ impl Router {
             let blocks = tail.unwrap_or_else(|| Arc::from([]));
             shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks });
         }
+        // Until the pod's KV events confirm a routed chain its requests still prefilling are not
+        // counted: with any request there the work read now may be short, and a first token
+        // measured against it would teach the pod's model that work costs nothing.
+        let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || shared.pending.confirmed(rec.idx);
         drop(shared);
         let mut slot = selection.reserve(rec, status, credited, now);
         slot.on_release(self.shared.clone(), id);
-        slot.set_ttft_work(row.ttft_work, row.depth, row.predicted);
+        if work_known {
+            slot.set_ttft_work(row.ttft_work, row.depth, row.predicted);
+        }
         self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
         self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
         rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
@@ -533,6 +541,7 @@ impl Router {
                         ttft_work: 0.0,
                         predicted: None,
                         in_flight_load: None,
+                        kv: 0.0,
                     });
                 }
             }
@@ -557,9 +566,17 @@ impl Router {
         // One instant for the whole decision: a report is stale for every stage or for none.
         let now = Instant::now();
         self.overlay_load(sc, table, shared, now);
-        self.spill(sc)?;
-        self.cap_pending(&mut sc.rows);
-        self.predict(sc, table, total_blocks);
+        let by_time_rule = self.config.spill_rule == SpillRule::Ttft;
+        if by_time_rule {
+            // Stay or spill by time: the queue spill needs every row's prediction first.
+            self.cap_pending(&mut sc.rows);
+            self.predict(sc, table, total_blocks);
+            self.spill_by_time(sc)?;
+        } else {
+            self.spill(sc)?;
+            self.cap_pending(&mut sc.rows);
+            self.predict(sc, table, total_blocks);
+        }
         let missed = slo.is_some_and(|slo| self.slo_filter(sc, slo));
         self.compose(sc, table, req, total_blocks, now);
         self.tie_keys(sc, table, tick);
@@ -579,6 +596,8 @@ impl Router {
         let mut choice = by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len()));
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
+            // By time, a pile that fits the pod's KV and is predicted far faster is no pile.
+            && !(by_time.is_some() && pile_fits(&sc.rows[c], &sc.rows[least]))
         {
             choice = Some(least);
             self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
@@ -597,7 +616,8 @@ impl Router {
         let horizon = self.config.load_horizon_ms as f64;
         let inflight = self.config.load_source == LoadSource::Inflight;
         let mut fallbacks = 0u64;
-        let fleet: Option<TtftLine> = self.shared.credit.fleet_ttft.lock().line();
+        let fleet: Option<TtftLine> =
+            self.shared.credit.fleet_ttft.lock().line_after(crate::pool::FLEET_MIN_OBSERVATIONS);
         for row in &mut sc.rows {
             let own: Option<TtftLine> = table.pods[row.pod as usize].inflight.ttft.lock().line();
             let line = own.or(fleet);
@@ -605,12 +625,13 @@ impl Router {
             row.ttft_work = row.work + uncached;
             row.predicted = line.map(|l| l.predict(row.ttft_work, f64::from(row.depth))).filter(|p| p.is_finite());
             row.in_flight_load = None;
+            let kv = table.status[row.pod as usize].stats.as_ref().map_or(0.0, |s| s.kv_cache_usage);
+            row.kv = if kv.is_finite() { kv } else { 0.0 };
             if inflight {
                 // A pod whose running requests hold most of its KV admits a new prompt only by
                 // preempting one: its KV usage is a floor of its load.
-                let kv = table.status[row.pod as usize].stats.as_ref().map_or(0.0, |s| s.kv_cache_usage);
                 row.in_flight_load =
-                    line.map(|l| (row.work * l.ms_per_token / horizon).max(kv)).filter(|r| r.is_finite());
+                    line.map(|l| (row.work * l.ms_per_token / horizon).max(row.kv)).filter(|r| r.is_finite());
                 if row.in_flight_load.is_none() {
                     fallbacks += 1;
                 }
@@ -657,6 +678,11 @@ impl Router {
             return choose(&sc.scored, 0..sc.rows.len());
         }
         let hot = choose(&sc.scored, (0..sc.rows.len()).filter(|&i| sc.rows[i].credited() == most))?;
+        // The model does not see KV pressure: a hot pod whose running requests hold most of its
+        // KV admits another only by preempting one, however fast it is predicted.
+        if sc.rows[hot].kv >= KV_BUSY {
+            return None;
+        }
         let alt = least_predicted(sc, (0..sc.rows.len()).filter(|&i| i != hot));
         let factor = self.config.ttft_spill_factor;
         match (alt, sc.rows[hot].predicted) {
@@ -686,10 +712,13 @@ impl Router {
             // there as the ones it counted do, so each adds the utilization per running request
             // the pod last reported (queueDepth counts them the same way).
             if self.config.load_forecast
-                && let (Some(s), Some(per_request)) = (status.stats.as_ref(), status.utilization_per_request)
+                && let Some(s) = status.stats.as_ref()
                 && !stale
             {
-                // With a fresh report `row.depth` is its waiting count plus those requests.
+                // With a fresh report `row.depth` is its waiting count plus those requests. A
+                // pod that has not yet reported a running request is taken at NVML's meaning:
+                // one request stepping keeps the GPU busy.
+                let per_request = status.utilization_per_request.unwrap_or(1.0);
                 let since = row.depth.saturating_sub(s.num_requests_waiting);
                 row.utilization = forecast_utilization(s.gpu_utilization, per_request, since);
             }
@@ -705,6 +734,31 @@ impl Router {
             let index_block = self.pool.config().block_size as f64;
             row.work = f64::from(row.prefill) * index_block + f64::from(running) * DECODE_TOKENS_PER_REQUEST;
         }
+    }
+
+    /// docs/design.md §4 "Stay or spill" by time: like [`Router::spill`], except that a row at
+    /// `max_queue` stays when it is predicted no slower than every row below it (a full queue
+    /// of requests whose prompts the pod holds can still be the fastest place). Without a
+    /// prediction for every row, [`Router::spill`].
+    fn spill_by_time(&self, sc: &mut Scratch) -> Result<(), RouteError> {
+        let max_queue = self.config.max_queue;
+        if sc.rows.iter().any(|r| r.predicted.is_none()) {
+            return self.spill(sc);
+        }
+        let below =
+            sc.rows.iter().filter(|r| r.depth < max_queue).filter_map(|r| r.predicted).fold(f64::INFINITY, f64::min);
+        if below.is_infinite() {
+            return self.spill(sc);
+        }
+        let excluded = &mut sc.excluded;
+        sc.rows.retain(|r| {
+            let stays = r.depth < max_queue || (r.kv < KV_BUSY && r.predicted.is_some_and(|p| p <= below));
+            if !stays {
+                excluded.push((r.pod, Exclusion::QueueFull { depth: r.depth, max: max_queue }));
+            }
+            stays
+        });
+        Ok(())
     }
 
     /// docs/design.md §4 spill: when some rows are below `max_queue`, the others leave the
@@ -988,6 +1042,24 @@ fn engine_block_in_index_blocks(engine_block: u32, index_block: u32) -> u32 {
 
 /// Of rows `among`, the least predicted TTFT (rows without a prediction last), the best by S
 /// among equals; `None` when `among` is empty.
+/// KV cache usage at which stay-or-spill by time gives way to the seed's rule: the running
+/// requests hold so much of the pod's KV that another one admitted preempts.
+const KV_BUSY: f64 = 0.9;
+
+/// KV cache usage below which a pod's pile of requests is let grow by time: every running
+/// request's decode adds blocks the TTFT model does not see, and only a pod with most of its KV
+/// free absorbs that growth without preempting.
+const PILE_KV_ROOM: f64 = 0.25;
+/// How much faster than the least loaded candidate a pile must be predicted to stay.
+const PILE_SPEEDUP: f64 = 2.0;
+
+/// Whether by time row `a`, a pile, keeps a request the pile guard would give to row `b`: `a`
+/// has [`PILE_KV_ROOM`] and is predicted at least [`PILE_SPEEDUP`] times faster (false without
+/// both predictions).
+fn pile_fits(a: &Row, b: &Row) -> bool {
+    a.kv < PILE_KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
+}
+
 fn least_predicted(sc: &Scratch, among: impl Iterator<Item = usize>) -> Option<usize> {
     let key = |i: usize| sc.rows[i].predicted.unwrap_or(f64::INFINITY);
     let mut best: Option<usize> = None;

@@ -657,7 +657,8 @@ async fn requests_routed_since_the_report_count_in_load_ratio() {
 
 /// The per-request figure is the last report's that had requests running: an idle report keeps
 /// it (a pod that reported 0 running is given requests too), and a pod that never reported a
-/// running request gets nothing added (its utilization per request is unknown).
+/// running request reads busy with one (NVML's meaning: any request stepping keeps the GPU
+/// busy), since its utilization per request is unknown.
 #[tokio::test]
 async fn the_load_forecast_uses_the_last_busy_report_and_caps_at_one() {
     let (pool, r) = router(ScoringConfig::default());
@@ -673,7 +674,15 @@ async fn the_load_forecast_uses_the_last_busy_report_and_caps_at_one() {
     let load = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.load);
     let on = |pod: &str| held.iter().filter(|d| d.pod == pod).count() as f64;
     assert_eq!(load("a"), Some(1.0 - on("a") / 16.0), "{e:?}");
-    assert_eq!(load("b"), Some(0.5), "no per-request figure: the reported utilization only");
+    assert_eq!(on("b"), 0.0, "a idler than b all along: {e:?}");
+    assert_eq!(load("b"), Some(0.5), "nothing routed there since: the reported utilization");
+    let subset = ["b:8000".to_string()];
+    let Ok(d) = r.route(&RouteRequest { subset: Some(&subset), ..req(&[]) }) else { panic!("no decision") };
+    assert_eq!(d.pod, "b");
+    held.push(d);
+    let e = r.explain(&req(&[]));
+    let b = e.candidates.iter().find(|c| &*c.pod == "b").map(|c| c.load);
+    assert_eq!(b, Some(0.0), "no per-request figure: one request reads a busy GPU: {e:?}");
     drop(held);
     // Capped at a full GPU: one more request on a pod that reported 1 running at 90 %.
     let (pool, r) = router(ScoringConfig::default());

@@ -149,3 +149,48 @@ fn config_names_select_the_load_source_and_the_spill_rule() {
     assert!(t.validate().is_ok());
     assert_eq!(ScoringConfig::default().load_source, LoadSource::Inflight);
 }
+
+/// docs/design.md §4 "The herd" by time: a hot pod at `max_queue` whose queue holds requests it
+/// has the prompts of is still predicted far faster than a cold prefill elsewhere, so the `ttft`
+/// preset keeps it (and the pile guard does not move it); the default spills at `max_queue`;
+/// a hot pod whose KV is mostly held gives way to the seed's rule in both.
+#[tokio::test]
+async fn ttft_preset_keeps_a_full_hot_pod_predicted_fastest() {
+    let Some(ttft) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
+    for (config, kv, next_goes) in
+        [(ttft.clone(), 0.0, "hot"), (ScoringConfig::default(), 0.0, "cold"), (ttft, 0.95, "cold")]
+    {
+        let (pool, r, c) = hot_and_cold(config.clone()).await;
+        teach(&r, "hot", 5.0, 1);
+        teach(&r, "cold", 5.0, 1 << 20);
+        let hot = kvroute_proto::agent::v1::PodStats { kv_cache_usage: kv, ..stats(1.0, 0, 1.0) };
+        put(&pool, "hot", "m", hot, &c).await;
+        let mut held = Vec::new();
+        for _ in 0..config.max_queue + 8 {
+            let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+            if d.pod != "hot" {
+                break;
+            }
+            held.push(d);
+        }
+        let ex = r.explain(&req(&c));
+        let why = format!("{config:?} kv {kv}: {} on hot, {ex:?}", held.len());
+        assert_eq!(ex.choice.as_deref(), Some(next_goes), "{why}");
+        // Past max_queue only by time.
+        assert_eq!(held.len() > config.max_queue as usize, next_goes == "hot", "{why}");
+    }
+}
+
+/// A first token is learned only against work the picker could see: a request routed while
+/// another is still unconfirmed on a pod whose KV events have confirmed nothing yet (its queue
+/// is invisible) teaches nothing; one routed to an empty pod does.
+#[tokio::test]
+async fn first_tokens_behind_an_unseen_queue_are_not_learned() {
+    let (_pool, r, _c) = hot_and_cold(ScoringConfig::default()).await;
+    let subset = ["cold:8000".to_string()];
+    let (a, b) = (chain(5 << 40, 8), chain(6 << 40, 8));
+    let Ok(mut first) = r.route(&RouteRequest { subset: Some(&subset), ..req(&a) }) else { panic!("no decision") };
+    let Ok(mut second) = r.route(&RouteRequest { subset: Some(&subset), ..req(&b) }) else { panic!("no decision") };
+    assert!(matches!(first.slot.observe_ttft(100.0), TtftObservation::Learned { .. }));
+    assert_eq!(second.slot.observe_ttft(900.0), TtftObservation::Ignored);
+}
