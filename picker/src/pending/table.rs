@@ -145,8 +145,22 @@ pub struct PendingTable {
     counts: PendingCounts,
     /// Seqs of pinned chains not yet seen confirmed (see [`PendingTable::prefilling`]).
     unconfirmed: Vec<u64>,
-    /// By pod index: whether the pod's KV events have confirmed a routed chain yet.
-    confirms: Vec<bool>,
+    /// By pod index: what the pod's KV events have shown of the chains routed to it.
+    confirms: Vec<Events>,
+}
+
+/// What a pod's KV events have shown of the chains routed to it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+enum Events {
+    /// Nothing yet: its requests count as prefilling until they end.
+    #[default]
+    Unknown,
+    /// A request ended before its chain was confirmed, none ever was: the pod publishes no
+    /// events (prefix caching off, or no publisher), so its requests would read as prefilling
+    /// for their whole life; they do not count.
+    Silent,
+    /// A routed chain was confirmed (for good: silence after that is evictions).
+    Confirmed,
 }
 
 impl PendingTable {
@@ -204,16 +218,13 @@ impl PendingTable {
             let confirmed = c.blocks.last().is_some_and(|last| index.pods_of(*last).contains(&c.pod));
             if confirmed {
                 self.counts.confirmed += 1;
-                self.mark_confirming(c.pod);
+                mark(&mut self.confirms, c.pod, Events::Confirmed);
             } else {
                 self.counts.expired += 1;
+                mark(&mut self.confirms, c.pod, Events::Silent);
             }
             self.unlink(&c);
         }
-    }
-
-    fn mark_confirming(&mut self, pod: PodIdx) {
-        mark(&mut self.confirms, pod);
     }
 
     fn unlink(&mut self, c: &Chain) {
@@ -360,9 +371,9 @@ impl PendingTable {
     /// blocks left)` into `out` (cleared first), sorted. Blocks left, with `blocks_left` (else 0):
     /// those of the chain from the first one the index does not hold on the pod (a prefill
     /// computes a prompt's blocks in order, and KV events store them chunk by chunk), the prefill
-    /// work still ahead. Only pods
-    /// whose KV events have confirmed a routed chain before count: a pod whose events never come
-    /// (prefix caching off) would otherwise read as queued for each request's whole life. A chain
+    /// work still ahead. A pod whose KV events have confirmed no routed chain yet and one of whose
+    /// requests ended unconfirmed does not count: its events never come (prefix caching off),
+    /// and it would otherwise read as queued for each request's whole life. A chain
     /// leaves for good once confirmed, released or evicted, so the work per call is the number of
     /// requests still prefilling (at most the table's chains), each with a binary search of its
     /// chain when `blocks_left`.
@@ -370,17 +381,20 @@ impl PendingTable {
         out.clear();
         let (chains, confirms) = (&self.chains, &mut self.confirms);
         self.unconfirmed.retain(|seq| {
-            let Some(c) = chains.get(seq).filter(|c| c.request.is_some()) else { return false };
+            let Some(c) = chains.get(seq) else { return false };
             let done = c.blocks.last().is_none_or(|last| index.pods_of(*last).contains(&c.pod));
             if done && !c.blocks.is_empty() {
-                mark(confirms, c.pod);
+                mark(confirms, c.pod, Events::Confirmed);
+            } else if !done && c.request.is_none() {
+                // Ended (released) before its prompt showed in the pod's events.
+                mark(confirms, c.pod, Events::Silent);
             }
-            !done
+            !done && c.request.is_some()
         });
         let confirms = &self.confirms;
         out.extend(self.unconfirmed.iter().filter_map(|seq| {
             let c = chains.get(seq)?;
-            if !confirms.get(usize::from(c.pod.0)).is_some_and(|&yes| yes) {
+            if events(confirms, c.pod) == Events::Silent {
                 return None;
             }
             let left = if blocks_left {
@@ -394,10 +408,10 @@ impl PendingTable {
         out.sort_unstable();
     }
 
-    /// Whether `pod`'s KV events have confirmed a chain routed to it: until then
-    /// [`PendingTable::prefilling`] leaves its requests out, so the work read for it is short.
-    pub fn confirmed(&self, pod: PodIdx) -> bool {
-        self.confirms.get(usize::from(pod.0)).is_some_and(|&yes| yes)
+    /// Whether [`PendingTable::prefilling`] leaves `pod`'s requests out (its events never came
+    /// for one), so that the work read for it is short.
+    pub fn silent(&self, pod: PodIdx) -> bool {
+        events(&self.confirms, pod) == Events::Silent
     }
 
     /// Every chain held, in no particular order: `(pod, blocks, origin)` (a peer's snapshot).
@@ -406,13 +420,18 @@ impl PendingTable {
     }
 }
 
-/// Records in `confirms` (by pod index) that `pod`'s KV events confirmed a routed chain.
-fn mark(confirms: &mut Vec<bool>, pod: PodIdx) {
+/// Records in `confirms` (by pod index) what `pod`'s KV events showed, never going back from
+/// [`Events::Confirmed`].
+fn mark(confirms: &mut Vec<Events>, pod: PodIdx, seen: Events) {
     let i = usize::from(pod.0);
     if confirms.len() <= i {
-        confirms.resize(i + 1, false);
+        confirms.resize(i + 1, Events::Unknown);
     }
-    confirms[i] = true;
+    confirms[i] = confirms[i].max(seen);
+}
+
+fn events(confirms: &[Events], pod: PodIdx) -> Events {
+    confirms.get(usize::from(pod.0)).copied().unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -503,10 +522,9 @@ mod tests {
         let published = Arc::new(arc_swap::ArcSwap::from_pointee(IndexSnapshot::default()));
         let mut w = IndexWriter::new(published.clone(), 100);
         let mut out = Vec::new();
-        // Until a pod's KV events have confirmed one routed chain, its requests do not count
-        // (a pod that publishes no events would read as queued for their whole life).
+        // Before a pod's KV events show anything, its requests count.
         t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![]);
+        assert_eq!(out, vec![(A, 10, 5), (A, 20, 5), (B, 30, 5)]);
         let (a0, b0) = (chain(400, 2), chain(500, 2));
         t.record(A, arc(&a0), 5, LOCAL, Some(7));
         t.record(B, arc(&b0), 6, LOCAL, Some(8));
@@ -539,6 +557,24 @@ mod tests {
         t.release(LOCAL, 1, 50);
         t.prefilling(&published.load(), true, &mut out);
         assert_eq!(out, vec![(A, 10, 5)]);
+        // A pod with no confirmation whose request ended unconfirmed publishes no events: its
+        // requests stop counting (they would read as queued for their whole life)...
+        const C: PodIdx = PodIdx(2);
+        t.record(C, arc(&chain(600, 3)), 60, LOCAL, Some(20));
+        t.record(C, arc(&chain(700, 3)), 61, LOCAL, Some(21));
+        t.prefilling(&published.load(), true, &mut out);
+        assert_eq!(out, vec![(A, 10, 5), (C, 60, 3), (C, 61, 3)]);
+        t.release(LOCAL, 20, 70);
+        t.prefilling(&published.load(), true, &mut out);
+        assert_eq!(out, vec![(A, 10, 5)]);
+        assert!(t.silent(C) && !t.silent(A) && !t.silent(PodIdx(3)));
+        // ...until one of its chains is confirmed after all.
+        w.store(C, &chain(700, 3));
+        w.publish();
+        t.record(C, arc(&chain(800, 3)), 80, LOCAL, Some(22));
+        t.prefilling(&published.load(), true, &mut out);
+        assert_eq!(out, vec![(A, 10, 5), (C, 80, 3)]);
+        assert!(!t.silent(C));
     }
 
     #[test]

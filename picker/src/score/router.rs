@@ -390,10 +390,10 @@ impl Router {
             let blocks = tail.unwrap_or_else(|| Arc::from([]));
             shared.publish(ReplicaEvent::Routed { id, pod: rec.name.clone(), routed_unix_ms: now, blocks });
         }
-        // Until the pod's KV events confirm a routed chain its requests still prefilling are not
-        // counted: with any request there the work read now may be short, and a first token
-        // measured against it would teach the pod's model that work costs nothing.
-        let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || shared.pending.confirmed(rec.idx);
+        // On a pod whose KV events never came the requests still prefilling are not counted:
+        // with any request there the work read now is short, and a first token measured
+        // against it would teach the pod's model that work costs nothing.
+        let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || !shared.pending.silent(rec.idx);
         drop(shared);
         let mut slot = selection.reserve(rec, status, credited, now);
         slot.on_release(self.shared.clone(), id);
@@ -683,7 +683,9 @@ impl Router {
         if sc.rows[hot].kv >= KV_BUSY {
             return None;
         }
-        let alt = least_predicted(sc, (0..sc.rows.len()).filter(|&i| i != hot));
+        // A spill computes the prompt again on the alternative: only one with KV room takes it
+        // (in a fleet short of KV the copies evict what others need, and preemptions follow).
+        let alt = least_predicted(sc, (0..sc.rows.len()).filter(|&i| i != hot && sc.rows[i].kv < KV_ROOM));
         let factor = self.config.ttft_spill_factor;
         match (alt, sc.rows[hot].predicted) {
             (Some(a), Some(h)) if sc.rows[a].predicted.is_some_and(|p| h > p * factor) => Some(a),
@@ -1046,18 +1048,19 @@ fn engine_block_in_index_blocks(engine_block: u32, index_block: u32) -> u32 {
 /// requests hold so much of the pod's KV that another one admitted preempts.
 const KV_BUSY: f64 = 0.9;
 
-/// KV cache usage below which a pod's pile of requests is let grow by time: every running
-/// request's decode adds blocks the TTFT model does not see, and only a pod with most of its KV
-/// free absorbs that growth without preempting.
-const PILE_KV_ROOM: f64 = 0.25;
+/// KV cache usage below which a pod has room by time's rules: it may take a request spilled
+/// from the cache-hot pod (a second copy of the prompt), and a pile of requests on it may grow
+/// past the pile guard (every running request's decode adds blocks the TTFT model does not
+/// see). Only a pod with most of its KV free absorbs either without evicting or preempting.
+const KV_ROOM: f64 = 0.5;
 /// How much faster than the least loaded candidate a pile must be predicted to stay.
 const PILE_SPEEDUP: f64 = 2.0;
 
 /// Whether by time row `a`, a pile, keeps a request the pile guard would give to row `b`: `a`
-/// has [`PILE_KV_ROOM`] and is predicted at least [`PILE_SPEEDUP`] times faster (false without
+/// has [`KV_ROOM`] and is predicted at least [`PILE_SPEEDUP`] times faster (false without
 /// both predictions).
 fn pile_fits(a: &Row, b: &Row) -> bool {
-    a.kv < PILE_KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
+    a.kv < KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
 }
 
 fn least_predicted(sc: &Scratch, among: impl Iterator<Item = usize>) -> Option<usize> {

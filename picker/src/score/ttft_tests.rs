@@ -101,7 +101,7 @@ async fn slo_filters_by_predicted_ttft_and_counts_misses() {
 async fn ttft_preset_spills_only_when_the_hot_pod_is_predicted_much_slower() {
     let Some(ttft) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
     for (config, slow_hot_goes) in [(ttft, "cold"), (ScoringConfig::default(), "hot")] {
-        let (_pool, r, c) = hot_and_cold(config.clone()).await;
+        let (pool, r, c) = hot_and_cold(config.clone()).await;
         teach(&r, "cold", 5.0, 1 << 20);
         // A hot pod predicted at ≈ 300 ms against the cold one's ≈ 261 ms: within the factor.
         teach(&r, "hot", 300.0, 1);
@@ -111,6 +111,10 @@ async fn ttft_preset_spills_only_when_the_hot_pod_is_predicted_much_slower() {
             teach(&r, "hot", 3000.0, 100 + k * 10);
         }
         assert_eq!(r.explain(&req(&c)).choice.as_deref(), Some(slow_hot_goes), "{config:?}");
+        // An alternative with most of its KV held takes no second copy of the prompt.
+        let full = kvroute_proto::agent::v1::PodStats { kv_cache_usage: 0.6, ..stats(1.0, 0, 1.0) };
+        put(&pool, "cold", "m", full, &[]).await;
+        assert_eq!(r.explain(&req(&c)).choice.as_deref(), Some("hot"), "{config:?}");
     }
 }
 
@@ -181,16 +185,27 @@ async fn ttft_preset_keeps_a_full_hot_pod_predicted_fastest() {
     }
 }
 
-/// A first token is learned only against work the picker could see: a request routed while
-/// another is still unconfirmed on a pod whose KV events have confirmed nothing yet (its queue
-/// is invisible) teaches nothing; one routed to an empty pod does.
+/// A first token is learned only against work the picker could see: on a pod whose KV events
+/// never came for a request that ended (its queue is invisible), a request routed while another
+/// is in flight teaches nothing, one routed to the empty pod does; on a pod not known silent
+/// both teach.
 #[tokio::test]
 async fn first_tokens_behind_an_unseen_queue_are_not_learned() {
     let (_pool, r, _c) = hot_and_cold(ScoringConfig::default()).await;
-    let subset = ["cold:8000".to_string()];
-    let (a, b) = (chain(5 << 40, 8), chain(6 << 40, 8));
-    let Ok(mut first) = r.route(&RouteRequest { subset: Some(&subset), ..req(&a) }) else { panic!("no decision") };
-    let Ok(mut second) = r.route(&RouteRequest { subset: Some(&subset), ..req(&b) }) else { panic!("no decision") };
-    assert!(matches!(first.slot.observe_ttft(100.0), TtftObservation::Learned { .. }));
-    assert_eq!(second.slot.observe_ttft(900.0), TtftObservation::Ignored);
+    for (pod, silent) in [("cold", true), ("hot", false)] {
+        let subset = [format!("{pod}:8000")];
+        let on = |blocks| RouteRequest { subset: Some(&subset), ..req(blocks) };
+        let (z, a, b) = (chain(4 << 40, 8), chain(5 << 40, 8), chain(6 << 40, 8));
+        if silent {
+            // Ends before any event shows its prompt.
+            let Ok(ended) = r.route(&on(&z)) else { panic!("no decision") };
+            drop(ended);
+        }
+        let Ok(mut first) = r.route(&on(&a)) else { panic!("no decision") };
+        let Ok(mut second) = r.route(&on(&b)) else { panic!("no decision") };
+        assert_eq!(second.pod, pod);
+        assert!(matches!(first.slot.observe_ttft(100.0), TtftObservation::Learned { .. }), "{pod}");
+        let seen = second.slot.observe_ttft(900.0);
+        assert_eq!(seen == TtftObservation::Ignored, silent, "{pod}: {seen:?}");
+    }
 }
