@@ -569,15 +569,18 @@ async fn pump(
     out: mpsc::Sender<Result<Bytes, std::io::Error>>,
 ) {
     let send = |s: String| out.send(Ok(Bytes::from(s)));
-    if let Some(role) = meta.role_chunk()
-        && send(sse(&role)).await.is_err()
-    {
-        return;
-    }
+    // vLLM sends the role chunk on its output stream's first item, which comes with the first
+    // token (or the end): a stream's first byte is its first token, as routers time it.
+    let mut role = meta.role_chunk();
     let mut usage = Usage::default();
     for (choice, (mut events, max_tokens)) in receivers.into_iter().zip(budgets).enumerate() {
         let mut finished = false;
         while let Some(event) = events.recv().await {
+            if let Some(r) = role.take()
+                && send(sse(&r)).await.is_err()
+            {
+                return;
+            }
             match event {
                 GenerationEvent::Token { index, text, .. } => {
                     let finish = (index + 1 == max_tokens).then_some("length");

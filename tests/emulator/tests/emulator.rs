@@ -574,6 +574,39 @@ async fn chat_uses_the_tokenizer_or_says_why_not() {
     emu.shutdown().await;
 }
 
+/// vLLM sends a chat stream's role chunk with the first token (its output stream's first item),
+/// so a router that times a stream's first byte times the first token: no byte comes before the
+/// prefill is done.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chat_stream_sends_nothing_before_its_first_token() {
+    let dir = tokenizer_dir();
+    if kvroute_tokenize::ModelTokenizer::from_dir(std::path::Path::new(&dir)).is_err() {
+        return; // chat_uses_the_tokenizer_or_says_why_not covers the refusal
+    }
+    // 10 ms per prompt token: the templated prompt's prefill takes well over 100 ms.
+    let emu = start(&["--tokenizer", &dir, "--prefill-us-per-token", "10000"]).await;
+    let sent = std::time::Instant::now();
+    let mut resp = reqwest::Client::new()
+        .post(url(&emu, "/v1/chat/completions"))
+        .json(&json!({"model": "test-model", "messages": [{"role": "user", "content": "Hello there!"}],
+                      "max_tokens": 2, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.unwrap().unwrap();
+    let waited = sent.elapsed();
+    assert!(waited >= Duration::from_millis(100), "first byte after {waited:?}: {first:?}");
+    let mut text = String::from_utf8(first.to_vec()).unwrap();
+    while let Some(more) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&more).unwrap());
+    }
+    let role = text.find("\"role\":\"assistant\"").expect("a role chunk");
+    let token = text.find("\"content\":\"").map(|_| ()).and(text[role + 1..].find("data: "));
+    assert!(token.is_some(), "token chunks follow the role chunk: {text}");
+    emu.shutdown().await;
+}
+
 fn tokenizer_dir() -> String {
     format!("{}/../fixtures/tokenizer-qwen2.5", env!("CARGO_MANIFEST_DIR"))
 }
