@@ -99,6 +99,10 @@ struct Args {
     /// Skip the round-robin run.
     #[arg(long)]
     no_rr: bool,
+    /// Picker log level (`debug` writes every decision's candidates to the picker's log under
+    /// `target/kvroute-runs/<fleet>/`).
+    #[arg(long, default_value = "warn")]
+    picker_log_level: String,
     /// Also run a second fleet whose picker runs in approximate mode.
     #[arg(long)]
     approximate: bool,
@@ -347,7 +351,7 @@ fn fleet_spec(a: &Args, label: &str) -> FleetSpec {
         time_scale: a.time_scale,
         max_num_seqs: a.max_num_seqs,
         max_num_partial_prefills: a.max_num_partial_prefills,
-        picker_log_level: "warn".into(),
+        picker_log_level: a.picker_log_level.clone(),
         picker_replicas: a.pickers,
         ..FleetSpec::default()
     }
