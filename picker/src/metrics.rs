@@ -804,7 +804,7 @@ impl TtftMetrics {
             ),
             (
                 "epp_ttft_spill_fallbacks",
-                "spill_rule ttft decisions taken by the maxQueue rule because a candidate had no TTFT prediction",
+                "spill_rule ttft decisions taken by the seed's rule: a candidate had no TTFT prediction, or the cache-hot pod's KV was 90 % held",
                 &m.ttft_fallbacks,
             ),
             ("epp_slo_ttft_misses", "Requests whose x-slo-ttft-ms no candidate was predicted to meet", &m.slo_misses),

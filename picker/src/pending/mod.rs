@@ -247,8 +247,8 @@ pub struct CreditCounters {
     /// Candidates scored by the seed's load formula because their in-flight load was unknown
     /// (TTFT model not learned yet) under `load_source: inflight`.
     pub load_fallbacks: AtomicU64,
-    /// `spill_rule: ttft` decisions taken by the seed's rule because a candidate had no
-    /// prediction.
+    /// `spill_rule: ttft` decisions taken by the seed's rule: a candidate had no prediction, or
+    /// the cache-hot pod's KV was 90 % held.
     pub ttft_fallbacks: AtomicU64,
     /// Decisions with an `x-slo-ttft-ms` no candidate was predicted to meet.
     pub slo_misses: AtomicU64,

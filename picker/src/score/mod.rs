@@ -108,9 +108,10 @@ pub enum SpillRule {
     #[default]
     MaxQueue,
     /// The request stays on the cache-hot pod (most blocks credited, best S among those) unless
-    /// that pod's predicted TTFT exceeds the best alternative's, which then serves it; a cold
-    /// request goes to the least predicted TTFT. While any candidate's TTFT model has not learned
-    /// yet, the seed's rule decides.
+    /// that pod's predicted TTFT exceeds `ttft_spill_factor` times that of the best alternative
+    /// with KV room, which then serves it; a cold request goes by S. A pod at `max_queue`, or
+    /// carrying a pile, stays a candidate while predicted fastest. While any candidate's TTFT
+    /// model has not learned yet, the seed's rule decides.
     Ttft,
 }
 

@@ -6,12 +6,15 @@
 //! 4. `spill`: rows at `max_queue` leave (or the decision is shed);
 //! 5. `cap_pending`: pending credit withheld from rows queued far above the least queued;
 //! 6. `predict`: every row's in-flight load and predicted TTFT from its pod's learned model, and
-//!    the `x-slo-ttft-ms` filter (docs/design.md §4 "Load and predicted TTFT");
+//!    the `x-slo-ttft-ms` filter (docs/design.md §4 "Load and predicted TTFT"); with
+//!    `spill_rule: ttft` steps 5 and 6 come before the spill, which then keeps a full row
+//!    predicted fastest (`spill_by_time`);
 //! 7. `compose`: the factors and the composite S of every row;
 //! 8. `tie_keys`: the keys after S (cold prefill left, a seeded random key);
 //! 9. `choose`: the best row by S and the tie rules (`select.rs`), or by predicted TTFT
 //!    (`spill_rule: ttft`, or an SLO no row is predicted to meet);
-//! 10. `pile_guard`: the least loaded row instead, when the choice carries far more requests;
+//! 10. `pile_guard`: the least loaded row instead, when the choice carries far more requests
+//!     (by time: unless the choice has KV room and is predicted far faster);
 //! 11. `route_in` (routing only): the chain recorded pending, the event published to peers and an
 //!     in-flight slot reserved on the chosen pod, with the work the TTFT model learns from.
 //!
@@ -666,9 +669,10 @@ impl Router {
 
     /// docs/design.md §4 "Stay or spill" by time: the cache-hot row (most blocks credited, the
     /// best by S among those) unless its predicted TTFT exceeds `ttft_spill_factor` times the
-    /// least predicted TTFT among the other rows, which then wins
-    /// (the least predicted, the best by S among equals); a request no row holds a block of goes
-    /// to the least predicted TTFT. `None` when some row has no prediction.
+    /// least predicted TTFT among the other rows with [`KV_ROOM`], which then wins (the least
+    /// predicted, the best by S among equals); a request no row holds a block of goes by S.
+    /// `None` (the seed's rule decides) when some row has no prediction or the hot row's KV is
+    /// [`KV_BUSY`].
     fn ttft_choice(&self, sc: &Scratch) -> Option<usize> {
         if sc.rows.iter().any(|r| r.predicted.is_none()) {
             return None;
@@ -739,9 +743,9 @@ impl Router {
     }
 
     /// docs/design.md §4 "Stay or spill" by time: like [`Router::spill`], except that a row at
-    /// `max_queue` stays when it is predicted no slower than every row below it (a full queue
-    /// of requests whose prompts the pod holds can still be the fastest place). Without a
-    /// prediction for every row, [`Router::spill`].
+    /// `max_queue` stays when it is predicted no slower than every row below it and its KV is
+    /// not [`KV_BUSY`] (a full queue of requests whose prompts the pod holds can still be the
+    /// fastest place). Without a prediction for every row, [`Router::spill`].
     fn spill_by_time(&self, sc: &mut Scratch) -> Result<(), RouteError> {
         let max_queue = self.config.max_queue;
         if sc.rows.iter().any(|r| r.predicted.is_none()) {
@@ -1042,8 +1046,6 @@ fn engine_block_in_index_blocks(engine_block: u32, index_block: u32) -> u32 {
     }
 }
 
-/// Of rows `among`, the least predicted TTFT (rows without a prediction last), the best by S
-/// among equals; `None` when `among` is empty.
 /// KV cache usage at which stay-or-spill by time gives way to the seed's rule: the running
 /// requests hold so much of the pod's KV that another one admitted preempts.
 const KV_BUSY: f64 = 0.9;
@@ -1063,6 +1065,8 @@ fn pile_fits(a: &Row, b: &Row) -> bool {
     a.kv < KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
 }
 
+/// Of rows `among`, the least predicted TTFT (rows without a prediction last), the best by S
+/// among equals; `None` when `among` is empty.
 fn least_predicted(sc: &Scratch, among: impl Iterator<Item = usize>) -> Option<usize> {
     let key = |i: usize| sc.rows[i].predicted.unwrap_or(f64::INFINITY);
     let mut best: Option<usize> = None;
