@@ -747,30 +747,24 @@ impl Router {
     /// not [`KV_BUSY`] (a full queue of requests whose prompts the pod holds can still be the
     /// fastest place). Without a prediction for every row, [`Router::spill`].
     fn spill_by_time(&self, sc: &mut Scratch) -> Result<(), RouteError> {
-        let max_queue = self.config.max_queue;
         if sc.rows.iter().any(|r| r.predicted.is_none()) {
             return self.spill(sc);
         }
-        let below =
+        let max_queue = self.config.max_queue;
+        let fastest =
             sc.rows.iter().filter(|r| r.depth < max_queue).filter_map(|r| r.predicted).fold(f64::INFINITY, f64::min);
-        if below.is_infinite() {
-            return self.spill(sc);
-        }
-        let excluded = &mut sc.excluded;
-        sc.rows.retain(|r| {
-            let stays = r.depth < max_queue || (r.kv < KV_BUSY && r.predicted.is_some_and(|p| p <= below));
-            if !stays {
-                excluded.push((r.pod, Exclusion::QueueFull { depth: r.depth, max: max_queue }));
-            }
-            stays
-        });
-        Ok(())
+        self.spill_keeping(sc, |r| r.kv < KV_BUSY && r.predicted.is_some_and(|p| p <= fastest))
     }
 
     /// docs/design.md §4 spill: when some rows are below `max_queue`, the others leave the
     /// candidates (into `sc.excluded`); when none is, the decision is shed (429) with
     /// `shed_when_saturated`, else every row stays.
     fn spill(&self, sc: &mut Scratch) -> Result<(), RouteError> {
+        self.spill_keeping(sc, |_| false)
+    }
+
+    /// [`Router::spill`], except that the rows at `max_queue` for which `keep` holds stay.
+    fn spill_keeping(&self, sc: &mut Scratch, keep: impl Fn(&Row) -> bool) -> Result<(), RouteError> {
         let max_queue = self.config.max_queue;
         match filter::spill(sc.rows.iter().map(|r| r.depth), max_queue) {
             Spill::AllSaturated if self.config.shed_when_saturated => Err(RouteError::Shed {
@@ -780,10 +774,11 @@ impl Router {
             Spill::KeepBelow => {
                 let excluded = &mut sc.excluded;
                 sc.rows.retain(|r| {
-                    if r.depth >= max_queue {
+                    let stays = r.depth < max_queue || keep(r);
+                    if !stays {
                         excluded.push((r.pod, Exclusion::QueueFull { depth: r.depth, max: max_queue }));
                     }
-                    r.depth < max_queue
+                    stays
                 });
                 Ok(())
             }
