@@ -423,6 +423,14 @@ pub fn inline_image(payload: &str, model_id: Option<&str>, max_bytes: usize) -> 
     inline_image_in_chunks(payload, model_id, max_bytes, INLINE_CHUNK_BYTES)
 }
 
+/// The next piece of base64 `rest` that decodes to at most `decoded_bytes` (whole groups of
+/// 4 characters), and what follows it; `None` when the piece ends with padding but is not the
+/// last: padding ends the payload, and decoding it whole would refuse it there.
+fn next_piece(rest: &[u8], decoded_bytes: usize) -> Option<(&[u8], &[u8])> {
+    let (piece, after) = rest.split_at((decoded_bytes / 3 * 4).min(rest.len()));
+    (after.is_empty() || piece.last() != Some(&b'=')).then_some((piece, after))
+}
+
 /// Bytes a padded base64 payload decodes to, known before decoding: padding is required, so a
 /// canonical payload is whole 4-character groups, the last with at most two '='. `None` for an
 /// empty payload, one that is not whole groups, or one that would decode to more than
@@ -456,13 +464,8 @@ fn inline_image_in_chunks(
     let mut piece_bytes = first;
     let mut at_start = true;
     while !rest.is_empty() {
-        let (piece, after) = rest.split_at((piece_bytes / 3 * 4).min(rest.len()));
+        let (piece, after) = next_piece(rest, piece_bytes)?;
         rest = after;
-        // Padding ends the payload: a piece before the last must not end with it (decoding the
-        // whole payload at once would refuse it there).
-        if !rest.is_empty() && piece.last() == Some(&b'=') {
-            return None;
-        }
         let n = STRICT.decode_slice(piece, &mut buf).ok()?;
         let bytes = &buf[..n];
         if at_start {
@@ -504,12 +507,8 @@ pub fn inline_image_size(payload: &str, max_bytes: usize) -> Option<(u32, u32)> 
     let mut rest = input;
     let mut piece_bytes = HEADER_FIRST_BYTES;
     while !rest.is_empty() {
-        let (piece, after) = rest.split_at((piece_bytes / 3 * 4).min(rest.len()));
+        let (piece, after) = next_piece(rest, piece_bytes)?;
         rest = after;
-        // Padding ends the payload (see `inline_image_in_chunks`).
-        if !rest.is_empty() && piece.last() == Some(&b'=') {
-            return None;
-        }
         let at = head.len();
         head.resize(at + piece.len() / 4 * 3, 0);
         let n = STRICT.decode_slice(piece, &mut head[at..]).ok()?;
