@@ -21,6 +21,9 @@ pub const MIN_WORK_SPREAD: f64 = 0.1;
 /// first token already gives a line through the origin, the fleet's ms per token of work, which
 /// is a better guess for every pod of the same model than no prediction at all.
 pub const FLEET_MIN_OBSERVATIONS: f64 = 1.0;
+/// Strength of the prior slope in a pod's fit ([`TtftFit::line_toward`]): it weighs as much as
+/// this many observations whose work spreads as widely as its mean.
+pub const PRIOR_OBSERVATIONS: f64 = 4.0;
 /// Weight kept by the older observations at each new one (an effective window of ≈ 100).
 pub const DECAY: f64 = 0.99;
 /// Longest TTFT accepted as an observation, ms (10 minutes: anything longer is a stuck stream).
@@ -98,10 +101,11 @@ impl TtftFit {
         true
     }
 
-    /// Least squares of `y` on `1, x, q` (a, b, c), `None` when the system is singular.
-    fn full(&self) -> Option<(f64, f64, f64)> {
-        let m = [[self.w, self.sx, self.sq], [self.sx, self.sxx, self.sxq], [self.sq, self.sxq, self.sqq]];
-        let v = [self.sy, self.sxy, self.sqy];
+    /// Least squares of `y` on `1, x, q` (a, b, c), with `ridge · (b − prior)²` added to the
+    /// squared error; `None` when the system is singular.
+    fn full(&self, ridge: f64, prior: f64) -> Option<(f64, f64, f64)> {
+        let m = [[self.w, self.sx, self.sq], [self.sx, self.sxx + ridge, self.sxq], [self.sq, self.sxq, self.sqq]];
+        let v = [self.sy, self.sxy + ridge * prior, self.sqy];
         let det = |m: &[[f64; 3]; 3]| {
             m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
                 + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
@@ -134,9 +138,9 @@ impl TtftFit {
         if var.is_finite() && var > 0.0 { var.sqrt() / mean } else { 0.0 }
     }
 
-    /// [`TtftFit::line_after`] [`MIN_OBSERVATIONS`].
-    pub fn line(&self) -> Option<TtftLine> {
-        self.line_after(MIN_OBSERVATIONS)
+    /// [`TtftFit::line_toward`] after [`MIN_OBSERVATIONS`].
+    pub fn line(&self, prior: Option<f64>) -> Option<TtftLine> {
+        self.line_toward(MIN_OBSERVATIONS, prior)
     }
 
     /// The fitted model, `None` before `min_observations` (weighted) or when the sums are not usable.
@@ -145,17 +149,31 @@ impl TtftFit {
     /// least squares on work alone when it gives a slope in bounds. Otherwise the line through
     /// the origin (`b = Σy / Σx`), the slope clamped to its bounds.
     pub fn line_after(&self, min_observations: f64) -> Option<TtftLine> {
+        self.line_toward(min_observations, None)
+    }
+
+    /// [`TtftFit::line_after`], with the fitted slope drawn toward `prior` (ms per token, the
+    /// fleet's) as if [`PRIOR_OBSERVATIONS`] more first tokens, spread as widely as their mean
+    /// work, had followed it (ridge regression). A pod's first dozen first tokens seldom span
+    /// its work well: a few uneven ones can tilt least squares to a near-flat line with a large
+    /// intercept, which reads the pod as free however much is queued on it. Its own data
+    /// outweighs the prior as its observed spread of work grows.
+    pub fn line_toward(&self, min_observations: f64, prior: Option<f64>) -> Option<TtftLine> {
         if self.w < min_observations || self.sx.is_nan() || self.sx <= 0.0 {
             return None;
         }
         let slope_ok = |b: f64| b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b);
         let spread = self.work_spread() >= MIN_WORK_SPREAD;
-        let (a, b, c) = match self.full().filter(|_| spread) {
+        let (ridge, prior) = match prior.filter(|&p| slope_ok(p)) {
+            Some(p) => (PRIOR_OBSERVATIONS * (self.sx / self.w).powi(2), p),
+            None => (0.0, 0.0),
+        };
+        let (a, b, c) = match self.full(ridge, prior).filter(|_| spread) {
             Some((a, b, c)) if slope_ok(b) && c.is_finite() && c >= 0.0 && a.is_finite() => (a, b, c),
             _ => {
                 let den = self.w * self.sxx - self.sx * self.sx;
-                let ls =
-                    (spread && den > 1e-9 * self.w * self.sxx).then(|| (self.w * self.sxy - self.sx * self.sy) / den);
+                let ls = (spread && den > 1e-9 * self.w * self.sxx)
+                    .then(|| (self.w * self.sxy - self.sx * self.sy + self.w * ridge * prior) / (den + self.w * ridge));
                 match ls {
                     Some(b) if slope_ok(b) => ((self.sy - b * self.sx) / self.w, b, 0.0),
                     _ => (0.0, (self.sy / self.sx).clamp(MIN_SLOPE, MAX_SLOPE), 0.0),
@@ -178,14 +196,14 @@ mod tests {
     #[test]
     fn learns_a_line_from_noisy_first_tokens() {
         let mut f = TtftFit::default();
-        assert_eq!(f.line(), None);
+        assert_eq!(f.line(None), None);
         for i in 0..200u32 {
             let x = f64::from(i % 17) * 500.0;
             let q = f64::from(i % 5);
             let noise = if i % 2 == 0 { 3.0 } else { -3.0 };
             assert!(f.observe(x, q, 20.0 + 0.25 * x + 100.0 * q + noise));
         }
-        let line = f.line().expect("fitted");
+        let line = f.line(None).expect("fitted");
         assert!((line.ms_per_token - 0.25).abs() < 0.01, "{line:?}");
         assert!((line.ms_per_queued - 100.0).abs() < 5.0, "{line:?}");
         assert!((line.intercept_ms - 20.0).abs() < 5.0, "{line:?}");
@@ -204,14 +222,14 @@ mod tests {
         for _ in 0..10 {
             f.observe(1000.0, 0.0, 250.0);
         }
-        let line = f.line().expect("fitted");
+        let line = f.line(None).expect("fitted");
         assert!((line.predict(1000.0, 0.0) - 250.0).abs() < 1e-6, "{line:?}");
         // A slope out of bounds (TTFT falling with work) is clamped, never negative.
         let mut g = TtftFit::default();
         for i in 0..20 {
             g.observe(f64::from(i) * 100.0, 1.0, 5000.0 - f64::from(i) * 200.0);
         }
-        let line = g.line().expect("fitted");
+        let line = g.line(None).expect("fitted");
         assert!(line.ms_per_token >= MIN_SLOPE && line.intercept_ms >= 0.0, "{line:?}");
     }
 
@@ -225,7 +243,7 @@ mod tests {
             assert!(f.observe(x, 0.0, y));
         }
         assert!(f.work_spread() < MIN_WORK_SPREAD, "{}", f.work_spread());
-        let line = f.line().expect("fitted");
+        let line = f.line(None).expect("fitted");
         assert_eq!(line.intercept_ms, 0.0, "{line:?}");
         let ratio = (926.0 + 1634.0 + 1655.0 + 2300.0 + 3100.0) / (3200.0 + 3216.0 + 3232.0 + 3248.0 + 3264.0);
         // The older observations weigh a little less (DECAY): within 2 % of the plain ratio.
@@ -239,9 +257,41 @@ mod tests {
     fn the_fleet_fit_predicts_from_one_first_token() {
         let mut f = TtftFit::default();
         assert!(f.observe(4096.0, 0.0, 926.0));
-        assert_eq!(f.line(), None);
+        assert_eq!(f.line(None), None);
         let line = f.line_after(FLEET_MIN_OBSERVATIONS).expect("fitted");
         assert!((line.predict(4096.0, 0.0) - 926.0).abs() < 1e-6, "{line:?}");
         assert!(line.predict(0.0, 5.0) < 1.0, "nothing uncached, nothing ahead: {line:?}");
+    }
+
+    /// A pod's first tokens, mostly cold prompts of about one size whose TTFTs vary with what
+    /// the model cannot see: least squares alone tilts to a near-flat line (a pod that looks
+    /// free at any work); drawn toward the fleet's slope it charges queued work again, and a
+    /// pod whose own first tokens span its work well keeps its own slope.
+    #[test]
+    fn a_prior_slope_steadies_a_pod_fit_from_few_uneven_first_tokens() {
+        let mut f = TtftFit::default();
+        let seen =
+            [(2000.0, 700.0), (3300.0, 740.0), (3400.0, 900.0), (4200.0, 780.0), (3200.0, 650.0), (2600.0, 690.0)];
+        for (x, y) in seen {
+            assert!(f.observe(x, 0.0, y));
+        }
+        assert!(f.work_spread() >= MIN_WORK_SPREAD, "{}", f.work_spread());
+        let alone = f.line(None).expect("fitted");
+        let toward = f.line(Some(0.22)).expect("fitted");
+        // Alone: another 3 200 queued tokens add (almost) nothing.
+        assert!(alone.predict(6800.0, 0.0) - alone.predict(3400.0, 0.0) < 200.0, "{alone:?}");
+        assert!(toward.predict(6800.0, 0.0) - toward.predict(3400.0, 0.0) > 500.0, "{toward:?}");
+        // Both still fit what was seen, on average.
+        let mean_err = |l: TtftLine| seen.iter().map(|&(x, y)| l.predict(x, 0.0) - y).sum::<f64>() / 6.0;
+        assert!(mean_err(toward).abs() < 60.0, "{toward:?}");
+
+        // Well-spread first tokens on a slope of 0.3: the prior of 0.22 barely moves it.
+        let mut g = TtftFit::default();
+        for i in 0..100u32 {
+            let x = 200.0 + f64::from(i % 10) * 400.0;
+            g.observe(x, 0.0, 30.0 + 0.3 * x);
+        }
+        let own = g.line(Some(0.22)).expect("fitted");
+        assert!((own.ms_per_token - 0.3).abs() < 0.02, "{own:?}");
     }
 }

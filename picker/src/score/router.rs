@@ -611,9 +611,10 @@ impl Router {
     /// docs/design.md §4 "Load and predicted TTFT": every row's work for the TTFT model (its
     /// pod's in-flight work plus this request's uncached tokens), its predicted TTFT and, with
     /// `load_source: inflight`, its loadRatio = max(in-flight work × learned ms per token /
-    /// `load_horizon_ms`, reported KV usage). A pod whose model has not learned yet is predicted by the fleet-wide
-    /// model; before that has learned too it keeps the seed's formula (counted in
-    /// `load_fallbacks`).
+    /// `load_horizon_ms`, reported KV usage). A pod's own model leans on the fleet-wide model's
+    /// slope until its first tokens spread ([`crate::pool::TtftFit::line_toward`]); a pod whose model has not
+    /// learned yet is predicted by the fleet-wide model; before that has learned too it keeps the
+    /// seed's formula (counted in `load_fallbacks`).
     fn predict(&self, sc: &mut Scratch, table: &PodTable, total_blocks: u32) {
         let block = self.pool.config().block_size as f64;
         let horizon = self.config.load_horizon_ms as f64;
@@ -622,7 +623,8 @@ impl Router {
         let fleet: Option<TtftLine> =
             self.shared.credit.fleet_ttft.lock().line_after(crate::pool::FLEET_MIN_OBSERVATIONS);
         for row in &mut sc.rows {
-            let own: Option<TtftLine> = table.pods[row.pod as usize].inflight.ttft.lock().line();
+            let own: Option<TtftLine> =
+                table.pods[row.pod as usize].inflight.ttft.lock().line(fleet.map(|f| f.ms_per_token));
             let line = own.or(fleet);
             let uncached = f64::from(total_blocks.saturating_sub(row.credited())) * block;
             row.ttft_work = row.work + uncached;
