@@ -101,7 +101,7 @@ struct Args {
     #[arg(long, default_value = "1", value_delimiter = ',')]
     seeds: Vec<u64>,
     /// Also write every request's outcome to `<out>/<workload>-<policy>-seed<N>.csv` (arrival,
-    /// router, pod, session, stage, prompt and cached tokens, TTFT, finish).
+    /// router, pod, session, group, stage, prompt and cached tokens, TTFT, finish).
     #[arg(long)]
     dump_requests: bool,
     /// Also write every kvroute decision, with its best candidates' factors, to

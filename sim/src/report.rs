@@ -521,15 +521,16 @@ pub fn charts(workload: &Workload, rows: &[Summary], base: &Path) -> Result<Vec<
 /// Every request's outcome as CSV, one line per request in id order (`--dump-requests`).
 pub fn outcomes_csv(run: &RunResult) -> String {
     let mut out = String::from(
-        "id,arrival_s,router,pod,session,stage,warmup,prompt_tokens,cached_tokens,hit_blocks,total_blocks,ttft_s,finish_s\n",
+        "id,arrival_s,router,pod,session,group,stage,warmup,prompt_tokens,cached_tokens,hit_blocks,total_blocks,ttft_s,finish_s\n",
     );
     for (id, o) in run.outcomes.iter().enumerate() {
         out.push_str(&format!(
-            "{id},{:.6},{},{},{},{},{},{},{},{},{},{:.6},{:.6}\n",
+            "{id},{:.6},{},{},{},{},{},{},{},{},{},{},{:.6},{:.6}\n",
             o.arrival_us as f64 / 1e6,
             o.router.map_or(String::new(), |r| r.to_string()),
             o.pod,
             o.session.map_or(String::new(), |s| s.to_string()),
+            o.group.map_or(String::new(), |g| g.to_string()),
             o.stage,
             o.warmup,
             o.prompt_tokens,

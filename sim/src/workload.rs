@@ -60,7 +60,8 @@ pub struct SimRequest {
     /// Conversation id (multi-turn chat), if any.
     pub session: Option<u64>,
     /// Group whose shared prefix (system prompt) it starts with, where a workload has groups
-    /// (`chat-groups`): the report counts the engines each group is served by.
+    /// (`chat-groups`, and the shared-prefix streams: shared-prefix, W1, llm-d, background): the
+    /// report counts the engines each group is served by.
     pub group: Option<u64>,
     /// Load stage the request belongs to (index into [`Workload::stages`]).
     pub stage: usize,
@@ -354,7 +355,7 @@ fn shared_prefix_drafts(cfg: &SharedPrefixConfig, rng: &mut StdRng) -> Vec<Draft
                 output_tokens: cfg.output_tokens,
                 adapter: None,
                 session: None,
-                group: None,
+                group: Some(g),
                 stage,
             });
             t += exp_gap_us(rng, st.rate_rps);
@@ -858,6 +859,24 @@ mod tests {
         assert_ne!(a[10], b[10]);
         let c = cb.chain(Some("x"), &[Segment { id: 1, tokens: 160 }]);
         assert_ne!(c[0], a[0], "an adapter gives a disjoint chain");
+    }
+
+    /// Every shared-prefix request names its group, and requests of one group share its
+    /// prefix blocks while different groups share none (what the group placement table reads).
+    #[test]
+    fn shared_prefix_requests_carry_their_group() {
+        let cfg =
+            SharedPrefixConfig { groups: 3, prefix_tokens: 64, question_tokens: 32, ..SharedPrefixConfig::default() };
+        let w = shared_prefix(&SharedPrefixConfig { stages: staged(&[20.0], 5.0), ..cfg }, 7, 16);
+        let mut first: std::collections::BTreeMap<u64, BlockHash> = std::collections::BTreeMap::new();
+        for r in &w.requests {
+            let g = r.group.expect("every shared-prefix request has a group");
+            assert!(g < 3);
+            assert_eq!(*first.entry(g).or_insert(r.blocks[0]), r.blocks[0], "group {g} shares its prefix");
+        }
+        assert_eq!(first.len(), 3, "20 req/s for 5 s reaches all three groups");
+        let heads: std::collections::BTreeSet<_> = first.values().collect();
+        assert_eq!(heads.len(), 3, "groups share no prefix block");
     }
 
     /// Background traffic is W1's stream plus ≈ 2 req/s of 6 000-token prompts that share no
