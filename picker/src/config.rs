@@ -1198,6 +1198,18 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         // Scoring errors keep their typed source.
         let err = PickerConfig::from_yaml("scoring: {max_queue: 0}").unwrap().validate().unwrap_err();
         assert!(matches!(err, ConfigError::Scoring { source: ScoringConfigError::MaxQueue }), "{err:?}");
+        for margin in ["-0.1", "1.5"] {
+            let err = PickerConfig::from_yaml(&format!("scoring:\n  cold_placement_margin: {margin}\n"))
+                .unwrap()
+                .validate()
+                .unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Scoring { source: ScoringConfigError::ColdPlacementMargin(_) }),
+                "{margin}: {err:?}"
+            );
+        }
+        let c = PickerConfig::from_yaml("scoring: {cold_placement_margin: 0}").unwrap();
+        assert!(c.validate().is_ok() && c.scoring.cold_placement_margin == 0.0);
         // Overrides apply over the preset, with ScoringConfig's own field checks.
         let c = PickerConfig::from_yaml("scoring: {preset: batch, max_queue: 7}").unwrap();
         assert_eq!((c.scoring.max_queue, c.scoring.weights.queue), (7, 0.0));

@@ -22,6 +22,11 @@ use parking_lot::Mutex;
 use super::PodRecord;
 use super::TtftFit;
 
+/// Time constant of a pod's routed rate ([`InFlight::routed_rate`]), ms: a minute spans dozens
+/// of a busy pod's requests, so a prefix's share of the traffic shows, and still follows a shift
+/// in what is popular within a few minutes.
+pub(crate) const ROUTED_RATE_TAU_MS: f64 = 60_000.0;
+
 /// The in-flight requests of one pod.
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
@@ -32,15 +37,30 @@ pub(crate) struct InFlight {
     /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
     /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
     pub(crate) ttft: Mutex<TtftFit>,
+    /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of the last
+    /// routing time (ms): the count and that time.
+    routed: Mutex<(f64, i64)>,
 }
 
 impl InFlight {
     /// Records a request routed at `routed_ms` under slot `id`.
     pub(crate) fn reserve(&self, routed_ms: i64, id: u64) {
-        let mut s = self.slots.lock();
-        let pos = s.partition_point(|e| *e <= (routed_ms, id));
-        s.insert(pos, (routed_ms, id));
-        self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
+        {
+            let mut s = self.slots.lock();
+            let pos = s.partition_point(|e| *e <= (routed_ms, id));
+            s.insert(pos, (routed_ms, id));
+            self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
+        }
+        let mut r = self.routed.lock();
+        let count = decayed(*r, routed_ms) + 1.0;
+        *r = (count, routed_ms.max(r.1));
+    }
+
+    /// The pod's routed rate at `now_ms`: the requests routed here, each weighted by
+    /// `exp(−age / ROUTED_RATE_TAU_MS)` (requests per minute, smoothed). ≥ 0; 0 for a pod never
+    /// routed to. A clock read earlier than the last routing decays nothing.
+    pub(crate) fn routed_rate(&self, now_ms: i64) -> f64 {
+        decayed(*self.routed.lock(), now_ms)
     }
 
     /// Forgets slot `id` (request finished, any way). Unknown slots are ignored.
@@ -66,6 +86,12 @@ impl InFlight {
         let first = s.partition_point(|e| e.0 < since_ms);
         u32::try_from(s.len() - first).unwrap_or(u32::MAX)
     }
+}
+
+/// `(count, at_ms)` brought forward to `now_ms` (never backward).
+fn decayed((count, at_ms): (f64, i64), now_ms: i64) -> f64 {
+    let age = now_ms.saturating_sub(at_ms).max(0) as f64;
+    count * (-age / ROUTED_RATE_TAU_MS).exp()
 }
 
 /// Held for the life of the request. Dropping it (stream ended, any way) releases the pod's
@@ -187,6 +213,24 @@ impl Drop for InFlightSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each routed request adds one to the rate, which halves every τ·ln 2 without traffic; a
+    /// clock that steps back neither decays it nor loses the later time.
+    #[test]
+    fn routed_rate_counts_requests_and_fades_with_time() {
+        let f = InFlight::default();
+        assert_eq!(f.routed_rate(1_000), 0.0);
+        f.reserve(1_000, 1);
+        f.reserve(1_000, 2);
+        assert!((f.routed_rate(1_000) - 2.0).abs() < 1e-9);
+        let tau = ROUTED_RATE_TAU_MS as i64;
+        assert!((f.routed_rate(1_000 + tau) - 2.0 / std::f64::consts::E).abs() < 1e-9);
+        f.release(1_000, 1);
+        assert!((f.routed_rate(1_000) - 2.0).abs() < 1e-9, "a finished request still counted as routed");
+        f.reserve(500, 3);
+        assert!((f.routed_rate(1_000) - 3.0).abs() < 1e-9, "an earlier clock adds without decay");
+        assert!((f.routed_rate(400) - 3.0).abs() < 1e-9);
+    }
 
     #[test]
     fn counts_only_requests_routed_since_the_report() {

@@ -123,7 +123,13 @@ pub const DEFAULT_LOAD_HORIZON_MS: u64 = 1_000;
 /// Default [`ScoringConfig::pending_queue_share`].
 pub const DEFAULT_PENDING_QUEUE_SHARE: f64 = 0.5;
 /// Default [`ScoringConfig::pile_guard_margin`], in requests.
-pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 24;
+pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 64;
+/// [`ScoringConfig::pile_guard_margin`] of the `ttft` preset, in requests: its pile guard
+/// keeps a pile by predicted time (docs/design.md §4 "Pile guard by time"), and a pile the
+/// models read as far faster grows past 24 requests only where that holds.
+pub const TTFT_PILE_GUARD_MARGIN: u32 = 24;
+/// Default [`ScoringConfig::cold_placement_margin`], in S.
+pub const DEFAULT_COLD_PLACEMENT_MARGIN: f64 = 0.01;
 /// Default [`ScoringConfig::pile_guard_factor`].
 pub const DEFAULT_PILE_GUARD_FACTOR: f64 = 2.0;
 /// Default [`ScoringConfig::health_exclusion_threshold`] (docs/design.md §7: below 0.3 = excluded band).
@@ -198,7 +204,7 @@ pub struct ScoringConfig {
     /// than `pile_guard_factor` times, the least loaded candidate serves the request instead (the
     /// best scored among equally loaded ones). A hot prefix (a system prompt every conversation
     /// shares) thus spreads to other pods before its first holder saturates. 0 turns the guard
-    /// off. Default [`DEFAULT_PILE_GUARD_MARGIN`] (24).
+    /// off. Default [`DEFAULT_PILE_GUARD_MARGIN`] (64).
     pub pile_guard_margin: u32,
     /// See `pile_guard_margin`; at least 1. Default [`DEFAULT_PILE_GUARD_FACTOR`] (2.0).
     pub pile_guard_factor: f64,
@@ -216,6 +222,12 @@ pub struct ScoringConfig {
     /// left come from pending chains and KV events). Default false: the design's tie rule ends in
     /// a seeded random pick (docs/design.md §4), so this step is the operator's choice.
     pub prefill_tie_break: bool,
+    /// A request no candidate holds any block of (a new prefix) goes, among the candidates whose S
+    /// is within this much of the best's, to the one with the least long-run share: its routed
+    /// rate over the candidates' mean plus its cached blocks over theirs (docs/design.md §4
+    /// "Where a new prefix goes"). In [0, 1]; 0 turns it off (best S, as for any request).
+    /// Default [`DEFAULT_COLD_PLACEMENT_MARGIN`] (0.01).
+    pub cold_placement_margin: f64,
     /// Where loadRatio comes from: `inflight` (default: in-flight work over learned capacity) or
     /// `gpu_utilization` (the seed's formula). docs/design.md §4 "Load and predicted TTFT".
     pub load_source: LoadSource,
@@ -292,6 +304,7 @@ impl Default for ScoringConfig {
             pile_guard_factor: DEFAULT_PILE_GUARD_FACTOR,
             load_forecast: true,
             prefill_tie_break: false,
+            cold_placement_margin: DEFAULT_COLD_PLACEMENT_MARGIN,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,
@@ -331,7 +344,11 @@ impl ScoringConfig {
     /// `ttft`), other fields default.
     pub fn preset(name: &str) -> Option<ScoringConfig> {
         if name == "ttft" {
-            return Some(ScoringConfig { spill_rule: SpillRule::Ttft, ..ScoringConfig::default() });
+            return Some(ScoringConfig {
+                spill_rule: SpillRule::Ttft,
+                pile_guard_margin: TTFT_PILE_GUARD_MARGIN,
+                ..ScoringConfig::default()
+            });
         }
         PRESETS.iter().find(|(n, ..)| *n == name).map(|(_, weights, max_queue, cache_factor)| ScoringConfig {
             weights: *weights,
@@ -375,6 +392,9 @@ impl ScoringConfig {
         }
         if !(0.0..=1.0).contains(&self.pending_queue_share) {
             return Err(ScoringConfigError::PendingQueueShare(self.pending_queue_share));
+        }
+        if !(0.0..=1.0).contains(&self.cold_placement_margin) {
+            return Err(ScoringConfigError::ColdPlacementMargin(self.cold_placement_margin));
         }
         if self.full_credit_tokens == 0 {
             return Err(ScoringConfigError::FullCreditTokens);
@@ -444,6 +464,9 @@ pub enum ScoringConfigError {
     /// `pending_queue_share` outside [0,1].
     #[error("scoring.pending_queue_share must be in [0, 1] (a share of max_queue), got {0}")]
     PendingQueueShare(f64),
+    /// `cold_placement_margin` outside [0,1].
+    #[error("scoring.cold_placement_margin must be in [0, 1] (a gap in S), got {0}")]
+    ColdPlacementMargin(f64),
     /// `full_credit_tokens` of 0.
     #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
     FullCreditTokens,

@@ -596,7 +596,8 @@ impl Router {
                 c
             }
         };
-        let mut choice = by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len()));
+        let mut choice =
+            by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len())).map(|c| self.place_cold(sc, table, c));
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
             // By time, a pile that fits the pod's KV and is predicted far faster is no pile.
@@ -918,6 +919,44 @@ impl Router {
             }
             row.offloaded = row.cpu.saturating_sub(row.credited());
         }
+    }
+
+    /// docs/design.md §4 "Where a new prefix goes": when no candidate holds any block of the
+    /// request, the row among those whose S is within `cold_placement_margin` of row `choice`'s
+    /// with the least long-run share, `routed rate / mean routed rate + cached blocks / mean
+    /// cached blocks` (a term whose mean is 0 counts 0; cached blocks: indexed, and still to
+    /// prefill on the pod); `choice` on equal shares and for every other request. S sees what a
+    /// pod carries now; a new prefix's next requests will follow it to where it lands, so that
+    /// pod is best taken by what it will carry: a pod serving much traffic would see its hits
+    /// wait behind this prefill, and one holding many prefixes will hold their traffic and evict
+    /// to make room.
+    fn place_cold(&self, sc: &Scratch, table: &PodTable, choice: usize) -> usize {
+        let margin = self.config.cold_placement_margin;
+        if margin <= 0.0 || sc.rows.iter().any(|r| r.credited() > 0 || r.cpu > 0) {
+            return choice;
+        }
+        let now = self.shared.clock().now_unix_ms();
+        let rate = |i: usize| table.pods[sc.rows[i].pod as usize].inflight.routed_rate(now);
+        let blocks = |i: usize| {
+            let rec = &table.pods[sc.rows[i].pod as usize];
+            rec.blocks.load(Ordering::Relaxed) as f64 + f64::from(sc.rows[i].prefill)
+        };
+        let n = sc.rows.len() as f64;
+        let (mean_rate, mean_blocks) =
+            (0..sc.rows.len()).fold((0.0, 0.0), |(r, b), i| (r + rate(i) / n, b + blocks(i) / n));
+        let share = |i: usize| {
+            let part = |v: f64, mean: f64| if mean > 0.0 { v / mean } else { 0.0 };
+            part(rate(i), mean_rate) + part(blocks(i), mean_blocks)
+        };
+        let floor = sc.scored[choice].score - margin;
+        let mut best = (choice, share(choice));
+        for i in (0..sc.rows.len()).filter(|&i| i != choice && sc.scored[i].score >= floor) {
+            let s = share(i);
+            if s < best.1 {
+                best = (i, s);
+            }
+        }
+        best.0
     }
 
     /// docs/design.md §4 pile guard: when row `choice` carries far more requests than the least

@@ -212,7 +212,9 @@ async fn concurrent_routes_reserve_exactly_once_each() {
 /// not confirmed yet is still being prefilled, and the next cold request queues behind it.
 #[tokio::test]
 async fn a_request_still_prefilling_counts_in_queue_depth_until_its_blocks_are_confirmed() {
-    let (pool, r) = router(ScoringConfig::default());
+    // Cold prompts by S alone: the placement of new prefixes would weigh where the earlier
+    // ones went, which is not what this test reads.
+    let (pool, r) = router(ScoringConfig { cold_placement_margin: 0.0, ..ScoringConfig::default() });
     // Reports read after the routing below (one second ahead of the wall clock).
     let after = |gpu: f64| {
         let mut s = stats(gpu, 0, 1.0);
@@ -300,10 +302,57 @@ async fn a_cold_tie_goes_to_the_pod_with_less_prefill_left() {
     assert!(picks(false, "a") > 0 && picks(false, "b") > 0, "{chosen:?}");
 }
 
+/// docs/design.md §4 "Where a new prefix goes": among pods that read the same on S, a prompt no
+/// pod holds a block of goes to the one with the least long-run share (routed rate and cached
+/// blocks, each over the fleet's mean); a pod more than `cold_placement_margin` below the best S
+/// is not taken for it, a request some pod holds blocks of goes by S, and margin 0 turns it off.
+#[tokio::test]
+async fn a_new_prefix_goes_to_the_pod_with_the_least_traffic_and_cache() {
+    let (pool, r) = router(ScoringConfig::default());
+    // many: 40 cached blocks; busy: 10 one-block prompts routed to it, now cached; light: 10
+    // cached blocks, never routed to; queued: nothing cached but 4 requests waiting (S 0.02 lower).
+    put(&pool, "many", "m", stats(0.0, 0, 1.0), &chain(1_000, 40)).await;
+    put(&pool, "light", "m", stats(0.0, 0, 1.0), &chain(2_000, 10)).await;
+    put(&pool, "busy", "m", stats(0.0, 0, 1.0), &[]).await;
+    let only = vec!["busy:8000".to_string()];
+    let prompts: Vec<Vec<BlockHash>> = (0..10).map(|i| chain(3_000 + 10 * i, 1)).collect();
+    for p in &prompts {
+        let d = r.route(&RouteRequest { subset: Some(&only), ..req(p) });
+        assert_eq!(d.map(|d| d.pod).ok().as_deref(), Some("busy"));
+    }
+    put(&pool, "busy", "m", stats(0.0, 0, 1.0), &prompts.concat()).await;
+    put(&pool, "queued", "m", stats(0.0, 4, 1.0), &[]).await;
+    let fresh = chain(9_000, 8);
+    let e = r.explain(&req(&fresh));
+    let score = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.score);
+    assert_eq!(score("many"), score("light"), "{e:?}");
+    assert_eq!(score("busy"), score("light"), "{e:?}");
+    assert!(score("queued") < score("light").map(|s| s - 0.01), "{e:?}");
+    assert_eq!(e.choice.as_deref(), Some("light"), "{e:?}");
+    let Ok(d) = r.route(&req(&fresh)) else { panic!("no decision") };
+    assert_eq!(d.pod, "light");
+    drop(d);
+    // Blocks of the request on `many`: S decides, as for any request.
+    let mut warm = chain(1_000, 4);
+    warm.extend(chain(9_500, 4));
+    assert_eq!(r.explain(&req(&warm)).choice.as_deref(), Some("many"));
+    // Off: the seeded random tie among the equal best S, whatever the shares.
+    let mut picks = std::collections::BTreeSet::new();
+    for seed in 0..32 {
+        let (pool, r) = router(ScoringConfig { seed, cold_placement_margin: 0.0, ..ScoringConfig::default() });
+        put(&pool, "many", "m", stats(0.0, 0, 1.0), &chain(1_000, 40)).await;
+        put(&pool, "light", "m", stats(0.0, 0, 1.0), &chain(2_000, 10)).await;
+        picks.extend(r.explain(&req(&fresh)).choice);
+    }
+    assert_eq!(picks.len(), 2, "{picks:?}");
+}
+
 #[tokio::test]
 async fn ties_break_on_load_then_queue_then_seeded_random() {
+    // The ties of S itself: new prefixes are not placed by their pods' share here.
     let cache_only = ScoringConfig {
         weights: Weights { cache: 1.0, load: 0.0, queue: 0.0, health: 0.0, adapter: 0.0 },
+        cold_placement_margin: 0.0,
         ..ScoringConfig::default()
     };
     let (pool, r) = router(cache_only.clone());
@@ -621,7 +670,9 @@ fn seats(running: u32) -> kvroute_proto::agent::v1::PodStats {
 #[tokio::test]
 async fn requests_routed_since_the_report_count_in_load_ratio() {
     for forecast in [true, false] {
-        let (pool, r) = router(ScoringConfig { load_forecast: forecast, ..ScoringConfig::default() });
+        // Cold prompts by S alone (no placement of new prefixes by share): S is what is read.
+        let (pool, r) =
+            router(ScoringConfig { load_forecast: forecast, cold_placement_margin: 0.0, ..ScoringConfig::default() });
         put(&pool, "a", "m", seats(4), &[]).await;
         put(&pool, "b", "m", seats(5), &[]).await;
         let Ok(first) = r.route(&req(&chain(100, 8))) else { panic!("no decision") };
