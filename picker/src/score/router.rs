@@ -13,9 +13,12 @@
 //! 8. `tie_keys`: the keys after S (cold prefill left, a seeded random key);
 //! 9. `choose`: the best row by S and the tie rules (`select.rs`), or by predicted TTFT
 //!    (`spill_rule: ttft`, or an SLO no row is predicted to meet);
-//! 10. `pile_guard`: the least loaded row instead, when the choice carries far more requests
+//! 10. `place_cold`: a request no row holds a block of goes, among the rows within
+//!     `cold_placement_margin` of the choice's S, to the least routed rate plus cached blocks
+//!     (docs/design.md §4 "Where a new prefix goes");
+//! 11. `pile_guard`: the least loaded row instead, when the choice carries far more requests
 //!     (by time: unless the choice has KV room and is predicted far faster);
-//! 11. `route_in` (routing only): the chain recorded pending, the event published to peers and an
+//! 12. `route_in` (routing only): the chain recorded pending, the event published to peers and an
 //!     in-flight slot reserved on the chosen pod, with the work the TTFT model learns from.
 //!
 //! Concurrency: the prefix walk and the static filters read arc-swap snapshots without locks; the
