@@ -123,7 +123,7 @@ pub const DEFAULT_LOAD_HORIZON_MS: u64 = 1_000;
 /// Default [`ScoringConfig::pending_queue_share`].
 pub const DEFAULT_PENDING_QUEUE_SHARE: f64 = 0.5;
 /// Default [`ScoringConfig::pile_guard_margin`], in requests.
-pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 64;
+pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 40;
 /// [`ScoringConfig::pile_guard_margin`] of the `ttft` preset, in requests: its pile guard
 /// keeps a pile by predicted time (docs/design.md §4 "Pile guard by time"), and a pile the
 /// models read as far faster grows past 24 requests only where that holds.
@@ -204,7 +204,7 @@ pub struct ScoringConfig {
     /// than `pile_guard_factor` times, the least loaded candidate serves the request instead (the
     /// best scored among equally loaded ones). A hot prefix (a system prompt every conversation
     /// shares) thus spreads to other pods before its first holder saturates. 0 turns the guard
-    /// off. Default [`DEFAULT_PILE_GUARD_MARGIN`] (64).
+    /// off. Default [`DEFAULT_PILE_GUARD_MARGIN`] (40).
     pub pile_guard_margin: u32,
     /// See `pile_guard_margin`; at least 1. Default [`DEFAULT_PILE_GUARD_FACTOR`] (2.0).
     pub pile_guard_factor: f64,
