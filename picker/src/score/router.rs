@@ -140,6 +140,8 @@ struct Scratch {
     /// `(pod, routed_ms, blocks left)` of the requests in flight still prefilling, sorted
     /// (precise mode).
     prefilling: Vec<(PodIdx, i64, u32)>,
+    /// `(routed rate, cached blocks)` per row, for a new prefix's placement.
+    shares: Vec<(f64, f64)>,
 }
 
 impl Scratch {
@@ -151,6 +153,7 @@ impl Scratch {
         self.excluded.clear();
         self.order.clear();
         self.prefilling.clear();
+        self.shares.clear();
     }
 }
 
@@ -600,7 +603,7 @@ impl Router {
             }
         };
         let mut choice =
-            by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len())).map(|c| self.place_cold(sc, table, c));
+            by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len())).map(|c| self.place_cold(&mut *sc, table, c));
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
             // By time, a pile that fits the pod's KV and is predicted far faster is no pile.
@@ -933,24 +936,22 @@ impl Router {
     /// pod is best taken by what it will carry: a pod serving much traffic would see its hits
     /// wait behind this prefill, and one holding many prefixes will hold their traffic and evict
     /// to make room.
-    fn place_cold(&self, sc: &Scratch, table: &PodTable, choice: usize) -> usize {
+    fn place_cold(&self, sc: &mut Scratch, table: &PodTable, choice: usize) -> usize {
         let margin = self.config.cold_placement_margin;
         if margin <= 0.0 || sc.rows.iter().any(|r| r.credited() > 0 || r.cpu > 0) {
             return choice;
         }
         let now = self.shared.clock().now_unix_ms();
-        let rate = |i: usize| table.pods[sc.rows[i].pod as usize].inflight.routed_rate(now);
-        let blocks = |i: usize| {
-            let rec = &table.pods[sc.rows[i].pod as usize];
-            rec.blocks.load(Ordering::Relaxed) as f64 + f64::from(sc.rows[i].prefill)
-        };
-        let n = sc.rows.len() as f64;
-        let (mean_rate, mean_blocks) =
-            (0..sc.rows.len()).fold((0.0, 0.0), |(r, b), i| (r + rate(i) / n, b + blocks(i) / n));
-        let share = |i: usize| {
-            let part = |v: f64, mean: f64| if mean > 0.0 { v / mean } else { 0.0 };
-            part(rate(i), mean_rate) + part(blocks(i), mean_blocks)
-        };
+        // One read of each pod's rate (a lock) and blocks, then the means over the rows.
+        sc.shares.clear();
+        sc.shares.extend(sc.rows.iter().map(|row| {
+            let rec = &table.pods[row.pod as usize];
+            (rec.inflight.routed_rate(now), rec.blocks.load(Ordering::Relaxed) as f64 + f64::from(row.prefill))
+        }));
+        let n = sc.shares.len() as f64;
+        let (mean_rate, mean_blocks) = sc.shares.iter().fold((0.0, 0.0), |(r, b), (sr, sb)| (r + sr / n, b + sb / n));
+        let part = |v: f64, mean: f64| if mean > 0.0 { v / mean } else { 0.0 };
+        let share = |i: usize| part(sc.shares[i].0, mean_rate) + part(sc.shares[i].1, mean_blocks);
         let floor = sc.scored[choice].score - margin;
         let mut best = (choice, share(choice));
         for i in (0..sc.rows.len()).filter(|&i| i != choice && sc.scored[i].score >= floor) {
