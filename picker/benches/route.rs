@@ -8,7 +8,9 @@
 //! as when a prefix lives on a few replicas. `route_all_share`: every pod holds a staggered part of
 //! the chain (pod k the first `256·(k+1)/N` blocks): the prefix walk's worst case, since each of
 //! the 256 steps intersects with every pod. `route_no_prefix`: an empty chain (filters, scoring,
-//! choice and reservation only). Run: `cargo bench -p kvroute-picker --bench route`.
+//! choice and reservation; no pod holds a block of it, so it is placed as a new prefix),
+//! beside `route_no_prefix_placement_off` (`cold_placement_margin: 0`, the same request by S
+//! alone). Run: `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -105,6 +107,13 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("route", n), &n, |b, _| route(b, &router, &rq));
         let empty = RouteRequest { block_hashes: &[], ..rq };
         g.bench_with_input(BenchmarkId::new("route_no_prefix", n), &n, |b, _| route(b, &router, &empty));
+        // The same request without the placement of a new prefix (its cost is the difference).
+        let off = ScoringConfig { cold_placement_margin: 0.0, ..ScoringConfig::default() };
+        let Ok(router_off) = Router::new(pool.clone(), off) else { panic!("router") };
+        g.bench_with_input(BenchmarkId::new("route_no_prefix_placement_off", n), &n, |b, _| {
+            route(b, &router_off, &empty)
+        });
+        drop(router_off);
         let cost = ScoringConfig {
             weights: Weights { cache: 0.50, load: 0.15, queue: 0.10, health: 0.05, adapter: 0.05 },
             custom: vec![CustomScorerConfig::Cost { weight: 0.15, margin: 0.20 }],
