@@ -15,7 +15,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -37,9 +37,12 @@ pub(crate) struct InFlight {
     /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
     /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
     pub(crate) ttft: Mutex<TtftFit>,
-    /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of the last
-    /// routing time (ms): the count and that time.
-    routed: Mutex<(f64, i64)>,
+    /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of
+    /// `routed_at_ms` (`f64` bits). Written only by [`InFlight::reserve`], which runs under the
+    /// pool's selection lock; a read outside it (`explain`) may pair a count with the time before.
+    routed: AtomicU64,
+    /// The last routing time, ms.
+    routed_at_ms: AtomicI64,
 }
 
 impl InFlight {
@@ -51,16 +54,21 @@ impl InFlight {
             s.insert(pos, (routed_ms, id));
             self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
         }
-        let mut r = self.routed.lock();
-        let count = decayed(*r, routed_ms) + 1.0;
-        *r = (count, routed_ms.max(r.1));
+        let (count, at) = self.routed_count();
+        let count = decayed((count, at), routed_ms) + 1.0;
+        self.routed.store(count.to_bits(), Ordering::Relaxed);
+        self.routed_at_ms.store(routed_ms.max(at), Ordering::Relaxed);
+    }
+
+    fn routed_count(&self) -> (f64, i64) {
+        (f64::from_bits(self.routed.load(Ordering::Relaxed)), self.routed_at_ms.load(Ordering::Relaxed))
     }
 
     /// The pod's routed rate at `now_ms`: the requests routed here, each weighted by
     /// `exp(−age / ROUTED_RATE_TAU_MS)` (requests per minute, smoothed). ≥ 0; 0 for a pod never
     /// routed to. A clock read earlier than the last routing decays nothing.
     pub(crate) fn routed_rate(&self, now_ms: i64) -> f64 {
-        decayed(*self.routed.lock(), now_ms)
+        decayed(self.routed_count(), now_ms)
     }
 
     /// Forgets slot `id` (request finished, any way). Unknown slots are ignored.

@@ -941,6 +941,10 @@ impl Router {
         if margin <= 0.0 || sc.rows.iter().any(|r| r.credited() > 0 || r.cpu > 0) {
             return choice;
         }
+        let floor = sc.scored[choice].score - margin;
+        if !sc.scored.iter().enumerate().any(|(i, s)| i != choice && s.score >= floor) {
+            return choice;
+        }
         let now = self.shared.clock().now_unix_ms();
         // One read of each pod's rate (a lock) and blocks, then the means over the rows.
         sc.shares.clear();
@@ -952,7 +956,6 @@ impl Router {
         let (mean_rate, mean_blocks) = sc.shares.iter().fold((0.0, 0.0), |(r, b), (sr, sb)| (r + sr / n, b + sb / n));
         let part = |v: f64, mean: f64| if mean > 0.0 { v / mean } else { 0.0 };
         let share = |i: usize| part(sc.shares[i].0, mean_rate) + part(sc.shares[i].1, mean_blocks);
-        let floor = sc.scored[choice].score - margin;
         let mut best = (choice, share(choice));
         for i in (0..sc.rows.len()).filter(|&i| i != choice && sc.scored[i].score >= floor) {
             let s = share(i);
