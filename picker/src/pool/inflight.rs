@@ -60,6 +60,7 @@ impl InFlight {
         self.routed_at_ms.store(routed_ms.max(at), Ordering::Relaxed);
     }
 
+    /// The stored `(count, at_ms)` of the routed rate, not brought forward.
     fn routed_count(&self) -> (f64, i64) {
         (f64::from_bits(self.routed.load(Ordering::Relaxed)), self.routed_at_ms.load(Ordering::Relaxed))
     }

@@ -874,7 +874,7 @@ impl Router {
     /// goes first (`prefill_tie_break`); last, a seeded random key per pod and decision (`tick`).
     fn tie_keys(&self, sc: &mut Scratch, table: &PodTable, tick: u64) {
         let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
-        let cold = self.config.prefill_tie_break && sc.rows.iter().all(|r| r.credited() == 0 && r.offloaded == 0);
+        let cold = self.config.prefill_tie_break && no_row_holds_a_block(&sc.rows);
         for (row, s) in sc.rows.iter().zip(&mut sc.scored) {
             s.ranked.prefill = if cold { row.prefill } else { 0 };
             s.ranked.tie_key = select::splitmix64(salt ^ u64::from(table.pods[row.pod as usize].idx.0));
@@ -938,7 +938,7 @@ impl Router {
     /// to make room.
     fn place_cold(&self, sc: &mut Scratch, table: &PodTable, choice: usize) -> usize {
         let margin = self.config.cold_placement_margin;
-        if margin <= 0.0 || sc.rows.iter().any(|r| r.credited() > 0 || r.cpu > 0) {
+        if margin <= 0.0 || !no_row_holds_a_block(&sc.rows) {
             return choice;
         }
         let floor = sc.scored[choice].score - margin;
@@ -946,7 +946,7 @@ impl Router {
             return choice;
         }
         let now = self.shared.clock().now_unix_ms();
-        // One read of each pod's rate (a lock) and blocks, then the means over the rows.
+        // One read of each pod's rate (an exp) and blocks, then the means over the rows.
         sc.shares.clear();
         sc.shares.extend(sc.rows.iter().map(|row| {
             let rec = &table.pods[row.pod as usize];
@@ -1110,6 +1110,12 @@ const PILE_SPEEDUP: f64 = 3.0;
 /// both predictions).
 fn pile_fits(a: &Row, b: &Row) -> bool {
     a.kv < KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
+}
+
+/// Whether the request is new to every candidate: no blocks credited (indexed, pending or
+/// approximate) and none in a CPU tier.
+fn no_row_holds_a_block(rows: &[Row]) -> bool {
+    rows.iter().all(|r| r.credited() == 0 && r.cpu == 0)
 }
 
 /// Of rows `among`, the least predicted TTFT (rows without a prediction last), the best by S
