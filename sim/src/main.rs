@@ -108,6 +108,10 @@ struct Args {
     /// `<out>/<workload>-<policy>-seed<N>-decisions.csv` (see `policy::DECISIONS_CSV_HEADER`).
     #[arg(long)]
     dump_decisions: bool,
+    /// Also write every pod's stats reads (waiting, running, KV usage, preemptions so far) to
+    /// `<out>/<workload>-<policy>-seed<N>-pods.csv`.
+    #[arg(long)]
+    dump_pods: bool,
     /// Where tables (`tables.md`, `summary.md`) and charts go.
     #[arg(long, default_value = "target/sim")]
     out: PathBuf,
@@ -257,6 +261,11 @@ fn main() -> anyhow::Result<()> {
                 if a.dump_requests {
                     let path = a.out.join(format!("{}-{p}-seed{seed}.csv", w.name));
                     std::fs::write(&path, report::outcomes_csv(&run))
+                        .with_context(|| format!("writing {}", path.display()))?;
+                }
+                if a.dump_pods {
+                    let path = a.out.join(format!("{}-{p}-seed{seed}-pods.csv", w.name));
+                    std::fs::write(&path, report::pod_samples_csv(&run))
                         .with_context(|| format!("writing {}", path.display()))?;
                 }
                 rows.push(report::summarize(&run, w.stages.len()));

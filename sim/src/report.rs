@@ -519,6 +519,25 @@ pub fn charts(workload: &Workload, rows: &[Summary], base: &Path) -> Result<Vec<
 }
 
 /// Every request's outcome as CSV, one line per request in id order (`--dump-requests`).
+/// Every pod's stats reads of a run as CSV, one line per pod per read (`--dump-pods`): time (s),
+/// pod, waiting and running requests, KV usage in [0,1] and preemptions so far. The timeline
+/// that shows where KV pressure built up and which pod tipped into preemptions first.
+pub fn pod_samples_csv(run: &RunResult) -> String {
+    let mut out = String::from("time_s,pod,waiting,running,kv_usage,preemptions\n");
+    for s in &run.pod_samples {
+        out.push_str(&format!(
+            "{:.3},{},{},{},{:.4},{}\n",
+            s.time_us as f64 / 1e6,
+            s.pod,
+            s.waiting,
+            s.running,
+            s.kv_usage,
+            s.preemptions
+        ));
+    }
+    out
+}
+
 pub fn outcomes_csv(run: &RunResult) -> String {
     let mut out = String::from(
         "id,arrival_s,router,pod,session,group,stage,warmup,prompt_tokens,cached_tokens,hit_blocks,total_blocks,ttft_s,finish_s\n",

@@ -135,6 +135,26 @@ pub struct RunResult {
     pub outcomes: Vec<Outcome>,
     /// Preemptions over all pods.
     pub preemptions: u64,
+    /// Every pod's state at each of its stats reads, in time order.
+    pub pod_samples: Vec<PodSample>,
+}
+
+/// One pod's state at a stats read: what its /metrics page would show, plus the preemptions so
+/// far (vLLM's `num_preemptions_total`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PodSample {
+    /// Simulated time of the read, µs.
+    pub time_us: u64,
+    /// Pod index.
+    pub pod: usize,
+    /// Requests waiting.
+    pub waiting: u32,
+    /// Requests running.
+    pub running: u32,
+    /// KV cache usage in [0,1].
+    pub kv_usage: f64,
+    /// Preemptions on this pod since the start.
+    pub preemptions: u64,
 }
 
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -158,6 +178,7 @@ struct Loop<'a> {
     /// Replica events in flight to the other replicas: (sender, event).
     peer_events: Vec<Option<(usize, ReplicaEvent)>>,
     next_stats_us: Vec<u64>,
+    samples: Vec<PodSample>,
     /// Per pod, for [`GpuUtilization::Busy`]: the steps (start, end µs) not ended by the last
     /// stats read, and that read's time.
     steps: Vec<(Vec<(u64, u64)>, u64)>,
@@ -220,6 +241,14 @@ impl Loop<'_> {
             let steps = &mut self.steps[pod];
             let stats = stats_due.then(|| {
                 let mut st = p.stats();
+                self.samples.push(PodSample {
+                    time_us: now,
+                    pod,
+                    waiting: st.waiting,
+                    running: st.running,
+                    kv_usage: st.kv_usage,
+                    preemptions: p.preemptions,
+                });
                 if self.cfg.gpu_utilization == GpuUtilization::Busy {
                     st.gpu_utilization = busy_share(&steps.0, steps.1, now);
                     steps.0.retain(|&(_, end)| end > now);
@@ -266,6 +295,7 @@ pub fn run(
         reports: Vec::new(),
         peer_events: Vec::new(),
         next_stats_us: vec![0; pods],
+        samples: Vec::new(),
         steps: vec![(Vec::new(), 0); pods],
     };
     let mut rng = StdRng::seed_from_u64(cfg.seed ^ 0xD1EC7);
@@ -372,7 +402,7 @@ pub fn run(
         }
     }
     let preemptions = l.pods.iter().map(|p| p.preemptions).sum();
-    Ok(RunResult { policy: name, pods, outcomes: l.outcomes, preemptions })
+    Ok(RunResult { policy: name, pods, outcomes: l.outcomes, preemptions, pod_samples: l.samples })
 }
 
 #[cfg(test)]
@@ -494,6 +524,36 @@ mod tests {
         let share = direct / run.outcomes.len() as f64;
         assert!((0.35..0.65).contains(&share), "{share}");
         assert!(run.outcomes.iter().filter(|o| o.router.is_none()).all(|o| !o.measured()));
+    }
+
+    /// The pod timeline follows each pod's stats reads: every pod is read on the stats interval,
+    /// its preemption count never falls, and a pod too small for its traffic shows the
+    /// preemptions the run counted, with its KV usage near full when they start.
+    #[test]
+    fn pod_samples_trace_kv_pressure_to_the_preempting_pod() {
+        let w = small();
+        let mut cost = CostModel::llama_8b();
+        cost.kv_capacity_blocks = 120;
+        let cfg = SimConfig { pods: 2, cost, ..SimConfig::default() };
+        let mut routers: Vec<Box<dyn Policy>> = vec![Box::new(Recorder(Rc::default()))];
+        let run = match run(&w, &mut routers, &cfg, None) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        };
+        assert!(run.preemptions > 0, "40 prompt blocks each, 120 blocks: the pod must preempt");
+        let pod = |p: usize| run.pod_samples.iter().filter(move |s| s.pod == p).copied().collect::<Vec<_>>();
+        let (busy, idle) = (pod(0), pod(1));
+        let span = w.requests.iter().map(|r| r.arrival_us).max().unwrap_or(0);
+        for samples in [&busy, &idle] {
+            assert!(samples.len() as u64 >= span / cfg.stats_interval_us, "{} reads", samples.len());
+            assert!(samples.windows(2).all(|p| p[0].time_us < p[1].time_us && p[0].preemptions <= p[1].preemptions));
+            assert!(samples.iter().all(|s| (0.0..=1.0).contains(&s.kv_usage)));
+        }
+        assert!(idle.iter().all(|s| s.running == 0 && s.preemptions == 0));
+        let last = busy.last().map_or(0, |s| s.preemptions);
+        assert!(last > 0 && last <= run.preemptions, "{last} of {}", run.preemptions);
+        let first = busy.iter().find(|s| s.preemptions > 0).map_or(0.0, |s| s.kv_usage);
+        assert!(first > 0.8, "KV usage {first} when the first preemption shows");
     }
 
     /// A reset empties a pod's cache: kvroute (told through KV events) forgets it; the requests
