@@ -929,13 +929,13 @@ impl Router {
 
     /// docs/design.md §4 "Where a new prefix goes": when no candidate holds any block of the
     /// request, the row among those whose S is within `cold_placement_margin` of row `choice`'s
-    /// with the least long-run share, `w × routed rate / mean routed rate + cached blocks / mean
+    /// with the least long-run share, `routed rate / mean routed rate + cached blocks / mean
     /// cached blocks` (a term whose mean is 0 counts 0; cached blocks: indexed, and still to
-    /// prefill on the pod; `w` from [`rate_weight`]); `choice` on equal shares and for every
-    /// other request. S sees what a pod carries now; a new prefix's next requests will follow it
-    /// to where it lands, so that pod is best taken by what it will carry: a pod serving much
-    /// traffic would see its hits wait behind this prefill, and one holding many prefixes will
-    /// hold their traffic and evict to make room.
+    /// prefill on the pod); `choice` on equal shares and for every other request. S sees what a
+    /// pod carries now; a new prefix's next requests will follow it to where it lands, so that
+    /// pod is best taken by what it will carry: a pod serving much traffic would see its hits
+    /// wait behind this prefill, and one holding many prefixes will hold their traffic and evict
+    /// to make room.
     fn place_cold(&self, sc: &mut Scratch, table: &PodTable, choice: usize) -> usize {
         let margin = self.config.cold_placement_margin;
         if margin <= 0.0 || !no_row_holds_a_block(&sc.rows) {
@@ -955,8 +955,7 @@ impl Router {
         let n = sc.shares.len() as f64;
         let (mean_rate, mean_blocks) = sc.shares.iter().fold((0.0, 0.0), |(r, b), (sr, sb)| (r + sr / n, b + sb / n));
         let part = |v: f64, mean: f64| if mean > 0.0 { v / mean } else { 0.0 };
-        let w = rate_weight(sc.shares.iter().map(|s| s.0), mean_rate, n);
-        let share = |i: usize| w * part(sc.shares[i].0, mean_rate) + part(sc.shares[i].1, mean_blocks);
+        let share = |i: usize| part(sc.shares[i].0, mean_rate) + part(sc.shares[i].1, mean_blocks);
         let mut best = (choice, share(choice));
         for i in (0..sc.rows.len()).filter(|&i| i != choice && sc.scored[i].score >= floor) {
             let s = share(i);
@@ -1113,21 +1112,6 @@ fn pile_fits(a: &Row, b: &Row) -> bool {
     a.kv < KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
 }
 
-/// The weight of the routed rate in a new prefix's placement, in [0,1]: the share of the pods'
-/// spread in routed rate that Poisson arrivals would not give pods of equal traffic,
-/// `max(0, 1 − (mean / 2) / sample variance)`. A routed rate is a decayed count, and a decayed
-/// count of Poisson arrivals has a variance of half its mean; that much spread is noise. So
-/// prefixes of equal popularity are placed by cached blocks alone, and a pod whose traffic
-/// really stands out (a hot prefix) is weighed by it. 0 for fewer than two pods or no spread.
-/// Same shrinkage as a James–Stein estimator (docs/design.md §4 "Where a new prefix goes").
-fn rate_weight(rates: impl Iterator<Item = f64>, mean: f64, n: f64) -> f64 {
-    if n < 2.0 {
-        return 0.0;
-    }
-    let variance = rates.map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    if variance > 0.0 && variance.is_finite() { (1.0 - mean / 2.0 / variance).clamp(0.0, 1.0) } else { 0.0 }
-}
-
 /// Whether the request is new to every candidate: no blocks credited (indexed, pending or
 /// approximate) and none in a CPU tier.
 fn no_row_holds_a_block(rows: &[Row]) -> bool {
@@ -1206,38 +1190,5 @@ mod forecast_tests {
         assert_eq!(forecast_utilization(0.9, 0.9, 1), 1.0);
         assert_eq!(forecast_utilization(0.3, f64::NAN, 1), 0.3);
         assert_eq!(forecast_utilization(0.3, f64::INFINITY, 1), 0.3);
-    }
-}
-
-#[cfg(test)]
-mod rate_weight_tests {
-    use super::rate_weight;
-
-    fn weight(rates: &[f64]) -> f64 {
-        let n = rates.len() as f64;
-        let mean = rates.iter().sum::<f64>() / n;
-        rate_weight(rates.iter().copied(), mean, n)
-    }
-
-    /// Spread the size of Poisson noise weighs nothing, a hot pod weighs nearly fully, and a
-    /// spread between the two weighs by how far it exceeds the noise.
-    #[test]
-    fn the_rate_counts_only_beyond_poisson_noise() {
-        // Mean 30, sample variance 8.3 (noise alone: 15).
-        assert_eq!(weight(&[27.0, 33.0, 30.0, 28.0, 32.0, 30.0, 26.0, 34.0]), 0.0);
-        // One pod with ten times the others' traffic.
-        assert!(weight(&[200.0, 20.0, 20.0, 20.0]) > 0.99);
-        // Mean 10, sample variance 10 (noise 5): half the spread is beyond the noise.
-        let w = weight(&[10.0 - 10f64.sqrt(), 10.0, 10.0 + 10f64.sqrt()]);
-        assert!((w - 0.5).abs() < 1e-9, "{w}");
-    }
-
-    #[test]
-    fn no_spread_and_bad_input_weigh_nothing() {
-        assert_eq!(weight(&[5.0, 5.0, 5.0]), 0.0);
-        assert_eq!(weight(&[0.0, 0.0]), 0.0);
-        assert_eq!(weight(&[7.0]), 0.0);
-        assert_eq!(rate_weight([f64::INFINITY, 1.0].into_iter(), f64::INFINITY, 2.0), 0.0);
-        assert_eq!(rate_weight([f64::NAN, 1.0].into_iter(), f64::NAN, 2.0), 0.0);
     }
 }

@@ -347,33 +347,6 @@ async fn a_new_prefix_goes_to_the_pod_with_the_least_traffic_and_cache() {
     assert_eq!(picks.len(), 2, "{picks:?}");
 }
 
-/// Routed rates that differ by no more than Poisson arrivals would make them differ carry no
-/// weight in a new prefix's placement: the pod with the fewest cached blocks takes it, though
-/// it was routed more than the others (rate + blocks would pick `p2`).
-#[tokio::test]
-async fn a_routed_rate_within_poisson_noise_does_not_place_a_new_prefix() {
-    let (pool, r) = router(ScoringConfig::default());
-    // (pod, requests routed to it, cached blocks besides them): 10, 12, 30 and 30 blocks in all.
-    let fleet = [("p1", 3, 7), ("p2", 2, 10), ("p3", 2, 28), ("p4", 3, 27)];
-    for (i, (pod, routed, cached)) in fleet.into_iter().enumerate() {
-        put(&pool, pod, "m", stats(0.0, 0, 1.0), &[]).await;
-        let only = vec![format!("{pod}:8000")];
-        let base = 10_000 * (i as u64 + 1);
-        let mut blocks = chain(base, cached);
-        for k in 0..routed {
-            let prompt = chain(base + 1_000 + 10 * k, 1);
-            let d = r.route(&RouteRequest { subset: Some(&only), ..req(&prompt) });
-            assert_eq!(d.map(|d| d.pod).ok().as_deref(), Some(pod));
-            blocks.extend(prompt);
-        }
-        put(&pool, pod, "m", stats(0.0, 0, 1.0), &blocks).await;
-    }
-    let e = r.explain(&req(&chain(90_000, 8)));
-    let scores: Vec<f64> = e.candidates.iter().map(|c| c.score).collect();
-    assert!(scores.windows(2).all(|w| w[0] == w[1]), "one S for all: {e:?}");
-    assert_eq!(e.choice.as_deref(), Some("p1"), "{e:?}");
-}
-
 #[tokio::test]
 async fn ties_break_on_load_then_queue_then_seeded_random() {
     // The ties of S itself: new prefixes are not placed by their pods' share here.
