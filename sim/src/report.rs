@@ -518,7 +518,6 @@ pub fn charts(workload: &Workload, rows: &[Summary], base: &Path) -> Result<Vec<
     Ok(out)
 }
 
-/// Every request's outcome as CSV, one line per request in id order (`--dump-requests`).
 /// Every pod's stats reads of a run as CSV, one line per pod per read (`--dump-pods`): time (s),
 /// pod, waiting and running requests, KV usage in [0,1] and preemptions so far. The timeline
 /// that shows where KV pressure built up and which pod tipped into preemptions first.
@@ -538,6 +537,7 @@ pub fn pod_samples_csv(run: &RunResult) -> String {
     out
 }
 
+/// Every request's outcome as CSV, one line per request in id order (`--dump-requests`).
 pub fn outcomes_csv(run: &RunResult) -> String {
     let mut out = String::from(
         "id,arrival_s,router,pod,session,group,stage,warmup,prompt_tokens,cached_tokens,hit_blocks,total_blocks,ttft_s,finish_s\n",
