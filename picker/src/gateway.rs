@@ -221,6 +221,8 @@ impl Gateway {
                     pending_blocks: credit.pending_blocks.load(Ordering::Relaxed),
                     pile_redirects: credit.pile_redirects.load(Ordering::Relaxed),
                     pending_withheld: credit.pending_withheld.load(Ordering::Relaxed),
+                    new_prefix_by_traffic: credit.new_prefix_by_traffic.load(Ordering::Relaxed),
+                    new_prefix_by_cache: credit.new_prefix_by_cache.load(Ordering::Relaxed),
                     recorded_local: pending.recorded_local,
                     recorded_peer: pending.recorded_peer,
                     confirmed: pending.confirmed,

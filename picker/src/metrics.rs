@@ -130,6 +130,13 @@ pub struct SourceLabel {
     pub source: &'static str,
 }
 
+/// `{rule}` label of `epp_new_prefix_placements_total`: `traffic` or `cache`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleLabel {
+    /// The placement rule a new prefix was placed by.
+    pub rule: &'static str,
+}
+
 /// `{outcome}` label of `epp_pending_chains_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -234,6 +241,7 @@ pub struct Metrics {
     pending_entries: Gauge,
     pile_guard_redirects: Counter,
     pending_withheld: Counter,
+    new_prefix_placements: Family<RuleLabel, Counter>,
     ttft: TtftMetrics,
     replica_events: Family<ResultLabel, Counter>,
     replica_peers: Gauge,
@@ -306,6 +314,7 @@ impl Metrics {
         let pending_entries = Gauge::default();
         let pile_guard_redirects = Counter::default();
         let pending_withheld = Counter::default();
+        let new_prefix_placements = Family::<RuleLabel, Counter>::default();
         let ttft = TtftMetrics::register(&mut registry);
         let replica_events = Family::<ResultLabel, Counter>::default();
         let replica_peers = Gauge::default();
@@ -331,6 +340,11 @@ impl Metrics {
             "epp_pending_credit_withheld",
             "Candidates scored without their pending credit: queued pending_queue_share of max_queue above the least queued",
             pending_withheld.clone(),
+        );
+        registry.register(
+            "epp_new_prefix_placements",
+            "Requests no candidate held a block of, placed among several by the rule taken: traffic (routed rate and cached blocks) or cache (cached blocks alone, while the recent prefixes are equally popular)",
+            new_prefix_placements.clone(),
         );
         registry.register("epp_replica_events", "Peer replicas' events, applied or refused", replica_events.clone());
         registry.register("epp_replica_peers", "Peer replicas followed now", replica_peers.clone());
@@ -538,6 +552,7 @@ impl Metrics {
             pending_entries,
             pile_guard_redirects,
             pending_withheld,
+            new_prefix_placements,
             ttft,
             replica_events,
             replica_peers,
@@ -608,6 +623,11 @@ impl Metrics {
         mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }), routing.pending_blocks);
         mirror(&self.pile_guard_redirects, routing.pile_redirects);
         mirror(&self.pending_withheld, routing.pending_withheld);
+        mirror(
+            &self.new_prefix_placements.get_or_create(&RuleLabel { rule: "traffic" }),
+            routing.new_prefix_by_traffic,
+        );
+        mirror(&self.new_prefix_placements.get_or_create(&RuleLabel { rule: "cache" }), routing.new_prefix_by_cache);
         let t = &routing.ttft;
         for (c, v) in [
             (&self.ttft.load_fallbacks, t.load_fallbacks),
@@ -742,6 +762,10 @@ pub struct RoutingCounts {
     pub pile_redirects: u64,
     /// Candidates scored without their pending credit.
     pub pending_withheld: u64,
+    /// New prefixes placed by routed rate and cached blocks.
+    pub new_prefix_by_traffic: u64,
+    /// New prefixes placed by cached blocks alone (equally popular prefixes).
+    pub new_prefix_by_cache: u64,
     /// Pending chains recorded by this replica's decisions.
     pub recorded_local: u64,
     /// Pending chains recorded from peer replicas.
@@ -915,6 +939,27 @@ mod tests {
             let got = t.lines().find(|l| l.starts_with(&format!("{name} "))).and_then(|l| l.rsplit(' ').next());
             assert_eq!(got, Some(&*want.to_string()), "{name}: {t}");
         }
+    }
+
+    #[test]
+    fn new_prefix_placements_mirror_their_counts_by_rule() {
+        let m = Metrics::new();
+        let scrape = |traffic, cache| Scrape {
+            routing: RoutingCounts {
+                new_prefix_by_traffic: traffic,
+                new_prefix_by_cache: cache,
+                ..RoutingCounts::default()
+            },
+            ..Scrape::default()
+        };
+        let count = |t: &str, rule: &str| {
+            let name = format!("epp_new_prefix_placements_total{{rule=\"{rule}\"}} ");
+            t.lines().find(|l| l.starts_with(&name)).and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        };
+        let t = m.render(|| scrape(3, 0)).unwrap();
+        assert_eq!((count(&t, "traffic"), count(&t, "cache")), (Some(3), Some(0)), "{t}");
+        let t = m.render(|| scrape(5, 7)).unwrap();
+        assert_eq!((count(&t, "traffic"), count(&t, "cache")), (Some(5), Some(7)), "{t}");
     }
 
     #[test]

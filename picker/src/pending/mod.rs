@@ -244,6 +244,10 @@ pub struct CreditCounters {
     pub pile_redirects: AtomicU64,
     /// Candidates whose pending credit was withheld for their queue (`pending_queue_share`).
     pub pending_withheld: AtomicU64,
+    /// New prefixes placed by routed rate and cached blocks (popularity unequal or unknown).
+    pub new_prefix_by_traffic: AtomicU64,
+    /// New prefixes placed by cached blocks alone (the recent prefixes equally popular).
+    pub new_prefix_by_cache: AtomicU64,
     /// Candidates scored by the seed's load formula because their in-flight load was unknown
     /// (TTFT model not learned yet) under `load_source: inflight`.
     pub load_fallbacks: AtomicU64,

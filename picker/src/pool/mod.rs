@@ -40,7 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
 pub use annotations::COST_ANNOTATION;
-pub(crate) use inflight::InFlight;
+pub(crate) use inflight::{InFlight, ROUTED_RATE_TAU_MS};
 pub use inflight::{InFlightSlot, ReleaseHook, TtftObservation};
 pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, TtftFit, TtftLine};
 

@@ -24,6 +24,7 @@ mod cost;
 mod filter;
 mod health;
 mod load;
+mod popularity;
 mod queue;
 mod routability;
 mod router;
@@ -228,6 +229,11 @@ pub struct ScoringConfig {
     /// "Where a new prefix goes"). In [0, 1]; 0 turns it off (best S, as for any request).
     /// Default [`DEFAULT_COLD_PLACEMENT_MARGIN`] (0.01).
     pub cold_placement_margin: f64,
+    /// While the recent prefixes are equally popular (their rates differ by no more than
+    /// Poisson noise), a new prefix goes to the candidate with the fewest cached blocks among
+    /// every candidate instead (docs/design.md §4 "Where a new prefix goes"). Needs
+    /// `cold_placement_margin` > 0. Default true.
+    pub popularity_placement: bool,
     /// Where loadRatio comes from: `inflight` (default: in-flight work over learned capacity) or
     /// `gpu_utilization` (the seed's formula). docs/design.md §4 "Load and predicted TTFT".
     pub load_source: LoadSource,
@@ -305,6 +311,7 @@ impl Default for ScoringConfig {
             load_forecast: true,
             prefill_tie_break: false,
             cold_placement_margin: DEFAULT_COLD_PLACEMENT_MARGIN,
+            popularity_placement: true,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,

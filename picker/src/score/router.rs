@@ -14,8 +14,9 @@
 //! 9. `choose`: the best row by S and the tie rules (`select.rs`), or by predicted TTFT
 //!    (`spill_rule: ttft`, or an SLO no row is predicted to meet);
 //! 10. `place_cold`: a request no row holds a block of goes, among the rows within
-//!     `cold_placement_margin` of the choice's S, to the least routed rate plus cached blocks
-//!     (docs/design.md §4 "Where a new prefix goes");
+//!     `cold_placement_margin` of the choice's S, to the least routed rate plus cached blocks;
+//!     while the recent prefixes are equally popular, among every row to the fewest cached
+//!     blocks (docs/design.md §4 "Where a new prefix goes");
 //! 11. `pile_guard`: the least loaded row instead, when the choice carries far more requests
 //!     (by time: unless the choice has KV room and is predicted far faster);
 //! 12. `route_in` (routing only): the chain recorded pending, the event published to peers and an
@@ -34,6 +35,7 @@ use std::time::{Duration, Instant};
 use tracing::trace;
 
 use super::filter::{self, Exclusion, Spill};
+use super::popularity::{POPULARITY_ROOTS, PrefixPopularity};
 use super::select::{self, Ranked};
 use super::{
     AdapterAffinityScorer, CandidateScore, Decision, Explanation, HealthScorer, LoadScorer, PodFacts,
@@ -56,6 +58,8 @@ pub struct Router {
     decisions: AtomicU64,
     /// Pending chains, peers' in-flight requests, the replica event stream, the clock.
     shared: Arc<SharedView>,
+    /// How unequal the prefixes' popularity is, from the roots of the requests routed here.
+    popularity: PrefixPopularity,
 }
 
 /// A pod of the requested model that passed the static filters, for one decision.
@@ -276,7 +280,14 @@ impl Router {
         let named: Vec<(&str, f64)> = scorers.iter().map(|(s, w)| (s.name(), *w)).collect();
         validate_weights(&named)?;
         let shared = Arc::new(SharedView::new(config.pending_ttl_ms, config.pending_max_blocks, clock));
-        Ok(Router { pool, config, scorers, decisions: AtomicU64::new(0), shared })
+        Ok(Router {
+            pool,
+            config,
+            scorers,
+            decisions: AtomicU64::new(0),
+            shared,
+            popularity: PrefixPopularity::new(POPULARITY_ROOTS),
+        })
     }
 
     /// Pending chains, peers' in-flight requests and the replica event stream.
@@ -404,6 +415,9 @@ impl Router {
         // against it would teach the pod's model that work costs nothing.
         let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || !shared.pending.silent(rec.idx);
         drop(shared);
+        if let Some(root) = req.block_hashes.first() {
+            self.popularity.record(root.0, now);
+        }
         let mut slot = selection.reserve(rec, status, credited, now);
         slot.on_release(self.shared.clone(), id);
         if work_known {
@@ -928,29 +942,40 @@ impl Router {
     }
 
     /// docs/design.md §4 "Where a new prefix goes": when no candidate holds any block of the
-    /// request, the row among those whose S is within `cold_placement_margin` of row `choice`'s
-    /// with the least long-run share, `routed rate / mean routed rate + cached blocks / mean
-    /// cached blocks` (a term whose mean is 0 counts 0; cached blocks: indexed, and still to
-    /// prefill on the pod); `choice` on equal shares and for every other request. S sees what a
-    /// pod carries now; a new prefix's next requests will follow it to where it lands, so that
-    /// pod is best taken by what it will carry: a pod serving much traffic would see its hits
-    /// wait behind this prefill, and one holding many prefixes will hold their traffic and evict
-    /// to make room.
+    /// request, the row with the least long-run share of what it will carry; `choice` on equal
+    /// shares and for every other request. S sees what a pod carries now; a new prefix's next
+    /// requests will follow it to where it lands, so that pod is best taken by what it will
+    /// carry. Two rules, by how popular the recent prefixes are ([`PrefixPopularity::equal`]):
+    /// - unequal, or not known to be equal: among the rows whose S is within
+    ///   `cold_placement_margin` of row `choice`'s, `routed rate / mean routed rate + cached
+    ///   blocks / mean cached blocks`. A pod serving a popular prefix would see its many hits
+    ///   wait behind this prefill, and one holding many prefixes will hold their traffic and
+    ///   evict to make room;
+    /// - equally popular: among every row, `cached blocks`. Each prefix then brings the same
+    ///   traffic, so the prefixes a pod holds predict its load, and its routed rate adds only
+    ///   Poisson noise that splits them unevenly.
+    ///
+    /// A term whose mean is 0 counts 0; cached blocks: indexed, and still to prefill on the pod.
     fn place_cold(&self, sc: &mut Scratch, table: &PodTable, choice: usize) -> usize {
         let margin = self.config.cold_placement_margin;
         if margin <= 0.0 || !no_row_holds_a_block(&sc.rows) {
             return choice;
         }
-        let floor = sc.scored[choice].score - margin;
+        let now = self.shared.clock().now_unix_ms();
+        let equal = self.config.popularity_placement && self.popularity.equal(now);
+        let floor = if equal { f64::NEG_INFINITY } else { sc.scored[choice].score - margin };
         if !sc.scored.iter().enumerate().any(|(i, s)| i != choice && s.score >= floor) {
             return choice;
         }
-        let now = self.shared.clock().now_unix_ms();
+        let counter =
+            if equal { &self.shared.credit.new_prefix_by_cache } else { &self.shared.credit.new_prefix_by_traffic };
+        counter.fetch_add(1, Ordering::Relaxed);
         // One read of each pod's rate (an exp) and blocks, then the means over the rows.
         sc.shares.clear();
         sc.shares.extend(sc.rows.iter().map(|row| {
             let rec = &table.pods[row.pod as usize];
-            (rec.inflight.routed_rate(now), rec.blocks.load(Ordering::Relaxed) as f64 + f64::from(row.prefill))
+            let rate = if equal { 0.0 } else { rec.inflight.routed_rate(now) };
+            (rate, rec.blocks.load(Ordering::Relaxed) as f64 + f64::from(row.prefill))
         }));
         let n = sc.shares.len() as f64;
         let (mean_rate, mean_blocks) = sc.shares.iter().fold((0.0, 0.0), |(r, b), (sr, sb)| (r + sr / n, b + sb / n));

@@ -347,6 +347,50 @@ async fn a_new_prefix_goes_to_the_pod_with_the_least_traffic_and_cache() {
     assert_eq!(picks.len(), 2, "{picks:?}");
 }
 
+/// docs/design.md §4 "Where a new prefix goes": while the recent prefixes are equally popular,
+/// a new one goes to the candidate with the fewest cached blocks among every candidate, even one
+/// further below the best S than `cold_placement_margin`; while they are skewed, or nothing
+/// repeats (a flood of distinct prompts), it stays within the margin. The counter counts the
+/// placements by cached blocks alone.
+#[tokio::test]
+async fn equally_popular_prefixes_place_a_new_one_by_cached_blocks_alone() {
+    /// Routes `roots` prefixes (one block each), root `i` `times(i)` times, to pod `sink`.
+    fn warm(r: &Router, roots: u64, times: impl Fn(u64) -> u64) {
+        let sink = vec!["sink:8000".to_string()];
+        for round in 0..roots.max(1) {
+            for i in (0..roots).filter(|&i| times(i) > round) {
+                let p = chain(50_000 + i, 1);
+                assert!(r.route(&RouteRequest { subset: Some(&sink), ..req(&p) }).is_ok());
+            }
+        }
+    }
+    /// How many times root `i` is routed.
+    type Times = fn(u64) -> u64;
+    let setups: [(&str, u64, Times); 3] =
+        [("equal", 100, |_| 3), ("skewed", 100, |i| if i < 4 { 60 } else { 1 + i % 2 }), ("distinct", 300, |_| 1)];
+    for (shape, roots, times) in setups {
+        let (pool, r) = router(ScoringConfig::default());
+        put(&pool, "sink", "m", stats(0.0, 0, 1.0), &[]).await;
+        // full: 40 cached blocks, idle; queued: 4 cached blocks, 4 waiting (S 0.02 lower).
+        put(&pool, "full", "m", stats(0.0, 0, 1.0), &chain(1_000, 40)).await;
+        put(&pool, "queued", "m", stats(0.0, 4, 1.0), &chain(2_000, 4)).await;
+        warm(&r, roots, times);
+        let only = vec!["full:8000".to_string(), "queued:8000".to_string()];
+        let fresh = chain(9_000, 8);
+        let e = r.explain(&RouteRequest { subset: Some(&only), ..req(&fresh) });
+        let score = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.score);
+        assert!(score("queued") < score("full").map(|s| s - 0.01), "{shape}: {e:?}");
+        let want = if shape == "equal" { "queued" } else { "full" };
+        assert_eq!(e.choice.as_deref(), Some(want), "{shape}: {e:?}");
+        let (by_traffic, by_cache) = (
+            r.shared().credit.new_prefix_by_traffic.load(std::sync::atomic::Ordering::Relaxed),
+            r.shared().credit.new_prefix_by_cache.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        // Skewed or distinct, no other candidate is within the margin: no placement to count.
+        assert_eq!((by_traffic, by_cache > 0), (0, shape == "equal"), "{shape}");
+    }
+}
+
 #[tokio::test]
 async fn ties_break_on_load_then_queue_then_seeded_random() {
     // The ties of S itself: new prefixes are not placed by their pods' share here.

@@ -393,6 +393,7 @@ async fn main() -> Result<()> {
                 "epp_pile_guard_redirects",
                 "epp_pending_credit_withheld",
                 "epp_stale_cache_routing",
+                "epp_new_prefix_placements",
             ]
             .iter()
             .any(|n| l.starts_with(n))
