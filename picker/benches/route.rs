@@ -10,7 +10,8 @@
 //! the 256 steps intersects with every pod. `route_no_prefix`: an empty chain (filters, scoring,
 //! choice and reservation; no pod holds a block of it, so it is placed as a new prefix),
 //! beside `route_no_prefix_placement_off` (`cold_placement_margin: 0`, the same request by S
-//! alone). Run: `cargo bench -p kvroute-picker --bench route`.
+//! alone), and `route_popularity_off` (`popularity_placement_margin: 0`: `route` without the count
+//! of the request's prefix root). Run: `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -113,6 +114,11 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("route_no_prefix_placement_off", n), &n, |b, _| {
             route(b, &router_off, &empty)
         });
+        drop(router_off);
+        // The same full-hit request without the count of its prefix's popularity.
+        let off = ScoringConfig { popularity_placement_margin: 0.0, ..ScoringConfig::default() };
+        let Ok(router_off) = Router::new(pool.clone(), off) else { panic!("router") };
+        g.bench_with_input(BenchmarkId::new("route_popularity_off", n), &n, |b, _| route(b, &router_off, &rq));
         drop(router_off);
         let cost = ScoringConfig {
             weights: Weights { cache: 0.50, load: 0.15, queue: 0.10, health: 0.05, adapter: 0.05 },

@@ -1210,9 +1210,15 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         }
         let c = PickerConfig::from_yaml("scoring: {cold_placement_margin: 0}").unwrap();
         assert!(c.validate().is_ok() && c.scoring.cold_placement_margin == 0.0);
-        let c = PickerConfig::from_yaml("scoring: {popularity_placement: false}").unwrap();
-        assert!(c.validate().is_ok() && !c.scoring.popularity_placement);
-        assert!(PickerConfig::from_yaml("").unwrap().scoring.popularity_placement, "on by default");
+        let c = PickerConfig::from_yaml("scoring: {popularity_placement_margin: 0}").unwrap();
+        assert!(c.validate().is_ok() && c.scoring.popularity_placement_margin == 0.0);
+        assert_eq!(PickerConfig::from_yaml("").unwrap().scoring.popularity_placement_margin, 0.05);
+        let err =
+            PickerConfig::from_yaml("scoring: {popularity_placement_margin: 1.5}").unwrap().validate().unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Scoring { source: ScoringConfigError::PopularityPlacementMargin(_) }),
+            "{err:?}"
+        );
         // Overrides apply over the preset, with ScoringConfig's own field checks.
         let c = PickerConfig::from_yaml("scoring: {preset: batch, max_queue: 7}").unwrap();
         assert_eq!((c.scoring.max_queue, c.scoring.weights.queue), (7, 0.0));

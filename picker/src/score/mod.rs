@@ -131,6 +131,8 @@ pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 40;
 pub const TTFT_PILE_GUARD_MARGIN: u32 = 24;
 /// Default [`ScoringConfig::cold_placement_margin`], in S.
 pub const DEFAULT_COLD_PLACEMENT_MARGIN: f64 = 0.01;
+/// Default [`ScoringConfig::popularity_placement_margin`], in S.
+pub const DEFAULT_POPULARITY_PLACEMENT_MARGIN: f64 = 0.05;
 /// Default [`ScoringConfig::pile_guard_factor`].
 pub const DEFAULT_PILE_GUARD_FACTOR: f64 = 2.0;
 /// Default [`ScoringConfig::health_exclusion_threshold`] (docs/design.md §7: below 0.3 = excluded band).
@@ -230,10 +232,11 @@ pub struct ScoringConfig {
     /// Default [`DEFAULT_COLD_PLACEMENT_MARGIN`] (0.01).
     pub cold_placement_margin: f64,
     /// While the recent prefixes are equally popular (their rates differ by no more than
-    /// Poisson noise), a new prefix goes to the candidate with the fewest cached blocks among
-    /// every candidate instead (docs/design.md §4 "Where a new prefix goes"). Needs
-    /// `cold_placement_margin` > 0. Default true.
-    pub popularity_placement: bool,
+    /// Poisson noise), a new prefix goes instead, among the candidates whose S is within this
+    /// much of the best's, to the one with the fewest cached blocks (docs/design.md §4 "Where a
+    /// new prefix goes"). In [0, 1]; 0 turns it off (the rule above always). Needs
+    /// `cold_placement_margin` > 0. Default [`DEFAULT_POPULARITY_PLACEMENT_MARGIN`] (0.05).
+    pub popularity_placement_margin: f64,
     /// Where loadRatio comes from: `inflight` (default: in-flight work over learned capacity) or
     /// `gpu_utilization` (the seed's formula). docs/design.md §4 "Load and predicted TTFT".
     pub load_source: LoadSource,
@@ -311,7 +314,7 @@ impl Default for ScoringConfig {
             load_forecast: true,
             prefill_tie_break: false,
             cold_placement_margin: DEFAULT_COLD_PLACEMENT_MARGIN,
-            popularity_placement: true,
+            popularity_placement_margin: DEFAULT_POPULARITY_PLACEMENT_MARGIN,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,
@@ -403,6 +406,9 @@ impl ScoringConfig {
         if !(0.0..=1.0).contains(&self.cold_placement_margin) {
             return Err(ScoringConfigError::ColdPlacementMargin(self.cold_placement_margin));
         }
+        if !(0.0..=1.0).contains(&self.popularity_placement_margin) {
+            return Err(ScoringConfigError::PopularityPlacementMargin(self.popularity_placement_margin));
+        }
         if self.full_credit_tokens == 0 {
             return Err(ScoringConfigError::FullCreditTokens);
         }
@@ -474,6 +480,9 @@ pub enum ScoringConfigError {
     /// `cold_placement_margin` outside [0,1].
     #[error("scoring.cold_placement_margin must be in [0, 1] (a gap in S), got {0}")]
     ColdPlacementMargin(f64),
+    /// `popularity_placement_margin` outside [0,1].
+    #[error("scoring.popularity_placement_margin must be in [0, 1] (a gap in S), got {0}")]
+    PopularityPlacementMargin(f64),
     /// `full_credit_tokens` of 0.
     #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
     FullCreditTokens,

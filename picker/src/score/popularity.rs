@@ -10,8 +10,9 @@
 //! shape far more surely than the spread of a handful of pods' rates.
 //!
 //! Prefixes count as equally popular ([`PrefixPopularity::equal`]) only on evidence: at least
-//! [`MIN_ROOTS`] roots, at least half the recent requests repeating a root already seen (a flood
-//! of distinct prompts has no popularity to speak of), and at most half the spread real.
+//! [`MIN_ROOTS`] roots, at least four in five of the recently new roots routed again (a flood of
+//! distinct prompts, or one-off prompts beside a known set of groups, has no popularity to
+//! speak of for a new prefix), and at most half the spread real.
 //!
 //! Bounds: at most `cap` roots (the least popular half is forgotten when full), a root unseen for
 //! about five time constants is forgotten at the next rebase; the running sums are recomputed
@@ -26,8 +27,8 @@ use crate::pool::ROUTED_RATE_TAU_MS;
 pub(crate) const POPULARITY_ROOTS: usize = 1 << 16;
 /// Fewer roots than this say nothing about the workload's shape.
 pub(crate) const MIN_ROOTS: usize = 64;
-/// The least share of recent requests that repeat a root for popularity to be judged.
-const MIN_REPEAT_SHARE: f64 = 0.5;
+/// The least share of recently new roots routed again for popularity to be judged.
+const MIN_REUSE_SHARE: f64 = 0.8;
 /// The most of the roots' spread in rate that may be real for them to count as equally popular.
 const MAX_REAL_SPREAD: f64 = 0.5;
 /// Counts are kept scaled by `exp((t − base) / τ)`; past this exponent they are rebased.
@@ -45,15 +46,23 @@ pub(crate) struct PrefixPopularity {
 struct Counts {
     /// Root → decayed count at `t`, stored as count × `exp((t − base_ms) / τ)` so that one
     /// factor brings every count to the present.
-    scaled: HashMap<u64, f64>,
+    scaled: HashMap<u64, Root>,
     base_ms: i64,
     /// Σ scaled and Σ scaled², in the same units.
     sum: f64,
     sum_sq: f64,
-    /// Requests, and those whose root was already tracked, in the same scaled units.
-    requests: f64,
-    repeats: f64,
+    /// Roots first seen, and those of them seen again, in the same scaled units (each counted
+    /// when it happened).
+    born: f64,
+    reused: f64,
     cap: usize,
+}
+
+/// One root's count, and whether it was ever routed more than once.
+#[derive(Debug, Clone, Copy, Default)]
+struct Root {
+    scaled: f64,
+    repeated: bool,
 }
 
 impl PrefixPopularity {
@@ -65,8 +74,8 @@ impl PrefixPopularity {
                 base_ms: i64::MIN,
                 sum: 0.0,
                 sum_sq: 0.0,
-                requests: 0.0,
-                repeats: 0.0,
+                born: 0.0,
+                reused: 0.0,
                 cap: cap.max(2),
             }),
         }
@@ -89,30 +98,36 @@ impl PrefixPopularity {
             }
         }
         let unit = c.exponent(now_ms).exp();
-        let v = c.scaled.entry(root).or_insert(0.0);
-        let old = *v;
+        let v = c.scaled.entry(root).or_default();
+        let old = v.scaled;
         let seen = old > 0.0;
-        *v += unit;
-        let new = *v;
+        let first_repeat = seen && !v.repeated;
+        v.scaled += unit;
+        v.repeated |= seen;
+        let new = v.scaled;
         c.sum += new - old;
         c.sum_sq += new * new - old * old;
-        c.requests += unit;
-        if seen {
-            c.repeats += unit;
+        if !seen {
+            c.born += unit;
+        }
+        if first_repeat {
+            c.reused += unit;
         }
     }
 
-    /// The share of recent requests whose root had been seen before, in [0, 1] (0 before any).
-    pub(crate) fn repeat_share(&self) -> f64 {
+    /// The share of recently new roots that were routed again, in [0, 1] (0 before any): new
+    /// roots and first repeats each count when they happen, fading on the routed rate's clock.
+    pub(crate) fn reuse_share(&self) -> f64 {
         let c = self.inner.lock();
-        if c.requests > 0.0 { (c.repeats / c.requests).clamp(0.0, 1.0) } else { 0.0 }
+        if c.born > 0.0 { (c.reused / c.born).clamp(0.0, 1.0) } else { 0.0 }
     }
 
     /// Whether the recent prefixes are equally popular at `now_ms`: [`MIN_ROOTS`] roots or
-    /// more, at least half the recent requests repeats ([`PrefixPopularity::repeat_share`]), and
-    /// at most half the roots' spread in rate real ([`PrefixPopularity::real_spread`]).
+    /// more, at least four in five recently new roots routed again
+    /// ([`PrefixPopularity::reuse_share`]), and at most half the roots' spread in rate real
+    /// ([`PrefixPopularity::real_spread`]).
     pub(crate) fn equal(&self, now_ms: i64) -> bool {
-        self.repeat_share() >= MIN_REPEAT_SHARE && self.real_spread(now_ms) <= MAX_REAL_SPREAD
+        self.reuse_share() >= MIN_REUSE_SHARE && self.real_spread(now_ms) <= MAX_REAL_SPREAD
     }
 
     /// The share, in [0, 1], of the roots' spread in rate that Poisson arrivals at equal
@@ -153,24 +168,24 @@ impl Counts {
         let g = (-self.exponent(now_ms)).exp();
         self.base_ms = self.base_ms.max(now_ms);
         self.scaled.retain(|_, v| {
-            *v *= g;
-            *v >= FORGET_BELOW
+            v.scaled *= g;
+            v.scaled >= FORGET_BELOW
         });
-        self.requests *= g;
-        self.repeats *= g;
+        self.born *= g;
+        self.reused *= g;
         self.resum();
     }
 
     /// Forgets the less popular half (ties either way), keeping memory bounded under a flood of
     /// distinct prompts.
     fn forget_least_popular_half(&mut self) {
-        let mut values: Vec<f64> = self.scaled.values().copied().collect();
+        let mut values: Vec<f64> = self.scaled.values().map(|v| v.scaled).collect();
         let mid = values.len() / 2;
         let (_, median, _) = values.select_nth_unstable_by(mid, f64::total_cmp);
         let median = *median;
         let mut dropped = 0;
         self.scaled.retain(|_, v| {
-            let keep = *v > median || dropped >= mid;
+            let keep = v.scaled > median || dropped >= mid;
             if !keep {
                 dropped += 1;
             }
@@ -180,8 +195,8 @@ impl Counts {
     }
 
     fn resum(&mut self) {
-        self.sum = self.scaled.values().sum();
-        self.sum_sq = self.scaled.values().map(|v| v * v).sum();
+        self.sum = self.scaled.values().map(|v| v.scaled).sum();
+        self.sum_sq = self.scaled.values().map(|v| v.scaled * v.scaled).sum();
     }
 }
 
@@ -211,7 +226,7 @@ mod tests {
         // 100 roots, 6 requests each over a minute: the only spread is in when each was routed.
         let p = fed(&[6; 100], 60_000);
         assert!(p.real_spread(60_000) < 0.2, "{}", p.real_spread(60_000));
-        assert!((p.repeat_share() - 5.0 / 6.0).abs() < 0.1, "{}", p.repeat_share());
+        assert!(p.reuse_share() > 0.99, "{}", p.reuse_share());
         assert!(p.equal(60_000));
     }
 
@@ -228,8 +243,15 @@ mod tests {
     fn distinct_prompts_and_too_few_roots_are_no_evidence() {
         // Every prompt new: no spread beyond noise, but nothing repeats.
         let p = fed(&[1; 500], 60_000);
-        assert_eq!(p.repeat_share(), 0.0);
+        assert_eq!(p.reuse_share(), 0.0);
         assert!(!p.equal(60_000));
+        // 100 groups that repeat, then as many one-off prompts: the new roots are not reused.
+        let p = fed(&[6; 100], 60_000);
+        for k in 0..100 {
+            p.record(10_000 + k, 60_000 + 100 * k as i64);
+        }
+        assert!(p.reuse_share() < 0.6, "{}", p.reuse_share());
+        assert!(!p.equal(70_000));
         // 40 equally popular roots: fewer than the evidence needs.
         let p = fed(&[6; 40], 60_000);
         assert_eq!(p.real_spread(60_000), 1.0);
@@ -261,7 +283,8 @@ mod tests {
         }
         assert_eq!(p.len(), 1);
         let c = p.inner.lock();
-        let (sum, sum_sq): (f64, f64) = (c.scaled.values().sum(), c.scaled.values().map(|v| v * v).sum());
+        let (sum, sum_sq): (f64, f64) =
+            (c.scaled.values().map(|v| v.scaled).sum(), c.scaled.values().map(|v| v.scaled * v.scaled).sum());
         assert!((c.sum - sum).abs() <= 1e-9 * sum && (c.sum_sq - sum_sq).abs() <= 1e-9 * sum_sq);
     }
 

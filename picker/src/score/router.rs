@@ -15,8 +15,9 @@
 //!    (`spill_rule: ttft`, or an SLO no row is predicted to meet);
 //! 10. `place_cold`: a request no row holds a block of goes, among the rows within
 //!     `cold_placement_margin` of the choice's S, to the least routed rate plus cached blocks;
-//!     while the recent prefixes are equally popular, among every row to the fewest cached
-//!     blocks (docs/design.md §4 "Where a new prefix goes");
+//!     while the recent prefixes are equally popular, among the rows within the wider
+//!     `popularity_placement_margin` to the fewest cached blocks (docs/design.md §4 "Where a
+//!     new prefix goes");
 //! 11. `pile_guard`: the least loaded row instead, when the choice carries far more requests
 //!     (by time: unless the choice has KV room and is predicted far faster);
 //! 12. `route_in` (routing only): the chain recorded pending, the event published to peers and an
@@ -415,7 +416,7 @@ impl Router {
         // against it would teach the pod's model that work costs nothing.
         let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || !shared.pending.silent(rec.idx);
         drop(shared);
-        if let Some(root) = req.block_hashes.first() {
+        if let Some(root) = req.block_hashes.first().filter(|_| self.config.popularity_placement_margin > 0.0) {
             self.popularity.record(root.0, now);
         }
         let mut slot = selection.reserve(rec, status, credited, now);
@@ -951,9 +952,9 @@ impl Router {
     ///   blocks / mean cached blocks`. A pod serving a popular prefix would see its many hits
     ///   wait behind this prefill, and one holding many prefixes will hold their traffic and
     ///   evict to make room;
-    /// - equally popular: among every row, `cached blocks`. Each prefix then brings the same
-    ///   traffic, so the prefixes a pod holds predict its load, and its routed rate adds only
-    ///   Poisson noise that splits them unevenly.
+    /// - equally popular: among the rows within `popularity_placement_margin` (wider), `cached
+    ///   blocks`. Each prefix then brings the same traffic, so the prefixes a pod holds predict
+    ///   its load, and its routed rate adds only Poisson noise that splits them unevenly.
     ///
     /// A term whose mean is 0 counts 0; cached blocks: indexed, and still to prefill on the pod.
     fn place_cold(&self, sc: &mut Scratch, table: &PodTable, choice: usize) -> usize {
@@ -962,8 +963,9 @@ impl Router {
             return choice;
         }
         let now = self.shared.clock().now_unix_ms();
-        let equal = self.config.popularity_placement && self.popularity.equal(now);
-        let floor = if equal { f64::NEG_INFINITY } else { sc.scored[choice].score - margin };
+        let wide = self.config.popularity_placement_margin;
+        let equal = wide > 0.0 && self.popularity.equal(now);
+        let floor = sc.scored[choice].score - if equal { wide } else { margin };
         if !sc.scored.iter().enumerate().any(|(i, s)| i != choice && s.score >= floor) {
             return choice;
         }

@@ -348,9 +348,10 @@ async fn a_new_prefix_goes_to_the_pod_with_the_least_traffic_and_cache() {
 }
 
 /// docs/design.md §4 "Where a new prefix goes": while the recent prefixes are equally popular,
-/// a new one goes to the candidate with the fewest cached blocks among every candidate, even one
-/// further below the best S than `cold_placement_margin`; while they are skewed, or nothing
-/// repeats (a flood of distinct prompts), it stays within the margin. The counter counts the
+/// a new one goes to the candidate with the fewest cached blocks within the wider
+/// `popularity_placement_margin`, even one further below the best S than `cold_placement_margin`;
+/// while they are skewed, or nothing repeats (a flood of distinct prompts), it stays within
+/// `cold_placement_margin`; and no further than the wider margin either way. The counter counts the
 /// placements by cached blocks alone.
 #[tokio::test]
 async fn equally_popular_prefixes_place_a_new_one_by_cached_blocks_alone() {
@@ -371,15 +372,18 @@ async fn equally_popular_prefixes_place_a_new_one_by_cached_blocks_alone() {
     for (shape, roots, times) in setups {
         let (pool, r) = router(ScoringConfig::default());
         put(&pool, "sink", "m", stats(0.0, 0, 1.0), &[]).await;
-        // full: 40 cached blocks, idle; queued: 4 cached blocks, 4 waiting (S 0.02 lower).
+        // full: 40 cached blocks, idle; queued: 4 cached blocks, 4 waiting (S 0.02 lower); far:
+        // nothing cached, 12 waiting (S 0.06 lower, beyond the wider margin too).
         put(&pool, "full", "m", stats(0.0, 0, 1.0), &chain(1_000, 40)).await;
         put(&pool, "queued", "m", stats(0.0, 4, 1.0), &chain(2_000, 4)).await;
+        put(&pool, "far", "m", stats(0.0, 12, 1.0), &[]).await;
         warm(&r, roots, times);
-        let only = vec!["full:8000".to_string(), "queued:8000".to_string()];
+        let only = vec!["full:8000".to_string(), "queued:8000".to_string(), "far:8000".to_string()];
         let fresh = chain(9_000, 8);
         let e = r.explain(&RouteRequest { subset: Some(&only), ..req(&fresh) });
         let score = |pod: &str| e.candidates.iter().find(|c| &*c.pod == pod).map(|c| c.score);
         assert!(score("queued") < score("full").map(|s| s - 0.01), "{shape}: {e:?}");
+        assert!(score("far") < score("full").map(|s| s - 0.05), "{shape}: {e:?}");
         let want = if shape == "equal" { "queued" } else { "full" };
         assert_eq!(e.choice.as_deref(), Some(want), "{shape}: {e:?}");
         let (by_traffic, by_cache) = (
