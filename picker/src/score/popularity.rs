@@ -26,7 +26,7 @@ use crate::pool::ROUTED_RATE_TAU_MS;
 /// Roots tracked at most.
 pub(crate) const POPULARITY_ROOTS: usize = 1 << 16;
 /// Fewer roots than this say nothing about the workload's shape.
-pub(crate) const MIN_ROOTS: usize = 64;
+const MIN_ROOTS: usize = 64;
 /// The least share of recently new roots routed again for popularity to be judged.
 const MIN_REUSE_SHARE: f64 = 0.8;
 /// The most of the roots' spread in rate that may be real for them to count as equally popular.
@@ -115,39 +115,22 @@ impl PrefixPopularity {
         }
     }
 
-    /// The share of recently new roots that were routed again, in [0, 1] (0 before any): new
-    /// roots and first repeats each count when they happen, fading on the routed rate's clock.
-    pub(crate) fn reuse_share(&self) -> f64 {
-        let c = self.inner.lock();
-        if c.born > 0.0 { (c.reused / c.born).clamp(0.0, 1.0) } else { 0.0 }
-    }
-
     /// Whether the recent prefixes are equally popular at `now_ms`: [`MIN_ROOTS`] roots or
-    /// more, at least four in five recently new roots routed again
-    /// ([`PrefixPopularity::reuse_share`]), and at most half the roots' spread in rate real
-    /// ([`PrefixPopularity::real_spread`]).
+    /// more, at least four in five recently new roots routed again ([`Counts::reuse_share`]),
+    /// and at most half the roots' spread in rate real ([`Counts::real_spread`]). One lock.
     pub(crate) fn equal(&self, now_ms: i64) -> bool {
-        self.reuse_share() >= MIN_REUSE_SHARE && self.real_spread(now_ms) <= MAX_REAL_SPREAD
+        let c = self.inner.lock();
+        c.reuse_share() >= MIN_REUSE_SHARE && c.real_spread(now_ms) <= MAX_REAL_SPREAD
     }
 
-    /// The share, in [0, 1], of the roots' spread in rate that Poisson arrivals at equal
-    /// popularity would not give, `max(0, 1 − (mean / 2) / sample variance)` at `now_ms`. 1 while
-    /// fewer than [`MIN_ROOTS`] roots are tracked (no evidence of equality); 0 with no spread.
-    pub(crate) fn real_spread(&self, now_ms: i64) -> f64 {
-        let c = self.inner.lock();
-        let n = c.scaled.len();
-        if n < MIN_ROOTS {
-            return 1.0;
-        }
-        let g = (-c.exponent(now_ms)).exp();
-        let nf = n as f64;
-        let mean = c.sum * g / nf;
-        let variance = ((c.sum_sq * g * g - nf * mean * mean) / (nf - 1.0)).max(0.0);
-        if variance > 0.0 && variance.is_finite() && mean.is_finite() {
-            (1.0 - mean / 2.0 / variance).clamp(0.0, 1.0)
-        } else {
-            0.0
-        }
+    #[cfg(test)]
+    fn reuse_share(&self) -> f64 {
+        self.inner.lock().reuse_share()
+    }
+
+    #[cfg(test)]
+    fn real_spread(&self, now_ms: i64) -> f64 {
+        self.inner.lock().real_spread(now_ms)
     }
 
     /// Roots tracked now.
@@ -158,6 +141,31 @@ impl PrefixPopularity {
 }
 
 impl Counts {
+    /// The share of recently new roots that were routed again, in [0, 1] (0 before any): new
+    /// roots and first repeats each count when they happen, fading on the routed rate's clock.
+    fn reuse_share(&self) -> f64 {
+        if self.born > 0.0 { (self.reused / self.born).clamp(0.0, 1.0) } else { 0.0 }
+    }
+
+    /// The share, in [0, 1], of the roots' spread in rate that Poisson arrivals at equal
+    /// popularity would not give, `max(0, 1 − (mean / 2) / sample variance)` at `now_ms`. 1 while
+    /// fewer than [`MIN_ROOTS`] roots are tracked (no evidence of equality); 0 with no spread.
+    fn real_spread(&self, now_ms: i64) -> f64 {
+        let n = self.scaled.len();
+        if n < MIN_ROOTS {
+            return 1.0;
+        }
+        let g = (-self.exponent(now_ms)).exp();
+        let nf = n as f64;
+        let mean = self.sum * g / nf;
+        let variance = ((self.sum_sq * g * g - nf * mean * mean) / (nf - 1.0)).max(0.0);
+        if variance > 0.0 && variance.is_finite() && mean.is_finite() {
+            (1.0 - mean / 2.0 / variance).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
+
     /// `(now − base) / τ`, never negative.
     fn exponent(&self, now_ms: i64) -> f64 {
         now_ms.saturating_sub(self.base_ms).max(0) as f64 / ROUTED_RATE_TAU_MS
