@@ -10,15 +10,16 @@
 //! the 256 steps intersects with every pod. `route_no_prefix`: an empty chain (filters, scoring,
 //! choice and reservation; no pod holds a block of it, so it is placed as a new prefix),
 //! beside `route_no_prefix_placement_off` (`cold_placement_margin: 0`, the same request by S
-//! alone), and `route_popularity_off` (`popularity_placement_margin: 0`: `route` without the count
-//! of the request's prefix root). Run: `cargo bench -p kvroute-picker --bench route`.
+//! alone), `route_popularity_off` (`popularity_placement_margin: 0`: `route` without the count
+//! of the request's prefix root), and `route_learned` (`route` once every pod's TTFT model has
+//! learned from six first tokens, as in service). Run: `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvroute_common::BlockHash;
-use kvroute_picker::pool::{Pool, PoolConfig, PoolUpdate};
+use kvroute_picker::pool::{Pool, PoolConfig, PoolUpdate, TtftObservation};
 use kvroute_picker::score::{CustomScorerConfig, RouteRequest, Router, ScoringConfig, Weights};
 use kvroute_proto::agent::v1::{PodInfo, PodStats};
 
@@ -40,6 +41,11 @@ fn queue(k: usize) -> u32 {
 /// A pool of `n` pods as described in the module docs (`holders` of them share the chain), and
 /// the request chain.
 fn fleet(n: usize, holders: usize) -> (Arc<Pool>, Vec<BlockHash>) {
+    fleet_waiting(n, holders, queue)
+}
+
+/// [`fleet`] with pod `k`'s reported queue `waiting(k)`.
+fn fleet_waiting(n: usize, holders: usize, waiting: fn(usize) -> u32) -> (Arc<Pool>, Vec<BlockHash>) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
     let Ok(rt) = rt else { panic!("tokio runtime") };
     let pool = Pool::new(PoolConfig::default());
@@ -62,7 +68,7 @@ fn fleet(n: usize, holders: usize) -> (Arc<Pool>, Vec<BlockHash>) {
             };
             let stats = PodStats {
                 observed_at_unix_ms: 0,
-                num_requests_waiting: queue(k),
+                num_requests_waiting: waiting(k),
                 gpu_utilization: gpu(k),
                 health_score: 1.0,
                 ready: true,
@@ -78,6 +84,63 @@ fn fleet(n: usize, holders: usize) -> (Arc<Pool>, Vec<BlockHash>) {
         }
     });
     (pool, chain)
+}
+
+/// Teaches every pod's TTFT model and the fleet's, as first tokens in service would: six cold
+/// prompts of 8 to 88 blocks per pod, each first token 0.2 ms per uncached token plus 15 ms.
+/// The pods must report no queue (a first token counts only against work the picker knows).
+fn teach_ttft(router: &Router, n: usize) {
+    for k in 0..n {
+        let only = vec![format!("10.0.{}.{}:8000", k / 250, k % 250)];
+        for j in 0..6u64 {
+            let prompt: Vec<BlockHash> =
+                (0..8 + 16 * j).map(|i| block(5_000_000 + (k as u64 * 6 + j) * 100 + i)).collect();
+            let rq = RouteRequest { model: "m", adapter: None, block_hashes: &prompt, subset: Some(&only) };
+            let Ok(mut d) = router.route(&rq) else { panic!("route") };
+            let tokens = (prompt.len() * 16) as f64;
+            let seen = d.slot.observe_ttft(15.0 + 0.2 * tokens);
+            if !matches!(seen, TtftObservation::Learned { .. }) {
+                panic!("pod-{k} did not learn its first token: {seen:?}");
+            }
+            router.shared().credit.count_ttft(seen);
+        }
+    }
+    let e = router.explain(&RouteRequest { model: "m", adapter: None, block_hashes: &[], subset: None });
+    if e.candidates.iter().any(|c| c.predicted_ttft_ms.is_none()) {
+        panic!("a pod predicts no TTFT after learning");
+    }
+}
+
+/// Sets every pod's reported queue back to the module's `queue(k)`.
+fn requeue(pool: &Arc<Pool>, n: usize) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+    let Ok(rt) = rt else { panic!("tokio runtime") };
+    rt.block_on(async {
+        for k in 0..n {
+            let stats = PodStats {
+                num_requests_waiting: queue(k),
+                gpu_utilization: gpu(k),
+                health_score: 1.0,
+                ready: true,
+                ..PodStats::default()
+            };
+            let u = PoolUpdate::Delta {
+                stream: 1,
+                pod: format!("pod-{k}"),
+                seq: 1,
+                cleared: false,
+                stored: Vec::new(),
+                removed: Vec::new(),
+                stats: Some(stats),
+            };
+            if pool.update(u).await.is_err() {
+                panic!("pool writer gone");
+            }
+        }
+        if pool.sync().await.is_err() {
+            panic!("pool writer gone");
+        }
+    });
 }
 
 /// The formula alone over flat arrays (cache ratio, gpu, queue, health, adapter): the baseline.
@@ -127,6 +190,15 @@ fn bench(c: &mut Criterion) {
         };
         let Ok(router_cost) = Router::new(pool.clone(), cost) else { panic!("router") };
         g.bench_with_input(BenchmarkId::new("route_with_cost_scorer", n), &n, |b, _| route(b, &router_cost, &rq));
+        // The same request once every pod's TTFT model has learned (a fleet in service): each
+        // candidate's line is then solved, not just looked up.
+        let (pool_learned, chain_learned) = fleet_waiting(n, 8, |_| 0);
+        let Ok(router_learned) = Router::new(pool_learned.clone(), ScoringConfig::default()) else { panic!("router") };
+        teach_ttft(&router_learned, n);
+        requeue(&pool_learned, n);
+        let rq_learned = RouteRequest { block_hashes: &chain_learned, ..rq };
+        g.bench_with_input(BenchmarkId::new("route_learned", n), &n, |b, _| route(b, &router_learned, &rq_learned));
+        drop((router_learned, pool_learned));
         let rows: Vec<[f64; 5]> = (0..n)
             .map(|k| {
                 let shared = if k < 8 { (PREFIX_BLOCKS as usize * (k + 1) / 8) as f64 } else { 0.0 };
