@@ -38,6 +38,18 @@ fn queue(k: usize) -> u32 {
     (k % 7) as u32
 }
 
+/// Pod `k`'s report: ready, healthy, `gpu(k)` busy, `waiting` queued.
+fn pod_stats(k: usize, waiting: u32) -> PodStats {
+    PodStats {
+        observed_at_unix_ms: 0,
+        num_requests_waiting: waiting,
+        gpu_utilization: gpu(k),
+        health_score: 1.0,
+        ready: true,
+        ..PodStats::default()
+    }
+}
+
 /// A pool of `n` pods as described in the module docs (`holders` of them share the chain), and
 /// the request chain.
 fn fleet(n: usize, holders: usize) -> (Arc<Pool>, Vec<BlockHash>) {
@@ -66,15 +78,7 @@ fn fleet_waiting(n: usize, holders: usize, waiting: fn(usize) -> u32) -> (Arc<Po
                     .into_iter()
                     .collect(),
             };
-            let stats = PodStats {
-                observed_at_unix_ms: 0,
-                num_requests_waiting: waiting(k),
-                gpu_utilization: gpu(k),
-                health_score: 1.0,
-                ready: true,
-                ..PodStats::default()
-            };
-            let u = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(stats), blocks };
+            let u = PoolUpdate::Snapshot { stream: 1, info, seq: 0, stats: Some(pod_stats(k, waiting(k))), blocks };
             if pool.update(u).await.is_err() {
                 panic!("pool writer gone");
             }
@@ -117,13 +121,7 @@ fn requeue(pool: &Arc<Pool>, n: usize) {
     let Ok(rt) = rt else { panic!("tokio runtime") };
     rt.block_on(async {
         for k in 0..n {
-            let stats = PodStats {
-                num_requests_waiting: queue(k),
-                gpu_utilization: gpu(k),
-                health_score: 1.0,
-                ready: true,
-                ..PodStats::default()
-            };
+            let stats = pod_stats(k, queue(k));
             let u = PoolUpdate::Delta {
                 stream: 1,
                 pod: format!("pod-{k}"),
