@@ -352,11 +352,24 @@ impl PodRecord {
     }
 }
 
+/// The instant before which a report received is older than `max_age` at `now` (`None` when
+/// that lies before any instant the clock can hold, so no report can be). A decision computes it
+/// once: comparing instants is cheaper than a duration per pod.
+pub(crate) fn stale_before(now: Instant, max_age: Duration) -> Option<Instant> {
+    now.checked_sub(max_age)
+}
+
 impl PodStatus {
     /// Whether the pod has stats older than `max_age` (its agent went silent: SIGSTOPped,
     /// partitioned, wedged) at `now`.
     pub(crate) fn report_stale(&self, now: Instant, max_age: Duration) -> bool {
-        self.stats.is_some() && self.stats_at.is_some_and(|t| now.saturating_duration_since(t) > max_age)
+        self.report_stale_before(stale_before(now, max_age))
+    }
+
+    /// [`PodStatus::report_stale`] with its cutoff computed once for many pods
+    /// ([`stale_before`]): stats received before `cutoff`.
+    pub(crate) fn report_stale_before(&self, cutoff: Option<Instant>) -> bool {
+        self.stats.is_some() && matches!((self.stats_at, cutoff), (Some(t), Some(c)) if t < c)
     }
 
     /// Health score and reason as scoring counts them: the reported ones, or with a stale report

@@ -342,3 +342,25 @@ async fn coverage_counts_engines_that_answer() {
     let c = pool.agent_coverage().unwrap();
     assert_eq!((c.share(), c.any_routable()), (0.5, true));
 }
+
+/// A report exactly `max_age` old is still fresh and one a nanosecond older is stale, with the
+/// cutoff a decision computes once as with the duration per pod; a limit reaching before any
+/// instant makes nothing stale.
+#[tokio::test]
+async fn a_reports_age_is_judged_the_same_by_cutoff_and_by_duration() {
+    let pool = Pool::new(PoolConfig::default());
+    put(&pool, "a", "m", stats(0.0, 1, 1.0), &[]).await;
+    let status = pool.table.load().status[0].clone();
+    let at = status.stats_at.expect("a report was received");
+    let max_age = Duration::from_millis(500);
+    for (now, stale) in [(at + max_age, false), (at + max_age + Duration::from_nanos(1), true), (at, false)] {
+        assert_eq!(status.report_stale(now, max_age), stale, "{:?} after the report", now - at);
+        assert_eq!(status.report_stale_before(super::stale_before(now, max_age)), stale);
+    }
+    let later = at + Duration::from_secs(3600);
+    assert_eq!(super::stale_before(later, Duration::MAX), None, "before any instant");
+    for forever in [Duration::MAX, Duration::from_secs(u64::MAX / 4)] {
+        assert!(!status.report_stale(later, forever));
+        assert!(!status.report_stale_before(super::stale_before(later, forever)));
+    }
+}

@@ -59,13 +59,14 @@ impl fmt::Display for Exclusion {
 }
 
 /// The static reason `status` is not a candidate, if any. Assumes the model already matched.
-/// `max_report_age`: past it the reported health counts as at most
-/// [`STALE_REPORT_HEALTH`](crate::pool::STALE_REPORT_HEALTH).
+/// `stale_before` ([`crate::pool::stale_before`]): a report received before it counts its
+/// health as at most [`STALE_REPORT_HEALTH`](crate::pool::STALE_REPORT_HEALTH); `grace`: how
+/// long a disconnected agent's pods stay candidates.
 pub(crate) fn exclusion(
     status: &PodStatus,
     subset: Option<&[String]>,
     health_threshold: f64,
-    (grace, max_report_age): (Duration, Duration),
+    (grace, stale_before): (Duration, Option<Instant>),
     now: Instant,
 ) -> Option<Exclusion> {
     let stats = match (&status.stats, status.member) {
@@ -84,7 +85,7 @@ pub(crate) fn exclusion(
         return Some(Exclusion::GraceExpired);
     }
     let (score, reason) = status
-        .effective_health(status.report_stale(now, max_report_age))
+        .effective_health(status.report_stale_before(stale_before))
         .unwrap_or((stats.health_score, stats.health_reason.as_str()));
     // NaN health counts as unhealthy.
     if score.is_nan() || score < health_threshold {

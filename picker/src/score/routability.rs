@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::ScoringConfig;
 use super::filter::{self, Exclusion};
-use crate::pool::Pool;
+use crate::pool::{Pool, stale_before};
 
 /// One pod as the router sees it now.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,8 +29,9 @@ pub struct PodRouting {
 pub fn pod_routing(pool: &Pool, config: &ScoringConfig) -> Vec<PodRouting> {
     let table = pool.table.load();
     let max_age = pool.report_max_age();
-    let limits = (Duration::from_millis(pool.config().grace_ttl_ms), max_age);
     let now = Instant::now();
+    let cutoff = stale_before(now, max_age);
+    let limits = (Duration::from_millis(pool.config().grace_ttl_ms), cutoff);
     table
         .pods
         .iter()
@@ -45,7 +46,7 @@ pub fn pod_routing(pool: &Pool, config: &ScoringConfig) -> Vec<PodRouting> {
                 why,
                 Some(Exclusion::NoStats | Exclusion::PodNotReady | Exclusion::NotReady | Exclusion::GraceExpired)
             );
-            let depth = rec.queue_depth(status, status.report_stale(now, max_age));
+            let depth = rec.queue_depth(status, status.report_stale_before(cutoff));
             PodRouting {
                 name: rec.name.clone(),
                 ready,

@@ -46,7 +46,7 @@ use super::{
 use super::{DECODE_TOKENS_PER_REQUEST, LoadSource, SpillRule, TtftLine, load::pod_load_ratio};
 use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
 use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
-use crate::pool::{Membership, PodTable, Pool};
+use crate::pool::{Membership, PodTable, Pool, stale_before};
 
 /// Scores candidate pods and picks one. Cheap to share (`Arc<Router>`); `route` is `&self`.
 #[derive(Debug)]
@@ -527,8 +527,9 @@ impl Router {
     ) -> usize {
         index.match_prefix(req.block_hashes, &mut sc.walk);
         let index_block = u32::try_from(self.pool.config().block_size).unwrap_or(u32::MAX);
-        let limits = (Duration::from_millis(self.pool.config().grace_ttl_ms), self.pool.report_max_age());
         let now = Instant::now();
+        let limits =
+            (Duration::from_millis(self.pool.config().grace_ttl_ms), stale_before(now, self.pool.report_max_age()));
         // Pods of the pool whose agent has not reported yet serve no known model: candidates for
         // every model, by load (docs/design.md §14).
         let model_pods = table.by_model.get(req.model).map_or(&[][..], Vec::as_slice);
@@ -726,14 +727,14 @@ impl Router {
     /// utilization (brought forward with `load_forecast`) and, with `prefill_tie_break`, the
     /// prefill its pod has left.
     fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, now: Instant) {
-        let max_age = self.pool.report_max_age();
+        let cutoff = stale_before(now, self.pool.report_max_age());
         for row in &mut sc.rows {
             let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
             let peers = match &status.stats {
                 Some(s) => shared.peers.since(rec.idx, s.observed_at_unix_ms),
                 None => shared.peers.since(rec.idx, i64::MIN),
             };
-            let stale = status.report_stale(now, max_age);
+            let stale = status.report_stale_before(cutoff);
             row.depth = rec.queue_depth(status, stale).saturating_add(peers);
             let running = status.stats.as_ref().map_or(0, |s| s.num_requests_running);
             row.load = running.saturating_add(row.depth);
@@ -813,7 +814,7 @@ impl Router {
     /// keys still 0) and `sc.custom`: the rows become [`PodFacts`], each scorer prepares once
     /// and scores the whole column.
     fn compose(&self, sc: &mut Scratch, table: &PodTable, req: &RouteRequest<'_>, total_blocks: u32, now: Instant) {
-        let max_age = self.pool.report_max_age();
+        let cutoff = stale_before(now, self.pool.report_max_age());
         let mut facts = recycle(std::mem::take(&mut sc.facts));
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
@@ -828,7 +829,7 @@ impl Router {
             };
             // A report older than the report-age limit is unknown, not perfect (docs/design.md §15).
             let (health_score, health_reason) =
-                status.effective_health(status.report_stale(now, max_age)).unwrap_or(unreported);
+                status.effective_health(status.report_stale_before(cutoff)).unwrap_or(unreported);
             PodFacts {
                 name: &table.pods[r.pod as usize].name,
                 endpoint: &status.endpoint,
