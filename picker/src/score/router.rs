@@ -588,9 +588,9 @@ impl Router {
         shared: &SharedState,
         slo: Option<f64>,
     ) -> Result<Option<usize>, RouteError> {
-        // One instant for the whole decision: a report is stale for every stage or for none.
-        let now = Instant::now();
-        self.overlay_load(sc, table, shared, now);
+        // One cutoff for the whole decision: a report is stale for every stage or for none.
+        let stale_cutoff = stale_before(Instant::now(), self.pool.report_max_age());
+        self.overlay_load(sc, table, shared, stale_cutoff);
         let by_time_rule = self.config.spill_rule == SpillRule::Ttft;
         if by_time_rule {
             // Stay or spill by time: the queue spill needs every row's prediction first.
@@ -603,7 +603,7 @@ impl Router {
             self.predict(sc, table, total_blocks);
         }
         let missed = slo.is_some_and(|slo| self.slo_filter(sc, slo));
-        self.compose(sc, table, req, total_blocks, now);
+        self.compose(sc, table, req, total_blocks, stale_cutoff);
         self.tie_keys(sc, table, tick);
         if missed {
             return Ok(least_predicted(sc, 0..sc.rows.len()));
@@ -725,9 +725,8 @@ impl Router {
     /// Every row's live figures, read under the selection lock: queue depth (peers' in-flight
     /// requests and the reported-running requests still prefilling included), load, GPU
     /// utilization (brought forward with `load_forecast`) and, with `prefill_tie_break`, the
-    /// prefill its pod has left.
-    fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, now: Instant) {
-        let cutoff = stale_before(now, self.pool.report_max_age());
+    /// prefill its pod has left. `cutoff`: reports received before it are stale.
+    fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, cutoff: Option<Instant>) {
         for row in &mut sc.rows {
             let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
             let peers = match &status.stats {
@@ -812,9 +811,15 @@ impl Router {
 
     /// Every row's factors (clamped to [0,1]) and composite S, into `sc.scored` (with its tie
     /// keys still 0) and `sc.custom`: the rows become [`PodFacts`], each scorer prepares once
-    /// and scores the whole column.
-    fn compose(&self, sc: &mut Scratch, table: &PodTable, req: &RouteRequest<'_>, total_blocks: u32, now: Instant) {
-        let cutoff = stale_before(now, self.pool.report_max_age());
+    /// and scores the whole column. `cutoff`: reports received before it are stale.
+    fn compose(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        req: &RouteRequest<'_>,
+        total_blocks: u32,
+        cutoff: Option<Instant>,
+    ) {
         let mut facts = recycle(std::mem::take(&mut sc.facts));
         facts.extend(sc.rows.iter().map(|r| {
             let status = &table.status[r.pod as usize];
