@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::PodRecord;
-use super::TtftFit;
+use super::SharedFit;
 
 /// Time constant of a pod's routed rate ([`InFlight::routed_rate`]), ms: a minute spans dozens
 /// of a busy pod's requests, so a prefix's share of the traffic shows, and still follows a shift
@@ -36,7 +36,7 @@ pub(crate) struct InFlight {
     count: AtomicU32,
     /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
     /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
-    pub(crate) ttft: Mutex<TtftFit>,
+    pub(crate) ttft: SharedFit,
     /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of
     /// `routed_at_ms` (`f64` bits). Written only by [`InFlight::reserve`], which runs under the
     /// pool's selection lock; a read outside it (`explain`) may pair a count with the time before.
@@ -187,7 +187,7 @@ impl InFlightSlot {
     /// it (once per slot) and the prediction error is returned.
     pub fn observe_ttft(&mut self, ttft_ms: f64) -> TtftObservation {
         let Some((work, queue, predicted)) = self.ttft.take() else { return TtftObservation::Ignored };
-        if !self.rec.inflight.ttft.lock().observe(work, queue, ttft_ms) {
+        if !self.rec.inflight.ttft.observe(work, queue, ttft_ms) {
             return TtftObservation::Refused;
         }
         TtftObservation::Learned { error_ms: predicted.map(|p| p - ttft_ms), work_tokens: work, queue, ttft_ms }

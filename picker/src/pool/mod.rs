@@ -42,7 +42,7 @@ use crate::index::{IndexSnapshot, PodIdx};
 pub use annotations::COST_ANNOTATION;
 pub(crate) use inflight::{InFlight, ROUTED_RATE_TAU_MS};
 pub use inflight::{InFlightSlot, ReleaseHook, TtftObservation};
-pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, TtftFit, TtftLine};
+pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, SharedFit, TtftFit, TtftLine};
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;

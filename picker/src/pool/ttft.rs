@@ -9,8 +9,15 @@
 //! work is `work · b / load_horizon_ms`. A fit with too few observations, or whose numbers are
 //! not finite, predicts nothing: the caller falls back to the seed's formula for that pod.
 //!
+//! Concurrency: a pod's fit is a [`SharedFit`], which every decision reads (one per candidate)
+//! while first tokens update it: the reads take no lock and write no shared memory.
+//!
 //! Bounded: nine sums per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
 //! outside [0, [`MAX_WORK_TOKENS`]] is refused (counted by the caller), never stored.
+
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use parking_lot::Mutex;
 
 /// Observations a pod's fit needs before it predicts.
 pub const MIN_OBSERVATIONS: f64 = 4.0;
@@ -101,6 +108,16 @@ impl TtftFit {
         true
     }
 
+    /// The nine sums, in declaration order.
+    fn to_words(self) -> [f64; FIT_WORDS] {
+        [self.w, self.sx, self.sq, self.sy, self.sxx, self.sxq, self.sqq, self.sxy, self.sqy]
+    }
+
+    /// The inverse of [`TtftFit::to_words`].
+    fn from_words([w, sx, sq, sy, sxx, sxq, sqq, sxy, sqy]: [f64; FIT_WORDS]) -> TtftFit {
+        TtftFit { w, sx, sq, sy, sxx, sxq, sqq, sxy, sqy }
+    }
+
     /// Least squares of `y` on `1, x, q` (a, b, c), with `ridge · (b − prior)²` added to the
     /// squared error; `None` when the system is singular.
     fn full(&self, ridge: f64, prior: f64) -> Option<(f64, f64, f64)> {
@@ -186,6 +203,75 @@ impl TtftFit {
             ms_per_token: b,
             ms_per_queued: c,
         })
+    }
+}
+
+/// Sums in a [`TtftFit`].
+const FIT_WORDS: usize = 9;
+
+/// A [`TtftFit`] shared by the decisions that read it and the first tokens that update it,
+/// under a sequence lock: a reader copies the sums and retries only when a write overlapped its
+/// copy, so a decision over a thousand pods takes no lock and writes nothing per pod (two
+/// atomic read-modify-writes per pod under a mutex cost a tenth of such a decision). Writers
+/// (one per first token) take a mutex among themselves.
+#[derive(Debug, Default)]
+pub struct SharedFit {
+    /// Even while the sums are whole; odd while a writer changes them.
+    seq: AtomicU64,
+    /// The sums as `f64` bits, in [`TtftFit::to_words`] order.
+    sums: [AtomicU64; FIT_WORDS],
+    writer: Mutex<()>,
+}
+
+impl SharedFit {
+    /// A consistent copy of the fit: the sums as one write left them, never half of two.
+    pub fn load(&self) -> TtftFit {
+        let mut spins = 0u32;
+        loop {
+            let before = self.seq.load(Ordering::Acquire);
+            if before.is_multiple_of(2) {
+                let words: [f64; FIT_WORDS] =
+                    std::array::from_fn(|i| f64::from_bits(self.sums[i].load(Ordering::Relaxed)));
+                // Orders the copy before the second read of the sequence: a write whose sums
+                // the copy saw has moved it on by then.
+                fence(Ordering::Acquire);
+                if self.seq.load(Ordering::Relaxed) == before {
+                    return TtftFit::from_words(words);
+                }
+            }
+            // A writer holds the sums for a few dozen instructions; one that was descheduled
+            // there gets the core back.
+            spins += 1;
+            if spins.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// [`TtftFit::observe`] on the shared fit; false (nothing changed) when refused.
+    pub fn observe(&self, work_tokens: f64, queue: f64, ttft_ms: f64) -> bool {
+        self.update(|f| f.observe(work_tokens, queue, ttft_ms))
+    }
+
+    /// Applies `change` to the fit; the sums are written back only when it returns true.
+    fn update(&self, change: impl FnOnce(&mut TtftFit) -> bool) -> bool {
+        let _writer = self.writer.lock();
+        let mut fit = self.load();
+        if !change(&mut fit) {
+            return false;
+        }
+        let seq = self.seq.load(Ordering::Relaxed);
+        self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+        // Orders the odd sequence before the sums: a reader that sees any new sum sees it odd
+        // or moved on when it reads the sequence again.
+        fence(Ordering::Release);
+        for (cell, v) in self.sums.iter().zip(fit.to_words()) {
+            cell.store(v.to_bits(), Ordering::Relaxed);
+        }
+        self.seq.store(seq.wrapping_add(2), Ordering::Release);
+        true
     }
 }
 
@@ -293,5 +379,68 @@ mod tests {
         }
         let own = g.line(Some(0.22)).expect("fitted");
         assert!((own.ms_per_token - 0.3).abs() < 0.02, "{own:?}");
+    }
+
+    /// The shared fit holds exactly what a plain fit fed the same first tokens holds, and a
+    /// refused first token changes neither.
+    #[test]
+    fn the_shared_fit_is_the_plain_fit() {
+        let (shared, mut plain) = (SharedFit::default(), TtftFit::default());
+        for i in 0..50u32 {
+            let (x, q, y) = (f64::from(i % 9) * 300.0, f64::from(i % 4), 10.0 + f64::from(i) * 7.5);
+            assert_eq!(shared.observe(x, q, y), plain.observe(x, q, y));
+        }
+        assert!(!shared.observe(f64::NAN, 0.0, 1.0));
+        assert_eq!(shared.load(), plain);
+        assert_eq!(shared.load().line(Some(0.2)), plain.line(Some(0.2)));
+    }
+
+    /// Readers racing writers never see half of one write and half of another, and no write is
+    /// lost. Each first token has its TTFT equal to its work, so every whole fit has `Σx = Σy`
+    /// and `Σx² = Σxy` to the bit; a torn copy mixes sums of different writes.
+    #[test]
+    fn readers_never_see_a_torn_fit_and_writers_lose_nothing() {
+        const WRITES: u32 = 20_000;
+        let shared = SharedFit::default();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let checked = std::thread::scope(|s| {
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut n = 0u64;
+                        while !done.load(Ordering::Relaxed) || n == 0 {
+                            let f = shared.load();
+                            assert!(f.sx == f.sy && f.sxx == f.sxy, "torn: {f:?}");
+                            n += 1;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            let writers: Vec<_> = (0..2u32)
+                .map(|w| {
+                    let shared = &shared;
+                    s.spawn(move || {
+                        for i in 0..WRITES {
+                            let x = f64::from((i * 7 + w * 13) % 1000) + 0.5;
+                            assert!(shared.observe(x, 0.0, x));
+                        }
+                    })
+                })
+                .collect();
+            for w in writers {
+                assert!(w.join().is_ok(), "a writer panicked");
+            }
+            done.store(true, Ordering::Relaxed);
+            let reads = readers.into_iter().map(|r| r.join());
+            reads.map(|n| n.unwrap_or_else(|_| panic!("a reader saw a torn fit"))).sum::<u64>()
+        });
+        assert!(checked > 0);
+        // `w` after n observations is Σ DECAY^k for k < n, whatever their order.
+        let mut plain = TtftFit::default();
+        for _ in 0..2 * WRITES {
+            plain.observe(1.0, 0.0, 1.0);
+        }
+        assert_eq!(shared.load().w, plain.w);
     }
 }

@@ -43,7 +43,7 @@ use super::{
     PrefixCacheScorer, PrefixMatches, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer,
     ScoringConfig, ScoringConfigError, validate_weights,
 };
-use super::{DECODE_TOKENS_PER_REQUEST, LoadSource, SpillRule, TtftLine, load::pod_load_ratio};
+use super::{DECODE_TOKENS_PER_REQUEST, LoadSource, SpillRule, TtftFit, TtftLine, load::pod_load_ratio};
 use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
 use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
 use crate::pool::{Membership, PodTable, Pool, stale_before};
@@ -147,6 +147,8 @@ struct Scratch {
     prefilling: Vec<(PodIdx, i64, u32)>,
     /// `(routed rate, cached blocks)` per row, for a new prefix's placement.
     shares: Vec<(f64, f64)>,
+    /// Each row's pod's TTFT fit, copied for the prediction.
+    fits: Vec<TtftFit>,
 }
 
 impl Scratch {
@@ -645,9 +647,12 @@ impl Router {
         let mut fallbacks = 0u64;
         let fleet: Option<TtftLine> =
             self.shared.credit.fleet_ttft.lock().line_after(crate::pool::FLEET_MIN_OBSERVATIONS);
-        for row in &mut sc.rows {
-            let own: Option<TtftLine> =
-                table.pods[row.pod as usize].inflight.ttft.lock().line(fleet.map(|f| f.ms_per_token));
+        // Every candidate's fit is copied first, then solved: the copies' cache misses overlap
+        // instead of each waiting behind the previous pod's solve.
+        sc.fits.clear();
+        sc.fits.extend(sc.rows.iter().map(|row| table.pods[row.pod as usize].inflight.ttft.load()));
+        for (row, fit) in sc.rows.iter_mut().zip(&sc.fits) {
+            let own: Option<TtftLine> = fit.line(fleet.map(|f| f.ms_per_token));
             let line = own.or(fleet);
             let uncached = f64::from(total_blocks.saturating_sub(row.credited())) * block;
             row.ttft_work = row.work + uncached;
