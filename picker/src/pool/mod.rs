@@ -239,9 +239,66 @@ pub(crate) struct PodTable {
     pub(crate) pods: Vec<Arc<PodRecord>>,
     /// `status[i]` is `pods[i]`'s status when the table was published.
     pub(crate) status: Vec<Arc<PodStatus>>,
+    /// `hot[i]` is what a decision's filters and load stages read of `status[i]`, copied.
+    pub(crate) hot: Vec<PodHot>,
     /// Model name → indices into `pods` of the pods serving it, ascending (shared between
     /// publications while no pod comes, goes or changes model).
     pub(crate) by_model: Arc<ModelPods>,
+}
+
+/// What a decision's filters and load stages read of a pod's status (docs/design.md §4
+/// "Decision speed"), copied when the table is published: 72 bytes per pod in one array read in
+/// order, where the status itself lies behind a pointer per pod, its fields over several cache
+/// lines. Without stats, every reported figure is 0.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PodHot {
+    /// When the stats arrived; `None` without stats (see [`PodHot::report_stale_before`]).
+    pub(crate) stats_at: Option<Instant>,
+    /// The report's `observed_at_unix_ms`.
+    pub(crate) observed_at_unix_ms: i64,
+    pub(crate) gpu_utilization: f64,
+    pub(crate) kv_cache_usage: f64,
+    pub(crate) health_score: f64,
+    /// [`PodStatus::utilization_per_request`], 1.0 (NVML's meaning of one stepping request)
+    /// before one is known.
+    pub(crate) utilization_per_request: f64,
+    pub(crate) num_requests_waiting: u32,
+    pub(crate) num_requests_running: u32,
+    /// [`PodStatus::block_size`].
+    pub(crate) block_size: u32,
+    pub(crate) has_stats: bool,
+    /// The report's `ready`.
+    pub(crate) ready: bool,
+    /// The agent stream ended ([`PodStatus::disconnected_at`] is set).
+    pub(crate) disconnected: bool,
+    pub(crate) member: Membership,
+}
+
+impl PodHot {
+    /// The copy of `status`.
+    pub(crate) fn of(status: &PodStatus) -> PodHot {
+        let s = status.stats.as_ref();
+        PodHot {
+            stats_at: s.and(status.stats_at),
+            observed_at_unix_ms: s.map_or(0, |s| s.observed_at_unix_ms),
+            gpu_utilization: s.map_or(0.0, |s| s.gpu_utilization),
+            kv_cache_usage: s.map_or(0.0, |s| s.kv_cache_usage),
+            health_score: s.map_or(0.0, |s| s.health_score),
+            utilization_per_request: status.utilization_per_request.unwrap_or(1.0),
+            num_requests_waiting: s.map_or(0, |s| s.num_requests_waiting),
+            num_requests_running: s.map_or(0, |s| s.num_requests_running),
+            block_size: status.block_size,
+            has_stats: s.is_some(),
+            ready: s.is_some_and(|s| s.ready),
+            disconnected: status.disconnected_at.is_some(),
+            member: status.member,
+        }
+    }
+
+    /// [`PodStatus::report_stale_before`] of the status copied.
+    pub(crate) fn report_stale_before(&self, cutoff: Option<Instant>) -> bool {
+        matches!((self.stats_at, cutoff), (Some(t), Some(c)) if t < c)
+    }
 }
 
 /// Model name → indices into [`PodTable::pods`] of the pods serving it.
@@ -339,9 +396,21 @@ impl PodRecord {
     /// Without a report, every in-flight request counts; with a stale one (`stale`, see
     /// [`PodStatus::report_stale`]) too, on top of the last reported waiting count.
     pub(crate) fn queue_depth(&self, status: &PodStatus, stale: bool) -> u32 {
-        match &status.stats {
-            Some(s) if stale => s.num_requests_waiting.saturating_add(self.inflight.len()),
-            Some(s) => s.num_requests_waiting.saturating_add(self.inflight.since(s.observed_at_unix_ms)),
+        let reported = status.stats.as_ref().map(|s| (s.num_requests_waiting, s.observed_at_unix_ms));
+        self.queue_depth_from(reported, stale)
+    }
+
+    /// [`PodRecord::queue_depth`] from the copy of the status a decision reads.
+    pub(crate) fn queue_depth_hot(&self, hot: &PodHot, stale: bool) -> u32 {
+        let reported = hot.has_stats.then_some((hot.num_requests_waiting, hot.observed_at_unix_ms));
+        self.queue_depth_from(reported, stale)
+    }
+
+    /// queueDepth from the report's `(waiting, observed_at_unix_ms)`, if any.
+    fn queue_depth_from(&self, reported: Option<(u32, i64)>, stale: bool) -> u32 {
+        match reported {
+            Some((waiting, _)) if stale => waiting.saturating_add(self.inflight.len()),
+            Some((waiting, observed_at)) => waiting.saturating_add(self.inflight.since(observed_at)),
             None => self.inflight.len(),
         }
     }

@@ -19,7 +19,9 @@ use tracing::{debug, error, info, warn};
 use kvroute_cluster::PoolView;
 
 use super::annotations::{annotations_of, merge, merged_annotations, priced};
-use super::{InFlight, Membership, PodRecord, PodStatus, PodTable, PoolConfig, PoolUpdate, StreamId, WriterMsg};
+use super::{
+    InFlight, Membership, PodHot, PodRecord, PodStatus, PodTable, PoolConfig, PoolUpdate, StreamId, WriterMsg,
+};
 use crate::index::{IndexSnapshot, IndexWriter, PodIdx};
 
 /// Most messages applied per published batch.
@@ -153,7 +155,8 @@ impl Writer {
             let status: Vec<Arc<PodStatus>> = pods.iter().map(|p| p.status.load_full()).collect();
             let by_model =
                 if regroup { Arc::new(PodTable::group_by_model(&status)) } else { self.table.load().by_model.clone() };
-            self.table.store(Arc::new(PodTable { pods, status, by_model }));
+            let hot = status.iter().map(|s| PodHot::of(s)).collect();
+            self.table.store(Arc::new(PodTable { pods, status, hot, by_model }));
         }
     }
 

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use crate::pool::{Membership, PodStatus};
+use crate::pool::{Membership, PodHot, PodStatus, STALE_REPORT_HEALTH};
 
 /// Why a pod of the requested model is not a candidate.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,37 +58,41 @@ impl fmt::Display for Exclusion {
     }
 }
 
-/// The static reason `status` is not a candidate, if any. Assumes the model already matched.
-/// `stale_before` ([`crate::pool::stale_before`]): a report received before it counts its
-/// health as at most [`STALE_REPORT_HEALTH`](crate::pool::STALE_REPORT_HEALTH); `grace`: how
-/// long a disconnected agent's pods stay candidates.
+/// The static reason a pod is not a candidate, if any, from `hot`, the copy of its `status`
+/// the decision reads (`status` itself is read only for a reason's text, a disconnection's time
+/// and the subset hint). Assumes the model already matched. `stale_before`
+/// ([`crate::pool::stale_before`]): a report received before it counts its health as at most
+/// [`STALE_REPORT_HEALTH`](crate::pool::STALE_REPORT_HEALTH); `grace`: how long a disconnected
+/// agent's pods stay candidates.
 pub(crate) fn exclusion(
-    status: &PodStatus,
+    (hot, status): (&PodHot, &PodStatus),
     subset: Option<&[String]>,
     health_threshold: f64,
     (grace, stale_before): (Duration, Option<Instant>),
     now: Instant,
 ) -> Option<Exclusion> {
-    let stats = match (&status.stats, status.member) {
+    match (hot.has_stats, hot.member) {
         (_, Membership::PoolUnready) => return Some(Exclusion::PodNotReady),
-        (Some(stats), _) => stats,
+        (true, _) => {}
         // A Ready pod of the pool routes by load until its agent reports (docs/design.md §14).
-        (None, Membership::PoolReady) => return subset_exclusion(status, subset),
-        (None, Membership::Agent) => return Some(Exclusion::NoStats),
-    };
-    if !stats.ready {
+        (false, Membership::PoolReady) => return subset_exclusion(status, subset),
+        (false, Membership::Agent) => return Some(Exclusion::NoStats),
+    }
+    if !hot.ready {
         return Some(Exclusion::NotReady);
     }
-    if let Some(t) = status.disconnected_at
+    if hot.disconnected
+        && let Some(t) = status.disconnected_at
         && now.saturating_duration_since(t) >= grace
     {
         return Some(Exclusion::GraceExpired);
     }
-    let (score, reason) = status
-        .effective_health(status.report_stale_before(stale_before))
-        .unwrap_or((stats.health_score, stats.health_reason.as_str()));
+    let stale = hot.report_stale_before(stale_before);
+    // As `PodStatus::effective_health` (a NaN score stays NaN).
+    let score = if stale && hot.health_score >= STALE_REPORT_HEALTH { STALE_REPORT_HEALTH } else { hot.health_score };
     // NaN health counts as unhealthy.
     if score.is_nan() || score < health_threshold {
+        let (score, reason) = status.effective_health(stale).unwrap_or((score, ""));
         return Some(Exclusion::Unhealthy { score, threshold: health_threshold, reason: reason.to_owned() });
     }
     subset_exclusion(status, subset)
@@ -123,4 +127,96 @@ pub(crate) fn spill(mut depths: impl Iterator<Item = u32>, max_queue: u32) -> Sp
 /// it *and* more than `factor` times it. `margin` 0 turns the guard off.
 pub(crate) fn piled(load: u32, least: u32, margin: u32, factor: f64) -> bool {
     margin > 0 && load > least.saturating_add(margin) && f64::from(load) > factor * f64::from(least)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use kvroute_proto::agent::v1::PodStats;
+
+    use super::{Exclusion, exclusion, subset_exclusion};
+    use crate::pool::{Membership, PodHot, PodStatus};
+
+    /// The filters read straight from the status, as before the decision read a copy: the
+    /// oracle the copy must agree with.
+    fn from_status(
+        status: &PodStatus,
+        subset: Option<&[String]>,
+        threshold: f64,
+        (grace, cutoff): (Duration, Option<Instant>),
+        now: Instant,
+    ) -> Option<Exclusion> {
+        let stats = match (&status.stats, status.member) {
+            (_, Membership::PoolUnready) => return Some(Exclusion::PodNotReady),
+            (Some(stats), _) => stats,
+            (None, Membership::PoolReady) => return subset_exclusion(status, subset),
+            (None, Membership::Agent) => return Some(Exclusion::NoStats),
+        };
+        if !stats.ready {
+            return Some(Exclusion::NotReady);
+        }
+        if let Some(t) = status.disconnected_at
+            && now.saturating_duration_since(t) >= grace
+        {
+            return Some(Exclusion::GraceExpired);
+        }
+        let (score, reason) = status.effective_health(status.report_stale_before(cutoff))?;
+        if score.is_nan() || score < threshold {
+            return Some(Exclusion::Unhealthy { score, threshold, reason: reason.to_owned() });
+        }
+        subset_exclusion(status, subset)
+    }
+
+    /// Every combination of membership, report, readiness, health (NaN included), report age,
+    /// disconnection and subset hint: the copy's verdict is the status's, reason text and all.
+    #[test]
+    fn the_copy_a_decision_reads_excludes_as_the_status_does() {
+        let now = Instant::now();
+        let ago = |ms: u64| now.checked_sub(Duration::from_millis(ms));
+        let limits = (Duration::from_millis(1_000), ago(5_000));
+        let inside: Vec<String> = vec!["10.0.0.1:8000".into()];
+        let outside: Vec<String> = vec!["10.0.0.9:8000".into()];
+        let mut checked = 0;
+        for member in [Membership::Agent, Membership::PoolReady, Membership::PoolUnready] {
+            for stats in [None, Some(false), Some(true)] {
+                for health in [1.0, 0.6, 0.4, 0.1, f64::NAN] {
+                    for stats_age in [0, 10_000] {
+                        for disconnected in [None, ago(100), ago(2_000)] {
+                            for subset in [None, Some(&inside[..]), Some(&outside[..])] {
+                                let status = PodStatus {
+                                    endpoint: Arc::from("10.0.0.1:8000"),
+                                    model: "m".into(),
+                                    block_size: 16,
+                                    index_mismatch: false,
+                                    stats: stats.map(|ready| PodStats {
+                                        ready,
+                                        health_score: health,
+                                        health_reason: "ecc".into(),
+                                        ..PodStats::default()
+                                    }),
+                                    stats_at: ago(stats_age),
+                                    connected: disconnected.is_none(),
+                                    disconnected_at: disconnected,
+                                    seq: 0,
+                                    annotations: Vec::new(),
+                                    cost_per_hour: None,
+                                    member,
+                                    utilization_per_request: None,
+                                };
+                                let hot = PodHot::of(&status);
+                                let got = exclusion((&hot, &status), subset, 0.5, limits, now);
+                                let want = from_status(&status, subset, 0.5, limits, now);
+                                // `Exclusion` holds f64s: NaN ≠ NaN, so compare the text too.
+                                assert_eq!(format!("{got:?}"), format!("{want:?}"), "{status:?} {subset:?}");
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 3 * 3 * 5 * 2 * 3 * 3);
+    }
 }

@@ -35,12 +35,12 @@ pub fn pod_routing(pool: &Pool, config: &ScoringConfig) -> Vec<PodRouting> {
     table
         .pods
         .iter()
-        .zip(&table.status)
-        .map(|(rec, status)| {
+        .zip(table.status.iter().zip(&table.hot))
+        .map(|(rec, (status, hot))| {
             let why = if rec.is_unreachable() {
                 Some(Exclusion::Unreachable)
             } else {
-                filter::exclusion(status, None, config.health_exclusion_threshold, limits, now)
+                filter::exclusion((hot, status), None, config.health_exclusion_threshold, limits, now)
             };
             let ready = !matches!(
                 why,

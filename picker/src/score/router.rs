@@ -538,11 +538,11 @@ impl Router {
         let unreported =
             if req.model.is_empty() { &[][..] } else { table.by_model.get("").map_or(&[][..], Vec::as_slice) };
         for &i in model_pods.iter().chain(unreported) {
-            let (rec, status) = (&table.pods[i as usize], &table.status[i as usize]);
+            let (rec, status, hot) = (&table.pods[i as usize], &table.status[i as usize], &table.hot[i as usize]);
             let why = if rec.is_unreachable() {
                 Some(Exclusion::Unreachable)
             } else {
-                filter::exclusion(status, req.subset, self.config.health_exclusion_threshold, limits, now)
+                filter::exclusion((hot, status), req.subset, self.config.health_exclusion_threshold, limits, now)
             };
             match why {
                 Some(why) => sc.excluded.push((i, why)),
@@ -550,7 +550,7 @@ impl Router {
                     // Two engine blocks can share their first index blocks (the same first 16
                     // tokens under 32-token blocks): a match ending inside an engine block
                     // claims nothing of it.
-                    let per = engine_block_in_index_blocks(status.block_size, index_block);
+                    let per = engine_block_in_index_blocks(hot.block_size, index_block);
                     let indexed = whole_engine_blocks(sc.walk.matched(rec.idx), per);
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
                     sc.rows.push(Row {
@@ -658,7 +658,7 @@ impl Router {
             row.ttft_work = row.work + uncached;
             row.predicted = line.map(|l| l.predict(row.ttft_work, f64::from(row.depth))).filter(|p| p.is_finite());
             row.in_flight_load = None;
-            let kv = table.status[row.pod as usize].stats.as_ref().map_or(0.0, |s| s.kv_cache_usage);
+            let kv = table.hot[row.pod as usize].kv_cache_usage;
             row.kv = if kv.is_finite() { kv } else { 0.0 };
             if inflight {
                 // A pod whose running requests hold most of its KV admits a new prompt only by
@@ -733,37 +733,32 @@ impl Router {
     /// prefill its pod has left. `cutoff`: reports received before it are stale.
     fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, cutoff: Option<Instant>) {
         for row in &mut sc.rows {
-            let (rec, status) = (&table.pods[row.pod as usize], &table.status[row.pod as usize]);
-            let peers = match &status.stats {
-                Some(s) => shared.peers.since(rec.idx, s.observed_at_unix_ms),
-                None => shared.peers.since(rec.idx, i64::MIN),
-            };
-            let stale = status.report_stale_before(cutoff);
-            row.depth = rec.queue_depth(status, stale).saturating_add(peers);
-            let running = status.stats.as_ref().map_or(0, |s| s.num_requests_running);
+            let (rec, hot) = (&table.pods[row.pod as usize], &table.hot[row.pod as usize]);
+            let peers = shared.peers.since(rec.idx, if hot.has_stats { hot.observed_at_unix_ms } else { i64::MIN });
+            let stale = hot.report_stale_before(cutoff);
+            row.depth = rec.queue_depth_hot(hot, stale).saturating_add(peers);
+            let running = hot.num_requests_running;
             row.load = running.saturating_add(row.depth);
-            row.utilization = status.stats.as_ref().map_or(0.0, |s| s.gpu_utilization);
+            row.utilization = hot.gpu_utilization;
+            // A fresh report: the figures below build on it.
+            let fresh = hot.has_stats && !stale;
             // docs/design.md §4 loadRatio: the requests routed since a fresh report will run
             // there as the ones it counted do, so each adds the utilization per running request
             // the pod last reported (queueDepth counts them the same way).
-            if self.config.load_forecast
-                && let Some(s) = status.stats.as_ref()
-                && !stale
-            {
+            if self.config.load_forecast && fresh {
                 // With a fresh report `row.depth` is its waiting count plus those requests. A
                 // pod that has not yet reported a running request is taken at NVML's meaning:
                 // one request stepping keeps the GPU busy.
-                let per_request = status.utilization_per_request.unwrap_or(1.0);
-                let since = row.depth.saturating_sub(s.num_requests_waiting);
-                row.utilization = forecast_utilization(s.gpu_utilization, per_request, since);
+                let since = row.depth.saturating_sub(hot.num_requests_waiting);
+                row.utilization = forecast_utilization(hot.gpu_utilization, hot.utilization_per_request, since);
             }
             // docs/design.md §4: a request the report listed as running but whose prompt the
             // pod's KV events have not confirmed yet is still being prefilled: for the next
             // request it is as much ahead in the queue as a waiting one. The report's waiting
             // requests were routed before it too, so the larger of the two counts.
-            if let Some(s) = status.stats.as_ref().filter(|_| !stale) {
-                let before = prefilling_before(&sc.prefilling, rec.idx, s.observed_at_unix_ms);
-                row.depth = row.depth.saturating_add(before.saturating_sub(s.num_requests_waiting));
+            if fresh {
+                let before = prefilling_before(&sc.prefilling, rec.idx, hot.observed_at_unix_ms);
+                row.depth = row.depth.saturating_add(before.saturating_sub(hot.num_requests_waiting));
             }
             row.prefill = prefill_left(&sc.prefilling, rec.idx);
             let index_block = self.pool.config().block_size as f64;
