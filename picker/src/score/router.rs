@@ -136,6 +136,8 @@ struct Scratch {
     preps: Vec<Prepared>,
     /// Factor columns, one per scorer, `rows.len()` each.
     columns: Vec<f64>,
+    /// Every row's weighted sum of its factors (S before the clamp).
+    totals: Vec<f64>,
     order: Vec<u32>,
     /// Always empty between decisions: only its allocation is kept (see [`recycle`]).
     facts: Vec<PodFacts<'static>>,
@@ -870,8 +872,9 @@ impl Router {
             }
         }
         let n_custom = self.scorers.len().saturating_sub(BUILTINS);
+        self.weighted_columns(&sc.columns, n, &mut sc.totals);
         for (i, f) in facts.iter().enumerate() {
-            let score = self.weighted(|j| sc.columns[j * n + i]);
+            let score = sc.totals[i].clamp(0.0, 1.0);
             let factors: [f64; BUILTINS] = std::array::from_fn(|j| sc.columns[j * n + i]);
             sc.custom.extend((0..n_custom).map(|c| sc.columns[(BUILTINS + c) * n + i]));
             sc.scored.push(Scored {
@@ -1077,14 +1080,27 @@ impl Router {
         self.weighted(|j| factors.get(j).copied().unwrap_or(0.0))
     }
 
-    /// S: Σ weight_j · factor(j) over the registered scorers in order, clamped to [0,1]. The one
-    /// place the composite is summed, for the per-pod (`composite`) and the columnar (`route`) paths.
+    /// S: Σ weight_j · factor(j) over the registered scorers in order, clamped to [0,1], for one
+    /// pod (`composite`). [`Router::weighted_columns`] is the same sum for every candidate.
     fn weighted(&self, factor: impl Fn(usize) -> f64) -> f64 {
         let mut s = 0.0;
         for (j, (_, w)) in self.scorers.iter().enumerate() {
             s += w * factor(j);
         }
         s.clamp(0.0, 1.0)
+    }
+
+    /// [`Router::weighted`] for every row at once, before the clamp: `totals[i]` = Σ weight_j ·
+    /// `columns[j·n + i]`, the terms added in the same order from 0.0, so each total has the
+    /// same bits as the per-pod sum. A column at a time: a multiply-add over contiguous factors.
+    fn weighted_columns(&self, columns: &[f64], n: usize, totals: &mut Vec<f64>) {
+        totals.clear();
+        totals.resize(n, 0.0);
+        for ((_, w), column) in self.scorers.iter().zip(columns.chunks_exact(n.max(1))) {
+            for (t, v) in totals.iter_mut().zip(column) {
+                *t += w * v;
+            }
+        }
     }
 }
 
