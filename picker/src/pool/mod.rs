@@ -232,8 +232,8 @@ pub(crate) struct PodRecord {
 }
 
 /// The published list of live pods, with each pod's status as of this publication and the pods
-/// of each model, so a decision reads one snapshot: no per-pod atomic operation, no scan of other
-/// models' pods.
+/// of each model, so a decision reads one snapshot: no per-pod lock or atomic read-modify-write,
+/// no scan of other models' pods.
 #[derive(Debug, Default)]
 pub(crate) struct PodTable {
     pub(crate) pods: Vec<Arc<PodRecord>>,
