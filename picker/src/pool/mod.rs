@@ -42,7 +42,8 @@ use crate::index::{IndexSnapshot, PodIdx};
 pub use annotations::COST_ANNOTATION;
 pub(crate) use inflight::{InFlight, ROUTED_RATE_TAU_MS};
 pub use inflight::{InFlightSlot, ReleaseHook, TtftObservation};
-pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, SharedFit, TtftFit, TtftLine};
+pub(crate) use ttft::SharedFit;
+pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, TtftFit, TtftLine};
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;
@@ -299,6 +300,11 @@ impl PodHot {
     pub(crate) fn report_stale_before(&self, cutoff: Option<Instant>) -> bool {
         matches!((self.stats_at, cutoff), (Some(t), Some(c)) if t < c)
     }
+
+    /// The health score of [`PodStatus::effective_health`], without its reason.
+    pub(crate) fn effective_health_score(&self, stale: bool) -> f64 {
+        if stale_caps_health(self.health_score, stale) { STALE_REPORT_HEALTH } else { self.health_score }
+    }
 }
 
 /// Model name → indices into [`PodTable::pods`] of the pods serving it.
@@ -445,11 +451,17 @@ impl PodStatus {
     /// at most [`STALE_REPORT_HEALTH`] with [`STALE_REPORT_REASON`]. `None` without stats.
     pub(crate) fn effective_health(&self, stale: bool) -> Option<(f64, &str)> {
         let s = self.stats.as_ref()?;
-        if stale && s.health_score >= STALE_REPORT_HEALTH {
+        if stale_caps_health(s.health_score, stale) {
             return Some((STALE_REPORT_HEALTH, STALE_REPORT_REASON));
         }
         Some((s.health_score, s.health_reason.as_str()))
     }
+}
+
+/// Whether a stale report's `health` is counted as [`STALE_REPORT_HEALTH`] instead: a report older
+/// than the age limit is unknown, not perfect. A NaN health is never capped (it stays unhealthy).
+pub(crate) fn stale_caps_health(health: f64, stale: bool) -> bool {
+    stale && health >= STALE_REPORT_HEALTH
 }
 
 impl Pool {

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use crate::pool::{Membership, PodHot, PodStatus, STALE_REPORT_HEALTH};
+use crate::pool::{Membership, PodHot, PodStatus};
 
 /// Why a pod of the requested model is not a candidate.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,8 +88,7 @@ pub(crate) fn exclusion(
         return Some(Exclusion::GraceExpired);
     }
     let stale = hot.report_stale_before(stale_before);
-    // As `PodStatus::effective_health` (a NaN score stays NaN).
-    let score = if stale && hot.health_score >= STALE_REPORT_HEALTH { STALE_REPORT_HEALTH } else { hot.health_score };
+    let score = hot.effective_health_score(stale);
     // NaN health counts as unhealthy.
     if score.is_nan() || score < health_threshold {
         let (score, reason) = status.effective_health(stale).unwrap_or((score, ""));
