@@ -136,6 +136,8 @@ struct Scratch {
     preps: Vec<Prepared>,
     /// Factor columns, one per scorer, `rows.len()` each.
     columns: Vec<f64>,
+    /// The best rows in selection order, when the choice was made by S (see [`TOP_ROWS`]).
+    top: Vec<u32>,
     /// Every row's weighted sum of its factors (S before the clamp).
     totals: Vec<f64>,
     order: Vec<u32>,
@@ -161,6 +163,7 @@ impl Scratch {
         self.custom.clear();
         self.excluded.clear();
         self.order.clear();
+        self.top.clear();
         self.prefilling.clear();
         self.shares.clear();
     }
@@ -203,38 +206,67 @@ fn choose(scored: &[Scored], among: impl Iterator<Item = usize>) -> Option<usize
     best
 }
 
+/// The best row by [`select::better`], as [`choose`] over every row, keeping the best
+/// [`TOP_ROWS`] in `sc.top` for the candidate list ([`rank`]); `None` without rows.
+fn choose_keeping_top(sc: &mut Scratch) -> Option<usize> {
+    let n = u32::try_from(sc.scored.len()).unwrap_or(u32::MAX);
+    best_of(&sc.scored, 0..n, TOP_ROWS, &mut sc.top);
+    sc.top.first().map(|&i| i as usize)
+}
+
 /// Whether `a` ranks before `b` (see [`select::better`]).
 fn ahead(scored: &[Scored], a: u32, b: u32) -> bool {
     select::better(&scored[a as usize].ranked, &scored[b as usize].ranked) == std::cmp::Ordering::Less
 }
 
-/// Fills `order` with `choice`, then the best `ordered − 1` other candidates in selection order
-/// (`usize::MAX`: every candidate). The short list is kept by insertion (one comparison for most
-/// pods), so a 1000-pod decision does not sort its fleet.
-fn rank(scored: &[Scored], order: &mut Vec<u32>, choice: usize, ordered: usize) {
-    order.clear();
-    let k = ordered.saturating_sub(1);
-    let others = (0..scored.len()).filter(|i| *i != choice).filter_map(|i| u32::try_from(i).ok());
+/// Fills `best` with the best `k` of rows `among` in selection order (all of them when `k` is
+/// at least their number). The short list is kept by insertion (one comparison for most rows),
+/// so a 1000-pod decision does not sort its fleet.
+fn best_of(scored: &[Scored], among: impl Iterator<Item = u32>, k: usize, best: &mut Vec<u32>) {
+    best.clear();
     if k >= scored.len() {
-        order.extend(others);
+        best.extend(among);
         // Keys are unique (the random tie key decides last), so unstable is deterministic.
-        order.sort_unstable_by(|a, b| select::better(&scored[*a as usize].ranked, &scored[*b as usize].ranked));
-    } else if k > 0 {
-        for i in others {
-            if order.len() == k {
-                match order.last() {
-                    Some(&worst) if ahead(scored, i, worst) => {
-                        order.pop();
-                    }
-                    _ => continue,
-                }
-            }
-            let at = order.partition_point(|&o| ahead(scored, o, i));
-            order.insert(at, i);
-        }
+        best.sort_unstable_by(|a, b| select::better(&scored[*a as usize].ranked, &scored[*b as usize].ranked));
+        return;
     }
-    order.insert(0, u32::try_from(choice).unwrap_or(u32::MAX));
+    if k == 0 {
+        return;
+    }
+    for i in among {
+        if best.len() == k {
+            match best.last() {
+                Some(&worst) if ahead(scored, i, worst) => {
+                    best.pop();
+                }
+                _ => continue,
+            }
+        }
+        let at = best.partition_point(|&o| ahead(scored, o, i));
+        best.insert(at, i);
+    }
 }
+
+/// Fills `order` with `choice`, then the best `ordered − 1` other candidates in selection order
+/// (`usize::MAX`: every candidate). `top`: the best [`TOP_ROWS`] of all rows in selection order,
+/// when the decision kept them (else empty); the best others are then among them.
+fn rank(scored: &[Scored], order: &mut Vec<u32>, choice: usize, ordered: usize, top: &[u32]) {
+    let k = ordered.saturating_sub(1);
+    let choice32 = u32::try_from(choice).unwrap_or(u32::MAX);
+    if !top.is_empty() && k < TOP_ROWS {
+        // Without the choice, at least `TOP_ROWS − 1 ≥ k` of the best remain, or every other row.
+        order.clear();
+        order.extend(top.iter().copied().filter(|&i| i != choice32).take(k));
+    } else {
+        let others = (0..scored.len()).filter(|i| *i != choice).filter_map(|i| u32::try_from(i).ok());
+        best_of(scored, others, k, order);
+    }
+    order.insert(0, choice32);
+}
+
+/// Rows a decision keeps in selection order when it chooses by S: the candidate list's
+/// [`ORDERED_CANDIDATES`] and one more, so the list is complete whichever of them is chosen.
+const TOP_ROWS: usize = ORDERED_CANDIDATES + 1;
 
 impl Router {
     /// A router over `pool` with the five built-in scorers and the custom scorers of
@@ -430,7 +462,7 @@ impl Router {
         }
         self.shared.credit.indexed_blocks.fetch_add(u64::from(row.matched), Ordering::Relaxed);
         self.shared.credit.pending_blocks.fetch_add(u64::from(pending_blocks), Ordering::Relaxed);
-        rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES);
+        rank(&sc.scored, &mut sc.order, choice, ORDERED_CANDIDATES, &sc.top);
         let candidates: Vec<CandidateScore> = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
         let best = &sc.scored[choice];
         trace!(pod = %rec.name, score = best.score, matched = credited, pending = pending_blocks, total_blocks, "routed");
@@ -505,7 +537,7 @@ impl Router {
             Ok(choice) => {
                 excluded.extend(named(sc, static_excluded));
                 match choice {
-                    Some(c) => rank(&sc.scored, &mut sc.order, c, usize::MAX),
+                    Some(c) => rank(&sc.scored, &mut sc.order, c, usize::MAX, &[]),
                     None => sc.order.extend((0..sc.rows.len()).filter_map(|i| u32::try_from(i).ok())),
                 }
                 let candidates = sc.order.iter().map(|&i| self.candidate(sc, table, i as usize)).collect();
@@ -622,8 +654,7 @@ impl Router {
                 c
             }
         };
-        let mut choice =
-            by_time.or_else(|| choose(&sc.scored, 0..sc.rows.len())).map(|c| self.place_cold(&mut *sc, table, c));
+        let mut choice = by_time.or_else(|| choose_keeping_top(sc)).map(|c| self.place_cold(&mut *sc, table, c));
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
             // By time, a pile that fits the pod's KV and is predicted far faster is no pile.

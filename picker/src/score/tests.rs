@@ -879,3 +879,36 @@ async fn the_pile_guard_moves_a_request_off_a_piled_hot_pod_as_configured() {
         assert_eq!(d.pod, want, "margin {margin}, factor {factor}: {:?}", d.candidates);
     }
 }
+
+/// A decision lists its choice, then the best seven other candidates in selection order, as
+/// `/explain`'s full ranking has them: whether the choice is the best by S, a new prefix's
+/// placement, or the pile guard's least loaded pod (then not among the best by S at all).
+#[tokio::test]
+async fn the_candidate_list_is_the_full_ranking_cut_short() {
+    let (pool, r) = router(ScoringConfig::default());
+    let c = chain(0, 16);
+    for k in 0..20u32 {
+        // Staggered depths of the chain, loads and queues: S differs on every pod.
+        let held = (k as usize * 3) % 17;
+        let mut s = stats(f64::from(k % 10) / 10.0, k % 7, 1.0);
+        // The deepest holder carries a pile: the guard sends a full hit to the least loaded pod.
+        s.num_requests_running = if held == 16 { 60 } else { k % 5 };
+        put(&pool, &format!("p{k}"), "m", s, &c[..held]).await;
+    }
+    let cold = chain(1_000, 16);
+    let shallow = chain(0, 4);
+    for (what, blocks) in [("full hit", &c[..]), ("new prefix", &cold[..]), ("shallow", &shallow[..])] {
+        let e = r.explain(&req(blocks));
+        if what == "full hit" {
+            // The pile guard moved it off the best pod by S.
+            let best_by_s = e.candidates.iter().skip(1).map(|c| c.score).fold(f64::MIN, f64::max);
+            assert!(e.candidates[0].score < best_by_s, "the guard's choice ranks below another by S: {e:?}");
+        }
+        let Ok(d) = r.route(&req(blocks)) else { panic!("{what}: no decision") };
+        let listed: Vec<&str> = d.candidates.iter().map(|c| &*c.pod).collect();
+        let ranked: Vec<&str> = e.candidates.iter().take(8).map(|c| &*c.pod).collect();
+        assert_eq!(listed, ranked, "{what}");
+        assert_eq!(Some(d.pod.as_str()), e.choice.as_deref(), "{what}");
+        assert_eq!(listed.len(), 8, "{what}");
+    }
+}
