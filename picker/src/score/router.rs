@@ -67,6 +67,9 @@ pub struct Router {
 struct Row {
     /// Index into the pod table the decision loaded.
     pod: u32,
+    /// The pod's slot in the prefix index and the pending and peer tables, copied from its
+    /// record so the later stages need not load the record again.
+    slot: PodIdx,
     /// Blocks credited by the index (or approximate matches): the pod's frontier.
     matched: u32,
     /// Blocks after the frontier the pod holds pending (docs/design.md §3).
@@ -423,7 +426,7 @@ impl Router {
         // Pending chains are token chains: approximate mode (text chains) keeps its own record.
         let precise = matches.is_none();
         if precise {
-            self.overlay_precise(sc, table, &index, &mut shared, req.block_hashes, now);
+            self.overlay_precise(sc, &index, &mut shared, req.block_hashes, now);
         }
         let Some(choice) = self.score(sc, table, req, total_blocks, tick, &shared, slo)? else {
             drop(shared);
@@ -529,7 +532,7 @@ impl Router {
         let now = self.shared.clock().now_unix_ms();
         let mut shared = self.shared.lock();
         if matches.is_none() {
-            self.overlay_precise(sc, table, &index, &mut shared, req.block_hashes, now);
+            self.overlay_precise(sc, &index, &mut shared, req.block_hashes, now);
         }
         let scored = self.score(sc, table, req, total_blocks, tick, &shared, slo);
         drop(shared);
@@ -589,6 +592,7 @@ impl Router {
                     let matched = matches.map_or(indexed, |m| indexed.max(m.matched_blocks(&rec.name)));
                     sc.rows.push(Row {
                         pod: i,
+                        slot: rec.idx,
                         per,
                         matched,
                         pending: 0,
@@ -640,7 +644,7 @@ impl Router {
         }
         let missed = slo.is_some_and(|slo| self.slo_filter(sc, slo));
         self.compose(sc, table, req, total_blocks, stale_cutoff);
-        self.tie_keys(sc, table, tick);
+        self.tie_keys(sc, tick);
         if missed {
             return Ok(least_predicted(sc, 0..sc.rows.len()));
         }
@@ -767,7 +771,7 @@ impl Router {
     fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, cutoff: Option<Instant>) {
         for row in &mut sc.rows {
             let (rec, hot) = (&table.pods[row.pod as usize], &table.hot[row.pod as usize]);
-            let peers = shared.peers.since(rec.idx, if hot.has_stats { hot.observed_at_unix_ms } else { i64::MIN });
+            let peers = shared.peers.since(row.slot, if hot.has_stats { hot.observed_at_unix_ms } else { i64::MIN });
             let stale = hot.report_stale_before(cutoff);
             row.depth = rec.queue_depth_hot(hot, stale).saturating_add(peers);
             let running = hot.num_requests_running;
@@ -790,10 +794,10 @@ impl Router {
             // request it is as much ahead in the queue as a waiting one. The report's waiting
             // requests were routed before it too, so the larger of the two counts.
             if fresh {
-                let before = prefilling_before(&sc.prefilling, rec.idx, hot.observed_at_unix_ms);
+                let before = prefilling_before(&sc.prefilling, row.slot, hot.observed_at_unix_ms);
                 row.depth = row.depth.saturating_add(before.saturating_sub(hot.num_requests_waiting));
             }
-            row.prefill = prefill_left(&sc.prefilling, rec.idx);
+            row.prefill = prefill_left(&sc.prefilling, row.slot);
             let index_block = self.pool.config().block_size as f64;
             row.work = f64::from(row.prefill) * index_block + f64::from(running) * DECODE_TOKENS_PER_REQUEST;
         }
@@ -927,12 +931,12 @@ impl Router {
     /// candidate holds a block of, S differs only by load and queue, and pods that read the same
     /// there may be at the start or the end of a cold prefill, so the one with less prefill left
     /// goes first (`prefill_tie_break`); last, a seeded random key per pod and decision (`tick`).
-    fn tie_keys(&self, sc: &mut Scratch, table: &PodTable, tick: u64) {
+    fn tie_keys(&self, sc: &mut Scratch, tick: u64) {
         let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
         let cold = self.config.prefill_tie_break && no_row_holds_a_block(&sc.rows);
         for (row, s) in sc.rows.iter().zip(&mut sc.scored) {
             s.ranked.prefill = if cold { row.prefill } else { 0 };
-            s.ranked.tie_key = select::splitmix64(salt ^ u64::from(table.pods[row.pod as usize].idx.0));
+            s.ranked.tie_key = select::splitmix64(salt ^ u64::from(row.slot.0));
         }
     }
 
@@ -941,7 +945,6 @@ impl Router {
     fn overlay_precise(
         &self,
         sc: &mut Scratch,
-        table: &PodTable,
         index: &IndexSnapshot,
         shared: &mut SharedState,
         chain: &[kvroute_common::BlockHash],
@@ -950,19 +953,19 @@ impl Router {
         // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
         // The blocks left are the in-flight work of the load factor and the TTFT model too.
         shared.pending.prefilling(index, true, &mut sc.prefilling);
-        overlay_pending(sc, table, shared, chain, now);
-        self.overlay_offloaded(sc, table, chain);
+        overlay_pending(sc, shared, chain, now);
+        self.overlay_offloaded(sc, chain);
     }
 
     /// Sets every row's CPU-tier match (docs/design.md §2 tiers); [`Router::score`] credits what it
     /// adds beyond the GPU index and pending entries.
-    fn overlay_offloaded(&self, sc: &mut Scratch, table: &PodTable, chain: &[kvroute_common::BlockHash]) {
+    fn overlay_offloaded(&self, sc: &mut Scratch, chain: &[kvroute_common::BlockHash]) {
         let cpu = self.pool.cpu_index.load();
         if cpu.match_prefix(chain, &mut sc.cpu_walk) == 0 {
             return;
         }
         for row in &mut sc.rows {
-            row.cpu = whole_engine_blocks(sc.cpu_walk.matched(table.pods[row.pod as usize].idx), row.per);
+            row.cpu = whole_engine_blocks(sc.cpu_walk.matched(row.slot), row.per);
         }
     }
 
@@ -1137,15 +1140,9 @@ impl Router {
 
 /// Adds to every row the blocks its pod holds pending after its index frontier
 /// (docs/design.md §3): one table lookup per distinct frontier, one per pending block found.
-fn overlay_pending(
-    sc: &mut Scratch,
-    table: &PodTable,
-    shared: &SharedState,
-    chain: &[kvroute_common::BlockHash],
-    now: i64,
-) {
+fn overlay_pending(sc: &mut Scratch, shared: &SharedState, chain: &[kvroute_common::BlockHash], now: i64) {
     sc.frontiers.clear();
-    sc.frontiers.extend(sc.rows.iter().map(|r| (table.pods[r.pod as usize].idx, r.matched)));
+    sc.frontiers.extend(sc.rows.iter().map(|r| (r.slot, r.matched)));
     shared.pending.extend_all(chain, now, &sc.frontiers, &mut sc.extension);
     for (row, ext) in sc.rows.iter_mut().zip(&sc.extension) {
         // The engine will cache whole engine blocks only: pending index blocks count up to the
