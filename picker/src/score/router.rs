@@ -111,15 +111,6 @@ impl Row {
     }
 }
 
-/// What scoring computed for one [`Row`] (no borrows, so its buffer outlives a decision).
-#[derive(Clone, Copy)]
-struct Scored {
-    score: f64,
-    /// The built-in factors in `Weights::named` order.
-    factors: [f64; BUILTINS],
-    ranked: Ranked,
-}
-
 /// The five built-in scorers come first in `Router::scorers`.
 const BUILTINS: usize = 5;
 
@@ -131,13 +122,13 @@ struct Scratch {
     /// The CPU tier's walk (docs/design.md §2 tiers).
     cpu_walk: MatchScratch,
     rows: Vec<Row>,
-    scored: Vec<Scored>,
-    /// Custom scorers' factors, `scorers − 5` per row, row-major.
-    custom: Vec<f64>,
+    /// Each row's S and the keys after it, as the choice compares them.
+    scored: Vec<Ranked>,
     /// `(pod table index, why)`: static exclusions first, then spilled pods.
     excluded: Vec<(u32, Exclusion)>,
     preps: Vec<Prepared>,
-    /// Factor columns, one per scorer, `rows.len()` each.
+    /// Factor columns, one per scorer (the built-ins in `Weights::named` order, then the custom
+    /// ones), `rows.len()` each: scorer j's factor of row i is `columns[j · rows.len() + i]`.
     columns: Vec<f64>,
     /// The best rows in selection order, when the choice was made by S (see [`TOP_ROWS`]).
     top: Vec<u32>,
@@ -159,11 +150,16 @@ struct Scratch {
 }
 
 impl Scratch {
+    /// Scorer `j`'s factor of row `i`, as composed (0 for a row or scorer without one).
+    fn factor(&self, i: usize, j: usize) -> f64 {
+        let n = self.rows.len();
+        if i < n { self.columns.get(j * n + i).copied().unwrap_or(0.0) } else { 0.0 }
+    }
+
     /// Forgets the last decision, keeping the allocations.
     fn clear(&mut self) {
         self.rows.clear();
         self.scored.clear();
-        self.custom.clear();
         self.excluded.clear();
         self.order.clear();
         self.top.clear();
@@ -198,11 +194,11 @@ fn recycle<'b>(mut v: Vec<PodFacts<'_>>) -> Vec<PodFacts<'b>> {
 }
 
 /// The best of rows `among` by [`select::better`] (the first of equals); `None` when empty.
-fn choose(scored: &[Scored], among: impl Iterator<Item = usize>) -> Option<usize> {
+fn choose(scored: &[Ranked], among: impl Iterator<Item = usize>) -> Option<usize> {
     let mut best: Option<usize> = None;
     for i in among {
         best = match best {
-            Some(b) if select::better(&scored[i].ranked, &scored[b].ranked) != std::cmp::Ordering::Less => Some(b),
+            Some(b) if select::better(&scored[i], &scored[b]) != std::cmp::Ordering::Less => Some(b),
             _ => Some(i),
         };
     }
@@ -218,19 +214,19 @@ fn choose_keeping_top(sc: &mut Scratch) -> Option<usize> {
 }
 
 /// Whether `a` ranks before `b` (see [`select::better`]).
-fn ahead(scored: &[Scored], a: u32, b: u32) -> bool {
-    select::better(&scored[a as usize].ranked, &scored[b as usize].ranked) == std::cmp::Ordering::Less
+fn ahead(scored: &[Ranked], a: u32, b: u32) -> bool {
+    select::better(&scored[a as usize], &scored[b as usize]) == std::cmp::Ordering::Less
 }
 
 /// Fills `best` with the best `k` of rows `among` in selection order (all of them when `k` is
 /// at least their number). The short list is kept by insertion (one comparison for most rows),
 /// so a 1000-pod decision does not sort its fleet.
-fn best_of(scored: &[Scored], among: impl Iterator<Item = u32>, k: usize, best: &mut Vec<u32>) {
+fn best_of(scored: &[Ranked], among: impl Iterator<Item = u32>, k: usize, best: &mut Vec<u32>) {
     best.clear();
     if k >= scored.len() {
         best.extend(among);
         // Keys are unique (the random tie key decides last), so unstable is deterministic.
-        best.sort_unstable_by(|a, b| select::better(&scored[*a as usize].ranked, &scored[*b as usize].ranked));
+        best.sort_unstable_by(|a, b| select::better(&scored[*a as usize], &scored[*b as usize]));
         return;
     }
     if k == 0 {
@@ -253,7 +249,7 @@ fn best_of(scored: &[Scored], among: impl Iterator<Item = u32>, k: usize, best: 
 /// Fills `order` with `choice`, then the best `ordered − 1` other candidates in selection order
 /// (`usize::MAX`: every candidate). `top`: the best [`TOP_ROWS`] of all rows in selection order,
 /// when the decision kept them (else empty); the best others are then among them.
-fn rank(scored: &[Scored], order: &mut Vec<u32>, choice: usize, ordered: usize, top: &[u32]) {
+fn rank(scored: &[Ranked], order: &mut Vec<u32>, choice: usize, ordered: usize, top: &[u32]) {
     let k = ordered.saturating_sub(1);
     let choice32 = u32::try_from(choice).unwrap_or(u32::MAX);
     if !top.is_empty() && k < TOP_ROWS {
@@ -473,7 +469,7 @@ impl Router {
             pod: rec.name.to_string(),
             endpoint: status.endpoint.to_string(),
             score: best.score,
-            match_ratio: best.factors[0],
+            match_ratio: sc.factor(choice, 0),
             matched_blocks: credited,
             pending_blocks,
             total_blocks,
@@ -906,24 +902,14 @@ impl Router {
                 *v = clamp_factor(*v);
             }
         }
-        let n_custom = self.scorers.len().saturating_sub(BUILTINS);
         self.weighted_columns(&sc.columns, n, &mut sc.totals);
-        for (i, f) in facts.iter().enumerate() {
-            let score = sc.totals[i].clamp(0.0, 1.0);
-            let factors: [f64; BUILTINS] = std::array::from_fn(|j| sc.columns[j * n + i]);
-            sc.custom.extend((0..n_custom).map(|c| sc.columns[(BUILTINS + c) * n + i]));
-            sc.scored.push(Scored {
-                score,
-                factors,
-                ranked: Ranked {
-                    score,
-                    load_ratio: pod_load_ratio(f, self.config.max_utilization),
-                    queue_depth: f.queue_depth,
-                    prefill: 0,
-                    tie_key: 0,
-                },
-            });
-        }
+        sc.scored.extend(facts.iter().zip(&sc.totals).map(|(f, total)| Ranked {
+            score: total.clamp(0.0, 1.0),
+            load_ratio: pod_load_ratio(f, self.config.max_utilization),
+            queue_depth: f.queue_depth,
+            prefill: 0,
+            tie_key: 0,
+        }));
         sc.facts = recycle(facts);
     }
 
@@ -935,8 +921,8 @@ impl Router {
         let salt = select::splitmix64(self.config.seed ^ select::splitmix64(tick));
         let cold = self.config.prefill_tie_break && no_row_holds_a_block(&sc.rows);
         for (row, s) in sc.rows.iter().zip(&mut sc.scored) {
-            s.ranked.prefill = if cold { row.prefill } else { 0 };
-            s.ranked.tie_key = select::splitmix64(salt ^ u64::from(row.slot.0));
+            s.prefill = if cold { row.prefill } else { 0 };
+            s.tie_key = select::splitmix64(salt ^ u64::from(row.slot.0));
         }
     }
 
@@ -1051,22 +1037,22 @@ impl Router {
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).
     fn candidate(&self, sc: &Scratch, table: &PodTable, i: usize) -> CandidateScore {
         let (row, s) = (&sc.rows[i], &sc.scored[i]);
-        let n_custom = self.scorers.len().saturating_sub(BUILTINS);
-        let custom = match sc.custom.get(i * n_custom..(i + 1) * n_custom) {
-            Some(values) if n_custom > 0 => {
-                self.scorers[BUILTINS..].iter().zip(values).map(|((scorer, _), v)| (scorer.name(), *v)).collect()
-            }
-            _ => Vec::new(),
-        };
+        let custom = self
+            .scorers
+            .iter()
+            .enumerate()
+            .skip(BUILTINS)
+            .map(|(j, (scorer, _))| (scorer.name(), sc.factor(i, j)))
+            .collect();
         CandidateScore {
             pod: table.pods[row.pod as usize].name.clone(),
             endpoint: table.status[row.pod as usize].endpoint.clone(),
             score: s.score,
-            cache: s.factors[0],
-            load: s.factors[1],
-            queue: s.factors[2],
-            health: s.factors[3],
-            adapter: s.factors[4],
+            cache: sc.factor(i, 0),
+            load: sc.factor(i, 1),
+            queue: sc.factor(i, 2),
+            health: sc.factor(i, 3),
+            adapter: sc.factor(i, 4),
             custom,
             matched_blocks: row.credited(),
             pending_blocks: row.pending,

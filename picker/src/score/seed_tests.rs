@@ -321,6 +321,35 @@ impl Scorer for Residency {
     }
 }
 
+/// Every listed candidate's factors belong to its own row: S is the weighted sum of the factors
+/// it is listed with, built-in and custom, added in registration order. Twelve pods differ in
+/// every factor (cache depth, utilization, queue, health, price), so a factor read from another
+/// row's column, or another scorer's, breaks the sum.
+#[tokio::test]
+async fn a_candidates_factors_add_up_to_its_score() {
+    let (pool, r) = router(cost_config());
+    let c = chain(900, 20);
+    for k in 0..12u32 {
+        let s = stats(0.05 * f64::from(k), k % 4, 1.0 - 0.04 * f64::from(k));
+        let price = format!("{:.2}", 0.5 + 0.25 * f64::from(k));
+        put_priced(&pool, &format!("p{k}"), &price, s, &c[..(20 - k as usize)]).await;
+    }
+    let weights: Vec<f64> = r.weights().iter().map(|(_, w)| *w).collect();
+    let Ok(d) = r.route(&req(&c)) else { panic!() };
+    assert_eq!(d.candidates.len(), 8);
+    let mut distinct = std::collections::BTreeSet::new();
+    for cand in &d.candidates {
+        let factors = [cand.cache, cand.load, cand.queue, cand.health, cand.adapter];
+        let all: Vec<f64> = factors.iter().copied().chain(cand.custom.iter().map(|(_, v)| *v)).collect();
+        assert_eq!(all.len(), weights.len());
+        let sum = weights.iter().zip(&all).fold(0.0, |s, (w, f)| s + w * f).clamp(0.0, 1.0);
+        assert_eq!(sum.to_bits(), cand.score.to_bits(), "{cand:?}");
+        distinct.insert((cand.cache.to_bits(), cand.custom[0].1.to_bits()));
+    }
+    assert_eq!(distinct.len(), 8, "the candidates differ in cache and price: {:?}", d.candidates);
+    assert_eq!(d.match_ratio, d.candidates[0].cache);
+}
+
 #[tokio::test]
 async fn custom_scorers_register_with_weights_under_the_sum_rule() {
     let pool = Pool::new(PoolConfig::default());
