@@ -27,16 +27,18 @@ use super::SharedFit;
 /// in what is popular within a few minutes.
 pub(crate) const ROUTED_RATE_TAU_MS: f64 = 60_000.0;
 
-/// The in-flight requests of one pod.
+/// The in-flight requests of one pod. In field order ([`PodRecord`]'s layout): what a decision
+/// reads comes first.
 #[derive(Debug, Default)]
+#[repr(C)]
 pub(crate) struct InFlight {
-    /// `(routed_at_unix_ms, slot id)`, sorted ascending.
-    slots: Mutex<Vec<(i64, u64)>>,
     /// `slots.len()`, written under the lock, so an idle pod's queue depth needs no lock.
     count: AtomicU32,
     /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
     /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
     pub(crate) ttft: SharedFit,
+    /// `(routed_at_unix_ms, slot id)`, sorted ascending.
+    slots: Mutex<Vec<(i64, u64)>>,
     /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of
     /// `routed_at_ms` (`f64` bits). Written only by [`InFlight::reserve`], which runs under the
     /// pool's selection lock; a read outside it (`explain`) may pair a count with the time before.
@@ -44,6 +46,13 @@ pub(crate) struct InFlight {
     /// The last routing time, ms.
     routed_at_ms: AtomicI64,
 }
+
+// What a decision reads of each candidate's record (see [`PodRecord`]) ends within its first two
+// cache lines.
+const _: () = assert!(
+    std::mem::offset_of!(PodRecord, inflight) + std::mem::offset_of!(InFlight, ttft) + std::mem::size_of::<SharedFit>()
+        <= 128
+);
 
 impl InFlight {
     /// Records a request routed at `routed_ms` under slot `id`.

@@ -215,6 +215,7 @@ const FIT_WORDS: usize = 9;
 /// atomic read-modify-writes per pod under a mutex cost a tenth of such a decision). Writers
 /// (one per first token) take a mutex among themselves.
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct SharedFit {
     /// Even while the sums are whole; odd while a writer changes them.
     seq: AtomicU64,
