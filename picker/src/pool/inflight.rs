@@ -37,14 +37,16 @@ pub(crate) struct InFlight {
     /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
     /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
     pub(crate) ttft: SharedFit,
-    /// `(routed_at_unix_ms, slot id)`, sorted ascending.
-    slots: Mutex<Vec<(i64, u64)>>,
     /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of
     /// `routed_at_ms` (`f64` bits). Written only by [`InFlight::reserve`], which runs under the
     /// pool's selection lock; a read outside it (`explain`) may pair a count with the time before.
     routed: AtomicU64,
     /// The last routing time, ms.
     routed_at_ms: AtomicI64,
+    /// `(routed_at_unix_ms, slot id)`, sorted ascending. Last: its lock, taken by every
+    /// reservation, release and queue-depth count of a busy pod, shares a cache line with the
+    /// list's header rather than with the fit every decision reads.
+    slots: Mutex<Vec<(i64, u64)>>,
 }
 
 // What a decision reads of each candidate's record (see [`PodRecord`]) ends within its first two
