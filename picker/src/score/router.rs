@@ -153,6 +153,7 @@ impl Scratch {
     /// Scorer `j`'s factor of row `i`, as composed (0 for a row or scorer without one).
     fn factor(&self, i: usize, j: usize) -> f64 {
         let n = self.rows.len();
+        debug_assert_eq!(self.scored.len(), n, "rows changed after their factors were composed");
         if i < n { self.columns.get(j * n + i).copied().unwrap_or(0.0) } else { 0.0 }
     }
 
@@ -842,9 +843,11 @@ impl Router {
         }
     }
 
-    /// Every row's factors (clamped to [0,1]) and composite S, into `sc.scored` (with its tie
-    /// keys still 0) and `sc.custom`: the rows become [`PodFacts`], each scorer prepares once
-    /// and scores the whole column. `cutoff`: reports received before it are stale.
+    /// Every row's factors (clamped to [0,1]) into `sc.columns` and its composite S into
+    /// `sc.scored` (with its tie keys still 0): the rows become [`PodFacts`], each scorer
+    /// prepares once and scores the whole column. No stage may drop or reorder rows after this
+    /// one: the factors are read back by row ([`Scratch::factor`]). `cutoff`: reports received
+    /// before it are stale.
     fn compose(
         &self,
         sc: &mut Scratch,

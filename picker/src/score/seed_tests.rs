@@ -321,13 +321,18 @@ impl Scorer for Residency {
     }
 }
 
-/// Every listed candidate's factors belong to its own row: S is the weighted sum of the factors
-/// it is listed with, built-in and custom, added in registration order. Twelve pods differ in
-/// every factor (cache depth, utilization, queue, health, price), so a factor read from another
-/// row's column, or another scorer's, breaks the sum.
+/// Every listed candidate's factors belong to its own row and scorer: S is the weighted sum of
+/// the factors it is listed with, built-in and custom, added in registration order, and its
+/// cache factor is its own pod's match. Twelve pods differ in cache depth, utilization and price
+/// (and in queue and health), and every weight differs, so a factor read from another row's
+/// column, or from another scorer's, breaks the sum.
 #[tokio::test]
 async fn a_candidates_factors_add_up_to_its_score() {
-    let (pool, r) = router(cost_config());
+    let config = ScoringConfig {
+        weights: Weights { cache: 0.50, load: 0.17, queue: 0.11, health: 0.04, adapter: 0.03 },
+        ..cost_config()
+    };
+    let (pool, r) = router(config);
     let c = chain(900, 20);
     for k in 0..12u32 {
         let s = stats(0.05 * f64::from(k), k % 4, 1.0 - 0.04 * f64::from(k));
@@ -335,18 +340,21 @@ async fn a_candidates_factors_add_up_to_its_score() {
         put_priced(&pool, &format!("p{k}"), &price, s, &c[..(20 - k as usize)]).await;
     }
     let weights: Vec<f64> = r.weights().iter().map(|(_, w)| *w).collect();
+    assert_eq!(weights.len(), 6);
     let Ok(d) = r.route(&req(&c)) else { panic!() };
     assert_eq!(d.candidates.len(), 8);
-    let mut distinct = std::collections::BTreeSet::new();
+    let mut prices = std::collections::BTreeSet::new();
     for cand in &d.candidates {
         let factors = [cand.cache, cand.load, cand.queue, cand.health, cand.adapter];
         let all: Vec<f64> = factors.iter().copied().chain(cand.custom.iter().map(|(_, v)| *v)).collect();
         assert_eq!(all.len(), weights.len());
         let sum = weights.iter().zip(&all).fold(0.0, |s, (w, f)| s + w * f).clamp(0.0, 1.0);
         assert_eq!(sum.to_bits(), cand.score.to_bits(), "{cand:?}");
-        distinct.insert((cand.cache.to_bits(), cand.custom[0].1.to_bits()));
+        let Some(k) = cand.pod.strip_prefix('p').and_then(|k| k.parse::<u32>().ok()) else { panic!("{cand:?}") };
+        assert!(close(cand.cache, f64::from(20 - k) / 20.0), "{cand:?}");
+        prices.insert(cand.custom[0].1.to_bits());
     }
-    assert_eq!(distinct.len(), 8, "the candidates differ in cache and price: {:?}", d.candidates);
+    assert!(prices.len() > 1, "the candidates differ in price: {:?}", d.candidates);
     assert_eq!(d.match_ratio, d.candidates[0].cache);
 }
 
