@@ -12,7 +12,9 @@
 //! beside `route_no_prefix_placement_off` (`cold_placement_margin: 0`, the same request by S
 //! alone), `route_popularity_off` (`popularity_placement_margin: 0`: `route` without the count
 //! of the request's prefix root), and `route_learned` (`route` once every pod's TTFT model has
-//! learned from six first tokens, as in service). Run: `cargo bench -p kvroute-picker --bench route`.
+//! learned from six first tokens, as in service), and `route_busy` (`route` while every pod holds
+//! two requests routed after its report and not yet seen computed), `route_busy_decoding` (the
+//! same once the pods' events show those prompts computed). Run: `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -115,6 +117,48 @@ fn teach_ttft(router: &Router, n: usize) {
     }
 }
 
+/// Routes `per_pod` one-block requests to each of the `n` pods (by subset) and keeps their
+/// decisions, so each pod holds that many requests in flight until they are dropped.
+fn hold_in_flight(router: &Router, n: usize, per_pod: u64) -> Vec<kvroute_picker::score::Decision> {
+    let mut held = Vec::new();
+    for k in 0..n {
+        let only = vec![format!("10.0.{}.{}:8000", k / 250, k % 250)];
+        for j in 0..per_pod {
+            let prompt = [block(9_000_000 + k as u64 * per_pod + j)];
+            let rq = RouteRequest { model: "m", adapter: None, block_hashes: &prompt, subset: Some(&only) };
+            let Ok(d) = router.route(&rq) else { panic!("route") };
+            held.push(d);
+        }
+    }
+    held
+}
+
+/// Stores in each pod's index the blocks [`hold_in_flight`] routed to it, as its KV events
+/// would once their prompts are computed.
+fn confirm_held(pool: &Arc<Pool>, n: usize, per_pod: u64) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+    let Ok(rt) = rt else { panic!("tokio runtime") };
+    rt.block_on(async {
+        for k in 0..n {
+            let u = PoolUpdate::Delta {
+                stream: 1,
+                pod: format!("pod-{k}"),
+                seq: 1,
+                cleared: false,
+                stored: (0..per_pod).map(|j| block(9_000_000 + k as u64 * per_pod + j)).collect(),
+                removed: Vec::new(),
+                stats: None,
+            };
+            if pool.update(u).await.is_err() {
+                panic!("pool writer gone");
+            }
+        }
+        if pool.sync().await.is_err() {
+            panic!("pool writer gone");
+        }
+    });
+}
+
 /// Sets every pod's reported queue back to the module's `queue(k)`.
 fn requeue(pool: &Arc<Pool>, n: usize) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
@@ -188,6 +232,15 @@ fn bench(c: &mut Criterion) {
         };
         let Ok(router_cost) = Router::new(pool.clone(), cost) else { panic!("router") };
         g.bench_with_input(BenchmarkId::new("route_with_cost_scorer", n), &n, |b, _| route(b, &router_cost, &rq));
+        // `route` with two requests in flight on every pod, routed after its report, as in
+        // service: each candidate's queue depth then counts its in-flight list.
+        let held = hold_in_flight(&router, n, 2);
+        g.bench_with_input(BenchmarkId::new("route_busy", n), &n, |b, _| route(b, &router, &rq));
+        // The same once every pod's events have shown those prompts computed: the requests are
+        // decoding, no longer prefilling.
+        confirm_held(&pool, n, 2);
+        g.bench_with_input(BenchmarkId::new("route_busy_decoding", n), &n, |b, _| route(b, &router, &rq));
+        drop(held);
         // The same request once every pod's TTFT model has learned (a fleet in service): each
         // candidate's line is then solved, not just looked up.
         let (pool_learned, chain_learned) = fleet_waiting(n, 8, |_| 0);
