@@ -117,6 +117,11 @@ fn teach_ttft(router: &Router, n: usize) {
     }
 }
 
+/// Block `j` of the `per_pod` one-block requests [`hold_in_flight`] routes to pod `k`.
+fn held_block(k: usize, per_pod: u64, j: u64) -> BlockHash {
+    block(9_000_000 + k as u64 * per_pod + j)
+}
+
 /// Routes `per_pod` one-block requests to each of the `n` pods (by subset) and keeps their
 /// decisions, so each pod holds that many requests in flight until they are dropped.
 fn hold_in_flight(router: &Router, n: usize, per_pod: u64) -> Vec<kvroute_picker::score::Decision> {
@@ -124,7 +129,7 @@ fn hold_in_flight(router: &Router, n: usize, per_pod: u64) -> Vec<kvroute_picker
     for k in 0..n {
         let only = vec![format!("10.0.{}.{}:8000", k / 250, k % 250)];
         for j in 0..per_pod {
-            let prompt = [block(9_000_000 + k as u64 * per_pod + j)];
+            let prompt = [held_block(k, per_pod, j)];
             let rq = RouteRequest { model: "m", adapter: None, block_hashes: &prompt, subset: Some(&only) };
             let Ok(d) = router.route(&rq) else { panic!("route") };
             held.push(d);
@@ -136,44 +141,30 @@ fn hold_in_flight(router: &Router, n: usize, per_pod: u64) -> Vec<kvroute_picker
 /// Stores in each pod's index the blocks [`hold_in_flight`] routed to it, as its KV events
 /// would once their prompts are computed.
 fn confirm_held(pool: &Arc<Pool>, n: usize, per_pod: u64) {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
-    let Ok(rt) = rt else { panic!("tokio runtime") };
-    rt.block_on(async {
-        for k in 0..n {
-            let u = PoolUpdate::Delta {
-                stream: 1,
-                pod: format!("pod-{k}"),
-                seq: 1,
-                cleared: false,
-                stored: (0..per_pod).map(|j| block(9_000_000 + k as u64 * per_pod + j)).collect(),
-                removed: Vec::new(),
-                stats: None,
-            };
-            if pool.update(u).await.is_err() {
-                panic!("pool writer gone");
-            }
-        }
-        if pool.sync().await.is_err() {
-            panic!("pool writer gone");
-        }
-    });
+    update_each(pool, n, |k| ((0..per_pod).map(|j| held_block(k, per_pod, j)).collect(), None));
 }
 
 /// Sets every pod's reported queue back to the module's `queue(k)`.
 fn requeue(pool: &Arc<Pool>, n: usize) {
+    update_each(pool, n, |k| (Vec::new(), Some(pod_stats(k, queue(k)))));
+}
+
+/// Sends each of the `n` pods a delta of `change(k)` (blocks stored, new stats) and waits until
+/// the pool has published them.
+fn update_each(pool: &Arc<Pool>, n: usize, change: impl Fn(usize) -> (Vec<BlockHash>, Option<PodStats>)) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
     let Ok(rt) = rt else { panic!("tokio runtime") };
     rt.block_on(async {
         for k in 0..n {
-            let stats = pod_stats(k, queue(k));
+            let (stored, stats) = change(k);
             let u = PoolUpdate::Delta {
                 stream: 1,
                 pod: format!("pod-{k}"),
                 seq: 1,
                 cleared: false,
-                stored: Vec::new(),
+                stored,
                 removed: Vec::new(),
-                stats: Some(stats),
+                stats,
             };
             if pool.update(u).await.is_err() {
                 panic!("pool writer gone");
