@@ -40,7 +40,7 @@ use std::sync::Arc;
 use kvroute_common::BlockHash;
 
 use crate::pages::{Table, Zeroed};
-use crate::types::{IndexStats, MatchScratch, PodIdx};
+use crate::types::{IndexStats, MatchScratch, PodChanges, PodIdx};
 use crate::walk::{BlockPods, FIRST_TOUCH, MAX_TOUCH, finish, narrow};
 
 /// Most occupied slots, in percent of the table, before it doubles.
@@ -103,6 +103,8 @@ pub struct FlatSnapshot {
     /// Runs by id (a free id is empty).
     pub(crate) runs: Vec<Run>,
     pub(crate) stats: IndexStats,
+    /// When each pod's blocks last changed, as of this snapshot (set when published).
+    pub(crate) changes: PodChanges,
     /// The table last grew ×4 (growth within one batch, `flat::edit`): it may be twice the size
     /// ×2 growth gives, and the writer's next full copy of it halves it instead.
     pub(crate) overshot: bool,
@@ -122,6 +124,11 @@ impl FlatSnapshot {
     /// Size figures as of this snapshot.
     pub fn stats(&self) -> IndexStats {
         self.stats
+    }
+
+    /// When each pod's blocks last changed, as of this snapshot, and its stamp.
+    pub fn changes(&self) -> &PodChanges {
+        &self.changes
     }
 
     #[inline]

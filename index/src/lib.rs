@@ -47,7 +47,7 @@ pub use flat::FlatSnapshot;
 pub use hasher::{MixBuild, MixHasher};
 pub use pages::mapped_bytes;
 pub use pool::{MAX_COPIES, PooledBackend, PooledWriter, ReclaimWait};
-pub use types::{IndexStats, MatchScratch, PodIdx};
+pub use types::{IndexStamp, IndexStats, MatchScratch, PodChanges, PodIdx};
 pub use walk::{BlockPods, match_prefix, walk_blocks};
 pub use writer::{Backend, Writer};
 

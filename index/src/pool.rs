@@ -40,7 +40,7 @@ use kvroute_common::BlockHash;
 
 use crate::flat::FlatSnapshot;
 use crate::flat::edit::{Editor, catch_up, halved};
-use crate::types::{IndexStats, PodIdx};
+use crate::types::{IndexStats, PodChanges, PodIdx};
 use crate::writer::{Backend, Writer};
 
 /// Most map copies the writer keeps (writable or spare, plus the published one), by default.
@@ -361,9 +361,9 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
         self.after_edit();
     }
 
-    fn publish(&mut self, stats: IndexStats) {
+    fn publish(&mut self, stats: IndexStats, changes: &PodChanges) -> bool {
         if self.writable.is_none() && self.published.load().stats() == stats {
-            return;
+            return false;
         }
         // Only the stats may have changed (e.g. stores dropped over the cap): then this copies.
         let (editor, copy) = self.parts();
@@ -371,9 +371,10 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
         editor.end_batch();
         self.after_edit();
         let Some(mut snap) = self.writable.take() else {
-            return;
+            return false;
         };
         snap.stats = stats;
+        snap.changes.clone_from(changes);
         if self.editor.log.on {
             self.editor.log.record_values(&snap);
         }
@@ -384,6 +385,7 @@ impl<const MAX: usize> Backend for PooledBackend<MAX> {
         self.published_at = Some(self.head());
         self.editor.log.on = true;
         self.trim_log();
+        true
     }
 
     fn map_bytes(&self) -> u64 {
@@ -468,7 +470,7 @@ mod tests {
                     }
                 }
             }
-            b.publish(IndexStats { nodes: round, ..IndexStats::default() });
+            b.publish(IndexStats { nodes: round, ..IndexStats::default() }, &PodChanges::default());
             // Sometimes a reader holds the copy just published over the next publish.
             held = if rand(3) == 0 { Some(published.load_full()) } else { None };
             let had_spare = !b.spares.is_empty();
@@ -518,7 +520,7 @@ mod tests {
                 _ => {}
             }
             linked.clear();
-            b.publish(IndexStats { nodes: round, ..IndexStats::default() });
+            b.publish(IndexStats { nodes: round, ..IndexStats::default() }, &PodChanges::default());
             if rand(3) == 0 {
                 held.push(published.load_full());
             }
@@ -541,11 +543,11 @@ mod tests {
         let chain: Vec<BlockHash> = (1..=300u64).map(|k| BlockHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect();
         let mut linked = Vec::new();
         b.store(PodIdx(0), &chain, usize::MAX, &mut linked);
-        b.publish(IndexStats { nodes: 1, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 1, ..IndexStats::default() }, &PodChanges::default());
         assert_eq!(published.load().slots.len(), 1024);
         assert!(published.load().overshot);
         b.store(PodIdx(1), &chain[..10], usize::MAX, &mut linked);
-        b.publish(IndexStats { nodes: 2, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 2, ..IndexStats::default() }, &PodChanges::default());
         let p = published.load_full();
         assert_eq!((p.slots.len(), p.len), (512, 300), "halved at the copy");
         assert!(!p.overshot);
@@ -558,18 +560,18 @@ mod tests {
         assert_eq!(scratch.matched(PodIdx(1)), 10);
         // The copy after the halved one catches up through the log, as any.
         b.remove(PodIdx(0), &chain[..5]);
-        b.publish(IndexStats { nodes: 3, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 3, ..IndexStats::default() }, &PodChanges::default());
         let (_, copy) = b.parts();
         let copy = copy.clone();
         assert!(!assert_same_or_halved(&copy, &published.load()));
         // A later batch's first growth is ×2, and such a table is copied whole.
         let more: Vec<BlockHash> = (301..=400u64).map(|k| BlockHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect();
         b.store(PodIdx(2), &more, usize::MAX, &mut linked);
-        b.publish(IndexStats { nodes: 4, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 4, ..IndexStats::default() }, &PodChanges::default());
         assert_eq!(published.load().slots.len(), 1024);
         assert!(!published.load().overshot);
         b.store(PodIdx(3), &more[..1], usize::MAX, &mut linked);
-        b.publish(IndexStats { nodes: 5, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 5, ..IndexStats::default() }, &PodChanges::default());
         assert_eq!(published.load().slots.len(), 1024);
     }
 
@@ -585,10 +587,10 @@ mod tests {
             b.link(PodIdx(0), h.0);
         }
         b.seal(&keys);
-        b.publish(IndexStats::default());
+        b.publish(IndexStats::default(), &PodChanges::default());
         // Two publishes, so the writer's pool holds two spares besides the published copy.
         b.link(PodIdx(1), keys[0].0);
-        b.publish(IndexStats { nodes: 1, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 1, ..IndexStats::default() }, &PodChanges::default());
         let old = published.load_full();
         for round in 0..40u64 {
             let pod = PodIdx(1 + (round % 3) as u16);
@@ -599,12 +601,12 @@ mod tests {
             for h in keys.iter().skip(round as usize % 7).step_by(2) {
                 b.unlink(pod, h.0);
             }
-            b.publish(IndexStats { nodes: 2 + round, ..IndexStats::default() });
+            b.publish(IndexStats { nodes: 2 + round, ..IndexStats::default() }, &PodChanges::default());
         }
         // The freshest spare is held, the old copy let go: the next write must take the old one.
         let fresh = published.load_full();
         b.link(PodIdx(5), keys[1].0);
-        b.publish(IndexStats { nodes: 100, ..IndexStats::default() });
+        b.publish(IndexStats { nodes: 100, ..IndexStats::default() }, &PodChanges::default());
         drop(old);
         let before = b.caught_up();
         let (_, copy) = b.parts();

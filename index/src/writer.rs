@@ -27,7 +27,7 @@ use kvroute_common::BlockHash;
 use hashbrown::HashSet;
 
 use crate::hasher::MixBuild;
-use crate::types::{IndexStats, PodIdx};
+use crate::types::{IndexStats, PodChanges, PodIdx};
 
 /// Stale list entries allowed on top of the count before compacting (see the module docs).
 const SLACK: usize = 1024;
@@ -138,8 +138,9 @@ pub trait Backend {
         }
         (removed, gone)
     }
-    /// Makes every change so far visible to readers, with `stats`.
-    fn publish(&mut self, stats: IndexStats);
+    /// Makes every change so far visible to readers, with `stats` and `changes`; returns false
+    /// when there was nothing to publish (no change, same stats).
+    fn publish(&mut self, stats: IndexStats, changes: &PodChanges) -> bool;
     /// Heap bytes of the shared map(s), estimated from capacities.
     fn map_bytes(&self) -> u64;
 }
@@ -166,6 +167,8 @@ pub struct Writer<B: Backend> {
     nodes: u64,
     entries: u64,
     dropped_over_cap: u64,
+    /// The pods whose blocks changed, by generation (see [`PodChanges`]).
+    changes: PodChanges,
 }
 
 impl<B: Backend> Writer<B> {
@@ -181,6 +184,7 @@ impl<B: Backend> Writer<B> {
             nodes: 0,
             entries: 0,
             dropped_over_cap: 0,
+            changes: PodChanges::for_new_writer(),
         }
     }
 
@@ -210,6 +214,9 @@ impl<B: Backend> Writer<B> {
         let before = p.list.len();
         let (new_nodes, dropped) = self.backend.store(pod, blocks, room, &mut p.list);
         let new_entries = p.list.len() - before;
+        if new_entries > 0 {
+            self.changes.mark(pod);
+        }
         p.held += new_entries;
         self.nodes += new_nodes;
         self.entries += new_entries as u64;
@@ -224,6 +231,9 @@ impl<B: Backend> Writer<B> {
             return;
         };
         let (removed, gone) = backend.remove(pod, blocks);
+        if removed > 0 {
+            self.changes.mark(pod);
+        }
         p.held -= removed as usize;
         self.entries -= removed;
         self.nodes -= gone;
@@ -287,6 +297,9 @@ impl<B: Backend> Writer<B> {
         }
         let blocks: Vec<BlockHash> = old.list.into_iter().map(BlockHash).collect();
         let (removed, gone) = self.backend.remove(pod, &blocks);
+        if removed > 0 {
+            self.changes.mark(pod);
+        }
         self.entries -= removed;
         self.nodes -= gone;
     }
@@ -325,7 +338,10 @@ impl<B: Backend> Writer<B> {
     /// Publishes the working copy as the new snapshot readers see.
     pub fn publish(&mut self) {
         let stats = self.stats();
-        self.backend.publish(stats);
+        self.changes.generation += 1;
+        if !self.backend.publish(stats, &self.changes) {
+            self.changes.generation -= 1;
+        }
     }
 }
 
@@ -519,5 +535,50 @@ mod tests {
         w.store(pod, &chain(6));
         w.remove(pod, &chain(6));
         assert_eq!((len(&w), w.pod_blocks(pod)), (16, 16), "chain 5 is held and listed");
+    }
+
+    /// A snapshot says which pods' blocks changed since a stamp: each store, removal or clear
+    /// that changes a pod marks it in the next published generation; one that changes nothing
+    /// marks nothing. Another writer's
+    /// stamps never pass for current.
+    #[test]
+    fn snapshots_tell_which_pods_changed_since_a_stamp() {
+        let published = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut w = Writer::<PooledBackend>::new(published.clone(), 100);
+        let (a, b) = (PodIdx(0), PodIdx(3));
+        let blocks = |x: u64| (x..x + 4).map(BlockHash).collect::<Vec<_>>();
+        w.store(a, &blocks(1));
+        w.publish();
+        let first = published.load().changes().clone();
+        assert_eq!((first.stamp().generation, first.changed_at(a), first.changed_at(b)), (1, 1, 0));
+        // Stored again: no change to the pod.
+        w.store(a, &blocks(1));
+        w.publish();
+        assert!(published.load().changes().unchanged_since(a, first.stamp()));
+        w.store(b, &blocks(10));
+        w.publish();
+        let second = published.load().changes().clone();
+        assert!(second.stamp().generation > first.stamp().generation);
+        assert!(second.unchanged_since(a, first.stamp()) && !second.unchanged_since(b, first.stamp()));
+        // Removing blocks the pod does not hold changes nothing; removing one it holds does.
+        w.remove(a, &blocks(100));
+        w.store(b, &blocks(20));
+        w.publish();
+        let third = published.load().changes().clone();
+        assert!(third.unchanged_since(a, first.stamp()) && !third.unchanged_since(b, second.stamp()));
+        w.remove(a, &blocks(1)[..1]);
+        w.publish();
+        assert!(!published.load().changes().unchanged_since(a, third.stamp()));
+        w.clear_pod(b);
+        w.publish();
+        let cleared = published.load().changes().clone();
+        assert!(!cleared.unchanged_since(b, third.stamp()));
+        // A stamp from later than the snapshot, or from another writer, is not current.
+        assert!(!first.unchanged_since(a, third.stamp()));
+        let other = Arc::new(ArcSwap::from_pointee(FlatSnapshot::default()));
+        let mut w2 = Writer::<PooledBackend>::new(other.clone(), 100);
+        w2.store(a, &blocks(1));
+        w2.publish();
+        assert!(!other.load().changes().unchanged_since(PodIdx(9), cleared.stamp()));
     }
 }

@@ -309,6 +309,7 @@ pub(crate) fn halved(src: &FlatSnapshot) -> Option<FlatSnapshot> {
         sets: src.sets.clone(),
         runs: src.runs.clone(),
         stats: src.stats,
+        changes: src.changes.clone(),
         overshot: false,
     };
     rehash(&src.slots, &mut t);
