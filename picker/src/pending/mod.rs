@@ -32,7 +32,7 @@ mod clock;
 mod table;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use table::{LOCAL, Origin, PendingCounts, PendingTable};
+pub use table::{LOCAL, Origin, PendingCounts, PendingTable, Prefill};
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use kvroute_common::BlockHash;
 
-use crate::index::{IndexSnapshot, MixBuild, PodIdx};
+use crate::index::{IndexSnapshot, IndexStamp, MixBuild, PodIdx};
 
 /// Who recorded a pending chain: [`LOCAL`] for this replica, otherwise a peer replica's id.
 pub type Origin = u64;
@@ -143,10 +143,68 @@ pub struct PendingTable {
     /// Σ chain lengths (entries, counting a block on two pods twice).
     held: usize,
     counts: PendingCounts,
-    /// Seqs of pinned chains not yet seen confirmed (see [`PendingTable::prefilling`]).
-    unconfirmed: Vec<u64>,
+    /// The requests in flight not yet seen confirmed, sorted by [`Prefill::key`], as of the last
+    /// [`PendingTable::prefilling`]; an entry ended since is flagged, not yet removed.
+    listed: Vec<Prefill>,
+    /// Requests recorded since, not yet evaluated (in recording order).
+    added: Vec<Prefill>,
+    /// Scratch for merging `added` into `listed`.
+    staged: Vec<Prefill>,
+    /// By pod index: `listed`'s run for the pod and its blocks left in all, empty for a pod whose
+    /// requests do not count ([`Events::Silent`]).
+    runs: Vec<PodRun>,
+    /// The index snapshot `listed` was last brought up to date with.
+    stamp: IndexStamp,
+    /// Something changed since (a request recorded or ended, an event state): the next
+    /// [`PendingTable::prefilling`] must look even if the index did not change.
+    dirty: bool,
     /// By pod index: what the pod's KV events have shown of the chains routed to it.
     confirms: Vec<Events>,
+}
+
+/// A request in flight whose chain the pod's index did not hold whole when last looked at: still
+/// queued or being prefilled (see [`PendingTable::prefilling`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefill {
+    /// When it was routed (Unix ms).
+    pub routed_ms: i64,
+    seq: u64,
+    /// The index generation `left` was read at ([`NOT_READ`] before the first look).
+    read_at: u64,
+    pub pod: PodIdx,
+    /// Blocks of its chain from the first one the pod's index does not hold: the prefill work
+    /// still ahead (a prefill computes a prompt's blocks in order, and KV events store them
+    /// chunk by chunk).
+    pub left: u32,
+    end: End,
+}
+
+/// [`Prefill::read_at`] of an entry not yet read.
+const NOT_READ: u64 = u64::MAX;
+
+/// What happened to a listed request since the last look.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    InFlight,
+    /// It ended: the next look counts its chain confirmed or its pod silent.
+    Released,
+    /// Its chain left the table (evicted, or expired after ending): it goes without a verdict.
+    Gone,
+}
+
+impl Prefill {
+    /// The listing order: by pod, then routing time, then recording order.
+    fn key(&self) -> (PodIdx, i64, u64) {
+        (self.pod, self.routed_ms, self.seq)
+    }
+}
+
+/// One pod's requests still prefilling: `listed[start..end]`, and their blocks left in all.
+#[derive(Clone, Copy, Debug, Default)]
+struct PodRun {
+    start: u32,
+    end: u32,
+    left: u32,
 }
 
 /// What a pod's KV events have shown of the chains routed to it.
@@ -177,7 +235,12 @@ impl PendingTable {
             order: VecDeque::new(),
             held: 0,
             counts: PendingCounts::default(),
-            unconfirmed: Vec::new(),
+            listed: Vec::new(),
+            added: Vec::new(),
+            staged: Vec::new(),
+            runs: Vec::new(),
+            stamp: IndexStamp::default(),
+            dirty: false,
             confirms: Vec::new(),
         }
     }
@@ -218,11 +281,12 @@ impl PendingTable {
             let confirmed = c.blocks.last().is_some_and(|last| index.pods_of(*last).contains(&c.pod));
             if confirmed {
                 self.counts.confirmed += 1;
-                mark(&mut self.confirms, c.pod, Events::Confirmed);
+                self.mark(c.pod, Events::Confirmed);
             } else {
                 self.counts.expired += 1;
-                mark(&mut self.confirms, c.pod, Events::Silent);
+                self.mark(c.pod, Events::Silent);
             }
+            self.end_listed(&c, seq, End::Gone);
             self.unlink(&c);
         }
     }
@@ -270,7 +334,15 @@ impl PendingTable {
         match request {
             Some(id) => {
                 self.pinned.insert((origin, id), seq);
-                self.unconfirmed.push(seq);
+                self.added.push(Prefill {
+                    routed_ms: now_ms,
+                    seq,
+                    read_at: NOT_READ,
+                    pod,
+                    left: 0,
+                    end: End::InFlight,
+                });
+                self.dirty = true;
             }
             None => self.expiry.push(Reverse((expires_ms, seq))),
         }
@@ -284,11 +356,16 @@ impl PendingTable {
                 self.unpin(&c);
             }
             self.counts.evicted += 1;
+            self.end_listed(&c, old, End::Gone);
             self.unlink(&c);
         }
         if self.order.len() > 2 * self.chains.len() + 64 {
             let chains = &self.chains;
             self.order.retain(|s| chains.contains_key(s));
+        }
+        if self.added.len() > 2 * self.chains.len() + 64 {
+            // No look in a while (approximate mode does not list): keep it bounded.
+            self.added.retain(|e| e.end != End::Gone);
         }
     }
 
@@ -309,7 +386,8 @@ impl PendingTable {
         c.request = None;
         c.expires_ms = c.routed_ms.saturating_add(self.ttl_ms).max(now_ms);
         let at = c.expires_ms;
-        let (pod, blocks) = (c.pod, c.blocks.clone());
+        let (pod, routed_ms, blocks) = (c.pod, c.routed_ms, c.blocks.clone());
+        self.end_at((pod, routed_ms, seq), End::Released);
         for b in blocks.iter() {
             if let Some(h) = self.holders.get_mut(&b.0).and_then(|h| h.find_mut(pod)) {
                 h.pins = h.pins.saturating_sub(1);
@@ -366,46 +444,125 @@ impl PendingTable {
         chain.get(i as usize).and_then(|b| self.holders.get(&b.0)).map_or(&[], Holders::as_slice)
     }
 
-    /// docs/design.md §4 queueDepth: the requests in flight whose chain's last block the pod's
-    /// `index` does not hold yet, i.e. still queued or being prefilled, as `(pod, routed_ms,
-    /// blocks left)` into `out` (cleared first), sorted. Blocks left, with `blocks_left` (else 0):
-    /// those of the chain from the first one the index does not hold on the pod (a prefill
-    /// computes a prompt's blocks in order, and KV events store them chunk by chunk), the prefill
-    /// work still ahead. A pod whose KV events have confirmed no routed chain yet and one of whose
-    /// requests ended unconfirmed does not count: its events never come (prefix caching off),
-    /// and it would otherwise read as queued for each request's whole life. A chain
-    /// leaves for good once confirmed, released or evicted, so the work per call is the number of
-    /// requests still prefilling (at most the table's chains), each with a binary search of its
-    /// chain when `blocks_left`.
-    pub fn prefilling(&mut self, index: &IndexSnapshot, blocks_left: bool, out: &mut Vec<(PodIdx, i64, u32)>) {
-        out.clear();
+    /// docs/design.md §4 queueDepth: brings up to date, against `index`, the list of requests in
+    /// flight whose chain's last block the pod's index does not hold yet, i.e. still queued or
+    /// being prefilled, each with its blocks left ([`Prefill::left`]); read it per pod with
+    /// [`PendingTable::prefilling_on`]. A pod whose KV events have confirmed no routed chain yet
+    /// and one of whose requests ended unconfirmed does not count: its events never come (prefix
+    /// caching off), and it would otherwise read as queued for each request's whole life.
+    ///
+    /// Incremental (docs/design.md §4 "Decision speed"): a request's blocks left depend only on
+    /// its own pod's blocks, so it is read again only when the snapshot says that pod's blocks
+    /// changed since it was read ([`crate::index::PodChanges`]). Nothing changed (same snapshot,
+    /// no request recorded or ended): no work. Otherwise one pass over the list, an index read
+    /// per request whose pod changed (a lookup, and a binary search of its chain), and a merge
+    /// of the requests recorded since. A request leaves for good once its chain is confirmed,
+    /// or it ends or its chain is evicted.
+    pub fn prefilling(&mut self, index: &IndexSnapshot) {
+        let changes = index.changes();
+        let stamp = changes.stamp();
+        if !self.dirty && stamp == self.stamp {
+            return;
+        }
+        let same_writer = stamp.writer == self.stamp.writer;
+        let mut reread = false;
         let (chains, confirms) = (&self.chains, &mut self.confirms);
-        self.unconfirmed.retain(|seq| {
-            let Some(c) = chains.get(seq) else { return false };
-            let done = c.blocks.last().is_none_or(|last| index.pods_of(*last).contains(&c.pod));
-            if done && !c.blocks.is_empty() {
-                mark(confirms, c.pod, Events::Confirmed);
-            } else if !done && c.request.is_none() {
-                // Ended (released) before its prompt showed in the pod's events.
-                mark(confirms, c.pod, Events::Silent);
+        // One request's look: false when it leaves the list.
+        let mut look = |e: &mut Prefill| -> bool {
+            if e.end == End::Gone {
+                return false;
             }
-            !done && c.request.is_some()
-        });
-        let confirms = &self.confirms;
-        out.extend(self.unconfirmed.iter().filter_map(|seq| {
-            let c = chains.get(seq)?;
-            if events(confirms, c.pod) == Events::Silent {
-                return None;
-            }
-            let left = if blocks_left {
+            let current = same_writer
+                && e.read_at != NOT_READ
+                && changes.unchanged_since(e.pod, IndexStamp { writer: stamp.writer, generation: e.read_at });
+            if !current {
+                let Some(c) = chains.get(&e.seq) else { return false };
+                let done = c.blocks.last().is_none_or(|last| index.pods_of(*last).contains(&c.pod));
+                if done {
+                    mark(confirms, e.pod, Events::Confirmed);
+                    return false;
+                }
                 let held = c.blocks.partition_point(|b| index.pods_of(*b).contains(&c.pod));
-                u32::try_from(c.blocks.len().saturating_sub(held)).unwrap_or(u32::MAX)
-            } else {
-                0
-            };
-            Some((c.pod, c.routed_ms, left))
-        }));
-        out.sort_unstable();
+                e.left = u32::try_from(c.blocks.len().saturating_sub(held)).unwrap_or(u32::MAX);
+                e.read_at = stamp.generation;
+                reread = true;
+            }
+            if e.end == End::Released {
+                // Ended before its prompt showed in the pod's events.
+                mark(confirms, e.pod, Events::Silent);
+                return false;
+            }
+            true
+        };
+        let before = self.listed.len();
+        self.listed.retain_mut(&mut look);
+        self.staged.clear();
+        self.staged.extend(self.added.drain(..).filter_map(|mut e| look(&mut e).then_some(e)));
+        let changed = reread || self.dirty || self.listed.len() != before || !self.staged.is_empty();
+        if !self.staged.is_empty() {
+            self.staged.sort_unstable_by_key(Prefill::key);
+            merge_sorted(&mut self.listed, &self.staged);
+        }
+        if changed {
+            self.index_runs();
+        }
+        self.stamp = stamp;
+        self.dirty = false;
+    }
+
+    /// Rebuilds `runs` from `listed`, leaving silent pods out.
+    fn index_runs(&mut self) {
+        self.runs.clear();
+        let mut at = 0;
+        while let Some(first) = self.listed.get(at) {
+            let pod = first.pod;
+            let len = self.listed[at..].partition_point(|e| e.pod == pod);
+            let i = pod.as_usize();
+            if self.runs.len() <= i {
+                self.runs.resize(i + 1, PodRun::default());
+            }
+            if events(&self.confirms, pod) != Events::Silent {
+                let left = self.listed[at..at + len].iter().fold(0u32, |n, e| n.saturating_add(e.left));
+                let (start, end) = (u32::try_from(at).unwrap_or(u32::MAX), u32::try_from(at + len).unwrap_or(u32::MAX));
+                self.runs[i] = PodRun { start, end, left };
+            }
+            at += len;
+        }
+    }
+
+    /// `pod`'s requests still prefilling (by routing time) and their blocks left in all, as of
+    /// the last [`PendingTable::prefilling`]: empty for a pod whose events never came.
+    pub fn prefilling_on(&self, pod: PodIdx) -> (&[Prefill], u32) {
+        match self.runs.get(pod.as_usize()) {
+            Some(r) => (self.listed.get(r.start as usize..r.end as usize).unwrap_or(&[]), r.left),
+            None => (&[], 0),
+        }
+    }
+
+    /// Flags the listed request of chain `c` (`seq`) with `end`, if it is listed.
+    fn end_listed(&mut self, c: &Chain, seq: u64, end: End) {
+        self.end_at((c.pod, c.routed_ms, seq), end);
+    }
+
+    /// Flags the listed request keyed `key` ([`Prefill::key`]) with `end`, if it is listed.
+    fn end_at(&mut self, key: (PodIdx, i64, u64), end: End) {
+        let entry = match self.listed.binary_search_by_key(&key, Prefill::key) {
+            Ok(i) => self.listed.get_mut(i),
+            Err(_) => self.added.iter_mut().rev().find(|e| e.seq == key.2),
+        };
+        if let Some(e) = entry
+            && e.end != End::Gone
+        {
+            e.end = end;
+            self.dirty = true;
+        }
+    }
+
+    /// Records what `pod`'s KV events showed (see [`mark`]); a change is for the next look.
+    fn mark(&mut self, pod: PodIdx, seen: Events) {
+        let was = events(&self.confirms, pod);
+        mark(&mut self.confirms, pod, seen);
+        self.dirty |= events(&self.confirms, pod) != was;
     }
 
     /// Whether [`PendingTable::prefilling`] leaves `pod`'s requests out (its events never came
@@ -434,6 +591,24 @@ fn events(confirms: &[Events], pod: PodIdx) -> Events {
     confirms.get(usize::from(pod.0)).copied().unwrap_or_default()
 }
 
+/// Merges `staged` (sorted by [`Prefill::key`]) into `listed` (sorted), in place, from the back:
+/// each entry moves at most once, and those before the first insertion point not at all.
+fn merge_sorted(listed: &mut Vec<Prefill>, staged: &[Prefill]) {
+    let old = listed.len();
+    listed.extend_from_slice(staged);
+    let (mut i, mut j, mut w) = (old, staged.len(), old + staged.len());
+    while j > 0 {
+        w -= 1;
+        if i > 0 && listed[i - 1].key() > staged[j - 1].key() {
+            i -= 1;
+            listed[w] = listed[i];
+        } else {
+            j -= 1;
+            listed[w] = staged[j];
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,6 +626,19 @@ mod tests {
 
     const A: PodIdx = PodIdx(0);
     const B: PodIdx = PodIdx(1);
+
+    /// Brings `t`'s prefilling list up to date with `index` and reads it back for pods 0 to 7,
+    /// as `(pod, routed_ms, blocks left)`; checks each pod's total of blocks left on the way.
+    fn listed(t: &mut PendingTable, index: &IndexSnapshot) -> Vec<(PodIdx, i64, u32)> {
+        t.prefilling(index);
+        let mut out = Vec::new();
+        for pod in (0..8).map(PodIdx) {
+            let (run, left) = t.prefilling_on(pod);
+            assert_eq!(left, run.iter().map(|p| p.left).sum::<u32>(), "{pod:?}'s blocks left");
+            out.extend(run.iter().map(|p| (p.pod, p.routed_ms, p.left)));
+        }
+        out
+    }
 
     #[test]
     fn a_recorded_chain_extends_the_pod_from_its_frontier_until_it_expires() {
@@ -521,59 +709,46 @@ mod tests {
         t.record(B, arc(&chain(300, 5)), 40, LOCAL, None);
         let published = Arc::new(arc_swap::ArcSwap::from_pointee(IndexSnapshot::default()));
         let mut w = IndexWriter::new(published.clone(), 100);
-        let mut out = Vec::new();
         // Before a pod's KV events show anything, its requests count.
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (A, 20, 5), (B, 30, 5)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (A, 20, 5), (B, 30, 5)]);
         let (a0, b0) = (chain(400, 2), chain(500, 2));
         t.record(A, arc(&a0), 5, LOCAL, Some(7));
         t.record(B, arc(&b0), 6, LOCAL, Some(8));
         w.store(A, &a0);
         w.store(B, &b0);
         w.publish();
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (A, 20, 5), (B, 30, 5)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (A, 20, 5), (B, 30, 5)]);
         // A's events hold all of c2 but the last block: still prefilling, one block left; then
         // all of it.
         w.store(A, &c2[..4]);
         w.publish();
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (A, 20, 1), (B, 30, 5)]);
-        // Without blocks left (the tie step off) the same requests, no chain searched.
-        t.prefilling(&published.load(), false, &mut out);
-        assert_eq!(out, vec![(A, 10, 0), (A, 20, 0), (B, 30, 0)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (A, 20, 1), (B, 30, 5)]);
         w.store(A, &c2);
         // c3's blocks on another pod confirm nothing on A.
         w.store(B, &c3);
         w.publish();
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (B, 30, 5)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (B, 30, 5)]);
         // Confirmed once is confirmed for good (evicting the blocks later does not bring it back).
         w.remove(A, &c2);
         w.publish();
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (B, 30, 5)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (B, 30, 5)]);
         // A request that ends is no longer prefilling, confirmed or not.
         t.release(LOCAL, 1, 50);
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5)]);
         // A pod with no confirmation whose request ended unconfirmed publishes no events: its
         // requests stop counting (they would read as queued for their whole life)...
         const C: PodIdx = PodIdx(2);
         t.record(C, arc(&chain(600, 3)), 60, LOCAL, Some(20));
         t.record(C, arc(&chain(700, 3)), 61, LOCAL, Some(21));
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (C, 60, 3), (C, 61, 3)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (C, 60, 3), (C, 61, 3)]);
         t.release(LOCAL, 20, 70);
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5)]);
         assert!(t.silent(C) && !t.silent(A) && !t.silent(PodIdx(3)));
         // ...until one of its chains is confirmed after all.
         w.store(C, &chain(700, 3));
         w.publish();
         t.record(C, arc(&chain(800, 3)), 80, LOCAL, Some(22));
-        t.prefilling(&published.load(), true, &mut out);
-        assert_eq!(out, vec![(A, 10, 5), (C, 80, 3)]);
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 10, 5), (C, 80, 3)]);
         assert!(!t.silent(C));
     }
 
@@ -612,5 +787,136 @@ mod tests {
         t.record(A, arc(&c), 0, LOCAL, None);
         assert!(!t.enabled());
         assert_eq!(ext(&t, &c, 0, &[(A, 0)]), vec![0]);
+    }
+
+    /// A pod found silent between looks (a peer's chain expired unconfirmed) drops out of the
+    /// next look though nothing else changed, and comes back once a chain of its is confirmed.
+    #[test]
+    fn a_pod_found_silent_between_looks_stops_counting_at_the_next() {
+        use crate::index::IndexWriter;
+        let published = Arc::new(arc_swap::ArcSwap::from_pointee(IndexSnapshot::default()));
+        let mut w = IndexWriter::new(published.clone(), 100);
+        let mut t = PendingTable::new(100, 100);
+        t.record(A, arc(&chain(1, 3)), 0, LOCAL, Some(1));
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 0, 3)]);
+        t.record(A, arc(&chain(50, 2)), 0, 9, None);
+        t.purge(200, &published.load());
+        assert!(t.silent(A));
+        assert_eq!(listed(&mut t, &published.load()), vec![]);
+        t.record(A, arc(&chain(60, 2)), 210, LOCAL, Some(2));
+        w.store(A, &chain(1, 2));
+        w.publish();
+        assert_eq!(listed(&mut t, &published.load()), vec![]);
+        w.store(A, &chain(60, 2));
+        w.publish();
+        assert_eq!(listed(&mut t, &published.load()), vec![(A, 0, 1)]);
+    }
+
+    /// The list as it was first computed, from scratch at every look: every pinned chain not yet
+    /// seen confirmed, read against the whole index; the reference for the incremental list.
+    struct Rebuilt {
+        unconfirmed: Vec<u64>,
+    }
+
+    impl Rebuilt {
+        fn look(
+            &mut self,
+            t: &PendingTable,
+            confirms: &mut Vec<Events>,
+            index: &IndexSnapshot,
+        ) -> Vec<(PodIdx, i64, u32)> {
+            let chains = &t.chains;
+            self.unconfirmed.retain(|seq| {
+                let Some(c) = chains.get(seq) else { return false };
+                let done = c.blocks.last().is_none_or(|last| index.pods_of(*last).contains(&c.pod));
+                if done {
+                    mark(confirms, c.pod, Events::Confirmed);
+                } else if c.request.is_none() {
+                    mark(confirms, c.pod, Events::Silent);
+                }
+                !done && c.request.is_some()
+            });
+            let mut out: Vec<(PodIdx, i64, u32)> = self
+                .unconfirmed
+                .iter()
+                .filter_map(|seq| {
+                    let c = chains.get(seq)?;
+                    let held = c.blocks.partition_point(|b| index.pods_of(*b).contains(&c.pod));
+                    let left = u32::try_from(c.blocks.len() - held).unwrap_or(u32::MAX);
+                    (events(confirms, c.pod) != Events::Silent).then_some((c.pod, c.routed_ms, left))
+                })
+                .collect();
+            out.sort_unstable();
+            out
+        }
+    }
+
+    /// Random recordings, ends, expiries, evictions and index changes (stores, partial stores,
+    /// removals, clears; published or not) between looks: at every look the incremental list,
+    /// each pod's total and every pod's event state equal those rebuilt from scratch.
+    #[test]
+    fn the_incremental_list_equals_one_rebuilt_at_every_look() {
+        use crate::index::IndexWriter;
+        for seed in 1..=20u64 {
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rand = move |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            let published = Arc::new(arc_swap::ArcSwap::from_pointee(IndexSnapshot::default()));
+            let mut w = IndexWriter::new(published.clone(), 1000);
+            let mut t = PendingTable::new(40, 120);
+            let mut reference = Rebuilt { unconfirmed: Vec::new() };
+            let (mut now, mut next_id, mut in_flight) = (0i64, 0u64, Vec::<(u64, PodIdx, Vec<BlockHash>)>::new());
+            let (mut looks, mut listed_seen) = (0, 0);
+            for _ in 0..600 {
+                now += rand(4) as i64;
+                match rand(100) {
+                    0..=29 => {
+                        let pod = PodIdx(rand(4) as u16);
+                        let c = chain(rand(12) * 10, 1 + rand(8));
+                        let seq = t.next_seq;
+                        t.record(pod, arc(&c), now, LOCAL, Some(next_id));
+                        if t.chains.contains_key(&seq) {
+                            reference.unconfirmed.push(seq);
+                        }
+                        in_flight.push((next_id, pod, c));
+                        next_id += 1;
+                    }
+                    30..=34 => t.record(PodIdx(rand(4) as u16), arc(&chain(rand(12) * 10, 4)), now, 7, None),
+                    35..=49 if !in_flight.is_empty() => {
+                        let (id, _, _) = in_flight.swap_remove(rand(in_flight.len() as u64) as usize);
+                        t.release(LOCAL, id, now);
+                    }
+                    50..=69 if !in_flight.is_empty() => {
+                        // The pod computes some or all of a routed prompt.
+                        let (_, pod, c) = &in_flight[rand(in_flight.len() as u64) as usize];
+                        let n = 1 + rand(c.len() as u64) as usize;
+                        w.store(*pod, &c[..n]);
+                    }
+                    70..=76 => w.remove(PodIdx(rand(4) as u16), &chain(rand(12) * 10, 1 + rand(8))),
+                    77 => w.clear_pod(PodIdx(rand(4) as u16)),
+                    78..=84 => w.publish(),
+                    85..=89 => t.purge(now, &published.load()),
+                    _ => {
+                        let index = published.load();
+                        let mut confirms = t.confirms.clone();
+                        let want = reference.look(&t, &mut confirms, &index);
+                        let mut got = listed(&mut t, &index);
+                        got.sort_unstable();
+                        assert_eq!(got, want, "seed {seed} at {now} ms");
+                        let pods = confirms.len().max(t.confirms.len());
+                        for pod in (0..pods).map(|p| PodIdx(p as u16)) {
+                            assert_eq!(events(&t.confirms, pod), events(&confirms, pod), "seed {seed}: {pod:?}");
+                        }
+                        looks += 1;
+                        listed_seen += want.len();
+                    }
+                }
+            }
+            assert!(looks > 30 && listed_seen > 30, "seed {seed}: {looks} looks, {listed_seen} listed");
+        }
     }
 }

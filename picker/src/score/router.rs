@@ -140,9 +140,9 @@ struct Scratch {
     /// `(pod, frontier)` per row, and the pending extension per row.
     frontiers: Vec<(PodIdx, u32)>,
     extension: Vec<u32>,
-    /// `(pod, routed_ms, blocks left)` of the requests in flight still prefilling, sorted
-    /// (precise mode).
-    prefilling: Vec<(PodIdx, i64, u32)>,
+    /// Precise mode: the pending table's list of requests still prefilling is current and
+    /// counts (approximate mode reads none).
+    precise: bool,
     /// `(routed rate, cached blocks)` per row, for a new prefix's placement.
     shares: Vec<(f64, f64)>,
     /// Each row's pod's TTFT fit, copied for the prediction.
@@ -164,7 +164,7 @@ impl Scratch {
         self.excluded.clear();
         self.order.clear();
         self.top.clear();
-        self.prefilling.clear();
+        self.precise = false;
         self.shares.clear();
     }
 }
@@ -790,11 +790,13 @@ impl Router {
             // pod's KV events have not confirmed yet is still being prefilled: for the next
             // request it is as much ahead in the queue as a waiting one. The report's waiting
             // requests were routed before it too, so the larger of the two counts.
+            let (prefilling, left) = if sc.precise { shared.pending.prefilling_on(row.slot) } else { (&[][..], 0) };
             if fresh {
-                let before = prefilling_before(&sc.prefilling, row.slot, hot.observed_at_unix_ms);
+                let before = prefilling.partition_point(|p| p.routed_ms < hot.observed_at_unix_ms);
+                let before = u32::try_from(before).unwrap_or(u32::MAX);
                 row.depth = row.depth.saturating_add(before.saturating_sub(hot.num_requests_waiting));
             }
-            row.prefill = prefill_left(&sc.prefilling, row.slot);
+            row.prefill = left;
             let index_block = self.pool.config().block_size as f64;
             row.work = f64::from(row.prefill) * index_block + f64::from(running) * DECODE_TOKENS_PER_REQUEST;
         }
@@ -941,7 +943,8 @@ impl Router {
     ) {
         // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
         // The blocks left are the in-flight work of the load factor and the TTFT model too.
-        shared.pending.prefilling(index, true, &mut sc.prefilling);
+        shared.pending.prefilling(index);
+        sc.precise = true;
         overlay_pending(sc, shared, chain, now);
         self.overlay_offloaded(sc, chain);
     }
@@ -1197,21 +1200,6 @@ fn least_predicted(sc: &Scratch, among: impl Iterator<Item = usize>) -> Option<u
         };
     }
     best
-}
-
-/// How many of `prefilling` (sorted `(pod, routed_ms, blocks left)`) are on `pod` and were
-/// routed before `before_ms`.
-fn prefilling_before(prefilling: &[(PodIdx, i64, u32)], pod: PodIdx, before_ms: i64) -> u32 {
-    let from = prefilling.partition_point(|(p, _, _)| *p < pod);
-    let to = prefilling.partition_point(|(p, t, _)| (*p, *t) < (pod, before_ms));
-    u32::try_from(to.saturating_sub(from)).unwrap_or(u32::MAX)
-}
-
-/// The blocks left to prefill of every request in `prefilling` (sorted by pod) on `pod`.
-fn prefill_left(prefilling: &[(PodIdx, i64, u32)], pod: PodIdx) -> u32 {
-    let from = prefilling.partition_point(|(p, _, _)| *p < pod);
-    let to = prefilling.partition_point(|(p, _, _)| *p <= pod);
-    prefilling.get(from..to).map_or(0, |run| run.iter().fold(0u32, |n, (_, _, left)| n.saturating_add(*left)))
 }
 
 /// docs/design.md §4 loadRatio brought forward: `reported` plus `per_request` for each of the
