@@ -11,11 +11,14 @@
 //! Concurrency: a tiny `parking_lot::Mutex` per pod, held for a binary search and an insert or a
 //! remove; never across an await. Reservation happens under the pool's selection lock (see
 //! [`Selection`](super::Selection)), so a decision and its reservation are atomic with respect to
-//! other decisions.
+//! other decisions. A decision reads every candidate's count since its report; it takes no lock
+//! for a pod whose report has not changed since the last count: the last count's report time
+//! and how many requests were routed before it are kept beside the list, updated with it, and
+//! read as a seqlock (docs/design.md §4 "Decision speed").
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering, fence};
 
 use parking_lot::Mutex;
 
@@ -37,6 +40,13 @@ pub(crate) struct InFlight {
     /// The pod's learned TTFT model (docs/design.md §4 "Load and predicted TTFT"), fed by its
     /// requests' first tokens ([`InFlightSlot::observe_ttft`]).
     pub(crate) ttft: SharedFit,
+    /// Even while `count`, `since_ms` and `before` agree; odd while a writer (holding `slots`'
+    /// lock) changes them.
+    since_seq: AtomicU64,
+    /// The report time [`InFlight::since`] last counted from, ms.
+    since_ms: AtomicI64,
+    /// How many requests in flight were routed before `since_ms`.
+    before: AtomicU32,
     /// Requests routed here, each weighing `exp(−age / ROUTED_RATE_TAU_MS)`, as of
     /// `routed_at_ms` (`f64` bits). Written only by [`InFlight::reserve`], which runs under the
     /// pool's selection lock; a read outside it (`explain`) may pair a count with the time before.
@@ -63,7 +73,9 @@ impl InFlight {
             let mut s = self.slots.lock();
             let pos = s.partition_point(|e| *e <= (routed_ms, id));
             s.insert(pos, (routed_ms, id));
-            self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
+            let before = self.before.load(Ordering::Relaxed);
+            let early = routed_ms < self.since_ms.load(Ordering::Relaxed);
+            self.publish(s.len(), before.saturating_add(u32::from(early)), None);
         }
         let (count, at) = self.routed_count();
         let count = decayed((count, at), routed_ms) + 1.0;
@@ -88,8 +100,26 @@ impl InFlight {
         let mut s = self.slots.lock();
         if let Ok(pos) = s.binary_search(&(routed_ms, id)) {
             s.remove(pos);
-            self.count.store(u32::try_from(s.len()).unwrap_or(u32::MAX), Ordering::Release);
+            let before = self.before.load(Ordering::Relaxed);
+            let early = routed_ms < self.since_ms.load(Ordering::Relaxed);
+            self.publish(s.len(), before.saturating_sub(u32::from(early)), None);
         }
+    }
+
+    /// Writes the list's length, the count routed before `since_ms` and, when given, a new
+    /// `since_ms`, as one seqlock write. Call holding `slots`' lock (the only writer).
+    fn publish(&self, len: usize, before: u32, since_ms: Option<i64>) {
+        let seq = self.since_seq.load(Ordering::Relaxed);
+        self.since_seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+        // Orders the odd sequence before the fields: a reader that sees any new field sees the
+        // sequence odd or moved on when it reads it again.
+        fence(Ordering::Release);
+        self.count.store(u32::try_from(len).unwrap_or(u32::MAX), Ordering::Release);
+        self.before.store(before, Ordering::Relaxed);
+        if let Some(at) = since_ms {
+            self.since_ms.store(at, Ordering::Relaxed);
+        }
+        self.since_seq.store(seq.wrapping_add(2), Ordering::Release);
     }
 
     /// All requests in flight.
@@ -97,13 +127,36 @@ impl InFlight {
         self.count.load(Ordering::Acquire)
     }
 
-    /// Requests in flight routed at or after `since_ms`.
+    /// Requests in flight routed at or after `since_ms`. Without a lock when the last count was
+    /// from the same `since_ms` (a pod's report time changes only with its next report): the
+    /// count then is kept up to date by every reservation and release.
     pub(crate) fn since(&self, since_ms: i64) -> u32 {
+        // An idle pod: one read, on the record's first cache line.
         if self.count.load(Ordering::Acquire) == 0 {
             return 0;
         }
+        let seq = self.since_seq.load(Ordering::Acquire);
+        if seq.is_multiple_of(2) {
+            let (count, at, before) = (
+                self.count.load(Ordering::Relaxed),
+                self.since_ms.load(Ordering::Relaxed),
+                self.before.load(Ordering::Relaxed),
+            );
+            // Orders the reads before the sequence's second read (see [`InFlight::publish`]).
+            fence(Ordering::Acquire);
+            if self.since_seq.load(Ordering::Relaxed) == seq {
+                if count == 0 {
+                    return 0;
+                }
+                if at == since_ms {
+                    return count.saturating_sub(before);
+                }
+            }
+        }
         let s = self.slots.lock();
         let first = s.partition_point(|e| e.0 < since_ms);
+        let before = u32::try_from(first).unwrap_or(u32::MAX);
+        self.publish(s.len(), before, Some(since_ms));
         u32::try_from(s.len() - first).unwrap_or(u32::MAX)
     }
 }
@@ -264,5 +317,43 @@ mod tests {
         f.release(150, 3);
         f.release(150, 3);
         assert_eq!(f.since(0), 2);
+    }
+
+    /// The lock-free repeat of a count stays exact: random reservations and releases between
+    /// counts from a few report times, each checked against the list counted directly.
+    #[test]
+    fn repeated_counts_follow_every_reservation_and_release() {
+        let f = InFlight::default();
+        let mut x = 0x2545_F491_4F6C_DD1D_u64;
+        let mut rand = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut held: Vec<(i64, u64)> = Vec::new();
+        let mut since = 0;
+        for id in 0..3000u64 {
+            match rand(3) {
+                0 => {
+                    let at = rand(1000) as i64;
+                    f.reserve(at, id);
+                    held.push((at, id));
+                }
+                1 if !held.is_empty() => {
+                    let (at, old) = held.swap_remove(rand(held.len() as u64) as usize);
+                    f.release(at, old);
+                }
+                _ => {
+                    // Reports come seldom: most counts repeat the last report time.
+                    if rand(8) == 0 {
+                        since = rand(1000) as i64;
+                    }
+                    let want = held.iter().filter(|(at, _)| *at >= since).count() as u32;
+                    assert_eq!(f.since(since), want, "since {since} with {} in flight", held.len());
+                    assert_eq!(f.since(since), want, "a repeat of since {since}");
+                }
+            }
+        }
     }
 }
