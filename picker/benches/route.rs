@@ -13,8 +13,9 @@
 //! alone), `route_popularity_off` (`popularity_placement_margin: 0`: `route` without the count
 //! of the request's prefix root), and `route_learned` (`route` once every pod's TTFT model has
 //! learned from six first tokens, as in service), and `route_busy` (`route` while every pod holds
-//! two requests routed after its report and not yet seen computed), `route_busy_decoding` (the
-//! same once the pods' events show those prompts computed). Run: `cargo bench -p kvroute-picker --bench route`.
+//! two requests routed after its report and not yet seen computed), `route_busy_live` (the same
+//! while eight pods' blocks change before each decision, as KV events arrive in service),
+//! `route_busy_decoding` (the same once the pods' events show those prompts computed). Run: `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -176,6 +177,31 @@ fn update_each(pool: &Arc<Pool>, n: usize, change: impl Fn(usize) -> (Vec<BlockH
     });
 }
 
+/// Round `round` of [`route_busy_live`]'s event stream: eight pods in turn each store (even
+/// rounds) or remove (odd rounds) a block of their own, then the pool publishes.
+async fn churn(pool: &Arc<Pool>, n: usize, round: u64) {
+    for j in 0..8 {
+        let k = ((round / 2) as usize * 8 + j) % n;
+        let extra = vec![block(50_000_000 + k as u64)];
+        let (stored, removed) = if round.is_multiple_of(2) { (extra, Vec::new()) } else { (Vec::new(), extra) };
+        let u = PoolUpdate::Delta {
+            stream: 1,
+            pod: format!("pod-{k}"),
+            seq: 1,
+            cleared: false,
+            stored,
+            removed,
+            stats: None,
+        };
+        if pool.update(u).await.is_err() {
+            panic!("pool writer gone");
+        }
+    }
+    if pool.sync().await.is_err() {
+        panic!("pool writer gone");
+    }
+}
+
 /// The formula alone over flat arrays (cache ratio, gpu, queue, health, adapter): the baseline.
 fn naive_formula(rows: &[[f64; 5]], max_queue: f64) -> usize {
     let mut best = (f64::MIN, 0);
@@ -231,6 +257,26 @@ fn bench(c: &mut Criterion) {
         let Ok(router_busy) = Router::new(pool.clone(), busy) else { panic!("router") };
         let held = hold_in_flight(&router_busy, n, 2);
         g.bench_with_input(BenchmarkId::new("route_busy", n), &n, |b, _| route(b, &router_busy, &rq));
+        // The same while the pods' KV events keep arriving, as in service: before each decision
+        // eight pods' blocks change (published as one snapshot), so their requests' progress
+        // is read again. Only the decision is timed.
+        g.bench_with_input(BenchmarkId::new("route_busy_live", n), &n, |b, _| {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let Ok(rt) = rt else { panic!("tokio runtime") };
+            let mut round = 0u64;
+            b.iter_custom(|iters| {
+                let mut spent = std::time::Duration::ZERO;
+                for _ in 0..iters {
+                    rt.block_on(churn(&pool, n, round));
+                    round += 1;
+                    let start = std::time::Instant::now();
+                    let d = router_busy.route(black_box(&rq));
+                    black_box(d.map(|d| d.score).unwrap_or(0.0));
+                    spent += start.elapsed();
+                }
+                spent
+            });
+        });
         // The same once every pod's events have shown those prompts computed: the requests are
         // decoding, no longer prefilling.
         confirm_held(&pool, n, 2);
