@@ -96,6 +96,11 @@ async fn settle() {
 /// One chat request through `client` that must succeed, with the picker's claim for it.
 async fn chat_claimed(fleet: &Fleet, client: &GatewayClient, model: &str, messages: &[Value]) -> (ChatOutcome, u32) {
     let out = client.chat_served(model, messages, 4).await.expect("chat through the gateway");
+    claimed(fleet, out).await
+}
+
+/// `out` (a served chat request) with the picker's claim for it.
+async fn claimed(fleet: &Fleet, out: ChatOutcome) -> (ChatOutcome, u32) {
     let id = out.request_id.clone().expect("x-request-id");
     // The picker's log is written off the request thread: wait for the line.
     let mut claim = None;
@@ -377,7 +382,20 @@ async fn real_vllm_evictions_and_restart_keep_the_index_right() {
             .any(|c| c["pod"] == pod.as_str() && c["matched_blocks"].as_u64().unwrap_or(0) == 0)),
         "after the restart the pod is a candidate again and the index no longer credits the old engine's blocks: {seen}"
     );
-    let (first, claim) = chat_claimed(&fleet, &client, &model, last).await;
+    // While the restarted engine warms up on this 2-core machine a scrape can time out, and the
+    // agent reports the engine not ready until its next scrape answers: the first request
+    // retries that 503 for up to five seconds.
+    let mut tries = 0;
+    let (first, claim) = loop {
+        match client.chat_served(&model, last, 4).await {
+            Ok(out) => break claimed(&fleet, out).await,
+            Err(e) if tries < 20 && e.to_string().contains("engine not ready") => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => panic!("chat through the gateway after the restart: {e:#}"),
+        }
+    };
     assert_eq!((first.cached_tokens, claim), (0, 0), "a restarted engine holds nothing");
     settle().await;
     let (again, claim) = chat_claimed(&fleet, &client, &model, last).await;
