@@ -454,9 +454,9 @@ impl PendingTable {
     /// Incremental (docs/design.md §4 "Decision speed"): a request's blocks left depend only on
     /// its own pod's blocks, so it is read again only when the snapshot says that pod's blocks
     /// changed since it was read ([`crate::index::PodChanges`]). Nothing changed (same snapshot,
-    /// no request recorded or ended): no work. Otherwise one pass over the list, an index read
-    /// per request whose pod changed (a lookup, and a binary search of its chain), and a merge
-    /// of the requests recorded since. A request leaves for good once its chain is confirmed,
+    /// no request recorded or ended, no pod's event state changed): no work. Otherwise one pass
+    /// over the list, an index read per request whose pod changed (a lookup, and a binary search
+    /// of its chain), and a merge of the requests recorded since. A request leaves for good once its chain is confirmed,
     /// or it ends or its chain is evicted.
     pub fn prefilling(&mut self, index: &IndexSnapshot) {
         let changes = index.changes();
@@ -531,8 +531,9 @@ impl PendingTable {
         }
     }
 
-    /// `pod`'s requests still prefilling (by routing time) and their blocks left in all, as of
-    /// the last [`PendingTable::prefilling`]: empty for a pod whose events never came.
+    /// `pod`'s requests still prefilling (by routing time, then recording order) and their
+    /// blocks left in all, as of the last [`PendingTable::prefilling`]: empty for a pod whose
+    /// events never came.
     pub fn prefilling_on(&self, pod: PodIdx) -> (&[Prefill], u32) {
         match self.runs.get(pod.as_usize()) {
             Some(r) => (self.listed.get(r.start as usize..r.end as usize).unwrap_or(&[]), r.left),
@@ -547,9 +548,10 @@ impl PendingTable {
 
     /// Flags the listed request keyed `key` ([`Prefill::key`]) with `end`, if it is listed.
     fn end_at(&mut self, key: (PodIdx, i64, u64), end: End) {
+        // `added` is in recording order, so sorted by seq too.
         let entry = match self.listed.binary_search_by_key(&key, Prefill::key) {
             Ok(i) => self.listed.get_mut(i),
-            Err(_) => self.added.iter_mut().rev().find(|e| e.seq == key.2),
+            Err(_) => self.added.binary_search_by_key(&key.2, |e| e.seq).ok().and_then(|i| self.added.get_mut(i)),
         };
         if let Some(e) = entry
             && e.end != End::Gone
