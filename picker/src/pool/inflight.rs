@@ -54,13 +54,14 @@ pub(crate) struct InFlight {
     /// The last routing time, ms.
     routed_at_ms: AtomicI64,
     /// `(routed_at_unix_ms, slot id)`, sorted ascending. Last: its lock, taken by every
-    /// reservation, release and queue-depth count of a busy pod, shares a cache line with the
-    /// list's header rather than with the fit every decision reads.
+    /// reservation and release and by the first count after a pod's new report, shares a cache
+    /// line with the list's header rather than with the fit every decision reads.
     slots: Mutex<Vec<(i64, u64)>>,
 }
 
-// What a decision reads of each candidate's record (see [`PodRecord`]) ends within its first two
-// cache lines.
+// What a decision reads of every candidate's record (see [`PodRecord`]) ends within its first two
+// cache lines; the count since a report (`since_seq` to `before`), read only for a pod with
+// requests in flight, may lie on the third.
 const _: () = assert!(
     std::mem::offset_of!(PodRecord, inflight) + std::mem::offset_of!(InFlight, ttft) + std::mem::size_of::<SharedFit>()
         <= 128

@@ -941,8 +941,8 @@ impl Router {
         chain: &[kvroute_common::BlockHash],
         now: i64,
     ) {
-        // Blocks left are read only by the cold-tie step (docs/design.md §4 ties).
-        // The blocks left are the in-flight work of the load factor and the TTFT model too.
+        // Each pod's blocks left are read by the cold-tie step (docs/design.md §4 ties) and are
+        // the in-flight work of the load factor and the TTFT model.
         shared.pending.prefilling(index);
         sc.precise = true;
         overlay_pending(sc, shared, chain, now);
