@@ -14,8 +14,9 @@
 //! of the request's prefix root), and `route_learned` (`route` once every pod's TTFT model has
 //! learned from six first tokens, as in service), and `route_busy` (`route` while every pod holds
 //! two requests routed after its report and not yet seen computed), `route_busy_live` (the same
-//! while eight pods' blocks change before each decision, as KV events arrive in service),
-//! `route_busy_decoding` (the same once the pods' events show those prompts computed). Run: `cargo bench -p kvroute-picker --bench route`.
+//! while eight pods' blocks change before each decision, as KV events arrive in service;
+//! `route_live` is `route` so), `route_busy_decoding` (the same once the pods' events show those
+//! prompts computed). Run: `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -177,7 +178,26 @@ fn update_each(pool: &Arc<Pool>, n: usize, change: impl Fn(usize) -> (Vec<BlockH
     });
 }
 
-/// Round `round` of [`route_busy_live`]'s event stream: eight pods in turn each store (even
+/// Times `router` on `rq` alone, after each round of [`churn`] on `pool`'s `n` pods.
+fn route_live(b: &mut criterion::Bencher<'_>, router: &Router, pool: &Arc<Pool>, n: usize, rq: &RouteRequest<'_>) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+    let Ok(rt) = rt else { panic!("tokio runtime") };
+    let mut round = 0u64;
+    b.iter_custom(|iters| {
+        let mut spent = std::time::Duration::ZERO;
+        for _ in 0..iters {
+            rt.block_on(churn(pool, n, round));
+            round += 1;
+            let start = std::time::Instant::now();
+            let d = router.route(black_box(rq));
+            black_box(d.map(|d| d.score).unwrap_or(0.0));
+            spent += start.elapsed();
+        }
+        spent
+    });
+}
+
+/// Round `round` of the live cases' event stream: eight pods in turn each store (even
 /// rounds) or remove (odd rounds) a block of their own, then the pool publishes.
 async fn churn(pool: &Arc<Pool>, n: usize, round: u64) {
     for j in 0..8 {
@@ -228,6 +248,9 @@ fn bench(c: &mut Criterion) {
             });
         };
         g.bench_with_input(BenchmarkId::new("route", n), &n, |b, _| route(b, &router, &rq));
+        // The same while the pods' blocks change before each decision, as in `route_busy_live`
+        // but with nothing in flight: what a new snapshot costs a decision by itself.
+        g.bench_with_input(BenchmarkId::new("route_live", n), &n, |b, _| route_live(b, &router, &pool, n, &rq));
         let empty = RouteRequest { block_hashes: &[], ..rq };
         g.bench_with_input(BenchmarkId::new("route_no_prefix", n), &n, |b, _| route(b, &router, &empty));
         // The same request without the placement of a new prefix (its cost is the difference).
@@ -261,21 +284,7 @@ fn bench(c: &mut Criterion) {
         // eight pods' blocks change (published as one snapshot), so their requests' progress
         // is read again. Only the decision is timed.
         g.bench_with_input(BenchmarkId::new("route_busy_live", n), &n, |b, _| {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
-            let Ok(rt) = rt else { panic!("tokio runtime") };
-            let mut round = 0u64;
-            b.iter_custom(|iters| {
-                let mut spent = std::time::Duration::ZERO;
-                for _ in 0..iters {
-                    rt.block_on(churn(&pool, n, round));
-                    round += 1;
-                    let start = std::time::Instant::now();
-                    let d = router_busy.route(black_box(&rq));
-                    black_box(d.map(|d| d.score).unwrap_or(0.0));
-                    spent += start.elapsed();
-                }
-                spent
-            });
+            route_live(b, &router_busy, &pool, n, &rq)
         });
         // The same once every pod's events have shown those prompts computed: the requests are
         // decoding, no longer prefilling.
