@@ -192,7 +192,6 @@ pub(crate) struct PodStatus {
     pub(crate) connected: bool,
     /// When the agent stream ended (monotonic), if disconnected.
     pub(crate) disconnected_at: Option<Instant>,
-    pub(crate) seq: u64,
     /// Operator annotations from `PodInfo`, sorted by key (for custom scorers).
     pub(crate) annotations: Vec<(String, String)>,
     /// `kvroute.io/cost-per-hour` parsed ($/hour, finite and > 0), if present and valid.

@@ -92,6 +92,33 @@ async fn delta_applies_cleared_then_stored_then_removed() {
     assert!(pool.pods()[0].ready);
 }
 
+/// A delta that changes only a pod's blocks leaves the pod table as published (decisions read
+/// the whole table; a new one is cold in their caches) and still updates the pod's block count;
+/// one with stats republishes the table.
+#[tokio::test]
+async fn a_delta_of_blocks_alone_keeps_the_table() {
+    let pool = small();
+    put(&pool, "a", "m", stats(0.0, 0, 1.0), &chain(0, 4)).await;
+    let delta = |stored: Vec<BlockHash>, stats: Option<PodStats>| PoolUpdate::Delta {
+        stream: 1,
+        pod: "a".into(),
+        seq: 1,
+        cleared: false,
+        stored,
+        removed: Vec::new(),
+        stats,
+    };
+    let before = pool.table.load_full();
+    assert!(pool.update(delta(chain(100, 3), None)).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    assert!(Arc::ptr_eq(&before, &pool.table.load_full()), "the table was republished for blocks alone");
+    assert_eq!(pool.pods()[0].blocks, 7);
+    assert!(pool.update(delta(Vec::new(), Some(stats(0.5, 3, 1.0)))).await.is_ok());
+    assert!(pool.sync().await.is_ok());
+    assert!(!Arc::ptr_eq(&before, &pool.table.load_full()), "new stats must reach the table");
+    assert_eq!(pool.pods()[0].queue_depth, 3);
+}
+
 #[tokio::test]
 async fn ended_stream_keeps_pod_for_grace_then_drops_it() {
     let pool = small();

@@ -34,7 +34,11 @@ struct WPod {
     rec: Arc<PodRecord>,
     status: PodStatus,
     owner: StreamId,
+    /// The status changed: the next publication republishes the pod table.
     dirty: bool,
+    /// Only the pod's blocks changed: the next publication stores its count in the record, and
+    /// the table (which decisions read whole) stays as it is.
+    blocks_dirty: bool,
 }
 
 struct Writer {
@@ -142,10 +146,13 @@ impl Writer {
         let regroup = self.table_dirty;
         let mut changed = self.table_dirty;
         for p in self.pods.iter_mut().flatten() {
+            if p.dirty || p.blocks_dirty {
+                p.rec.blocks.store(self.index.pod_blocks(p.rec.idx), Ordering::Relaxed);
+                p.blocks_dirty = false;
+            }
             if p.dirty {
                 p.dirty = false;
                 changed = true;
-                p.rec.blocks.store(self.index.pod_blocks(p.rec.idx), Ordering::Relaxed);
                 p.rec.status.store(Arc::new(p.status.clone()));
             }
         }
@@ -232,7 +239,6 @@ impl Writer {
             stats_at: None,
             connected: true,
             disconnected_at: None,
-            seq: 0,
             member: Membership::Agent,
             utilization_per_request: None,
         };
@@ -255,7 +261,7 @@ impl Writer {
         if i >= self.pods.len() {
             self.pods.resize_with(i + 1, || None);
         }
-        self.pods[i] = Some(WPod { rec, status, owner, dirty: true });
+        self.pods[i] = Some(WPod { rec, status, owner, dirty: true, blocks_dirty: false });
         self.names.insert(name.to_string(), idx);
         self.table_dirty = true;
     }
@@ -330,7 +336,6 @@ impl Writer {
                 stats_at: None,
                 connected: false,
                 disconnected_at: None,
-                seq: 0,
                 member: state,
                 utilization_per_request: None,
             };
@@ -353,17 +358,20 @@ impl Writer {
         self.members = Some(members);
     }
 
-    fn set_stats(&mut self, idx: PodIdx, stats: Option<PodStats>, seq: u64) {
+    fn set_stats(&mut self, idx: PodIdx, stats: Option<PodStats>) {
         if let Some(p) = self.pods.get_mut(idx.as_usize()).and_then(Option::as_mut) {
             if let Some(share) = stats.as_ref().and_then(utilization_per_request) {
                 p.status.utilization_per_request = Some(share);
             }
+            // A delta without stats changes the pod's blocks only: republishing the whole table for it would hand every decision after it
+            // a table just written by this thread, cold in the deciding core's caches.
             if stats.is_some() {
                 p.status.stats = stats;
                 p.status.stats_at = Some(Instant::now());
+                p.dirty = true;
+            } else {
+                p.blocks_dirty = true;
             }
-            p.status.seq = seq;
-            p.dirty = true;
         }
     }
 
@@ -374,13 +382,13 @@ impl Writer {
                     self.register(info, stream);
                 }
             }
-            PoolUpdate::Snapshot { stream, info, seq, stats, blocks } => {
+            PoolUpdate::Snapshot { stream, info, seq: _, stats, blocks } => {
                 let Some(idx) = self.register(&info, stream) else { return };
                 let blocks: &[kvroute_common::BlockHash] = if self.indexable(idx) { &blocks } else { &[] };
                 self.index.replace_pod(idx, blocks);
-                self.set_stats(idx, stats, seq);
+                self.set_stats(idx, stats);
             }
-            PoolUpdate::Delta { stream: _, pod, seq, cleared, stored, removed, stats } => {
+            PoolUpdate::Delta { stream: _, pod, seq: _, cleared, stored, removed, stats } => {
                 let Some(&idx) = self.names.get(&pod) else {
                     debug!(%pod, "delta for an unknown pod ignored");
                     return;
@@ -392,7 +400,7 @@ impl Writer {
                     self.index.store(idx, &stored);
                 }
                 self.index.remove(idx, &removed);
-                self.set_stats(idx, stats, seq);
+                self.set_stats(idx, stats);
             }
             PoolUpdate::Offloaded { stream: _, pod, cleared, stored, removed } => {
                 let Some(&idx) = self.names.get(&pod) else {
@@ -452,7 +460,6 @@ impl Writer {
                 p.status.stats = None;
                 p.status.stats_at = None;
                 p.status.disconnected_at = None;
-                p.status.seq = 0;
                 p.dirty = true;
                 self.index.clear_pod(idx);
                 self.cpu.clear_pod(idx);

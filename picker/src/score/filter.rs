@@ -198,7 +198,6 @@ mod tests {
                                     stats_at: ago(stats_age),
                                     connected: disconnected.is_none(),
                                     disconnected_at: disconnected,
-                                    seq: 0,
                                     annotations: Vec::new(),
                                     cost_per_hour: None,
                                     member,
