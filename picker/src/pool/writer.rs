@@ -3,8 +3,9 @@
 //! Runs on its own OS thread with a current-thread tokio runtime (only for the receive timeout),
 //! so [`Pool::new`](super::Pool::new) works inside or outside a runtime. A batch is everything
 //! queued when the writer wakes (up to [`MAX_BATCH`] messages); after applying it, the writer
-//! publishes the index once, then the changed pod statuses, then the pod table if pods came or
-//! went, and only then answers barriers. Every [`TICK`] it drops pods whose grace period ended.
+//! publishes the index once, then the changed pod statuses, then the pod table if a pod came,
+//! went or changed status (a delta of blocks alone only updates the pod's block count), and
+//! only then answers barriers. Every [`TICK`] it drops pods whose grace period ended.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -363,8 +364,9 @@ impl Writer {
             if let Some(share) = stats.as_ref().and_then(utilization_per_request) {
                 p.status.utilization_per_request = Some(share);
             }
-            // A delta without stats changes the pod's blocks only: republishing the whole table for it would hand every decision after it
-            // a table just written by this thread, cold in the deciding core's caches.
+            // A delta without stats changes the pod's blocks only: republishing the whole table
+            // for it would hand every decision after it a table just written by this thread,
+            // cold in the deciding core's caches.
             if stats.is_some() {
                 p.status.stats = stats;
                 p.status.stats_at = Some(Instant::now());
