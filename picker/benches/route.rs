@@ -159,23 +159,26 @@ fn update_each(pool: &Arc<Pool>, n: usize, change: impl Fn(usize) -> (Vec<BlockH
     rt.block_on(async {
         for k in 0..n {
             let (stored, stats) = change(k);
-            let u = PoolUpdate::Delta {
-                stream: 1,
-                pod: format!("pod-{k}"),
-                seq: 1,
-                cleared: false,
-                stored,
-                removed: Vec::new(),
-                stats,
-            };
-            if pool.update(u).await.is_err() {
-                panic!("pool writer gone");
-            }
+            send_delta(pool, k, stored, Vec::new(), stats).await;
         }
         if pool.sync().await.is_err() {
             panic!("pool writer gone");
         }
     });
+}
+
+/// Sends pod `k` a delta: `stored` and `removed` blocks, and `stats` if any.
+async fn send_delta(
+    pool: &Arc<Pool>,
+    k: usize,
+    stored: Vec<BlockHash>,
+    removed: Vec<BlockHash>,
+    stats: Option<PodStats>,
+) {
+    let u = PoolUpdate::Delta { stream: 1, pod: format!("pod-{k}"), seq: 1, cleared: false, stored, removed, stats };
+    if pool.update(u).await.is_err() {
+        panic!("pool writer gone");
+    }
 }
 
 /// Times `router` on `rq` alone, after each round of [`churn`] on `pool`'s `n` pods.
@@ -204,18 +207,7 @@ async fn churn(pool: &Arc<Pool>, n: usize, round: u64) {
         let k = ((round / 2) as usize * 8 + j) % n;
         let extra = vec![block(50_000_000 + k as u64)];
         let (stored, removed) = if round.is_multiple_of(2) { (extra, Vec::new()) } else { (Vec::new(), extra) };
-        let u = PoolUpdate::Delta {
-            stream: 1,
-            pod: format!("pod-{k}"),
-            seq: 1,
-            cleared: false,
-            stored,
-            removed,
-            stats: None,
-        };
-        if pool.update(u).await.is_err() {
-            panic!("pool writer gone");
-        }
+        send_delta(pool, k, stored, removed, None).await;
     }
     if pool.sync().await.is_err() {
         panic!("pool writer gone");
