@@ -456,8 +456,8 @@ impl PendingTable {
     /// changed since it was read ([`crate::index::PodChanges`]). Nothing changed (same snapshot,
     /// no request recorded or ended, no pod's event state changed): no work. Otherwise one pass
     /// over the list, an index read per request whose pod changed (a lookup, and a binary search
-    /// of its chain), and a merge of the requests recorded since. A request leaves for good once its chain is confirmed,
-    /// or it ends or its chain is evicted.
+    /// of its chain), and a merge of the requests recorded since. A request leaves for good once
+    /// its chain is confirmed, or it ends or its chain is evicted.
     pub fn prefilling(&mut self, index: &IndexSnapshot) {
         let changes = index.changes();
         let stamp = changes.stamp();
