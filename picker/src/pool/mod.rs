@@ -222,8 +222,8 @@ pub(crate) enum Membership {
 /// Laid out in field order from a cache-line boundary: what every decision reads of each
 /// candidate (slot, unreachable flag, name, in-flight count and TTFT fit, in that order) fills
 /// the record's first two lines, where the compiler's own order spread it over four. A pod with
-/// requests in flight and a fresh report is read on a third line too, where the in-flight list's
-/// lock and header lie together.
+/// requests in flight is read on a third line too: its count of requests since its report, read
+/// without a lock. The in-flight list's lock and header lie after it.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(crate) struct PodRecord {
