@@ -74,9 +74,7 @@ impl InFlight {
             let mut s = self.slots.lock();
             let pos = s.partition_point(|e| *e <= (routed_ms, id));
             s.insert(pos, (routed_ms, id));
-            let before = self.before.load(Ordering::Relaxed);
-            let early = routed_ms < self.since_ms.load(Ordering::Relaxed);
-            self.publish(s.len(), before.saturating_add(u32::from(early)), None);
+            self.publish_change(s.len(), routed_ms, true);
         }
         let (count, at) = self.routed_count();
         let count = decayed((count, at), routed_ms) + 1.0;
@@ -101,10 +99,18 @@ impl InFlight {
         let mut s = self.slots.lock();
         if let Ok(pos) = s.binary_search(&(routed_ms, id)) {
             s.remove(pos);
-            let before = self.before.load(Ordering::Relaxed);
-            let early = routed_ms < self.since_ms.load(Ordering::Relaxed);
-            self.publish(s.len(), before.saturating_sub(u32::from(early)), None);
+            self.publish_change(s.len(), routed_ms, false);
         }
+    }
+
+    /// After the list (now `len` long) gained (`added`) or lost the request routed at
+    /// `routed_ms`: publishes the length and the count routed before `since_ms`, one more or one
+    /// less when that request was. Call holding `slots`' lock.
+    fn publish_change(&self, len: usize, routed_ms: i64, added: bool) {
+        let before = self.before.load(Ordering::Relaxed);
+        let early = u32::from(routed_ms < self.since_ms.load(Ordering::Relaxed));
+        let before = if added { before.saturating_add(early) } else { before.saturating_sub(early) };
+        self.publish(len, before, None);
     }
 
     /// Writes the list's length, the count routed before `since_ms` and, when given, a new
