@@ -15,8 +15,10 @@
 //! learned from six first tokens, as in service), and `route_busy` (`route` while every pod holds
 //! two requests routed after its report and not yet seen computed), `route_busy_live` (the same
 //! while eight pods' blocks change before each decision, as KV events arrive in service;
-//! `route_live` is `route` so), `route_busy_decoding` (the same once the pods' events show those
-//! prompts computed). Run: `cargo bench -p kvroute-picker --bench route`.
+//! `route_live` is `route` so; `route_live_stats` and `route_busy_live_stats` are the two with
+//! one pod's report among each round's deltas, which publishes the pod table),
+//! `route_busy_decoding` (the same once the pods' events show those prompts computed). Run:
+//! `cargo bench -p kvroute-picker --bench route`.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -181,15 +183,23 @@ async fn send_delta(
     }
 }
 
-/// Times `router` on `rq` alone, after each round of [`churn`] on `pool`'s `n` pods.
-fn route_live(b: &mut criterion::Bencher<'_>, router: &Router, pool: &Arc<Pool>, n: usize, rq: &RouteRequest<'_>) {
+/// Times `router` on `rq` alone, after each round of [`churn`] on `pool`'s `n` pods (with
+/// `stats`, one of the eight also reports).
+fn route_live(
+    b: &mut criterion::Bencher<'_>,
+    router: &Router,
+    pool: &Arc<Pool>,
+    n: usize,
+    rq: &RouteRequest<'_>,
+    stats: bool,
+) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
     let Ok(rt) = rt else { panic!("tokio runtime") };
     let mut round = 0u64;
     b.iter_custom(|iters| {
         let mut spent = std::time::Duration::ZERO;
         for _ in 0..iters {
-            rt.block_on(churn(pool, n, round));
+            rt.block_on(churn(pool, n, round, stats));
             round += 1;
             let start = std::time::Instant::now();
             let d = router.route(black_box(rq));
@@ -201,13 +211,16 @@ fn route_live(b: &mut criterion::Bencher<'_>, router: &Router, pool: &Arc<Pool>,
 }
 
 /// Round `round` of the live cases' event stream: eight pods in turn each store (even
-/// rounds) or remove (odd rounds) a block of their own, then the pool publishes.
-async fn churn(pool: &Arc<Pool>, n: usize, round: u64) {
+/// rounds) or remove (odd rounds) a block of their own, then the pool publishes. With `stats`,
+/// the first of them also sends its report again (the same figures, so the decision stays
+/// the same): a 1,000-pod fleet reporting every 2 s sends one every 2 ms.
+async fn churn(pool: &Arc<Pool>, n: usize, round: u64, stats: bool) {
     for j in 0..8 {
         let k = ((round / 2) as usize * 8 + j) % n;
         let extra = vec![block(50_000_000 + k as u64)];
         let (stored, removed) = if round.is_multiple_of(2) { (extra, Vec::new()) } else { (Vec::new(), extra) };
-        send_delta(pool, k, stored, removed, None).await;
+        let report = (stats && j == 0).then(|| pod_stats(k, queue(k)));
+        send_delta(pool, k, stored, removed, report).await;
     }
     if pool.sync().await.is_err() {
         panic!("pool writer gone");
@@ -242,7 +255,11 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("route", n), &n, |b, _| route(b, &router, &rq));
         // The same while the pods' blocks change before each decision, as in `route_busy_live`
         // but with nothing in flight: what a new snapshot costs a decision by itself.
-        g.bench_with_input(BenchmarkId::new("route_live", n), &n, |b, _| route_live(b, &router, &pool, n, &rq));
+        g.bench_with_input(BenchmarkId::new("route_live", n), &n, |b, _| route_live(b, &router, &pool, n, &rq, false));
+        // The same with one pod's report among the deltas: the pod table is published again.
+        g.bench_with_input(BenchmarkId::new("route_live_stats", n), &n, |b, _| {
+            route_live(b, &router, &pool, n, &rq, true)
+        });
         let empty = RouteRequest { block_hashes: &[], ..rq };
         g.bench_with_input(BenchmarkId::new("route_no_prefix", n), &n, |b, _| route(b, &router, &empty));
         // The same request without the placement of a new prefix (its cost is the difference).
@@ -276,7 +293,10 @@ fn bench(c: &mut Criterion) {
         // eight pods' blocks change (published as one snapshot), so their requests' progress
         // is read again. Only the decision is timed.
         g.bench_with_input(BenchmarkId::new("route_busy_live", n), &n, |b, _| {
-            route_live(b, &router_busy, &pool, n, &rq)
+            route_live(b, &router_busy, &pool, n, &rq, false)
+        });
+        g.bench_with_input(BenchmarkId::new("route_busy_live_stats", n), &n, |b, _| {
+            route_live(b, &router_busy, &pool, n, &rq, true)
         });
         // The same once every pod's events have shown those prompts computed: the requests are
         // decoding, no longer prefilling.

@@ -22,6 +22,7 @@
 //! what happens when an in-flight slot is released is a [`ReleaseHook`] its users install.
 
 mod annotations;
+mod column;
 mod inflight;
 mod ttft;
 mod writer;
@@ -40,6 +41,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use crate::index::IndexStats;
 use crate::index::{IndexSnapshot, PodIdx};
 pub use annotations::COST_ANNOTATION;
+pub(crate) use column::Column;
 pub(crate) use inflight::{InFlight, ROUTED_RATE_TAU_MS};
 pub use inflight::{InFlightSlot, ReleaseHook, TtftObservation};
 pub(crate) use ttft::SharedFit;
@@ -243,11 +245,13 @@ pub(crate) struct PodRecord {
 /// no scan of other models' pods.
 #[derive(Debug, Default)]
 pub(crate) struct PodTable {
-    pub(crate) pods: Vec<Arc<PodRecord>>,
+    /// The live pods (shared between publications while no pod comes or goes).
+    pub(crate) pods: Arc<[Arc<PodRecord>]>,
     /// `status[i]` is `pods[i]`'s status when the table was published.
-    pub(crate) status: Vec<Arc<PodStatus>>,
+    pub(crate) status: Column<Arc<PodStatus>>,
     /// `hot[i]` is what a decision's filters and load stages read of `status[i]`, copied.
-    pub(crate) hot: Vec<PodHot>,
+    /// Both columns share every chunk no changed status lies in with the previous publication.
+    pub(crate) hot: Column<PodHot>,
     /// Model name → indices into `pods` of the pods serving it, ascending (shared between
     /// publications while no pod comes, goes or changes model).
     pub(crate) by_model: Arc<ModelPods>,
@@ -649,7 +653,7 @@ impl Pool {
             table
                 .pods
                 .iter()
-                .zip(&table.status)
+                .zip(table.status.iter())
                 .filter(|(r, _)| r.is_unreachable())
                 .map(|(r, s)| (r.clone(), s.endpoint.clone()))
                 .collect()

@@ -119,6 +119,92 @@ async fn a_delta_of_blocks_alone_keeps_the_table() {
     assert_eq!(pool.pods()[0].queue_depth, 3);
 }
 
+/// The pod table a publication patches for new stats (copying only the changed pods' chunks)
+/// reads the same as one rebuilt whole, through registrations, model changes, stats and pods
+/// dropped mid-table (which move the pods after them); a chunk no changed pod lies in is the
+/// previous publication's, not a copy.
+#[tokio::test]
+async fn a_table_patched_for_new_stats_reads_as_one_rebuilt() {
+    use super::{PodHot, PodTable};
+    let pool = small();
+    let send = |pod: usize, model: &str, gpu: f64| PoolUpdate::Snapshot {
+        stream: pod as u64 + 1,
+        info: info(&format!("p{pod}"), model),
+        seq: 0,
+        stats: Some(stats(gpu, pod as u32 % 5, 1.0)),
+        blocks: Vec::new(),
+    };
+    let check = |table: &PodTable, step: usize| {
+        let rebuilt: Vec<Arc<super::PodStatus>> = table.pods.iter().map(|p| p.status.load_full()).collect();
+        assert_eq!((table.status.iter().count(), table.hot.iter().count()), (rebuilt.len(), rebuilt.len()));
+        for (i, st) in rebuilt.iter().enumerate() {
+            assert!(Arc::ptr_eq(&table.status[i], st), "step {step}: pod {i}'s status is not its record's");
+            let (hot, want) = (format!("{:?}", table.hot[i]), format!("{:?}", PodHot::of(st)));
+            assert_eq!(hot, want, "step {step}: pod {i}");
+        }
+        assert_eq!(*table.by_model, PodTable::group_by_model(&rebuilt), "step {step}");
+    };
+    for pod in 0..40 {
+        assert!(pool.update(send(pod, if pod.is_multiple_of(3) { "a" } else { "b" }, 0.1)).await.is_ok());
+    }
+    assert!(pool.sync().await.is_ok());
+    check(&pool.table.load(), 0);
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n) as usize
+    };
+    let mut gone = Vec::new();
+    for step in 1..=60 {
+        let before = pool.table.load_full();
+        let live: Vec<usize> = (0..40).filter(|p| !gone.contains(p)).collect();
+        let pod = live[next(live.len() as u64)];
+        let model = if pod.is_multiple_of(3) { "a" } else { "b" };
+        match step % 20 {
+            // A pod's stream ends; the pod leaves once its grace period is over.
+            10 => {
+                assert!(pool.update(PoolUpdate::StreamEnded { stream: pod as u64 + 1 }).await.is_ok());
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                gone.push(pod);
+            }
+            // A pod changes model.
+            15 => assert!(pool.update(send(pod, if model == "a" { "c" } else { "a" }, 0.3)).await.is_ok()),
+            // New stats for one pod or three.
+            _ => {
+                let n = if step % 2 == 0 { 1 } else { 3 };
+                for _ in 0..n {
+                    let p = live[next(live.len() as u64)];
+                    let d = PoolUpdate::Delta {
+                        stream: p as u64 + 1,
+                        pod: format!("p{p}"),
+                        seq: step as u64,
+                        cleared: false,
+                        stored: Vec::new(),
+                        removed: Vec::new(),
+                        stats: Some(stats(step as f64 / 100.0, step as u32, 1.0)),
+                    };
+                    assert!(pool.update(d).await.is_ok());
+                }
+            }
+        }
+        assert!(pool.sync().await.is_ok());
+        let after = pool.table.load_full();
+        check(&after, step);
+        if step % 20 != 10 && step % 20 != 15 && step % 2 == 0 {
+            // One pod's stats: its chunk is new, every other one shared.
+            use super::column::CHUNK;
+            let n = after.pods.len();
+            let copied: Vec<usize> = (0..n).filter(|&i| !std::ptr::eq(&after.hot[i], &before.hot[i])).collect();
+            let chunk = copied.first().map_or(usize::MAX, |i| i / CHUNK);
+            assert_eq!(copied, (chunk * CHUNK..n.min(chunk * CHUNK + CHUNK)).collect::<Vec<_>>(), "step {step}");
+            assert!(Arc::ptr_eq(&after.by_model, &before.by_model), "step {step}");
+        }
+    }
+    assert_eq!(pool.table.load().pods.len(), 40 - gone.len());
+}
+
 #[tokio::test]
 async fn ended_stream_keeps_pod_for_grace_then_drops_it() {
     let pool = small();

@@ -40,6 +40,9 @@ struct WPod {
     /// Only the pod's blocks changed: the next publication stores its count in the record, and
     /// the table (which decisions read whole) stays as it is.
     blocks_dirty: bool,
+    /// The pod's position in the published table (set when the table is rebuilt whole; valid
+    /// until a pod comes or goes, which rebuilds it).
+    pos: usize,
 }
 
 struct Writer {
@@ -53,6 +56,8 @@ struct Writer {
     next_fresh: usize,
     free: VecDeque<PodIdx>,
     table_dirty: bool,
+    /// Scratch for [`Writer::publish`]: each changed pod's table position and new status.
+    changed: Vec<(usize, Arc<PodStatus>)>,
     /// The pool view's endpoints by name; `None` until a pool source sent its first view.
     members: Option<HashMap<String, Member>>,
 }
@@ -82,6 +87,7 @@ pub(super) fn spawn(
         next_fresh: 0,
         free: VecDeque::new(),
         table_dirty: false,
+        changed: Vec::new(),
         members: None,
     };
     let started = std::thread::Builder::new().name("kvroute-pool-writer".into()).spawn(move || run(w, rx));
@@ -140,12 +146,13 @@ impl Writer {
     }
 
     /// Publishes the index, then every changed pod status, then the pod table (whose status
-    /// column is what decisions read) if any pod or status changed.
+    /// column is what decisions read) if any pod or status changed: rebuilt whole when a pod
+    /// came, went or changed model, otherwise the previous table with the changed pods' chunks
+    /// copied (see [`Column`](super::Column)).
     fn publish(&mut self) {
         self.index.publish();
         self.cpu.publish();
-        let regroup = self.table_dirty;
-        let mut changed = self.table_dirty;
+        let mut changed = std::mem::take(&mut self.changed);
         for p in self.pods.iter_mut().flatten() {
             if p.dirty || p.blocks_dirty {
                 p.rec.blocks.store(self.index.pod_blocks(p.rec.idx), Ordering::Relaxed);
@@ -153,19 +160,37 @@ impl Writer {
             }
             if p.dirty {
                 p.dirty = false;
-                changed = true;
-                p.rec.status.store(Arc::new(p.status.clone()));
+                let status = Arc::new(p.status.clone());
+                p.rec.status.store(status.clone());
+                changed.push((p.pos, status));
             }
         }
-        if changed {
+        if self.table_dirty {
             self.table_dirty = false;
-            let pods: Vec<Arc<PodRecord>> = self.pods.iter().flatten().map(|p| p.rec.clone()).collect();
+            for (pos, p) in self.pods.iter_mut().flatten().enumerate() {
+                p.pos = pos;
+            }
+            let pods: Arc<[Arc<PodRecord>]> = self.pods.iter().flatten().map(|p| p.rec.clone()).collect();
             let status: Vec<Arc<PodStatus>> = pods.iter().map(|p| p.status.load_full()).collect();
-            let by_model =
-                if regroup { Arc::new(PodTable::group_by_model(&status)) } else { self.table.load().by_model.clone() };
+            let by_model = Arc::new(PodTable::group_by_model(&status));
             let hot = status.iter().map(|s| PodHot::of(s)).collect();
-            self.table.store(Arc::new(PodTable { pods, status, hot, by_model }));
+            self.table.store(Arc::new(PodTable { pods, status: status.into_iter().collect(), hot, by_model }));
+        } else if !changed.is_empty() {
+            let old = self.table.load_full();
+            let (mut status, mut hot) = (old.status.clone(), old.hot.clone());
+            for (pos, s) in changed.drain(..) {
+                hot.set(pos, PodHot::of(&s));
+                status.set(pos, s);
+            }
+            self.table.store(Arc::new(PodTable {
+                pods: old.pods.clone(),
+                status,
+                hot,
+                by_model: old.by_model.clone(),
+            }));
         }
+        changed.clear();
+        self.changed = changed;
     }
 
     fn alloc_idx(&mut self) -> Option<PodIdx> {
@@ -262,7 +287,7 @@ impl Writer {
         if i >= self.pods.len() {
             self.pods.resize_with(i + 1, || None);
         }
-        self.pods[i] = Some(WPod { rec, status, owner, dirty: true, blocks_dirty: false });
+        self.pods[i] = Some(WPod { rec, status, owner, dirty: true, blocks_dirty: false, pos: 0 });
         self.names.insert(name.to_string(), idx);
         self.table_dirty = true;
     }

@@ -35,7 +35,7 @@ pub fn pod_routing(pool: &Pool, config: &ScoringConfig) -> Vec<PodRouting> {
     table
         .pods
         .iter()
-        .zip(table.status.iter().zip(&table.hot))
+        .zip(table.status.iter().zip(table.hot.iter()))
         .map(|(rec, (status, hot))| {
             let why = if rec.is_unreachable() {
                 Some(Exclusion::Unreachable)
