@@ -17,7 +17,8 @@ use std::sync::Arc;
 pub(crate) const CHUNK: usize = 16;
 
 /// A chunk's values, aligned so the `Arc`'s reference counts, which every publication that
-/// shares the chunk updates, sit on a cache line of their own: readers never read that line.
+/// shares the chunk updates, sit on a cache line of their own: reading a value never touches
+/// that line (only dropping the last table that holds the chunk does).
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 struct Chunk<T>([T; CHUNK]);
@@ -43,12 +44,14 @@ impl<T> Clone for Column<T> {
     }
 }
 
-impl<T: Clone> Column<T> {
+impl<T> Column<T> {
     /// The values in order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
         self.chunks.iter().flat_map(|c| c.0.iter()).take(self.len)
     }
+}
 
+impl<T: Clone> Column<T> {
     /// Replaces value `i`. Panics if `i >= len` (as a slice's index would).
     pub(crate) fn set(&mut self, i: usize, value: T) {
         assert!(i < self.len, "column index {i} out of range for length {}", self.len);
@@ -57,7 +60,8 @@ impl<T: Clone> Column<T> {
 }
 
 impl<T: Clone> FromIterator<T> for Column<T> {
-    /// The last chunk is padded with copies of the last value, never read.
+    /// The last chunk is padded with copies of the last value, never read (a padding copy of
+    /// an `Arc` keeps that value alive until the column is next built whole).
     fn from_iter<I: IntoIterator<Item = T>>(values: I) -> Self {
         let mut chunks = Vec::new();
         let mut len = 0;

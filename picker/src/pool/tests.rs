@@ -166,8 +166,14 @@ async fn a_table_patched_for_new_stats_reads_as_one_rebuilt() {
             // A pod's stream ends; the pod leaves once its grace period is over.
             10 => {
                 assert!(pool.update(PoolUpdate::StreamEnded { stream: pod as u64 + 1 }).await.is_ok());
-                tokio::time::sleep(Duration::from_millis(400)).await;
                 gone.push(pod);
+                let name = format!("p{pod}");
+                for _ in 0..100 {
+                    if !pool.table.load().pods.iter().any(|p| *p.name == *name) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
             }
             // A pod changes model.
             15 => assert!(pool.update(send(pod, if model == "a" { "c" } else { "a" }, 0.3)).await.is_ok()),
@@ -202,7 +208,7 @@ async fn a_table_patched_for_new_stats_reads_as_one_rebuilt() {
             assert!(Arc::ptr_eq(&after.by_model, &before.by_model), "step {step}");
         }
     }
-    assert_eq!(pool.table.load().pods.len(), 40 - gone.len());
+    assert_eq!(pool.table.load().pods.len(), 40 - gone.len(), "a pod whose grace period ended is still listed");
 }
 
 #[tokio::test]
