@@ -115,6 +115,14 @@ impl PrefixPopularity {
         }
     }
 
+    /// `root`'s share of the requests counted lately, in [0, 1] (its fading count over all
+    /// roots'; 0 for a root not tracked, or before any request). One lock and one lookup.
+    pub(crate) fn share(&self, root: u64) -> f64 {
+        let c = self.inner.lock();
+        let count = c.scaled.get(&root).map_or(0.0, |r| r.scaled);
+        if c.sum > 0.0 { (count / c.sum).clamp(0.0, 1.0) } else { 0.0 }
+    }
+
     /// Whether the recent prefixes are equally popular at `now_ms`: [`MIN_ROOTS`] roots or
     /// more, at least four in five recently new roots routed again ([`Counts::reuse_share`]),
     /// and at most half the roots' spread in rate real ([`Counts::real_spread`]). One lock.
@@ -236,6 +244,21 @@ mod tests {
         assert!(p.real_spread(60_000) < 0.2, "{}", p.real_spread(60_000));
         assert!(p.reuse_share() > 0.99, "{}", p.reuse_share());
         assert!(p.equal(60_000));
+    }
+
+    #[test]
+    fn a_roots_share_is_its_part_of_the_fading_counts() {
+        let p = PrefixPopularity::new(16);
+        assert_eq!(p.share(1), 0.0, "nothing counted yet");
+        for k in 0..3 {
+            p.record(1, 1_000 * k);
+        }
+        p.record(2, 3_000);
+        // Root 1's three counts faded more than root 2's one, so its share is under 3/4.
+        let (one, two) = (p.share(1), p.share(2));
+        assert!(one > 0.7 && one < 0.75, "{one}");
+        assert!((one + two - 1.0).abs() < 1e-12, "{one} + {two}");
+        assert_eq!(p.share(3), 0.0, "a root never counted");
     }
 
     #[test]

@@ -452,7 +452,9 @@ impl Router {
         // against it would teach the pod's model that work costs nothing.
         let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || !shared.pending.silent(rec.idx);
         drop(shared);
-        if let Some(root) = req.block_hashes.first().filter(|_| self.config.popularity_placement_margin > 0.0) {
+        // Read by the new-prefix placement and by the pile guard.
+        let popularity = self.config.popularity_placement_margin > 0.0 || self.config.pile_guard_margin > 0;
+        if let Some(root) = req.block_hashes.first().filter(|_| popularity) {
             self.popularity.record(root.0, now);
         }
         let mut slot = selection.reserve(rec, status, credited, now);
@@ -658,8 +660,7 @@ impl Router {
         let mut choice = by_time.or_else(|| choose_keeping_top(sc)).map(|c| self.place_cold(&mut *sc, table, c));
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
-            // By time, a pile that fits the pod's KV and is predicted far faster is no pile.
-            && !(by_time.is_some() && pile_fits(&sc.rows[c], &sc.rows[least]))
+            && !self.pile_stays(sc, c, least, by_time.is_some(), req)
         {
             choice = Some(least);
             self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
@@ -1040,6 +1041,23 @@ impl Router {
         choose(&sc.scored, (0..sc.rows.len()).filter(|&i| sc.rows[i].load == least))
     }
 
+    /// Whether row `pile`, which the pile guard would leave for row `least`, keeps the request
+    /// after all (docs/design.md §4 pile guard): it has KV room and is predicted
+    /// [`PILE_SPEEDUP`] times faster, and either the decision is by time (KV room below
+    /// [`KV_ROOM`]) or the request's prefix is not hot (below [`UNSHARED_KV_ROOM`]). A prefix
+    /// is hot when its root carries at least one candidate's share (1 / candidates) of the
+    /// requests this replica routed lately: the guard exists to give such a prefix a second
+    /// pod, and moving a request of any other prefix only computes it cold elsewhere.
+    fn pile_stays(&self, sc: &Scratch, pile: usize, least: usize, by_time: bool, req: &RouteRequest<'_>) -> bool {
+        let (a, b) = (&sc.rows[pile], &sc.rows[least]);
+        if by_time {
+            return pile_fits(a, b, KV_ROOM);
+        }
+        let fair = 1.0 / sc.rows.len() as f64;
+        pile_fits(a, b, UNSHARED_KV_ROOM)
+            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
+    }
+
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).
     fn candidate(&self, sc: &Scratch, table: &PodTable, i: usize) -> CandidateScore {
         let (row, s) = (&sc.rows[i], &sc.scored[i]);
@@ -1174,11 +1192,18 @@ const KV_ROOM: f64 = 0.5;
 /// taken), so those piles are moved.
 const PILE_SPEEDUP: f64 = 3.0;
 
-/// Whether by time row `a`, a pile, keeps a request the pile guard would give to row `b`: `a`
-/// has [`KV_ROOM`] and is predicted at least [`PILE_SPEEDUP`] times faster (false without
-/// both predictions).
-fn pile_fits(a: &Row, b: &Row) -> bool {
-    a.kv < KV_ROOM && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
+/// KV cache usage below which a pile of requests whose prefix is not hot may grow past the
+/// pile guard in the default preset (see [`Router::pile_stays`]). Higher than [`KV_ROOM`]: such
+/// a pile is one group's requests on the pod that holds the group, and moving one computes the
+/// whole prompt on a pod that lacks it, which then holds up that pod's own hits. Above it, the
+/// pod is near preempting and the guard's move is what keeps it from tipping over.
+const UNSHARED_KV_ROOM: f64 = 0.8;
+
+/// Whether row `a`, a pile, may keep a request the pile guard would give to row `b`: `a`'s KV
+/// usage is below `kv_room` and it is predicted at least [`PILE_SPEEDUP`] times faster (false
+/// without both predictions).
+fn pile_fits(a: &Row, b: &Row, kv_room: f64) -> bool {
+    a.kv < kv_room && matches!((a.predicted, b.predicted), (Some(pa), Some(pb)) if pa * PILE_SPEEDUP <= pb)
 }
 
 /// Whether the request is new to every candidate: no blocks credited (indexed, pending or

@@ -185,6 +185,47 @@ async fn ttft_preset_keeps_a_full_hot_pod_predicted_fastest() {
     }
 }
 
+/// docs/design.md §4 pile guard: in the default preset a pile keeps a full hit the guard would
+/// move when the pod has KV room and is predicted far faster, unless the request's prefix is
+/// hot (a candidate's share of the traffic or more: the guard's move gives it a second pod).
+#[tokio::test]
+async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
+    let c = chain(1 << 41, 256);
+    for (kv, hot_prefix, want) in [(0.6, false, "hot"), (0.85, false, "cold"), (0.6, true, "cold")] {
+        let (pool, r) = router(ScoringConfig::default());
+        put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
+        put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
+        // Twelve other prefixes routed, each 1/12 of the traffic.
+        teach(&r, "hot", 5.0, 1);
+        teach(&r, "cold", 5.0, 1 << 20);
+        if hot_prefix {
+            // Twenty requests of this prefix: 20/32 of the traffic, over the fair half.
+            for _ in 0..20 {
+                let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+                assert_eq!(d.pod, "hot");
+            }
+        }
+        // A pile on the pod that holds the prompt: 45 running against 1, each with little
+        // decode work left next to a 4,096-token prefill elsewhere.
+        let running = |n, kv| kvroute_proto::agent::v1::PodStats {
+            num_requests_running: n,
+            kv_cache_usage: kv,
+            ..stats(1.0, 0, 1.0)
+        };
+        put(&pool, "hot", "m", running(45, kv), &c).await;
+        put(&pool, "cold", "m", running(1, 0.1), &[]).await;
+        let ex = r.explain(&req(&c));
+        let pred = |pod: &str| ex.candidates.iter().find(|k| &*k.pod == pod).and_then(|k| k.predicted_ttft_ms);
+        let why = format!("kv {kv}, hot prefix {hot_prefix}: {ex:?}");
+        assert!(pred("hot").zip(pred("cold")).is_some_and(|(h, k)| 3.0 * h <= k), "{why}");
+        let before = r.shared().credit.pile_redirects.load(Ordering::Relaxed);
+        let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+        assert_eq!(d.pod, want, "{why}");
+        let moved = r.shared().credit.pile_redirects.load(Ordering::Relaxed) - before;
+        assert_eq!(moved, u64::from(want == "cold"), "{why}");
+    }
+}
+
 /// A first token is learned only against work the picker could see: on a pod whose KV events
 /// never came for a request that ended (its queue is invisible), a request routed while another
 /// is in flight teaches nothing, one routed to the empty pod does; on a pod not known silent
