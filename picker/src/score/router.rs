@@ -1043,19 +1043,25 @@ impl Router {
 
     /// Whether row `pile`, which the pile guard would leave for row `least`, keeps the request
     /// after all (docs/design.md §4 pile guard): it has KV room and is predicted
-    /// [`PILE_SPEEDUP`] times faster, and either the decision is by time (KV room below
-    /// [`KV_ROOM`]) or the request's prefix is not hot (below [`UNSHARED_KV_ROOM`]). A prefix
-    /// is hot when its root carries at least one candidate's share (1 / candidates) of the
-    /// requests this replica routed lately: the guard exists to give such a prefix a second
-    /// pod, and moving a request of any other prefix only computes it cold elsewhere.
+    /// [`PILE_SPEEDUP`] times faster, and
+    /// - with `spill_rule: ttft`, the decision went by time (`by_time`; KV room below
+    ///   [`KV_ROOM`]); when it fell back to the seed's rule, the guard moves as in that rule;
+    /// - with `spill_rule: max_queue`, the request's prefix is not hot (KV room below
+    ///   [`UNSHARED_KV_ROOM`]). A prefix is hot when its root carries at least one candidate's
+    ///   share (1 / candidates) of the requests this replica routed before this one: the guard
+    ///   exists to give such a prefix a second pod, and moving a request of any other prefix
+    ///   only computes it cold elsewhere.
     fn pile_stays(&self, sc: &Scratch, pile: usize, least: usize, by_time: bool, req: &RouteRequest<'_>) -> bool {
         let (a, b) = (&sc.rows[pile], &sc.rows[least]);
-        if by_time {
-            return pile_fits(a, b, KV_ROOM);
+        match self.config.spill_rule {
+            SpillRule::Ttft => by_time && pile_fits(a, b, KV_ROOM),
+            SpillRule::MaxQueue => {
+                // The guard fires only with a less loaded row beside the pile: two rows or more.
+                let fair = 1.0 / sc.rows.len() as f64;
+                pile_fits(a, b, UNSHARED_KV_ROOM)
+                    && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
+            }
         }
-        let fair = 1.0 / sc.rows.len() as f64;
-        pile_fits(a, b, UNSHARED_KV_ROOM)
-            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
     }
 
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).

@@ -191,19 +191,17 @@ async fn ttft_preset_keeps_a_full_hot_pod_predicted_fastest() {
 #[tokio::test]
 async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
     let c = chain(1 << 41, 256);
-    for (kv, hot_prefix, want) in [(0.6, false, "hot"), (0.85, false, "cold"), (0.6, true, "cold")] {
+    for (kv, before, want) in [(0.6, 2, "hot"), (0.85, 2, "cold"), (0.6, 20, "cold")] {
         let (pool, r) = router(ScoringConfig::default());
         put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
         put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
-        // Twelve other prefixes routed, each 1/12 of the traffic.
+        // Twelve other prefixes routed, one request each; then this one's: 2 of 14 requests
+        // (under the fair half of two candidates) or 20 of 32 (over it).
         teach(&r, "hot", 5.0, 1);
         teach(&r, "cold", 5.0, 1 << 20);
-        if hot_prefix {
-            // Twenty requests of this prefix: 20/32 of the traffic, over the fair half.
-            for _ in 0..20 {
-                let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
-                assert_eq!(d.pod, "hot");
-            }
+        for _ in 0..before {
+            let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+            assert_eq!(d.pod, "hot");
         }
         // A pile on the pod that holds the prompt: 45 running against 1, each with little
         // decode work left next to a 4,096-token prefill elsewhere.
@@ -216,7 +214,7 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
         put(&pool, "cold", "m", running(1, 0.1), &[]).await;
         let ex = r.explain(&req(&c));
         let pred = |pod: &str| ex.candidates.iter().find(|k| &*k.pod == pod).and_then(|k| k.predicted_ttft_ms);
-        let why = format!("kv {kv}, hot prefix {hot_prefix}: {ex:?}");
+        let why = format!("kv {kv}, {before} of this prefix before: {ex:?}");
         assert!(pred("hot").zip(pred("cold")).is_some_and(|(h, k)| 3.0 * h <= k), "{why}");
         let before = r.shared().credit.pile_redirects.load(Ordering::Relaxed);
         let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
