@@ -452,8 +452,10 @@ impl Router {
         // against it would teach the pod's model that work costs nothing.
         let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || !shared.pending.silent(rec.idx);
         drop(shared);
-        // Read by the new-prefix placement and by the pile guard.
-        let popularity = self.config.popularity_placement_margin > 0.0 || self.config.pile_guard_margin > 0;
+        // Read by the new-prefix placement, and by the pile guard of `spill_rule: max_queue`
+        // ([`Router::pile_stays`]).
+        let popularity = self.config.popularity_placement_margin > 0.0
+            || (self.config.pile_guard_margin > 0 && self.config.spill_rule == SpillRule::MaxQueue);
         if let Some(root) = req.block_hashes.first().filter(|_| popularity) {
             self.popularity.record(root.0, now);
         }
