@@ -220,6 +220,7 @@ impl Gateway {
                     indexed_blocks: credit.indexed_blocks.load(Ordering::Relaxed),
                     pending_blocks: credit.pending_blocks.load(Ordering::Relaxed),
                     pile_redirects: credit.pile_redirects.load(Ordering::Relaxed),
+                    full_fleet_stays: credit.full_fleet_stays.load(Ordering::Relaxed),
                     pending_withheld: credit.pending_withheld.load(Ordering::Relaxed),
                     new_prefix_by_traffic: credit.new_prefix_by_traffic.load(Ordering::Relaxed),
                     new_prefix_by_cache: credit.new_prefix_by_cache.load(Ordering::Relaxed),

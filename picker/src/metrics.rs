@@ -240,6 +240,7 @@ pub struct Metrics {
     pending_chains: Family<OutcomeLabel, Counter>,
     pending_entries: Gauge,
     pile_guard_redirects: Counter,
+    full_fleet_stays: Counter,
     pending_withheld: Counter,
     new_prefix_placements: Family<RuleLabel, Counter>,
     ttft: TtftMetrics,
@@ -313,6 +314,7 @@ impl Metrics {
         let pending_chains = Family::<OutcomeLabel, Counter>::default();
         let pending_entries = Gauge::default();
         let pile_guard_redirects = Counter::default();
+        let full_fleet_stays = Counter::default();
         let pending_withheld = Counter::default();
         let new_prefix_placements = Family::<RuleLabel, Counter>::default();
         let ttft = TtftMetrics::register(&mut registry);
@@ -335,6 +337,11 @@ impl Metrics {
             "epp_pile_guard_redirects",
             "Decisions the pile guard sent to the least loaded candidate",
             pile_guard_redirects.clone(),
+        );
+        registry.register(
+            "epp_full_fleet_stays",
+            "Decisions that kept a request on a pod holding its prefix, at max_queue or past the pile guard, because the candidates' KV was nearly full",
+            full_fleet_stays.clone(),
         );
         registry.register(
             "epp_pending_credit_withheld",
@@ -551,6 +558,7 @@ impl Metrics {
             pending_chains,
             pending_entries,
             pile_guard_redirects,
+            full_fleet_stays,
             pending_withheld,
             new_prefix_placements,
             ttft,
@@ -622,6 +630,7 @@ impl Metrics {
         mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "index" }), routing.indexed_blocks);
         mirror(&self.cache_credit_blocks.get_or_create(&SourceLabel { source: "pending" }), routing.pending_blocks);
         mirror(&self.pile_guard_redirects, routing.pile_redirects);
+        mirror(&self.full_fleet_stays, routing.full_fleet_stays);
         mirror(&self.pending_withheld, routing.pending_withheld);
         mirror(
             &self.new_prefix_placements.get_or_create(&RuleLabel { rule: "traffic" }),
@@ -760,6 +769,8 @@ pub struct RoutingCounts {
     pub pending_blocks: u64,
     /// Decisions the pile guard sent to the least loaded candidate.
     pub pile_redirects: u64,
+    /// Decisions kept on a pod holding the prefix because the fleet was full.
+    pub full_fleet_stays: u64,
     /// Candidates scored without their pending credit.
     pub pending_withheld: u64,
     /// New prefixes placed by routed rate and cached blocks.

@@ -242,6 +242,9 @@ pub struct CreditCounters {
     pub pending_blocks: AtomicU64,
     /// Decisions the pile guard sent to the least loaded candidate (docs/design.md §4).
     pub pile_redirects: AtomicU64,
+    /// Decisions that kept a request on a pod holding its prefix, at `max_queue` or past the
+    /// pile guard, because the fleet was full (docs/design.md §4 "A full fleet").
+    pub full_fleet_stays: AtomicU64,
     /// Candidates whose pending credit was withheld for their queue (`pending_queue_share`).
     pub pending_withheld: AtomicU64,
     /// New prefixes placed by routed rate and cached blocks (popularity unequal or unknown).

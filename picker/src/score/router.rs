@@ -147,6 +147,11 @@ struct Scratch {
     shares: Vec<(f64, f64)>,
     /// Each row's pod's TTFT fit, copied for the prediction.
     fits: Vec<TtftFit>,
+    /// `spill_rule: max_queue`: the fleet is full for this request ([`Router::fleet_is_full`]),
+    /// so the pods holding most of its prefix keep it.
+    full_fleet: bool,
+    /// The spill kept a row at `max_queue` because the fleet is full.
+    kept_full: bool,
 }
 
 impl Scratch {
@@ -165,6 +170,8 @@ impl Scratch {
         self.order.clear();
         self.top.clear();
         self.precise = false;
+        self.full_fleet = false;
+        self.kept_full = false;
         self.shares.clear();
     }
 }
@@ -452,11 +459,7 @@ impl Router {
         // against it would teach the pod's model that work costs nothing.
         let work_known = row.load == 0 || !(precise && shared.pending.enabled()) || !shared.pending.silent(rec.idx);
         drop(shared);
-        // Read by the new-prefix placement, and by the pile guard of `spill_rule: max_queue`
-        // ([`Router::pile_stays`]).
-        let popularity = self.config.popularity_placement_margin > 0.0
-            || (self.config.pile_guard_margin > 0 && self.config.spill_rule == SpillRule::MaxQueue);
-        if let Some(root) = req.block_hashes.first().filter(|_| popularity) {
+        if let Some(root) = req.block_hashes.first().filter(|_| self.counts_roots()) {
             self.popularity.record(root.0, now);
         }
         let mut slot = selection.reserve(rec, status, credited, now);
@@ -639,7 +642,12 @@ impl Router {
             self.predict(sc, table, total_blocks);
             self.spill_by_time(sc)?;
         } else {
-            self.spill(sc)?;
+            sc.full_fleet = self.fleet_is_full(sc, table, req);
+            if sc.full_fleet {
+                self.spill_to_full_fleet(sc)?;
+            } else {
+                self.spill(sc)?;
+            }
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
         }
@@ -660,12 +668,19 @@ impl Router {
             }
         };
         let mut choice = by_time.or_else(|| choose_keeping_top(sc)).map(|c| self.place_cold(&mut *sc, table, c));
+        let mut kept_full = sc.kept_full && choice.is_some_and(|c| sc.rows[c].depth >= self.config.max_queue);
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
-            && !self.pile_stays(sc, c, least, by_time.is_some(), req)
         {
-            choice = Some(least);
-            self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
+            if sc.full_fleet {
+                kept_full = true;
+            } else if !self.pile_stays(sc, c, least, by_time.is_some(), req) {
+                choice = Some(least);
+                self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if kept_full {
+            self.shared.credit.full_fleet_stays.fetch_add(1, Ordering::Relaxed);
         }
         Ok(choice)
     }
@@ -824,6 +839,48 @@ impl Router {
     /// `shed_when_saturated`, else every row stays.
     fn spill(&self, sc: &mut Scratch) -> Result<(), RouteError> {
         self.spill_keeping(sc, |_| false)
+    }
+
+    /// [`Router::spill`] while the fleet is full ([`Router::fleet_is_full`]): the rows holding
+    /// the most of the request's blocks stay at `max_queue`, up to [`FULL_FLEET_QUEUE_FACTOR`]
+    /// times it. Sets `sc.kept_full` when that kept a row the seed's rule would have spilled.
+    fn spill_to_full_fleet(&self, sc: &mut Scratch) -> Result<(), RouteError> {
+        let max_queue = self.config.max_queue;
+        let limit = max_queue.saturating_mul(FULL_FLEET_QUEUE_FACTOR);
+        let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
+        let keep = |r: &Row| r.credited() == top && r.depth < limit;
+        sc.kept_full =
+            sc.rows.iter().any(|r| r.depth < max_queue) && sc.rows.iter().any(|r| r.depth >= max_queue && keep(r));
+        self.spill_keeping(sc, keep)
+    }
+
+    /// Whether, under `spill_rule: max_queue`, moving the request off the pods that hold its
+    /// prefix would only copy the prefix where there is no room for it (docs/design.md §4 "A
+    /// full fleet"): some row holds a block of it, its root is not hot (less than one
+    /// candidate's share of the recent requests, as in [`Router::pile_stays`]), and the
+    /// candidates' mean reported KV usage is at least [`FULL_FLEET_KV`]. False where this
+    /// replica keeps no counts of roots (both `popularity_placement_margin` and
+    /// `pile_guard_margin` 0): it cannot tell a hot prefix from another.
+    fn fleet_is_full(&self, sc: &Scratch, table: &PodTable, req: &RouteRequest<'_>) -> bool {
+        let n = sc.rows.len();
+        if n < 2 || !self.counts_roots() || sc.rows.iter().all(|r| r.credited() == 0) {
+            return false;
+        }
+        let kv: f64 = sc
+            .rows
+            .iter()
+            .map(|r| table.hot[r.pod as usize].kv_cache_usage)
+            .map(|k| if k.is_finite() { k.clamp(0.0, 1.0) } else { 0.0 })
+            .sum();
+        kv >= FULL_FLEET_KV * n as f64
+            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64)
+    }
+
+    /// Whether decisions count prefix roots ([`PrefixPopularity`]): read by the new-prefix
+    /// placement, and under `spill_rule: max_queue` by the pile guard and the full-fleet rule.
+    fn counts_roots(&self) -> bool {
+        self.config.popularity_placement_margin > 0.0
+            || (self.config.pile_guard_margin > 0 && self.config.spill_rule == SpillRule::MaxQueue)
     }
 
     /// [`Router::spill`], except that the rows at `max_queue` for which `keep` holds stay.
@@ -1206,6 +1263,15 @@ const PILE_SPEEDUP: f64 = 3.0;
 /// whole prompt on a pod that lacks it, which then holds up that pod's own hits. Above it, the
 /// pod is near preempting and the guard's move is what keeps it from tipping over.
 const UNSHARED_KV_ROOM: f64 = 0.8;
+
+/// Mean KV cache usage of the candidates at which the fleet is full for a request whose prefix
+/// is not hot ([`Router::fleet_is_full`]). The same level as [`UNSHARED_KV_ROOM`]: a pod there is
+/// near preempting, and where that is the mean, a copy of the prompt on another pod takes the
+/// room that pod's own running requests are about to need.
+const FULL_FLEET_KV: f64 = 0.8;
+/// While the fleet is full, a pod holding the request's prefix keeps it up to this many times
+/// `max_queue` requests queued: a bound, so that a pod that stops serving is left in the end.
+const FULL_FLEET_QUEUE_FACTOR: u32 = 4;
 
 /// Whether row `a`, a pile, may keep a request the pile guard would give to row `b`: `a`'s KV
 /// usage is below `kv_room` and it is predicted at least [`PILE_SPEEDUP`] times faster (false

@@ -224,6 +224,59 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
     }
 }
 
+/// Under `spill_rule: max_queue`, when the candidates' KV is nearly full on average, a request
+/// whose prefix is not hot stays on the pod holding it: at `max_queue` (up to four times it)
+/// and past the pile guard. Moving it would compute the whole prompt again where there is no
+/// room for a copy. With room somewhere, past the bound, or with a hot prefix, the seed's
+/// spill and the pile guard move it as before.
+#[tokio::test]
+async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
+    let c = chain(3 << 40, 256);
+    // (hot pod's KV, waiting, running; cold pod's KV; requests of this prefix routed before;
+    // expected pod; whether the full fleet kept it)
+    let cases = [
+        (0.99, 25, 0, 0.7, 1, "hot", true),
+        (0.99, 25, 0, 0.5, 1, "cold", false),
+        (0.99, 80, 0, 0.7, 1, "cold", false),
+        (0.99, 25, 0, 0.7, 20, "cold", false),
+        (0.9, 0, 45, 0.75, 1, "hot", true),
+        (0.9, 0, 45, 0.6, 1, "cold", false),
+    ];
+    for (hot_kv, waiting, running, cold_kv, before, want, kept) in cases {
+        let (pool, r) = router(ScoringConfig::default());
+        put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
+        put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
+        // Twelve other prefixes, one request each, then this one's `before`: 1 of 13 is under
+        // the fair half of two candidates, 20 of 32 over it.
+        teach(&r, "hot", 5.0, 1 << 30);
+        teach(&r, "cold", 5.0, 1 << 31);
+        for _ in 0..before {
+            let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
+            assert_eq!(d.pod, "hot");
+        }
+        let report = |kv, waiting, running| kvroute_proto::agent::v1::PodStats {
+            kv_cache_usage: kv,
+            num_requests_running: running,
+            ..stats(1.0, waiting, 1.0)
+        };
+        put(&pool, "hot", "m", report(hot_kv, waiting, running), &c).await;
+        put(&pool, "cold", "m", report(cold_kv, 0, 1), &[]).await;
+        let why = format!("hot KV {hot_kv}, waiting {waiting}, running {running}; cold KV {cold_kv}; {before} before");
+        let stays = r.shared().credit.full_fleet_stays.load(Ordering::Relaxed);
+        let redirects = r.shared().credit.pile_redirects.load(Ordering::Relaxed);
+        let Ok(d) = r.route(&req(&c)) else { panic!("no decision: {why}") };
+        assert_eq!(d.pod, want, "{why}");
+        assert_eq!(r.shared().credit.full_fleet_stays.load(Ordering::Relaxed) - stays, u64::from(kept), "{why}");
+        // The pile cases: the guard moves the request unless the full fleet keeps it.
+        let moved_by_guard = running > 0 && want == "cold";
+        assert_eq!(
+            r.shared().credit.pile_redirects.load(Ordering::Relaxed) - redirects,
+            u64::from(moved_by_guard),
+            "{why}"
+        );
+    }
+}
+
 /// A first token is learned only against work the picker could see: on a pod whose KV events
 /// never came for a request that ended (its queue is invisible), a request routed while another
 /// is in flight teaches nothing, one routed to the empty pod does; on a pod not known silent

@@ -391,6 +391,7 @@ async fn main() -> Result<()> {
             [
                 "epp_routing_decisions",
                 "epp_pile_guard_redirects",
+                "epp_full_fleet_stays",
                 "epp_pending_credit_withheld",
                 "epp_stale_cache_routing",
                 "epp_new_prefix_placements",
