@@ -3,7 +3,8 @@
 //! 1. `prefilter`: the prefix walk and the static filters (lock-free) make the rows;
 //! 2. `overlay_precise` (precise mode): pending chains and the CPU tier added to each row's match;
 //! 3. `overlay_load`: queue depth, load, GPU utilization and prefill left, under the lock;
-//! 4. `spill`: rows at `max_queue` leave (or the decision is shed);
+//! 4. `spill`: rows at `max_queue` leave (or the decision is shed); while the fleet is full,
+//!    the rows holding the most of a prefix that is not hot stay (`spill_to_full_fleet`);
 //! 5. `cap_pending`: pending credit withheld from rows queued far above the least queued;
 //! 6. `predict`: every row's in-flight load and predicted TTFT from its pod's learned model, and
 //!    the `x-slo-ttft-ms` filter (docs/design.md §4 "Load and predicted TTFT"); with
@@ -19,7 +20,8 @@
 //!     `popularity_placement_margin` to the fewest cached blocks (docs/design.md §4 "Where a
 //!     new prefix goes");
 //! 11. `pile_guard`: the least loaded row instead, when the choice carries far more requests
-//!     (by time: unless the choice has KV room and is predicted far faster);
+//!     (unless its prefix is not hot and the choice is predicted far faster with KV room, or
+//!     the fleet is full);
 //! 12. `route_in` (routing only): the chain recorded pending, the event published to peers and an
 //!     in-flight slot reserved on the chosen pod, with the work the TTFT model learns from.
 //!
@@ -147,8 +149,8 @@ struct Scratch {
     shares: Vec<(f64, f64)>,
     /// Each row's pod's TTFT fit, copied for the prediction.
     fits: Vec<TtftFit>,
-    /// `spill_rule: max_queue`: the fleet is full for this request ([`Router::fleet_is_full`]),
-    /// so the pods holding most of its prefix keep it.
+    /// The fleet is full for this request ([`Router::fleet_is_full`]), so the pods holding most
+    /// of its prefix keep it.
     full_fleet: bool,
     /// The spill kept a row at `max_queue` because the fleet is full.
     kept_full: bool,
@@ -640,7 +642,12 @@ impl Router {
             // Stay or spill by time: the queue spill needs every row's prediction first.
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
-            self.spill_by_time(sc)?;
+            sc.full_fleet = self.fleet_is_full(sc, table, req);
+            if sc.full_fleet {
+                self.spill_to_full_fleet(sc)?;
+            } else {
+                self.spill_by_time(sc)?;
+            }
         } else {
             sc.full_fleet = self.fleet_is_full(sc, table, req);
             if sc.full_fleet {
@@ -854,9 +861,9 @@ impl Router {
         self.spill_keeping(sc, keep)
     }
 
-    /// Whether, under `spill_rule: max_queue`, moving the request off the pods that hold its
-    /// prefix would only copy the prefix where there is no room for it (docs/design.md §4 "A
-    /// full fleet"): some row holds a block of it, its root is not hot (less than one
+    /// Whether moving the request off the pods that hold its prefix would only copy the prefix
+    /// where there is no room for it (docs/design.md §4 "A full fleet"), under either spill
+    /// rule: some row holds a block of it, its root is not hot (less than one
     /// candidate's share of the recent requests, as in [`Router::pile_stays`]), and the
     /// candidates' mean reported KV usage is at least [`FULL_FLEET_KV`]. False where this
     /// replica keeps no counts of roots (both `popularity_placement_margin` and
@@ -877,7 +884,7 @@ impl Router {
     }
 
     /// Whether decisions count prefix roots ([`PrefixPopularity`]): read by the new-prefix
-    /// placement, and under `spill_rule: max_queue` by the pile guard and the full-fleet rule.
+    /// placement and the full-fleet rule, and under `spill_rule: max_queue` by the pile guard.
     fn counts_roots(&self) -> bool {
         self.config.popularity_placement_margin > 0.0
             || (self.config.pile_guard_margin > 0 && self.config.spill_rule == SpillRule::MaxQueue)

@@ -224,11 +224,11 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
     }
 }
 
-/// Under `spill_rule: max_queue`, when the candidates' KV is nearly full on average, a request
-/// whose prefix is not hot stays on the pod holding it: at `max_queue` (up to four times it)
-/// and past the pile guard. Moving it would compute the whole prompt again where there is no
-/// room for a copy. With room somewhere, past the bound, or with a hot prefix, the seed's
-/// spill and the pile guard move it as before.
+/// When the candidates' KV is nearly full on average, a request whose prefix is not hot stays
+/// on the pod holding it: at `max_queue` (up to four times it) and past the pile guard, in the
+/// default preset and in `ttft`. Moving it would compute the whole prompt again where there is
+/// no room for a copy. With room somewhere, past the bound, or with a hot prefix, each preset's
+/// spill and pile guard move it as before.
 #[tokio::test]
 async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
     let c = chain(3 << 40, 256);
@@ -242,8 +242,12 @@ async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
         (0.9, 0, 45, 0.75, 1, "hot", true),
         (0.9, 0, 45, 0.6, 1, "cold", false),
     ];
-    for (hot_kv, waiting, running, cold_kv, before, want, kept) in cases {
-        let (pool, r) = router(ScoringConfig::default());
+    let Some(ttft) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
+    let presets = [("default", ScoringConfig::default()), ("ttft", ttft)];
+    for ((preset, config), (hot_kv, waiting, running, cold_kv, before, want, kept)) in
+        presets.iter().flat_map(|p| cases.iter().map(move |c| (p, *c)))
+    {
+        let (pool, r) = router(config.clone());
         put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
         put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
         // Twelve other prefixes, one request each, then this one's `before`: 1 of 13 is under
@@ -261,7 +265,9 @@ async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
         };
         put(&pool, "hot", "m", report(hot_kv, waiting, running), &c).await;
         put(&pool, "cold", "m", report(cold_kv, 0, 1), &[]).await;
-        let why = format!("hot KV {hot_kv}, waiting {waiting}, running {running}; cold KV {cold_kv}; {before} before");
+        let why = format!(
+            "{preset}: hot KV {hot_kv}, waiting {waiting}, running {running}; cold KV {cold_kv}; {before} before"
+        );
         let stays = r.shared().credit.full_fleet_stays.load(Ordering::Relaxed);
         let redirects = r.shared().credit.pile_redirects.load(Ordering::Relaxed);
         let Ok(d) = r.route(&req(&c)) else { panic!("no decision: {why}") };
