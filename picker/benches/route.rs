@@ -10,8 +10,8 @@
 //! the 256 steps intersects with every pod. `route_no_prefix`: an empty chain (filters, scoring,
 //! choice and reservation; no pod holds a block of it, so it is placed as a new prefix),
 //! beside `route_no_prefix_placement_off` (`cold_placement_margin: 0`, the same request by S
-//! alone), `route_popularity_off` (`popularity_placement_margin: 0` and `pile_guard_margin: 0`,
-//! the count's two readers: `route` without the count of the request's prefix root), and `route_learned` (`route` once every pod's TTFT model has
+//! alone), `route_popularity_off` (`popularity_placement_margin`, `pile_guard_margin` and
+//! `full_fleet_kv` 0, the count's readers: `route` without the count of the request's prefix root), and `route_learned` (`route` once every pod's TTFT model has
 //! learned from six first tokens, as in service), and `route_busy` (`route` while every pod holds
 //! two requests routed after its report and not yet seen computed), `route_busy_live` (the same
 //! while eight pods' blocks change before each decision, as KV events arrive in service;
@@ -270,8 +270,14 @@ fn bench(c: &mut Criterion) {
         });
         drop(router_off);
         // The same full-hit request without the count of its prefix's popularity.
-        // The pile guard reads the count too, so it is off as well (it does not fire here).
-        let off = ScoringConfig { popularity_placement_margin: 0.0, pile_guard_margin: 0, ..ScoringConfig::default() };
+        // The pile guard and the full-fleet rule read the count too, so they are off as well
+        // (neither applies here).
+        let off = ScoringConfig {
+            popularity_placement_margin: 0.0,
+            pile_guard_margin: 0,
+            full_fleet_kv: 0.0,
+            ..ScoringConfig::default()
+        };
         let Ok(router_off) = Router::new(pool.clone(), off) else { panic!("router") };
         g.bench_with_input(BenchmarkId::new("route_popularity_off", n), &n, |b, _| route(b, &router_off, &rq));
         drop(router_off);

@@ -1210,6 +1210,17 @@ scoring: { weights: {cache: 0.6, load: 0.2, queue: 0.1, health: 0.05, adapter: 0
         }
         let c = PickerConfig::from_yaml("scoring: {cold_placement_margin: 0}").unwrap();
         assert!(c.validate().is_ok() && c.scoring.cold_placement_margin == 0.0);
+        assert_eq!(PickerConfig::from_yaml("").unwrap().scoring.full_fleet_kv, 0.8);
+        let c = PickerConfig::from_yaml("scoring: {full_fleet_kv: 0}").unwrap();
+        assert!(c.validate().is_ok() && c.scoring.full_fleet_kv == 0.0);
+        for kv in ["-0.1", "1.5"] {
+            let err =
+                PickerConfig::from_yaml(&format!("scoring:\n  full_fleet_kv: {kv}\n")).unwrap().validate().unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Scoring { source: ScoringConfigError::FullFleetKv(_) }),
+                "{kv}: {err:?}"
+            );
+        }
         let c = PickerConfig::from_yaml("scoring: {popularity_placement_margin: 0}").unwrap();
         assert!(c.validate().is_ok() && c.scoring.popularity_placement_margin == 0.0);
         assert_eq!(PickerConfig::from_yaml("").unwrap().scoring.popularity_placement_margin, 0.05);

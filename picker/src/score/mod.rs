@@ -131,6 +131,9 @@ pub const DEFAULT_PILE_GUARD_MARGIN: u32 = 40;
 pub const TTFT_PILE_GUARD_MARGIN: u32 = 24;
 /// Default [`ScoringConfig::cold_placement_margin`], in S.
 pub const DEFAULT_COLD_PLACEMENT_MARGIN: f64 = 0.01;
+/// Default [`ScoringConfig::full_fleet_kv`]: the KV usage at which a pod is near preempting
+/// (docs/decisions/0060-a-full-fleet-keeps-prefixes.md).
+pub const DEFAULT_FULL_FLEET_KV: f64 = 0.8;
 /// Default [`ScoringConfig::popularity_placement_margin`], in S.
 pub const DEFAULT_POPULARITY_PLACEMENT_MARGIN: f64 = 0.05;
 /// Default [`ScoringConfig::pile_guard_factor`].
@@ -237,6 +240,12 @@ pub struct ScoringConfig {
     /// new prefix goes"). In [0, 1]; 0 turns it off (the rule above always). Needs
     /// `cold_placement_margin` > 0. Default [`DEFAULT_POPULARITY_PLACEMENT_MARGIN`] (0.05).
     pub popularity_placement_margin: f64,
+    /// Mean KV cache usage of the candidates (fraction, fresh reports only) at or above which
+    /// the fleet is full for a request whose prefix is not hot: the pods holding the most of its
+    /// blocks keep it, at `max_queue` up to 4 × `max_queue` queued and past the pile guard
+    /// (docs/design.md §4 "A full fleet"). In [0, 1]; 0 turns it off. Default
+    /// [`DEFAULT_FULL_FLEET_KV`] (0.8).
+    pub full_fleet_kv: f64,
     /// Where loadRatio comes from: `inflight` (default: in-flight work over learned capacity) or
     /// `gpu_utilization` (the seed's formula). docs/design.md §4 "Load and predicted TTFT".
     pub load_source: LoadSource,
@@ -315,6 +324,7 @@ impl Default for ScoringConfig {
             prefill_tie_break: false,
             cold_placement_margin: DEFAULT_COLD_PLACEMENT_MARGIN,
             popularity_placement_margin: DEFAULT_POPULARITY_PLACEMENT_MARGIN,
+            full_fleet_kv: DEFAULT_FULL_FLEET_KV,
             cache_factor: CacheFactor::Ratio,
             full_credit_tokens: DEFAULT_FULL_CREDIT_TOKENS,
             offload_credit: DEFAULT_OFFLOAD_CREDIT,
@@ -409,6 +419,9 @@ impl ScoringConfig {
         if !(0.0..=1.0).contains(&self.popularity_placement_margin) {
             return Err(ScoringConfigError::PopularityPlacementMargin(self.popularity_placement_margin));
         }
+        if !(0.0..=1.0).contains(&self.full_fleet_kv) {
+            return Err(ScoringConfigError::FullFleetKv(self.full_fleet_kv));
+        }
         if self.full_credit_tokens == 0 {
             return Err(ScoringConfigError::FullCreditTokens);
         }
@@ -483,6 +496,9 @@ pub enum ScoringConfigError {
     /// `popularity_placement_margin` outside [0,1].
     #[error("scoring.popularity_placement_margin must be in [0, 1] (a gap in S), got {0}")]
     PopularityPlacementMargin(f64),
+    /// `full_fleet_kv` outside [0,1].
+    #[error("scoring.full_fleet_kv must be in [0, 1] (a mean KV usage; 0 turns the rule off), got {0}")]
+    FullFleetKv(f64),
     /// `full_credit_tokens` of 0.
     #[error("scoring.full_credit_tokens must be at least 1 (tokens)")]
     FullCreditTokens,

@@ -9,7 +9,7 @@
 //! 6. `predict`: every row's in-flight load and predicted TTFT from its pod's learned model, and
 //!    the `x-slo-ttft-ms` filter (docs/design.md §4 "Load and predicted TTFT"); with
 //!    `spill_rule: ttft` steps 5 and 6 come before the spill, which then keeps a full row
-//!    predicted fastest (`spill_by_time`);
+//!    predicted fastest (`kept_by_time`);
 //! 7. `compose`: the factors and the composite S of every row;
 //! 8. `tie_keys`: the keys after S (cold prefill left, a seeded random key);
 //! 9. `choose`: the best row by S and the tie rules (`select.rs`), or by predicted TTFT
@@ -104,6 +104,12 @@ struct Row {
     in_flight_load: Option<f64>,
     /// The pod's reported KV cache usage, in [0, 1] (0 without a report).
     kv: f64,
+    /// The fleet is full and this row holds the most of the request's blocks (before any
+    /// pending credit is withheld): see [`Router::fleet_is_full`].
+    holds_most: bool,
+    /// The row stayed at `max_queue` only because the fleet is full
+    /// ([`Router::spill_to_full_fleet`]).
+    kept_full: bool,
 }
 
 impl Row {
@@ -152,8 +158,6 @@ struct Scratch {
     /// The fleet is full for this request ([`Router::fleet_is_full`]), so the pods holding most
     /// of its prefix keep it.
     full_fleet: bool,
-    /// The spill kept a row at `max_queue` because the fleet is full.
-    kept_full: bool,
 }
 
 impl Scratch {
@@ -173,7 +177,6 @@ impl Scratch {
         self.top.clear();
         self.precise = false;
         self.full_fleet = false;
-        self.kept_full = false;
         self.shares.clear();
     }
 }
@@ -613,6 +616,8 @@ impl Router {
                         predicted: None,
                         in_flight_load: None,
                         kv: 0.0,
+                        holds_most: false,
+                        kept_full: false,
                     });
                 }
             }
@@ -642,16 +647,15 @@ impl Router {
             // Stay or spill by time: the queue spill needs every row's prediction first.
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
-            sc.full_fleet = self.fleet_is_full(sc, table, req);
-            if sc.full_fleet {
-                self.spill_to_full_fleet(sc)?;
+            let by_time = self.kept_by_time(sc);
+            if self.fleet_is_full(sc, table, req, stale_cutoff) {
+                self.spill_to_full_fleet(sc, by_time)?;
             } else {
-                self.spill_by_time(sc)?;
+                self.spill_keeping(sc, by_time)?;
             }
         } else {
-            sc.full_fleet = self.fleet_is_full(sc, table, req);
-            if sc.full_fleet {
-                self.spill_to_full_fleet(sc)?;
+            if self.fleet_is_full(sc, table, req, stale_cutoff) {
+                self.spill_to_full_fleet(sc, |_| false)?;
             } else {
                 self.spill(sc)?;
             }
@@ -662,7 +666,11 @@ impl Router {
         self.compose(sc, table, req, total_blocks, stale_cutoff);
         self.tie_keys(sc, tick);
         if missed {
-            return Ok(least_predicted(sc, 0..sc.rows.len()));
+            let choice = least_predicted(sc, 0..sc.rows.len());
+            if choice.is_some_and(|c| sc.rows[c].kept_full) {
+                self.shared.credit.full_fleet_stays.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(choice);
         }
         let by_time = match self.config.spill_rule {
             SpillRule::MaxQueue => None,
@@ -675,13 +683,16 @@ impl Router {
             }
         };
         let mut choice = by_time.or_else(|| choose_keeping_top(sc)).map(|c| self.place_cold(&mut *sc, table, c));
-        let mut kept_full = sc.kept_full && choice.is_some_and(|c| sc.rows[c].depth >= self.config.max_queue);
+        let mut kept_full = choice.is_some_and(|c| sc.rows[c].kept_full);
         if let Some(c) = choice
             && let Some(least) = self.pile_guard(sc, c)
+            && !self.pile_stays(sc, c, least, by_time.is_some(), req)
         {
-            if sc.full_fleet {
+            // A full fleet keeps the request on a pod holding the most of its prefix rather
+            // than copy the prefix to one holding less.
+            if sc.full_fleet && sc.rows[c].holds_most && !sc.rows[least].holds_most {
                 kept_full = true;
-            } else if !self.pile_stays(sc, c, least, by_time.is_some(), req) {
+            } else {
                 choice = Some(least);
                 self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
             }
@@ -827,18 +838,16 @@ impl Router {
         }
     }
 
-    /// docs/design.md §4 "Stay or spill" by time: like [`Router::spill`], except that a row at
-    /// `max_queue` stays when it is predicted no slower than every row below it and its KV is
-    /// not [`KV_BUSY`] (a full queue of requests whose prompts the pod holds can still be the
-    /// fastest place). Without a prediction for every row, [`Router::spill`].
-    fn spill_by_time(&self, sc: &mut Scratch) -> Result<(), RouteError> {
-        if sc.rows.iter().any(|r| r.predicted.is_none()) {
-            return self.spill(sc);
-        }
+    /// docs/design.md §4 "Stay or spill" by time: which rows at `max_queue` stay candidates
+    /// under `spill_rule: ttft`. Those predicted no slower than every row below `max_queue`
+    /// whose KV is not [`KV_BUSY`] (a full queue of requests whose prompts the pod holds can
+    /// still be the fastest place); none (the seed's spill) while any row lacks a prediction.
+    fn kept_by_time(&self, sc: &Scratch) -> impl Fn(&Row) -> bool + use<> {
         let max_queue = self.config.max_queue;
-        let fastest =
-            sc.rows.iter().filter(|r| r.depth < max_queue).filter_map(|r| r.predicted).fold(f64::INFINITY, f64::min);
-        self.spill_keeping(sc, |r| r.kv < KV_BUSY && r.predicted.is_some_and(|p| p <= fastest))
+        let fastest = (!sc.rows.iter().any(|r| r.predicted.is_none())).then(|| {
+            sc.rows.iter().filter(|r| r.depth < max_queue).filter_map(|r| r.predicted).fold(f64::INFINITY, f64::min)
+        });
+        move |r: &Row| fastest.is_some_and(|f| r.kv < KV_BUSY && r.predicted.is_some_and(|p| p <= f))
     }
 
     /// docs/design.md §4 spill: when some rows are below `max_queue`, the others leave the
@@ -850,44 +859,68 @@ impl Router {
 
     /// [`Router::spill`] while the fleet is full ([`Router::fleet_is_full`]): the rows holding
     /// the most of the request's blocks stay at `max_queue`, up to [`FULL_FLEET_QUEUE_FACTOR`]
-    /// times it. Sets `sc.kept_full` when that kept a row the seed's rule would have spilled.
-    fn spill_to_full_fleet(&self, sc: &mut Scratch) -> Result<(), RouteError> {
+    /// times it (with `shed_when_saturated`, only below `max_queue`: a 429 stays a 429), and so
+    /// do those `also` keeps. A row kept by the first rule alone is marked `kept_full`.
+    fn spill_to_full_fleet(&self, sc: &mut Scratch, also: impl Fn(&Row) -> bool) -> Result<(), RouteError> {
         let max_queue = self.config.max_queue;
-        let limit = max_queue.saturating_mul(FULL_FLEET_QUEUE_FACTOR);
-        let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
-        let keep = |r: &Row| r.credited() == top && r.depth < limit;
-        sc.kept_full =
-            sc.rows.iter().any(|r| r.depth < max_queue) && sc.rows.iter().any(|r| r.depth >= max_queue && keep(r));
-        self.spill_keeping(sc, keep)
+        let limit =
+            if self.config.shed_when_saturated { max_queue } else { max_queue.saturating_mul(FULL_FLEET_QUEUE_FACTOR) };
+        let holds = |r: &Row| r.holds_most && r.depth < limit;
+        // Only where the seed's spill would leave some row: otherwise every row stays anyway.
+        let spills = sc.rows.iter().any(|r| r.depth < max_queue);
+        for r in &mut sc.rows {
+            r.kept_full = spills && r.depth >= max_queue && holds(r) && !also(r);
+        }
+        self.spill_keeping(sc, |r| holds(r) || also(r))
     }
 
     /// Whether moving the request off the pods that hold its prefix would only copy the prefix
     /// where there is no room for it (docs/design.md §4 "A full fleet"), under either spill
-    /// rule: some row holds a block of it, its root is not hot (less than one
-    /// candidate's share of the recent requests, as in [`Router::pile_stays`]), and the
-    /// candidates' mean reported KV usage is at least [`FULL_FLEET_KV`]. False where this
-    /// replica keeps no counts of roots (both `popularity_placement_margin` and
-    /// `pile_guard_margin` 0): it cannot tell a hot prefix from another.
-    fn fleet_is_full(&self, sc: &Scratch, table: &PodTable, req: &RouteRequest<'_>) -> bool {
+    /// rule; sets `sc.full_fleet` and each row's `holds_most`. It is when some row holds a block of the
+    /// request, its root is not hot (under one candidate's share of the recent requests, as in
+    /// [`Router::pile_stays`]), and the mean KV usage of the candidates with a fresh report (at
+    /// least two) is `full_fleet_kv` or more (0: never). `cutoff`: reports received before it are
+    /// stale.
+    fn fleet_is_full(
+        &self,
+        sc: &mut Scratch,
+        table: &PodTable,
+        req: &RouteRequest<'_>,
+        cutoff: Option<Instant>,
+    ) -> bool {
+        let threshold = self.config.full_fleet_kv;
         let n = sc.rows.len();
-        if n < 2 || !self.counts_roots() || sc.rows.iter().all(|r| r.credited() == 0) {
+        let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
+        if threshold <= 0.0 || n < 2 || top == 0 {
             return false;
         }
-        let kv: f64 = sc
-            .rows
-            .iter()
-            .map(|r| table.hot[r.pod as usize].kv_cache_usage)
-            .map(|k| if k.is_finite() { k.clamp(0.0, 1.0) } else { 0.0 })
-            .sum();
-        kv >= FULL_FLEET_KV * n as f64
-            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64)
+        let (mut kv, mut fresh) = (0.0, 0usize);
+        for r in &sc.rows {
+            let hot = &table.hot[r.pod as usize];
+            if hot.has_stats && !hot.report_stale_before(cutoff) {
+                let k = hot.kv_cache_usage;
+                kv += if k.is_finite() { k.clamp(0.0, 1.0) } else { 0.0 };
+                fresh += 1;
+            }
+        }
+        let full = fresh >= 2
+            && kv >= threshold * fresh as f64
+            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64);
+        sc.full_fleet = full;
+        if full {
+            for r in &mut sc.rows {
+                r.holds_most = r.credited() == top;
+            }
+        }
+        full
     }
 
     /// Whether decisions count prefix roots ([`PrefixPopularity`]): read by the new-prefix
-    /// placement and the full-fleet rule, and under `spill_rule: max_queue` by the pile guard.
+    /// placement, the pile guard and the full-fleet rule.
     fn counts_roots(&self) -> bool {
         self.config.popularity_placement_margin > 0.0
-            || (self.config.pile_guard_margin > 0 && self.config.spill_rule == SpillRule::MaxQueue)
+            || self.config.pile_guard_margin > 0
+            || self.config.full_fleet_kv > 0.0
     }
 
     /// [`Router::spill`], except that the rows at `max_queue` for which `keep` holds stay.
@@ -1110,24 +1143,21 @@ impl Router {
     /// Whether row `pile`, which the pile guard would leave for row `least`, keeps the request
     /// after all (docs/design.md §4 pile guard): it has KV room and is predicted
     /// [`PILE_SPEEDUP`] times faster, and
-    /// - with `spill_rule: ttft`, the decision went by time (`by_time`; KV room below
-    ///   [`KV_ROOM`]); when it fell back to the seed's rule, the guard moves as in that rule;
-    /// - with `spill_rule: max_queue`, the request's prefix is not hot (KV room below
-    ///   [`UNSHARED_KV_ROOM`]). A prefix is hot when its root carries at least one candidate's
-    ///   share (1 / candidates) of the requests this replica routed before this one: the guard
-    ///   exists to give such a prefix a second pod, and moving a request of any other prefix
-    ///   only computes it cold elsewhere.
+    /// - the request's prefix is not hot (KV room below [`UNSHARED_KV_ROOM`]). A prefix is hot
+    ///   when its root carries at least one candidate's share (1 / candidates) of the requests
+    ///   this replica routed before this one: the guard exists to give such a prefix a second
+    ///   pod, and moving a request of any other prefix only computes it cold elsewhere;
+    /// - or, with `spill_rule: ttft`, the decision went by time (`by_time`; KV room below
+    ///   [`KV_ROOM`], any prefix).
     fn pile_stays(&self, sc: &Scratch, pile: usize, least: usize, by_time: bool, req: &RouteRequest<'_>) -> bool {
         let (a, b) = (&sc.rows[pile], &sc.rows[least]);
-        match self.config.spill_rule {
-            SpillRule::Ttft => by_time && pile_fits(a, b, KV_ROOM),
-            SpillRule::MaxQueue => {
-                // The guard fires only with a less loaded row beside the pile: two rows or more.
-                let fair = 1.0 / sc.rows.len() as f64;
-                pile_fits(a, b, UNSHARED_KV_ROOM)
-                    && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
-            }
+        if self.config.spill_rule == SpillRule::Ttft && by_time && pile_fits(a, b, KV_ROOM) {
+            return true;
         }
+        // The guard fires only with a less loaded row beside the pile: two rows or more.
+        let fair = 1.0 / sc.rows.len() as f64;
+        pile_fits(a, b, UNSHARED_KV_ROOM)
+            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
     }
 
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).
@@ -1265,17 +1295,13 @@ const KV_ROOM: f64 = 0.5;
 const PILE_SPEEDUP: f64 = 3.0;
 
 /// KV cache usage below which a pile of requests whose prefix is not hot may grow past the
-/// pile guard in the default preset (see [`Router::pile_stays`]). Higher than [`KV_ROOM`]: such
-/// a pile is one group's requests on the pod that holds the group, and moving one computes the
-/// whole prompt on a pod that lacks it, which then holds up that pod's own hits. Above it, the
-/// pod is near preempting and the guard's move is what keeps it from tipping over.
+/// pile guard (see [`Router::pile_stays`]). Higher than [`KV_ROOM`]: such a pile is one group's
+/// requests on the pod that holds the group, and moving one computes the whole prompt on a pod
+/// that lacks it, which then holds up that pod's own hits. Above it, the pod is near preempting
+/// and the guard's move is what keeps it from tipping over, while other pods have room (see
+/// `full_fleet_kv` for when they have none).
 const UNSHARED_KV_ROOM: f64 = 0.8;
 
-/// Mean KV cache usage of the candidates at which the fleet is full for a request whose prefix
-/// is not hot ([`Router::fleet_is_full`]). The same level as [`UNSHARED_KV_ROOM`]: a pod there is
-/// near preempting, and where that is the mean, a copy of the prompt on another pod takes the
-/// room that pod's own running requests are about to need.
-const FULL_FLEET_KV: f64 = 0.8;
 /// While the fleet is full, a pod holding the request's prefix keeps it up to this many times
 /// `max_queue` requests queued: a bound, so that a pod that stops serving is left in the end.
 const FULL_FLEET_QUEUE_FACTOR: u32 = 4;

@@ -191,8 +191,11 @@ async fn ttft_preset_keeps_a_full_hot_pod_predicted_fastest() {
 #[tokio::test]
 async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
     let c = chain(1 << 41, 256);
-    for (kv, before, want) in [(0.6, 2, "hot"), (0.85, 2, "cold"), (0.6, 20, "cold")] {
-        let (pool, r) = router(ScoringConfig::default());
+    let Some(ttft) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
+    let presets = [("default", ScoringConfig::default()), ("ttft", ttft)];
+    let cases = [(0.6, 2, "hot"), (0.85, 2, "cold"), (0.6, 20, "cold")];
+    for ((preset, config), (kv, before, want)) in presets.iter().flat_map(|p| cases.iter().map(move |c| (p, *c))) {
+        let (pool, r) = router(config.clone());
         put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
         put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
         // Twelve other prefixes routed, one request each; then this one's: 2 of 14 requests
@@ -214,7 +217,7 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
         put(&pool, "cold", "m", running(1, 0.1), &[]).await;
         let ex = r.explain(&req(&c));
         let pred = |pod: &str| ex.candidates.iter().find(|k| &*k.pod == pod).and_then(|k| k.predicted_ttft_ms);
-        let why = format!("kv {kv}, {before} of this prefix before: {ex:?}");
+        let why = format!("{preset}: kv {kv}, {before} of this prefix before: {ex:?}");
         assert!(pred("hot").zip(pred("cold")).is_some_and(|(h, k)| 3.0 * h <= k), "{why}");
         let before = r.shared().credit.pile_redirects.load(Ordering::Relaxed);
         let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
@@ -233,38 +236,26 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
 async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
     let c = chain(3 << 40, 256);
     // (hot pod's KV, waiting, running; cold pod's KV; requests of this prefix routed before;
-    // expected pod; whether the full fleet kept it)
+    // expected pod; whether the full fleet alone kept it: default, ttft)
     let cases = [
-        (0.99, 25, 0, 0.7, 1, "hot", true),
-        (0.99, 25, 0, 0.5, 1, "cold", false),
-        (0.99, 80, 0, 0.7, 1, "cold", false),
-        (0.99, 25, 0, 0.7, 20, "cold", false),
-        (0.9, 0, 45, 0.75, 1, "hot", true),
-        (0.9, 0, 45, 0.6, 1, "cold", false),
+        (0.99, 25, 0, 0.7, 1, "hot", (true, true)),
+        (0.99, 79, 0, 0.7, 1, "hot", (true, true)),
+        // `ttft`: a pod at max_queue without 90 % of its KV held and predicted fastest stays by
+        // time, so the full fleet is not what kept it.
+        (0.85, 25, 0, 0.8, 1, "hot", (true, false)),
+        (0.99, 25, 0, 0.5, 1, "cold", (false, false)),
+        (0.99, 80, 0, 0.7, 1, "cold", (false, false)),
+        (0.99, 25, 0, 0.7, 20, "cold", (false, false)),
+        (0.9, 0, 45, 0.75, 1, "hot", (true, true)),
+        (0.9, 0, 45, 0.6, 1, "cold", (false, false)),
     ];
     let Some(ttft) = ScoringConfig::preset("ttft") else { panic!("no ttft preset") };
     let presets = [("default", ScoringConfig::default()), ("ttft", ttft)];
     for ((preset, config), (hot_kv, waiting, running, cold_kv, before, want, kept)) in
         presets.iter().flat_map(|p| cases.iter().map(move |c| (p, *c)))
     {
-        let (pool, r) = router(config.clone());
-        put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
-        put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
-        // Twelve other prefixes, one request each, then this one's `before`: 1 of 13 is under
-        // the fair half of two candidates, 20 of 32 over it.
-        teach(&r, "hot", 5.0, 1 << 30);
-        teach(&r, "cold", 5.0, 1 << 31);
-        for _ in 0..before {
-            let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
-            assert_eq!(d.pod, "hot");
-        }
-        let report = |kv, waiting, running| kvroute_proto::agent::v1::PodStats {
-            kv_cache_usage: kv,
-            num_requests_running: running,
-            ..stats(1.0, waiting, 1.0)
-        };
-        put(&pool, "hot", "m", report(hot_kv, waiting, running), &c).await;
-        put(&pool, "cold", "m", report(cold_kv, 0, 1), &[]).await;
+        let kept = if *preset == "ttft" { kept.1 } else { kept.0 };
+        let r = full_pod_beside_another(config.clone(), &c, (hot_kv, waiting, running), cold_kv, before).await;
         let why = format!(
             "{preset}: hot KV {hot_kv}, waiting {waiting}, running {running}; cold KV {cold_kv}; {before} before"
         );
@@ -280,6 +271,63 @@ async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
             u64::from(moved_by_guard),
             "{why}"
         );
+    }
+}
+
+/// A router over two pods that have learned their TTFT: "hot" holds chain `c` and reports
+/// `hot` (KV usage, waiting, running), "cold" holds nothing and reports `cold_kv` with one
+/// running. Twelve other prefixes were routed first, one request each, then `before` of `c`:
+/// 1 of 13 is under the fair half of two candidates, 20 of 32 over it.
+async fn full_pod_beside_another(
+    config: ScoringConfig,
+    c: &[kvroute_common::BlockHash],
+    (hot_kv, waiting, running): (f64, u32, u32),
+    cold_kv: f64,
+    before: u32,
+) -> Router {
+    let (pool, r) = router(config);
+    put(&pool, "hot", "m", stats(1.0, 0, 1.0), c).await;
+    put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
+    teach(&r, "hot", 5.0, 1 << 30);
+    teach(&r, "cold", 5.0, 1 << 31);
+    for _ in 0..before {
+        let Ok(d) = r.route(&req(c)) else { panic!("no decision") };
+        assert_eq!(d.pod, "hot");
+    }
+    let report = |kv, waiting, running| kvroute_proto::agent::v1::PodStats {
+        kv_cache_usage: kv,
+        num_requests_running: running,
+        ..stats(1.0, waiting, 1.0)
+    };
+    put(&pool, "hot", "m", report(hot_kv, waiting, running), c).await;
+    put(&pool, "cold", "m", report(cold_kv, 0, 1), &[]).await;
+    r
+}
+
+/// `full_fleet_kv` sets the rule's threshold (0 turns it off), and with `shed_when_saturated` a
+/// pod at `max_queue` leaves the candidates as the seed's spill says, full fleet or not.
+#[tokio::test]
+async fn the_full_fleet_rule_follows_its_threshold_and_yields_to_shedding() {
+    let c = chain(5 << 40, 256);
+    let with = |f: fn(&mut ScoringConfig)| {
+        let mut config = ScoringConfig::default();
+        f(&mut config);
+        config
+    };
+    let cases = [
+        ("default", with(|_| {}), "hot"),
+        ("full_fleet_kv 0.9", with(|c| c.full_fleet_kv = 0.9), "cold"),
+        ("full_fleet_kv 0", with(|c| c.full_fleet_kv = 0.0), "cold"),
+        ("shed_when_saturated", with(|c| c.shed_when_saturated = true), "cold"),
+    ];
+    for (name, config, want) in cases {
+        // The candidates' mean KV is 0.845; the hot pod has 25 waiting (max_queue 20).
+        let r = full_pod_beside_another(config, &c, (0.99, 25, 0), 0.7, 1).await;
+        let stays = r.shared().credit.full_fleet_stays.load(Ordering::Relaxed);
+        let Ok(d) = r.route(&req(&c)) else { panic!("no decision: {name}") };
+        assert_eq!(d.pod, want, "{name}");
+        let kept = r.shared().credit.full_fleet_stays.load(Ordering::Relaxed) - stays;
+        assert_eq!(kept, u64::from(want == "hot"), "{name}");
     }
 }
 
