@@ -158,6 +158,9 @@ struct Scratch {
     /// The fleet is full for this request ([`Router::fleet_is_full`]), so the pods holding most
     /// of its prefix keep it.
     full_fleet: bool,
+    /// The sum of the candidates' KV usage over their fresh reports, and how many those are
+    /// (read by `overlay_load`, for [`Router::fleet_is_full`]).
+    fresh_kv: (f64, u32),
 }
 
 impl Scratch {
@@ -177,6 +180,7 @@ impl Scratch {
         self.top.clear();
         self.precise = false;
         self.full_fleet = false;
+        self.fresh_kv = (0.0, 0);
         self.shares.clear();
     }
 }
@@ -648,13 +652,13 @@ impl Router {
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
             let by_time = self.kept_by_time(sc);
-            if self.fleet_is_full(sc, table, req, stale_cutoff) {
+            if self.fleet_is_full(sc, req) {
                 self.spill_to_full_fleet(sc, by_time)?;
             } else {
                 self.spill_keeping(sc, by_time)?;
             }
         } else {
-            if self.fleet_is_full(sc, table, req, stale_cutoff) {
+            if self.fleet_is_full(sc, req) {
                 self.spill_to_full_fleet(sc, |_| false)?;
             } else {
                 self.spill(sc)?;
@@ -802,6 +806,8 @@ impl Router {
     /// utilization (brought forward with `load_forecast`) and, with `prefill_tie_break`, the
     /// prefill its pod has left. `cutoff`: reports received before it are stale.
     fn overlay_load(&self, sc: &mut Scratch, table: &PodTable, shared: &SharedState, cutoff: Option<Instant>) {
+        sc.fresh_kv = (0.0, 0);
+        let precise = sc.precise;
         for row in &mut sc.rows {
             let (rec, hot) = (&table.pods[row.pod as usize], &table.hot[row.pod as usize]);
             let peers = shared.peers.since(row.slot, if hot.has_stats { hot.observed_at_unix_ms } else { i64::MIN });
@@ -812,6 +818,11 @@ impl Router {
             row.utilization = hot.gpu_utilization;
             // A fresh report: the figures below build on it.
             let fresh = hot.has_stats && !stale;
+            if fresh {
+                let kv = hot.kv_cache_usage;
+                sc.fresh_kv.0 += if kv.is_finite() { kv.clamp(0.0, 1.0) } else { 0.0 };
+                sc.fresh_kv.1 += 1;
+            }
             // docs/design.md §4 loadRatio: the requests routed since a fresh report will run
             // there as the ones it counted do, so each adds the utilization per running request
             // the pod last reported (queueDepth counts them the same way).
@@ -826,7 +837,7 @@ impl Router {
             // pod's KV events have not confirmed yet is still being prefilled: for the next
             // request it is as much ahead in the queue as a waiting one. The report's waiting
             // requests were routed before it too, so the larger of the two counts.
-            let (prefilling, left) = if sc.precise { shared.pending.prefilling_on(row.slot) } else { (&[][..], 0) };
+            let (prefilling, left) = if precise { shared.pending.prefilling_on(row.slot) } else { (&[][..], 0) };
             if fresh {
                 let before = prefilling.partition_point(|p| p.routed_ms < hot.observed_at_unix_ms);
                 let before = u32::try_from(before).unwrap_or(u32::MAX);
@@ -879,33 +890,17 @@ impl Router {
     /// rule; sets `sc.full_fleet` and each row's `holds_most`. It is when some row holds a block of the
     /// request, its root is not hot (under one candidate's share of the recent requests, as in
     /// [`Router::pile_stays`]), and the mean KV usage of the candidates with a fresh report (at
-    /// least two) is `full_fleet_kv` or more (0: never). `cutoff`: reports received before it are
-    /// stale.
-    fn fleet_is_full(
-        &self,
-        sc: &mut Scratch,
-        table: &PodTable,
-        req: &RouteRequest<'_>,
-        cutoff: Option<Instant>,
-    ) -> bool {
+    /// least two, summed by `overlay_load`) is `full_fleet_kv` or more (0: never).
+    fn fleet_is_full(&self, sc: &mut Scratch, req: &RouteRequest<'_>) -> bool {
         let threshold = self.config.full_fleet_kv;
         let n = sc.rows.len();
-        let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
-        if threshold <= 0.0 || n < 2 || top == 0 {
+        let (kv, fresh) = sc.fresh_kv;
+        if threshold <= 0.0 || n < 2 || fresh < 2 || kv < threshold * f64::from(fresh) {
             return false;
         }
-        let (mut kv, mut fresh) = (0.0, 0usize);
-        for r in &sc.rows {
-            let hot = &table.hot[r.pod as usize];
-            if hot.has_stats && !hot.report_stale_before(cutoff) {
-                let k = hot.kv_cache_usage;
-                kv += if k.is_finite() { k.clamp(0.0, 1.0) } else { 0.0 };
-                fresh += 1;
-            }
-        }
-        let full = fresh >= 2
-            && kv >= threshold * fresh as f64
-            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64);
+        let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
+        let full =
+            top > 0 && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64);
         sc.full_fleet = full;
         if full {
             for r in &mut sc.rows {
