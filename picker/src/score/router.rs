@@ -887,10 +887,11 @@ impl Router {
 
     /// Whether moving the request off the pods that hold its prefix would only copy the prefix
     /// where there is no room for it (docs/design.md §4 "A full fleet"), under either spill
-    /// rule; sets `sc.full_fleet` and each row's `holds_most`. It is when some row holds a block of the
-    /// request, its root is not hot (under one candidate's share of the recent requests, as in
-    /// [`Router::pile_stays`]), and the mean KV usage of the candidates with a fresh report (at
-    /// least two, summed by `overlay_load`) is `full_fleet_kv` or more (0: never).
+    /// rule; sets `sc.full_fleet` and each row's `holds_most`. It is when some row holds a
+    /// block of the request, its root is not hot (under one candidate's share of the recent
+    /// requests, as in [`Router::pile_stays`]), and the mean KV usage of the candidates with a
+    /// fresh report (at least two, summed by `overlay_load`) is `full_fleet_kv` or more (0:
+    /// never).
     fn fleet_is_full(&self, sc: &mut Scratch, req: &RouteRequest<'_>) -> bool {
         let threshold = self.config.full_fleet_kv;
         let n = sc.rows.len();

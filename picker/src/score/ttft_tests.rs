@@ -195,26 +195,10 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
     let presets = [("default", ScoringConfig::default()), ("ttft", ttft)];
     let cases = [(0.6, 2, "hot"), (0.85, 2, "cold"), (0.6, 20, "cold")];
     for ((preset, config), (kv, before, want)) in presets.iter().flat_map(|p| cases.iter().map(move |c| (p, *c))) {
-        let (pool, r) = router(config.clone());
-        put(&pool, "hot", "m", stats(1.0, 0, 1.0), &c).await;
-        put(&pool, "cold", "m", stats(1.0, 0, 1.0), &[]).await;
-        // Twelve other prefixes routed, one request each; then this one's: 2 of 14 requests
-        // (under the fair half of two candidates) or 20 of 32 (over it).
-        teach(&r, "hot", 5.0, 1);
-        teach(&r, "cold", 5.0, 1 << 20);
-        for _ in 0..before {
-            let Ok(d) = r.route(&req(&c)) else { panic!("no decision") };
-            assert_eq!(d.pod, "hot");
-        }
         // A pile on the pod that holds the prompt: 45 running against 1, each with little
-        // decode work left next to a 4,096-token prefill elsewhere.
-        let running = |n, kv| kvroute_proto::agent::v1::PodStats {
-            num_requests_running: n,
-            kv_cache_usage: kv,
-            ..stats(1.0, 0, 1.0)
-        };
-        put(&pool, "hot", "m", running(45, kv), &c).await;
-        put(&pool, "cold", "m", running(1, 0.1), &[]).await;
+        // decode work left next to a 4,096-token prefill elsewhere; this prefix is 2 of 14
+        // requests (under the fair half of two candidates) or 20 of 32 (over it).
+        let r = full_pod_beside_another(config.clone(), &c, (kv, 0, 45), 0.1, before).await;
         let ex = r.explain(&req(&c));
         let pred = |pod: &str| ex.candidates.iter().find(|k| &*k.pod == pod).and_then(|k| k.predicted_ttft_ms);
         let why = format!("{preset}: kv {kv}, {before} of this prefix before: {ex:?}");
@@ -235,8 +219,9 @@ async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
 #[tokio::test]
 async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
     let c = chain(3 << 40, 256);
-    // (hot pod's KV, waiting, running; cold pod's KV; requests of this prefix routed before;
-    // expected pod; whether the full fleet alone kept it: default, ttft)
+    // (hot pod's KV, waiting, running; cold pod's KV; requests of this prefix routed before,
+    // 1 of 13 under the fair half of two candidates or 20 of 32 over it; expected pod; whether
+    // the full fleet alone kept it: default, ttft)
     let cases = [
         (0.99, 25, 0, 0.7, 1, "hot", (true, true)),
         (0.99, 79, 0, 0.7, 1, "hot", (true, true)),
@@ -276,8 +261,8 @@ async fn a_full_fleet_keeps_an_unshared_prefix_on_its_pod() {
 
 /// A router over two pods that have learned their TTFT: "hot" holds chain `c` and reports
 /// `hot` (KV usage, waiting, running), "cold" holds nothing and reports `cold_kv` with one
-/// running. Twelve other prefixes were routed first, one request each, then `before` of `c`:
-/// 1 of 13 is under the fair half of two candidates, 20 of 32 over it.
+/// running. Twelve other prefixes were routed first, one request each, then `before` of `c`
+/// (to "hot").
 async fn full_pod_beside_another(
     config: ScoringConfig,
     c: &[kvroute_common::BlockHash],
