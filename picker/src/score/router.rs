@@ -648,11 +648,14 @@ impl Router {
         self.overlay_load(sc, table, shared, stale_cutoff);
         let by_time_rule = self.config.spill_rule == SpillRule::Ttft;
         if by_time_rule {
-            // Stay or spill by time: the queue spill needs every row's prediction first.
+            // Stay or spill by time: the queue spill needs every row's prediction first. Which
+            // rows hold the most of the prefix is read before any pending credit is withheld,
+            // as under the seed's rule.
+            let full = self.fleet_is_full(sc, req);
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
             let by_time = self.kept_by_time(sc);
-            if self.fleet_is_full(sc, req) {
+            if full {
                 self.spill_to_full_fleet(sc, by_time)?;
             } else {
                 self.spill_keeping(sc, by_time)?;
@@ -698,6 +701,7 @@ impl Router {
                 kept_full = true;
             } else {
                 choice = Some(least);
+                kept_full = sc.rows[least].kept_full;
                 self.shared.credit.pile_redirects.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -185,9 +185,9 @@ async fn ttft_preset_keeps_a_full_hot_pod_predicted_fastest() {
     }
 }
 
-/// docs/design.md §4 pile guard: in the default preset a pile keeps a full hit the guard would
-/// move when the pod has KV room and is predicted far faster, unless the request's prefix is
-/// hot (a candidate's share of the traffic or more: the guard's move gives it a second pod).
+/// docs/design.md §4 pile guard: in every preset a pile keeps a full hit the guard would move
+/// when the pod has KV room and is predicted far faster, unless the request's prefix is hot (a
+/// candidate's share of the traffic or more: the guard's move gives it a second pod).
 #[tokio::test]
 async fn the_pile_guard_keeps_an_unshared_prefix_on_its_pod_when_far_faster() {
     let c = chain(1 << 41, 256);
