@@ -256,6 +256,7 @@ async fn dashboard_and_alert_rules_query_only_exported_metrics() {
     has("EppScoringLatencyHigh", &["histogram_quantile(0.99", "epp_scoring_latency_us_bucket", "> 5000"], "5m");
     has("EppNoRoutablePods", &["epp_pool_routable_pods", "== 0"], "1m");
     has("EppErrorRateHigh", &["epp_request_errors_total", "> 0.05"], "5m");
+    has("EppFleetKvFull", &["epp_full_fleet_stays_total", "epp_routing_decisions_total", "> 0.01"], "10m");
 
     // Every alert has a promtool unit test that makes it fire (alerts.test.yaml), and the rules
     // and those tests pass the real promtool.
