@@ -4,7 +4,7 @@
 //! 2. `overlay_precise` (precise mode): pending chains and the CPU tier added to each row's match;
 //! 3. `overlay_load`: queue depth, load, GPU utilization and prefill left, under the lock;
 //! 4. `spill`: rows at `max_queue` leave (or the decision is shed); while the fleet is full,
-//!    the rows holding the most of a prefix that is not hot stay (`spill_to_full_fleet`);
+//!    the rows holding the most of a prefix that is not hot stay (`mark_full_fleet`);
 //! 5. `cap_pending`: pending credit withheld from rows queued far above the least queued;
 //! 6. `predict`: every row's in-flight load and predicted TTFT from its pod's learned model, and
 //!    the `x-slo-ttft-ms` filter (docs/design.md §4 "Load and predicted TTFT"); with
@@ -105,10 +105,10 @@ struct Row {
     /// The pod's reported KV cache usage, in [0, 1] (0 without a report).
     kv: f64,
     /// The fleet is full and this row holds the most of the request's blocks (before any
-    /// pending credit is withheld): see [`Router::fleet_is_full`].
+    /// pending credit is withheld): see [`Router::mark_full_fleet`].
     holds_most: bool,
     /// The row stayed at `max_queue` only because the fleet is full
-    /// ([`Router::spill_to_full_fleet`]).
+    /// ([`Router::spill`]).
     kept_full: bool,
 }
 
@@ -155,11 +155,11 @@ struct Scratch {
     shares: Vec<(f64, f64)>,
     /// Each row's pod's TTFT fit, copied for the prediction.
     fits: Vec<TtftFit>,
-    /// The fleet is full for this request ([`Router::fleet_is_full`]), so the pods holding most
+    /// The fleet is full for this request ([`Router::mark_full_fleet`]), so the pods holding most
     /// of its prefix keep it.
     full_fleet: bool,
     /// The sum of the candidates' KV usage over their fresh reports, and how many those are
-    /// (read by `overlay_load`, for [`Router::fleet_is_full`]).
+    /// (read by `overlay_load`, for [`Router::mark_full_fleet`]).
     fresh_kv: (f64, u32),
 }
 
@@ -646,26 +646,17 @@ impl Router {
         // One cutoff for the whole decision: a report is stale for every stage or for none.
         let stale_cutoff = stale_before(Instant::now(), self.pool.report_max_age());
         self.overlay_load(sc, table, shared, stale_cutoff);
+        // Which rows hold the most of the prefix is read before any pending credit is withheld.
+        self.mark_full_fleet(sc, req);
         let by_time_rule = self.config.spill_rule == SpillRule::Ttft;
         if by_time_rule {
-            // Stay or spill by time: the queue spill needs every row's prediction first. Which
-            // rows hold the most of the prefix is read before any pending credit is withheld,
-            // as under the seed's rule.
-            let full = self.fleet_is_full(sc, req);
+            // Stay or spill by time: the queue spill needs every row's prediction first.
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
             let by_time = self.kept_by_time(sc);
-            if full {
-                self.spill_to_full_fleet(sc, by_time)?;
-            } else {
-                self.spill_keeping(sc, by_time)?;
-            }
+            self.spill(sc, by_time)?;
         } else {
-            if self.fleet_is_full(sc, req) {
-                self.spill_to_full_fleet(sc, |_| false)?;
-            } else {
-                self.spill(sc)?;
-            }
+            self.spill(sc, |_| false)?;
             self.cap_pending(&mut sc.rows);
             self.predict(sc, table, total_blocks);
         }
@@ -866,17 +857,16 @@ impl Router {
     }
 
     /// docs/design.md §4 spill: when some rows are below `max_queue`, the others leave the
-    /// candidates (into `sc.excluded`); when none is, the decision is shed (429) with
-    /// `shed_when_saturated`, else every row stays.
-    fn spill(&self, sc: &mut Scratch) -> Result<(), RouteError> {
-        self.spill_keeping(sc, |_| false)
-    }
-
-    /// [`Router::spill`] while the fleet is full ([`Router::fleet_is_full`]): the rows holding
-    /// the most of the request's blocks stay at `max_queue`, up to [`FULL_FLEET_QUEUE_FACTOR`]
-    /// times it (with `shed_when_saturated`, only below `max_queue`: a 429 stays a 429), and so
-    /// do those `also` keeps. A row kept by the first rule alone is marked `kept_full`.
-    fn spill_to_full_fleet(&self, sc: &mut Scratch, also: impl Fn(&Row) -> bool) -> Result<(), RouteError> {
+    /// candidates (into `sc.excluded`), except those `also` keeps; when none is, the decision is
+    /// shed (429) with `shed_when_saturated`, else every row stays. While the fleet is full
+    /// ([`Router::mark_full_fleet`]) the rows holding the most of the request's blocks stay at
+    /// `max_queue` too, up to [`FULL_FLEET_QUEUE_FACTOR`] times it (with `shed_when_saturated`,
+    /// only below `max_queue`: a 429 stays a 429); a row kept by that rule alone is marked
+    /// `kept_full`.
+    fn spill(&self, sc: &mut Scratch, also: impl Fn(&Row) -> bool) -> Result<(), RouteError> {
+        if !sc.full_fleet {
+            return self.spill_keeping(sc, also);
+        }
         let max_queue = self.config.max_queue;
         let limit =
             if self.config.shed_when_saturated { max_queue } else { max_queue.saturating_mul(FULL_FLEET_QUEUE_FACTOR) };
@@ -889,30 +879,27 @@ impl Router {
         self.spill_keeping(sc, |r| holds(r) || also(r))
     }
 
-    /// Whether moving the request off the pods that hold its prefix would only copy the prefix
-    /// where there is no room for it (docs/design.md §4 "A full fleet"), under either spill
-    /// rule; sets `sc.full_fleet` and each row's `holds_most`. It is when some row holds a
-    /// block of the request, its root is not hot (under one candidate's share of the recent
-    /// requests, as in [`Router::pile_stays`]), and the mean KV usage of the candidates with a
-    /// fresh report (at least two, summed by `overlay_load`) is `full_fleet_kv` or more (0:
-    /// never).
-    fn fleet_is_full(&self, sc: &mut Scratch, req: &RouteRequest<'_>) -> bool {
+    /// Sets `sc.full_fleet` (and each row's `holds_most`) when moving the request off the pods
+    /// that hold its prefix would only copy the prefix where there is no room for it
+    /// (docs/design.md §4 "A full fleet"), under either spill rule: some row holds a block of
+    /// the request, its root is not hot (under one candidate's share of the recent requests,
+    /// as in [`Router::pile_stays`]), and the mean KV usage of the candidates with a fresh
+    /// report (at least two, summed by `overlay_load`) is `full_fleet_kv` or more (0: never).
+    fn mark_full_fleet(&self, sc: &mut Scratch, req: &RouteRequest<'_>) {
         let threshold = self.config.full_fleet_kv;
         let n = sc.rows.len();
         let (kv, fresh) = sc.fresh_kv;
         if threshold <= 0.0 || n < 2 || fresh < 2 || kv < threshold * f64::from(fresh) {
-            return false;
+            return;
         }
         let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
-        let full =
+        sc.full_fleet =
             top > 0 && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64);
-        sc.full_fleet = full;
-        if full {
+        if sc.full_fleet {
             for r in &mut sc.rows {
                 r.holds_most = r.credited() == top;
             }
         }
-        full
     }
 
     /// Whether decisions count prefix roots ([`PrefixPopularity`]): read by the new-prefix
