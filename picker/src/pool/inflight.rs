@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering, fence};
 use parking_lot::Mutex;
 
 use super::PodRecord;
-use super::SharedFit;
+use super::{SharedFit, TtftFit};
 
 /// Time constant of a pod's routed rate ([`InFlight::routed_rate`]), ms: a minute spans dozens
 /// of a busy pod's requests, so a prefix's share of the traffic shows, and still follows a shift
@@ -57,6 +57,8 @@ pub(crate) struct InFlight {
     /// reservation and release and by the first count after a pod's new report, shares a cache
     /// line with the list's header rather than with the fit every decision reads.
     slots: Mutex<Vec<(i64, u64)>>,
+    /// The sums `ttft` is solved from, which only first tokens read and change.
+    ttft_sums: Mutex<TtftFit>,
 }
 
 // What a decision reads of every candidate's record (see [`PodRecord`]) ends within its first two
@@ -258,7 +260,8 @@ impl InFlightSlot {
     /// it (once per slot) and the prediction error is returned.
     pub fn observe_ttft(&mut self, ttft_ms: f64) -> TtftObservation {
         let Some((work, queue, predicted)) = self.ttft.take() else { return TtftObservation::Ignored };
-        if !self.rec.inflight.ttft.observe(work, queue, ttft_ms) {
+        let inflight = &self.rec.inflight;
+        if !inflight.ttft.observe(&inflight.ttft_sums, work, queue, ttft_ms) {
             return TtftObservation::Refused;
         }
         TtftObservation::Learned { error_ms: predicted.map(|p| p - ttft_ms), work_tokens: work, queue, ttft_ms }

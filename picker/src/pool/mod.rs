@@ -45,7 +45,7 @@ pub(crate) use column::Column;
 pub(crate) use inflight::{InFlight, ROUTED_RATE_TAU_MS};
 pub use inflight::{InFlightSlot, ReleaseHook, TtftObservation};
 pub(crate) use ttft::SharedFit;
-pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, TtftFit, TtftLine};
+pub use ttft::{DECODE_TOKENS_PER_REQUEST, FLEET_MIN_OBSERVATIONS, SolvedFit, TtftFit, TtftLine};
 
 /// Capacity of the update channel from ingest streams to the writer (messages).
 pub const UPDATE_QUEUE: usize = 4096;

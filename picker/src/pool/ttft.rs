@@ -9,10 +9,12 @@
 //! work is `work · b / load_horizon_ms`. A fit with too few observations, or whose numbers are
 //! not finite, predicts nothing: the caller falls back to the seed's formula for that pod.
 //!
-//! Concurrency: a pod's fit is a [`SharedFit`], which every decision reads (one per candidate)
-//! while first tokens update it: the reads take no lock and write no shared memory.
+//! Concurrency: each first token updates a pod's sums under a lock and publishes them solved,
+//! as a [`SolvedFit`] (the line as a function of the fleet's slope, the prior), in a
+//! [`SharedFit`]. Every decision reads that (one per candidate) and only evaluates it: the
+//! reads take no lock, write no shared memory and solve nothing.
 //!
-//! Bounded: nine sums per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
+//! Bounded: nine sums and eleven solved values per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
 //! outside [0, [`MAX_WORK_TOKENS`]] is refused (counted by the caller), never stored.
 
 use std::sync::atomic::{AtomicU64, Ordering, fence};
@@ -108,21 +110,11 @@ impl TtftFit {
         true
     }
 
-    /// The nine sums, in declaration order.
-    fn to_words(self) -> [f64; FIT_WORDS] {
-        [self.w, self.sx, self.sq, self.sy, self.sxx, self.sxq, self.sqq, self.sxy, self.sqy]
-    }
-
-    /// The inverse of [`TtftFit::to_words`].
-    fn from_words([w, sx, sq, sy, sxx, sxq, sqq, sxy, sqy]: [f64; FIT_WORDS]) -> TtftFit {
-        TtftFit { w, sx, sq, sy, sxx, sxq, sqq, sxy, sqy }
-    }
-
     /// Least squares of `y` on `1, x, q` (a, b, c), with `ridge · (b − prior)²` added to the
-    /// squared error; `None` when the system is singular.
-    fn full(&self, ridge: f64, prior: f64) -> Option<(f64, f64, f64)> {
+    /// squared error, as `base + prior · tilt`: the system's matrix does not depend on the
+    /// prior, only its right-hand side does, and linearly. `None` when the system is singular.
+    fn full(&self, ridge: f64) -> Option<([f64; 3], [f64; 3])> {
         let m = [[self.w, self.sx, self.sq], [self.sx, self.sxx + ridge, self.sxq], [self.sq, self.sxq, self.sqq]];
-        let v = [self.sy, self.sxy + ridge * prior, self.sqy];
         let det = |m: &[[f64; 3]; 3]| {
             m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
                 + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
@@ -132,14 +124,17 @@ impl TtftFit {
         if !(d.is_finite() && d.abs() > 1e-9 * scale) {
             return None;
         }
-        let with = |col: usize| {
-            let mut c = m;
-            for (row, value) in c.iter_mut().zip(v) {
-                row[col] = value;
-            }
-            det(&c) / d
+        // Cramer's rule: column `col` of the matrix replaced by `v`.
+        let solve = |v: [f64; 3]| {
+            std::array::from_fn(|col| {
+                let mut c = m;
+                for (row, value) in c.iter_mut().zip(v) {
+                    row[col] = value;
+                }
+                det(&c) / d
+            })
         };
-        Some((with(0), with(1), with(2)))
+        Some((solve([self.sy, self.sxy, self.sqy]), solve([0.0, ridge, 0.0])))
     }
 
     /// Weighted standard deviation of the observed work over its mean (0 before any
@@ -176,26 +171,98 @@ impl TtftFit {
     /// intercept, which reads the pod as free however much is queued on it. Its own data
     /// outweighs the prior as its observed spread of work grows.
     pub fn line_toward(&self, min_observations: f64, prior: Option<f64>) -> Option<TtftLine> {
+        match prior.filter(|&p| slope_ok(p)) {
+            Some(p) => self.solved_after(min_observations, true).at(p),
+            None => self.solved_after(min_observations, false).at(0.0),
+        }
+    }
+
+    /// [`TtftFit::line`] for every prior slope at once, what a decision reads: see [`SolvedFit`].
+    pub fn solve(&self) -> SolvedFit {
+        self.solved_after(MIN_OBSERVATIONS, true)
+    }
+
+    /// The solution after `min_observations`, with the prior's ridge (`with_prior`) or without.
+    fn solved_after(&self, min_observations: f64, with_prior: bool) -> SolvedFit {
+        let none = SolvedFit { origin: f64::NAN, full: [f64::NAN; 6], ls: [f64::NAN; 4] };
         if self.w < min_observations || self.sx.is_nan() || self.sx <= 0.0 {
+            return none;
+        }
+        let spread = self.work_spread() >= MIN_WORK_SPREAD;
+        let ridge = if with_prior { PRIOR_OBSERVATIONS * (self.sx / self.w).powi(2) } else { 0.0 };
+        let full = match self.full(ridge).filter(|_| spread) {
+            Some(([a0, b0, c0], [a1, b1, c1])) => [a0, b0, c0, a1, b1, c1],
+            None => [f64::NAN; 6],
+        };
+        // Least squares on work alone: b = (w·Σxy − Σx·Σy + w·ridge·prior) / (den + w·ridge) and
+        // a = (Σy − b·Σx) / w, both affine in the prior.
+        let den = self.w * self.sxx - self.sx * self.sx;
+        let ls = if spread && den > 1e-9 * self.w * self.sxx {
+            let below = den + self.w * ridge;
+            let (b0, b1) = ((self.w * self.sxy - self.sx * self.sy) / below, self.w * ridge / below);
+            let (mean_x, mean_y) = (self.sx / self.w, self.sy / self.w);
+            [mean_y - mean_x * b0, b0, -mean_x * b1, b1]
+        } else {
+            [f64::NAN; 4]
+        };
+        SolvedFit { origin: (self.sy / self.sx).clamp(MIN_SLOPE, MAX_SLOPE), full, ls }
+    }
+}
+
+/// A slope within [`MIN_SLOPE`], [`MAX_SLOPE`].
+fn slope_ok(b: f64) -> bool {
+    b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b)
+}
+
+/// A fit solved for every prior slope: the ridge of [`TtftFit::line_toward`] depends on the
+/// fit alone, so each candidate line is affine in the prior, `base + prior · tilt`. A first
+/// token solves its pod's fit once; a decision then evaluates a few products per candidate
+/// instead of solving a 3 × 3 system (docs/design.md §4 "Decision speed").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SolvedFit {
+    /// The line through the origin's slope (`Σy / Σx`, clamped to its bounds), ms per token; NaN
+    /// before the fit predicts.
+    origin: f64,
+    /// Least squares on work and queue: `(a, b, c) = full[0..3] + prior · full[3..6]`; NaN
+    /// when the work does not spread or the system is singular.
+    full: [f64; 6],
+    /// Least squares on work alone: `(a, b) = ls[0..2] + prior · ls[2..4]`; NaN when undefined.
+    ls: [f64; 4],
+}
+
+impl Default for SolvedFit {
+    fn default() -> SolvedFit {
+        TtftFit::default().solve()
+    }
+}
+
+impl SolvedFit {
+    /// The fitted line drawn toward `prior` (ms per token), as [`TtftFit::line_toward`] defines
+    /// it: least squares on work and queue when its slope is in bounds and its queue term ≥ 0,
+    /// else on work alone when that slope is in bounds, else the line through the origin.
+    /// `None` before the fit predicts, or when `prior` is outside the slope bounds (the fleet's
+    /// line, the prior a decision passes, always lies within them).
+    pub fn line(&self, prior: f64) -> Option<TtftLine> {
+        if !slope_ok(prior) {
             return None;
         }
-        let slope_ok = |b: f64| b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b);
-        let spread = self.work_spread() >= MIN_WORK_SPREAD;
-        let (ridge, prior) = match prior.filter(|&p| slope_ok(p)) {
-            Some(p) => (PRIOR_OBSERVATIONS * (self.sx / self.w).powi(2), p),
-            None => (0.0, 0.0),
-        };
-        let (a, b, c) = match self.full(ridge, prior).filter(|_| spread) {
-            Some((a, b, c)) if slope_ok(b) && c.is_finite() && c >= 0.0 && a.is_finite() => (a, b, c),
-            _ => {
-                let den = self.w * self.sxx - self.sx * self.sx;
-                let ls = (spread && den > 1e-9 * self.w * self.sxx)
-                    .then(|| (self.w * self.sxy - self.sx * self.sy + self.w * ridge * prior) / (den + self.w * ridge));
-                match ls {
-                    Some(b) if slope_ok(b) => ((self.sy - b * self.sx) / self.w, b, 0.0),
-                    _ => (0.0, (self.sy / self.sx).clamp(MIN_SLOPE, MAX_SLOPE), 0.0),
-                }
-            }
+        self.at(prior)
+    }
+
+    /// The line at `prior`, unchecked.
+    fn at(&self, p: f64) -> Option<TtftLine> {
+        // A fit that predicts has a positive origin slope.
+        if self.origin.is_nan() || self.origin <= 0.0 {
+            return None;
+        }
+        let [a0, b0, c0, a1, b1, c1] = self.full;
+        let (a, b, c) = (a0 + p * a1, b0 + p * b1, c0 + p * c1);
+        let (a, b, c) = if slope_ok(b) && c.is_finite() && c >= 0.0 && a.is_finite() {
+            (a, b, c)
+        } else {
+            let [la0, lb0, la1, lb1] = self.ls;
+            let (a, b) = (la0 + p * la1, lb0 + p * lb1);
+            if slope_ok(b) { (a, b, 0.0) } else { (0.0, self.origin, 0.0) }
         };
         let a = a.max(0.0);
         (a.is_finite() && b.is_finite() && c.is_finite()).then_some(TtftLine {
@@ -204,44 +271,64 @@ impl TtftFit {
             ms_per_queued: c,
         })
     }
+
+    /// The eleven values, in declaration order.
+    fn to_words(self) -> [f64; SOLVED_WORDS] {
+        let [f0, f1, f2, f3, f4, f5] = self.full;
+        let [l0, l1, l2, l3] = self.ls;
+        [self.origin, f0, f1, f2, f3, f4, f5, l0, l1, l2, l3]
+    }
+
+    /// The inverse of [`SolvedFit::to_words`].
+    fn from_words([origin, f0, f1, f2, f3, f4, f5, l0, l1, l2, l3]: [f64; SOLVED_WORDS]) -> SolvedFit {
+        SolvedFit { origin, full: [f0, f1, f2, f3, f4, f5], ls: [l0, l1, l2, l3] }
+    }
 }
 
-/// Sums in a [`TtftFit`].
-const FIT_WORDS: usize = 9;
+/// Values in a [`SolvedFit`].
+const SOLVED_WORDS: usize = 11;
 
-/// A [`TtftFit`] shared by the decisions that read it and the first tokens that update it,
-/// under a sequence lock: a reader copies the sums and retries only when a write overlapped its
-/// copy, so a decision over a thousand pods takes no lock and writes nothing per pod (two
-/// atomic read-modify-writes per pod under a mutex cost a tenth of such a decision). Writers
-/// (one per first token) take a mutex among themselves.
-#[derive(Debug, Default)]
+/// A pod's [`SolvedFit`] shared by the decisions that read it and the first tokens that
+/// publish it, under a sequence lock: a reader copies it and retries only when a write
+/// overlapped its copy, so a decision over a thousand pods takes no lock and writes nothing per
+/// pod (two atomic read-modify-writes per pod under a mutex cost a tenth of such a decision).
+/// The sums it is solved from lie apart, under a mutex of their own, which orders the writers
+/// ([`SharedFit::observe`]): they are 72 bytes no decision reads, kept off the cache lines it
+/// does (docs/design.md §4 "Decision speed").
+#[derive(Debug)]
 #[repr(C)]
 pub struct SharedFit {
-    /// Even while the sums are whole; odd while a writer changes them.
+    /// Even while the solution is whole; odd while a writer changes it.
     seq: AtomicU64,
-    /// The sums as `f64` bits, in [`TtftFit::to_words`] order.
-    sums: [AtomicU64; FIT_WORDS],
-    writer: Mutex<()>,
+    /// The solution as `f64` bits, in [`SolvedFit::to_words`] order.
+    solved: [AtomicU64; SOLVED_WORDS],
+}
+
+impl Default for SharedFit {
+    fn default() -> SharedFit {
+        let words = SolvedFit::default().to_words();
+        SharedFit { seq: AtomicU64::new(0), solved: words.map(|v| AtomicU64::new(v.to_bits())) }
+    }
 }
 
 impl SharedFit {
-    /// A consistent copy of the fit: the sums as one write left them, never half of two.
-    pub fn load(&self) -> TtftFit {
+    /// A consistent copy of the solution: as one write left it, never half of two.
+    pub fn load(&self) -> SolvedFit {
         let mut spins = 0u32;
         loop {
             let before = self.seq.load(Ordering::Acquire);
             if before.is_multiple_of(2) {
-                let words: [f64; FIT_WORDS] =
-                    std::array::from_fn(|i| f64::from_bits(self.sums[i].load(Ordering::Relaxed)));
-                // Orders the copy before the second read of the sequence: a write whose sums
+                let words: [f64; SOLVED_WORDS] =
+                    std::array::from_fn(|i| f64::from_bits(self.solved[i].load(Ordering::Relaxed)));
+                // Orders the copy before the second read of the sequence: a write whose values
                 // the copy saw has moved it on by then.
                 fence(Ordering::Acquire);
                 if self.seq.load(Ordering::Relaxed) == before {
-                    return TtftFit::from_words(words);
+                    return SolvedFit::from_words(words);
                 }
             }
-            // A writer holds the sums for a few dozen instructions; one that was descheduled
-            // there gets the core back.
+            // A writer holds the solution for a few dozen instructions; one that was
+            // descheduled there gets the core back.
             spins += 1;
             if spins.is_multiple_of(64) {
                 std::thread::yield_now();
@@ -251,28 +338,28 @@ impl SharedFit {
         }
     }
 
-    /// [`TtftFit::observe`] on the shared fit; false (nothing changed) when refused.
-    pub fn observe(&self, work_tokens: f64, queue: f64, ttft_ms: f64) -> bool {
-        self.update(|f| f.observe(work_tokens, queue, ttft_ms))
-    }
-
-    /// Applies `change` to the fit; the sums are written back only when it returns true.
-    fn update(&self, change: impl FnOnce(&mut TtftFit) -> bool) -> bool {
-        let _writer = self.writer.lock();
-        let mut fit = self.load();
-        if !change(&mut fit) {
+    /// [`TtftFit::observe`] on `sums`, then publishes them solved; false (nothing changed) when
+    /// refused. `sums` is the same mutex at every call on this fit: its lock orders the writers.
+    pub fn observe(&self, sums: &Mutex<TtftFit>, work_tokens: f64, queue: f64, ttft_ms: f64) -> bool {
+        let mut fit = sums.lock();
+        if !fit.observe(work_tokens, queue, ttft_ms) {
             return false;
         }
+        self.publish(fit.solve());
+        true
+    }
+
+    /// Writes `solved` under the sequence lock; the caller holds the writers' lock.
+    fn publish(&self, solved: SolvedFit) {
         let seq = self.seq.load(Ordering::Relaxed);
         self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
-        // Orders the odd sequence before the sums: a reader that sees any new sum sees it odd
-        // or moved on when it reads the sequence again.
+        // Orders the odd sequence before the values: a reader that sees any new value sees it
+        // odd or moved on when it reads the sequence again.
         fence(Ordering::Release);
-        for (cell, v) in self.sums.iter().zip(fit.to_words()) {
+        for (cell, v) in self.solved.iter().zip(solved.to_words()) {
             cell.store(v.to_bits(), Ordering::Relaxed);
         }
         self.seq.store(seq.wrapping_add(2), Ordering::Release);
-        true
     }
 }
 
@@ -382,27 +469,74 @@ mod tests {
         assert!((own.ms_per_token - 0.3).abs() < 0.02, "{own:?}");
     }
 
-    /// The shared fit holds exactly what a plain fit fed the same first tokens holds, and a
-    /// refused first token changes neither.
+    /// The solution a decision reads gives, at any prior, the line least squares with that
+    /// prior's ridge gives, solved directly (Gaussian elimination on the normal equations).
+    #[test]
+    fn the_solved_fit_is_the_direct_solve_at_every_prior() {
+        let mut f = TtftFit::default();
+        for i in 0..40u32 {
+            let x = 300.0 + f64::from(i * 37 % 23) * 250.0;
+            let q = f64::from(i * 11 % 7);
+            let noise = f64::from(i * 29 % 13) * 20.0 - 120.0;
+            assert!(f.observe(x, q, 80.0 + 0.3 * x + 120.0 * q + noise));
+        }
+        let solved = f.solve();
+        for prior in [0.01, 0.1, 0.22, 0.3, 1.0, 5.0] {
+            let ridge = PRIOR_OBSERVATIONS * (f.sx / f.w).powi(2);
+            let mut m = [
+                [f.w, f.sx, f.sq, f.sy],
+                [f.sx, f.sxx + ridge, f.sxq, f.sxy + ridge * prior],
+                [f.sq, f.sxq, f.sqq, f.sqy],
+            ];
+            for k in 0..3 {
+                let pivot = m[k];
+                for row in m.iter_mut().skip(k + 1) {
+                    let factor = row[k] / pivot[k];
+                    for (cell, p) in row.iter_mut().zip(pivot).skip(k) {
+                        *cell -= factor * p;
+                    }
+                }
+            }
+            let c = m[2][3] / m[2][2];
+            let b = (m[1][3] - m[1][2] * c) / m[1][1];
+            let a = (m[0][3] - m[0][1] * b - m[0][2] * c) / m[0][0];
+            let line = solved.line(prior).expect("fitted");
+            let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want.abs().max(1.0);
+            assert!(close(line.ms_per_token, b) && close(line.ms_per_queued, c), "{prior}: {line:?} {a} {b} {c}");
+            assert!(close(line.intercept_ms, a.max(0.0)), "{prior}: {line:?} {a}");
+            assert_eq!(f.line(Some(prior)), Some(line));
+        }
+        // A prior outside the slope bounds is no prior.
+        assert_eq!(solved.line(MAX_SLOPE * 2.0), None);
+        assert_eq!(solved.line(f64::NAN), None);
+        assert_eq!(TtftFit::default().solve().line(0.2), None);
+        assert_eq!(SolvedFit::default().line(0.2), None);
+    }
+
+    /// The shared fit publishes exactly what a plain fit fed the same first tokens solves to,
+    /// and a refused first token changes neither.
     #[test]
     fn the_shared_fit_is_the_plain_fit() {
-        let (shared, mut plain) = (SharedFit::default(), TtftFit::default());
+        let (shared, sums, mut plain) = (SharedFit::default(), Mutex::new(TtftFit::default()), TtftFit::default());
+        assert_eq!(shared.load().line(0.2), None);
         for i in 0..50u32 {
             let (x, q, y) = (f64::from(i % 9) * 300.0, f64::from(i % 4), 10.0 + f64::from(i) * 7.5);
-            assert_eq!(shared.observe(x, q, y), plain.observe(x, q, y));
+            assert_eq!(shared.observe(&sums, x, q, y), plain.observe(x, q, y));
         }
-        assert!(!shared.observe(f64::NAN, 0.0, 1.0));
-        assert_eq!(shared.load(), plain);
-        assert_eq!(shared.load().line(Some(0.2)), plain.line(Some(0.2)));
+        assert!(!shared.observe(&sums, f64::NAN, 0.0, 1.0));
+        assert_eq!(*sums.lock(), plain);
+        assert_eq!(shared.load(), plain.solve());
+        assert_eq!(shared.load().line(0.2), plain.line(Some(0.2)));
+        assert!(shared.load().line(0.2).is_some());
     }
 
     /// Readers racing writers never see half of one write and half of another, and no write is
-    /// lost. Each first token has its TTFT equal to its work, so every whole fit has `Σx = Σy`
-    /// and `Σx² = Σxy` to the bit; a torn copy mixes sums of different writes.
+    /// lost. Each writer first publishes solutions whose eleven values are all one number, so a
+    /// torn copy holds two different ones; then the writers' first tokens all reach the sums.
     #[test]
     fn readers_never_see_a_torn_fit_and_writers_lose_nothing() {
         const WRITES: u32 = 20_000;
-        let shared = SharedFit::default();
+        let (shared, sums) = (SharedFit::default(), Mutex::new(TtftFit::default()));
         let done = std::sync::atomic::AtomicBool::new(false);
         let checked = std::thread::scope(|s| {
             let readers: Vec<_> = (0..2)
@@ -410,8 +544,8 @@ mod tests {
                     s.spawn(|| {
                         let mut n = 0u64;
                         while !done.load(Ordering::Relaxed) || n == 0 {
-                            let f = shared.load();
-                            assert!(f.sx == f.sy && f.sxx == f.sxy, "torn: {f:?}");
+                            let words = shared.load().to_words();
+                            assert!(words.iter().all(|&v| v.to_bits() == words[0].to_bits()), "torn: {words:?}");
                             n += 1;
                         }
                         n
@@ -420,11 +554,12 @@ mod tests {
                 .collect();
             let writers: Vec<_> = (0..2u32)
                 .map(|w| {
-                    let shared = &shared;
+                    let (shared, sums) = (&shared, &sums);
                     s.spawn(move || {
                         for i in 0..WRITES {
                             let x = f64::from((i * 7 + w * 13) % 1000) + 0.5;
-                            assert!(shared.observe(x, 0.0, x));
+                            let _writer = sums.lock();
+                            shared.publish(SolvedFit::from_words([x; SOLVED_WORDS]));
                         }
                     })
                 })
@@ -436,12 +571,21 @@ mod tests {
             let reads = readers.into_iter().map(|r| r.join());
             reads.map(|n| n.unwrap_or_else(|_| panic!("a reader saw a torn fit"))).sum::<u64>()
         });
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    for i in 0..WRITES {
+                        assert!(shared.observe(&sums, f64::from(i % 1000) + 0.5, 0.0, 1.0));
+                    }
+                });
+            }
+        });
         assert!(checked > 0);
         // `w` after n observations is Σ DECAY^k for k < n, whatever their order.
         let mut plain = TtftFit::default();
         for _ in 0..2 * WRITES {
             plain.observe(1.0, 0.0, 1.0);
         }
-        assert_eq!(shared.load().w, plain.w);
+        assert_eq!(sums.lock().w, plain.w);
     }
 }

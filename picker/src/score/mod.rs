@@ -30,7 +30,7 @@ mod routability;
 mod router;
 mod select;
 
-pub use crate::pool::{DECODE_TOKENS_PER_REQUEST, TtftFit, TtftLine};
+pub use crate::pool::{DECODE_TOKENS_PER_REQUEST, SolvedFit, TtftFit, TtftLine};
 pub use adapter::AdapterAffinityScorer;
 pub use cache::{PrefixCacheScorer, cache_credit};
 pub use cost::CostAwareScorer;

@@ -45,7 +45,7 @@ use super::{
     PrefixCacheScorer, PrefixMatches, Prepared, QueueDepthScorer, RouteError, RouteRequest, ScoreContext, Scorer,
     ScoringConfig, ScoringConfigError, validate_weights,
 };
-use super::{DECODE_TOKENS_PER_REQUEST, LoadSource, SpillRule, TtftFit, TtftLine, load::pod_load_ratio};
+use super::{DECODE_TOKENS_PER_REQUEST, LoadSource, SolvedFit, SpillRule, TtftLine, load::pod_load_ratio};
 use crate::index::{IndexSnapshot, MatchScratch, PodIdx};
 use crate::pending::{Clock, LOCAL, Origin, ReplicaEvent, SharedState, SharedView, SystemClock};
 use crate::pool::{Membership, PodTable, Pool, stale_before};
@@ -153,8 +153,8 @@ struct Scratch {
     precise: bool,
     /// `(routed rate, cached blocks)` per row, for a new prefix's placement.
     shares: Vec<(f64, f64)>,
-    /// Each row's pod's TTFT fit, copied for the prediction.
-    fits: Vec<TtftFit>,
+    /// Each row's pod's solved TTFT fit, copied for the prediction.
+    fits: Vec<SolvedFit>,
     /// The fleet is full for this request ([`Router::mark_full_fleet`]), so the pods holding most
     /// of its prefix keep it.
     full_fleet: bool,
@@ -708,7 +708,8 @@ impl Router {
     /// `load_horizon_ms`, reported KV usage). A pod's own model leans on the fleet-wide model's
     /// slope until its first tokens spread ([`crate::pool::TtftFit::line_toward`]); a pod whose model has not
     /// learned yet is predicted by the fleet-wide model; before that has learned too it keeps the
-    /// seed's formula (counted in `load_fallbacks`).
+    /// seed's formula (counted in `load_fallbacks`). Every first token teaches the fleet-wide
+    /// model too, so a pod's own has learned only once that one has.
     fn predict(&self, sc: &mut Scratch, table: &PodTable, total_blocks: u32) {
         let block = self.pool.config().block_size as f64;
         let horizon = self.config.load_horizon_ms as f64;
@@ -721,7 +722,7 @@ impl Router {
         sc.fits.clear();
         sc.fits.extend(sc.rows.iter().map(|row| table.pods[row.pod as usize].inflight.ttft.load()));
         for (row, fit) in sc.rows.iter_mut().zip(&sc.fits) {
-            let own: Option<TtftLine> = fit.line(fleet.map(|f| f.ms_per_token));
+            let own: Option<TtftLine> = fleet.and_then(|f| fit.line(f.ms_per_token));
             let line = own.or(fleet);
             let uncached = f64::from(total_blocks.saturating_sub(row.credited())) * block;
             row.ttft_work = row.work + uncached;
