@@ -25,8 +25,12 @@ use crate::pool::ROUTED_RATE_TAU_MS;
 
 /// Roots tracked at most.
 pub(crate) const POPULARITY_ROOTS: usize = 1 << 16;
-/// Fewer roots than this say nothing about the workload's shape.
-const MIN_ROOTS: usize = 64;
+/// Fewer roots than this say nothing about the workload's shape. At 16, the sample variance of
+/// equally popular roots exceeds twice its expectation (what [`MAX_REAL_SPREAD`] allows) about
+/// once in a hundred; a fleet's couple of dozen system prompts (an agent platform's tenants)
+/// count, and the reuse gate keeps a burst of first-seen prompts from reading as equal
+/// (docs/decisions/0063-few-equal-prefixes-count.md).
+const MIN_ROOTS: usize = 16;
 /// The least share of recently new roots routed again for popularity to be judged.
 const MIN_REUSE_SHARE: f64 = 0.8;
 /// The most of the roots' spread in rate that may be real for them to count as equally popular.
@@ -283,11 +287,26 @@ mod tests {
         }
         assert!(p.reuse_share() < 0.6, "{}", p.reuse_share());
         assert!(!p.equal(70_000));
-        // 40 equally popular roots: fewer than the evidence needs.
-        let p = fed(&[6; 40], 60_000);
+        // 10 equally popular roots: fewer than the evidence needs.
+        let p = fed(&[6; 10], 60_000);
         assert_eq!(p.real_spread(60_000), 1.0);
         assert!(!p.equal(60_000));
         assert!(!PrefixPopularity::new(8).equal(0));
+    }
+
+    /// A couple of dozen groups, as a fleet's system prompts: equally popular ones count as
+    /// equal, and a third of them five times as popular as the rest does not.
+    #[test]
+    fn a_couple_of_dozen_roots_are_evidence() {
+        let p = fed(&[6; 24], 60_000);
+        assert!(p.real_spread(60_000) < 0.5, "{}", p.real_spread(60_000));
+        assert!(p.equal(60_000));
+        let per: Vec<u32> = (0..24).map(|i| if i < 8 { 30 } else { 6 }).collect();
+        let p = fed(&per, 60_000);
+        assert!(p.real_spread(60_000) > 0.7, "{}", p.real_spread(60_000));
+        assert!(!p.equal(60_000));
+        // The same 24 roots each seen once so far: no reuse, no evidence.
+        assert!(!fed(&[1; 24], 2_000).equal(2_000));
     }
 
     #[test]
