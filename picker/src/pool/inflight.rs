@@ -53,11 +53,13 @@ pub(crate) struct InFlight {
     routed: AtomicU64,
     /// The last routing time, ms.
     routed_at_ms: AtomicI64,
-    /// `(routed_at_unix_ms, slot id)`, sorted ascending. Last: its lock, taken by every
+    /// `(routed_at_unix_ms, slot id)`, sorted ascending. After the counts: its lock, taken by every
     /// reservation and release and by the first count after a pod's new report, shares a cache
     /// line with the list's header rather than with the fit every decision reads.
     slots: Mutex<Vec<(i64, u64)>>,
-    /// The sums `ttft` is solved from, which only first tokens read and change.
+    /// The sums `ttft` is solved from, which only first tokens read and change: off the lines
+    /// every decision reads (the last of them shares a line with the record's status pointer and
+    /// block count, which a new prefix's placement reads).
     ttft_sums: Mutex<TtftFit>,
 }
 
@@ -257,7 +259,10 @@ impl InFlightSlot {
     }
 
     /// The request's first token came `ttft_ms` after its routing: the pod's TTFT model learns
-    /// it (once per slot) and the prediction error is returned.
+    /// it (once per slot) and the prediction error is returned. Pass what it returns to
+    /// [`CreditCounters::count_ttft`](crate::pending::CreditCounters::count_ttft), which teaches
+    /// the fleet-wide model: a pod's own line is drawn toward that model's slope, and predicts
+    /// nothing before it has learned.
     pub fn observe_ttft(&mut self, ttft_ms: f64) -> TtftObservation {
         let Some((work, queue, predicted)) = self.ttft.take() else { return TtftObservation::Ignored };
         let inflight = &self.rec.inflight;

@@ -14,8 +14,9 @@
 //! [`SharedFit`]. Every decision reads that (one per candidate) and only evaluates it: the
 //! reads take no lock, write no shared memory and solve nothing.
 //!
-//! Bounded: nine sums and eleven solved values per pod; every observation outside [0, [`MAX_TTFT_MS`]] or with a work
-//! outside [0, [`MAX_WORK_TOKENS`]] is refused (counted by the caller), never stored.
+//! Bounded: nine sums and eleven solved values per pod; every observation outside
+//! [0, [`MAX_TTFT_MS`]] or with a work outside [0, [`MAX_WORK_TOKENS`]] is refused (counted by
+//! the caller), never stored.
 
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
@@ -177,7 +178,8 @@ impl TtftFit {
         }
     }
 
-    /// [`TtftFit::line`] for every prior slope at once, what a decision reads: see [`SolvedFit`].
+    /// [`TtftFit::line`] for every prior slope within the slope bounds at once (not for no prior),
+    /// what a decision reads: see [`SolvedFit`].
     pub fn solve(&self) -> SolvedFit {
         self.solved_after(MIN_OBSERVATIONS, true)
     }
@@ -218,7 +220,7 @@ fn slope_ok(b: f64) -> bool {
 /// fit alone, so each candidate line is affine in the prior, `base + prior · tilt`. A first
 /// token solves its pod's fit once; a decision then evaluates a few products per candidate
 /// instead of solving a 3 × 3 system (docs/design.md §4 "Decision speed").
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 pub struct SolvedFit {
     /// The line through the origin's slope (`Σy / Σx`, clamped to its bounds), ms per token; NaN
     /// before the fit predicts.
@@ -228,6 +230,13 @@ pub struct SolvedFit {
     full: [f64; 6],
     /// Least squares on work alone: `(a, b) = ls[0..2] + prior · ls[2..4]`; NaN when undefined.
     ls: [f64; 4],
+}
+
+/// Equal when every value is the same bits: the NaN that marks a fit not solved equals itself.
+impl PartialEq for SolvedFit {
+    fn eq(&self, other: &SolvedFit) -> bool {
+        self.to_words().map(f64::to_bits) == other.to_words().map(f64::to_bits)
+    }
 }
 
 impl Default for SolvedFit {
@@ -293,8 +302,8 @@ const SOLVED_WORDS: usize = 11;
 /// overlapped its copy, so a decision over a thousand pods takes no lock and writes nothing per
 /// pod (two atomic read-modify-writes per pod under a mutex cost a tenth of such a decision).
 /// The sums it is solved from lie apart, under a mutex of their own, which orders the writers
-/// ([`SharedFit::observe`]): they are 72 bytes no decision reads, kept off the cache lines it
-/// does (docs/design.md §4 "Decision speed").
+/// ([`SharedFit::observe`]): 72 bytes no decision reads, kept off the lines holding what every
+/// decision reads of a pod (docs/design.md §4 "Decision speed").
 #[derive(Debug)]
 #[repr(C)]
 pub struct SharedFit {
@@ -426,7 +435,8 @@ mod tests {
         assert!(line.predict(6400.0, 0.0) > 3000.0, "{line:?}");
     }
 
-    /// The fleet-wide fit predicts after one first token, a pod's own after four.
+    /// The fleet-wide fit predicts after one first token, a pod's own after a weight of four
+    /// (five first tokens, the older ones faded).
     #[test]
     fn the_fleet_fit_predicts_from_one_first_token() {
         let mut f = TtftFit::default();
@@ -469,47 +479,125 @@ mod tests {
         assert!((own.ms_per_token - 0.3).abs() < 0.02, "{own:?}");
     }
 
-    /// The solution a decision reads gives, at any prior, the line least squares with that
-    /// prior's ridge gives, solved directly (Gaussian elimination on the normal equations).
-    #[test]
-    fn the_solved_fit_is_the_direct_solve_at_every_prior() {
-        let mut f = TtftFit::default();
-        for i in 0..40u32 {
-            let x = 300.0 + f64::from(i * 37 % 23) * 250.0;
-            let q = f64::from(i * 11 % 7);
-            let noise = f64::from(i * 29 % 13) * 20.0 - 120.0;
-            assert!(f.observe(x, q, 80.0 + 0.3 * x + 120.0 * q + noise));
+    /// The line [`TtftFit::line_toward`] defines, solved directly at `prior`: Gaussian elimination
+    /// on the ridge's normal equations, the same bounds and fallbacks in the same order.
+    fn direct(f: &TtftFit, min_observations: f64, prior: Option<f64>) -> Option<TtftLine> {
+        if f.w < min_observations || f.sx <= 0.0 {
+            return None;
         }
-        let solved = f.solve();
-        for prior in [0.01, 0.1, 0.22, 0.3, 1.0, 5.0] {
-            let ridge = PRIOR_OBSERVATIONS * (f.sx / f.w).powi(2);
-            let mut m = [
-                [f.w, f.sx, f.sq, f.sy],
-                [f.sx, f.sxx + ridge, f.sxq, f.sxy + ridge * prior],
-                [f.sq, f.sxq, f.sqq, f.sqy],
-            ];
-            for k in 0..3 {
-                let pivot = m[k];
-                for row in m.iter_mut().skip(k + 1) {
-                    let factor = row[k] / pivot[k];
-                    for (cell, p) in row.iter_mut().zip(pivot).skip(k) {
-                        *cell -= factor * p;
-                    }
+        let ok = |b: f64| b.is_finite() && (MIN_SLOPE..=MAX_SLOPE).contains(&b);
+        let (ridge, p) = match prior.filter(|&p| ok(p)) {
+            Some(p) => (PRIOR_OBSERVATIONS * (f.sx / f.w).powi(2), p),
+            None => (0.0, 0.0),
+        };
+        let spread = f.work_spread() >= MIN_WORK_SPREAD;
+        let mut m =
+            [[f.w, f.sx, f.sq, f.sy], [f.sx, f.sxx + ridge, f.sxq, f.sxy + ridge * p], [f.sq, f.sxq, f.sqq, f.sqy]];
+        for k in 0..3 {
+            let pivot = m[k];
+            for row in m.iter_mut().skip(k + 1) {
+                let factor = row[k] / pivot[k];
+                for (cell, v) in row.iter_mut().zip(pivot).skip(k) {
+                    *cell -= factor * v;
                 }
             }
+        }
+        // The determinant is the product of the pivots (no rows were swapped).
+        let det = m[0][0] * m[1][1] * m[2][2];
+        let scale = f.w * f.sxx.max(1.0) * f.sqq.max(1.0);
+        let full = (spread && det.is_finite() && det.abs() > 1e-9 * scale).then(|| {
             let c = m[2][3] / m[2][2];
             let b = (m[1][3] - m[1][2] * c) / m[1][1];
-            let a = (m[0][3] - m[0][1] * b - m[0][2] * c) / m[0][0];
-            let line = solved.line(prior).expect("fitted");
-            let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want.abs().max(1.0);
-            assert!(close(line.ms_per_token, b) && close(line.ms_per_queued, c), "{prior}: {line:?} {a} {b} {c}");
-            assert!(close(line.intercept_ms, a.max(0.0)), "{prior}: {line:?} {a}");
-            assert_eq!(f.line(Some(prior)), Some(line));
+            ((m[0][3] - m[0][1] * b - m[0][2] * c) / m[0][0], b, c)
+        });
+        let (a, b, c) = match full {
+            Some((a, b, c)) if ok(b) && c >= 0.0 && a.is_finite() => (a, b, c),
+            _ => {
+                let den = f.w * f.sxx - f.sx * f.sx;
+                match (spread && den > 1e-9 * f.w * f.sxx)
+                    .then(|| (f.w * f.sxy - f.sx * f.sy + f.w * ridge * p) / (den + f.w * ridge))
+                {
+                    Some(b) if ok(b) => ((f.sy - b * f.sx) / f.w, b, 0.0),
+                    _ => (0.0, (f.sy / f.sx).clamp(MIN_SLOPE, MAX_SLOPE), 0.0),
+                }
+            }
+        };
+        Some(TtftLine { intercept_ms: a.max(0.0), ms_per_token: b, ms_per_queued: c })
+    }
+
+    /// The solution a decision reads gives, at every prior (and with none), the line the direct
+    /// solve gives, in each branch: work and queue, work alone (a queue always empty, or a
+    /// TTFT falling with the queue), and the line through the origin (work that does not
+    /// spread, a slope beyond its bounds); the fleet's fit after one first token too.
+    #[test]
+    fn the_solved_fit_is_the_direct_solve_in_every_branch() {
+        let fed = |n: u32, point: &dyn Fn(u32) -> (f64, f64, f64)| {
+            let mut f = TtftFit::default();
+            for i in 0..n {
+                let (x, q, y) = point(i);
+                assert!(f.observe(x, q, y), "{x} {q} {y}");
+            }
+            f
+        };
+        let wave = |i: u32, k: u32, m: u32| f64::from(i * k % m);
+        let fits = [
+            // Work and queue, noisy.
+            fed(40, &|i| {
+                let (x, q) = (300.0 + wave(i, 37, 23) * 250.0, wave(i, 11, 7));
+                (x, q, 80.0 + 0.3 * x + 120.0 * q + wave(i, 29, 13) * 20.0 - 120.0)
+            }),
+            // No queue ever: the three-term system is singular.
+            fed(30, &|i| (200.0 + wave(i, 7, 11) * 300.0, 0.0, 50.0 + 0.25 * (200.0 + wave(i, 7, 11) * 300.0))),
+            // TTFT falling as the queue grows: a negative queue term.
+            fed(30, &|i| {
+                (
+                    500.0 + wave(i, 5, 9) * 400.0,
+                    wave(i, 3, 5),
+                    900.0 + 0.2 * wave(i, 5, 9) * 400.0 - 60.0 * wave(i, 3, 5),
+                )
+            }),
+            // Work that does not spread.
+            fed(12, &|i| (3200.0 + f64::from(i), 1.0, 700.0 + 40.0 * wave(i, 1, 3))),
+            // A slope beyond its bounds.
+            fed(12, &|i| (10.0 + wave(i, 1, 6) * 40.0, 0.0, 1500.0 * (10.0 + wave(i, 1, 6) * 40.0))),
+            // Few first tokens, queue and work spread.
+            fed(6, &|i| (1000.0 + wave(i, 1, 6) * 700.0, wave(i, 1, 2), 300.0 + wave(i, 5, 6) * 90.0)),
+        ];
+        let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want.abs().max(1.0);
+        let same = |got: Option<TtftLine>, want: Option<TtftLine>| match (got, want) {
+            (Some(g), Some(w)) => {
+                close(g.intercept_ms, w.intercept_ms)
+                    && close(g.ms_per_token, w.ms_per_token)
+                    && close(g.ms_per_queued, w.ms_per_queued)
+            }
+            (g, w) => g == w,
+        };
+        let priors = [None, Some(MIN_SLOPE), Some(0.05), Some(0.22), Some(0.6), Some(3.0), Some(MAX_SLOPE), Some(-1.0)];
+        for (k, f) in fits.iter().enumerate() {
+            for prior in priors {
+                let (got, want) = (f.line_toward(MIN_OBSERVATIONS, prior), direct(f, MIN_OBSERVATIONS, prior));
+                assert!(want.is_some(), "fit {k} predicts");
+                assert!(same(got, want), "fit {k}, prior {prior:?}: {got:?} against {want:?}");
+                if let Some(p) = prior.filter(|&p| p > 0.0) {
+                    assert_eq!(f.solve().line(p), got, "fit {k}, prior {p}");
+                }
+            }
         }
-        // A prior outside the slope bounds is no prior.
+        // Each branch is taken by some fit at the fleet's usual prior.
+        let lines: Vec<TtftLine> = fits.iter().filter_map(|f| f.line(Some(0.22))).collect();
+        assert!(lines.iter().any(|l| l.ms_per_queued > 0.0), "{lines:?}");
+        assert!(lines.iter().any(|l| l.ms_per_queued == 0.0 && l.intercept_ms > 0.0), "{lines:?}");
+        assert!(lines.iter().any(|l| l.intercept_ms == 0.0 && l.ms_per_queued == 0.0), "{lines:?}");
+        // The fleet's fit after one first token, and before any.
+        let one = fed(1, &|_| (4096.0, 0.0, 926.0));
+        assert!(same(one.line_after(FLEET_MIN_OBSERVATIONS), direct(&one, FLEET_MIN_OBSERVATIONS, None)));
+        assert!(one.line_after(FLEET_MIN_OBSERVATIONS).is_some());
+        // A prior outside the slope bounds is no prior; a fit not solved predicts nothing.
+        let solved = fits[0].solve();
         assert_eq!(solved.line(MAX_SLOPE * 2.0), None);
         assert_eq!(solved.line(f64::NAN), None);
         assert_eq!(TtftFit::default().solve().line(0.2), None);
+        assert_eq!(SolvedFit::default(), TtftFit::default().solve());
         assert_eq!(SolvedFit::default().line(0.2), None);
     }
 
@@ -587,5 +675,7 @@ mod tests {
             plain.observe(1.0, 0.0, 1.0);
         }
         assert_eq!(sums.lock().w, plain.w);
+        // The last publication is the solution of the sums as the last writer left them.
+        assert_eq!(shared.load(), sums.lock().solve());
     }
 }

@@ -307,6 +307,9 @@ mod tests {
         assert!(!p.equal(60_000));
         // The same 24 roots each seen once so far: no reuse, no evidence.
         assert!(!fed(&[1; 24], 2_000).equal(2_000));
+        // Sixteen roots are the least that count.
+        assert_eq!(fed(&[6; 15], 60_000).real_spread(60_000), 1.0);
+        assert!(fed(&[6; 16], 60_000).equal(60_000));
     }
 
     #[test]

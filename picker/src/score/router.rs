@@ -717,7 +717,7 @@ impl Router {
         let mut fallbacks = 0u64;
         let fleet: Option<TtftLine> =
             self.shared.credit.fleet_ttft.lock().line_after(crate::pool::FLEET_MIN_OBSERVATIONS);
-        // Every candidate's fit is copied first, then solved: the copies' cache misses overlap
+        // Every candidate's fit is copied first, then evaluated: the copies' cache misses overlap
         // instead of each waiting behind the previous pod's solve.
         sc.fits.clear();
         sc.fits.extend(sc.rows.iter().map(|row| table.pods[row.pod as usize].inflight.ttft.load()));
