@@ -894,8 +894,7 @@ impl Router {
             return;
         }
         let top = sc.rows.iter().map(Row::credited).max().unwrap_or(0);
-        sc.full_fleet =
-            top > 0 && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < 1.0 / n as f64);
+        sc.full_fleet = top > 0 && self.prefix_not_hot(req, n);
         if sc.full_fleet {
             for r in &mut sc.rows {
                 r.holds_most = r.credited() == top;
@@ -1143,9 +1142,15 @@ impl Router {
             return true;
         }
         // The guard fires only with a less loaded row beside the pile: two rows or more.
-        let fair = 1.0 / sc.rows.len() as f64;
-        pile_fits(a, b, UNSHARED_KV_ROOM)
-            && req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
+        pile_fits(a, b, UNSHARED_KV_ROOM) && self.prefix_not_hot(req, sc.rows.len())
+    }
+
+    /// Whether the request's prefix is not hot among `candidates` pods: its root carries less
+    /// than one candidate's share (1 / `candidates`) of the requests this replica routed before
+    /// it (false for a request without blocks). Read by the pile guard and the full-fleet rule.
+    fn prefix_not_hot(&self, req: &RouteRequest<'_>, candidates: usize) -> bool {
+        let fair = 1.0 / candidates as f64;
+        req.block_hashes.first().is_some_and(|root| self.popularity.share(root.0) < fair)
     }
 
     /// The reported [`CandidateScore`] of row `i` (names shared, not copied).
